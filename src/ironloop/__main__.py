@@ -1,0 +1,7 @@
+"""``python -m ironloop``: what torchrun launches."""
+
+import sys
+
+from ironloop.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The ``ironloop`` command: parse, build, run, close. No training logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ironloop.errors import UserError
+
+
+def _train(args) -> int:
+    from ironloop.config import describe, load_config
+    from ironloop.recipe import train_config
+
+    if args.config == "help":
+        print(describe())
+        return 0
+    resume, overrides = args.resume, list(args.overrides)
+    if isinstance(resume, str) and "=" in resume and not Path(resume).exists():
+        resume, overrides = True, [resume, *overrides]  # `--resume key=value`: a bare --resume
+    cfg = load_config(args.config, overrides)
+    result = train_config(cfg, resume=resume, overwrite=args.overwrite)
+    r = result.results
+    summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "seconds") if k in r}
+    print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")
+    return 0
+
+
+def _export(args) -> int:
+    from ironloop.export import export_run
+
+    out = export_run(Path(args.run_dir), Path(args.out), args.which, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def _report(args) -> int:
+    from ironloop.report import render_report
+
+    paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
+def _lab(args) -> int:
+    from ironloop.lab import run_lab
+
+    report = run_lab(args.data, Path(args.out), root=args.root, overwrite=args.overwrite)
+    print(f"lab report: {report}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ironloop", description="A training loop you can trust "
+                                "with a 72-hour run.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train from a YAML config",
+                       description="Train from a YAML config. `ironloop train help` lists every "
+                       "config key with its default.")
+    t.add_argument("config", help="YAML config file (or `help` to list the keys)")
+    t.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+                   help="override config values, e.g. optim.lr=3e-4 train.epochs=5")
+    t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                   help="continue from the newest valid checkpoint in run.dir (fresh start "
+                   "when there is none), or from PATH")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete a previous run's outputs in run.dir and start over")
+    t.set_defaults(func=_train)
+
+    e = sub.add_parser("export", help="write a run's weights as safetensors")
+    e.add_argument("run_dir")
+    e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    e.add_argument("--which", choices=("best", "last"), default="best")
+    e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.set_defaults(func=_export)
+
+    r = sub.add_parser("report", help="plots and a summary for a run directory")
+    r.add_argument("run_dir")
+    r.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    r.set_defaults(func=_report)
+
+    lab = sub.add_parser("lab", help="the seven-step production-loop lab, with a report")
+    lab.add_argument("--data", default="digits", help="digits, mnist1d or fashion-mnist")
+    lab.add_argument("--out", default="lab-out", help="output directory")
+    lab.add_argument("--root", default="data", help="data.root for fashion-mnist")
+    lab.add_argument("--overwrite", action="store_true", help="replace an existing lab output")
+    lab.set_defaults(func=_lab)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        # A mistake the user can fix: one line, exit 2, no traceback.
+        print(f"ironloop: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ironloop: interrupted; resume with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Typed, self-validating configuration.
+
+One dataclass per section, one line of doc per field. ``load_config`` reads YAML, applies dotted
+``key=value`` overrides and validates everything; every error names the dotted key and the
+allowed values, and is a ``ConfigError`` (the CLI turns it into exit code 2, no traceback).
+No ``exec``, no ``eval``: values are parsed with ``yaml.safe_load`` and coerced to the field type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ironloop.errors import ConfigError
+
+
+def _f(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
+    """A field with its one-line doc, its allowed values and its YAML key (when not the name)."""
+    meta = {"doc": doc, "choices": choices, "key": key}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class _Section:
+    """Shared validation helpers; ``_name`` is the section's dotted prefix."""
+
+    _name = ""
+
+    def __post_init__(self) -> None:
+        for fl in dataclasses.fields(self):
+            choices = fl.metadata.get("choices")
+            if choices and getattr(self, fl.name) not in choices:
+                self._bad(fl.name, f"must be one of {', '.join(map(str, choices))}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks that the field types cannot express."""
+
+    def _bad(self, name: str, why: str) -> None:
+        value = getattr(self, name)
+        raise ConfigError(f"{self._name}.{_key(self, name)}={value!r}: {why}")
+
+    def _positive(self, *names: str) -> None:
+        for n in names:
+            if getattr(self, n) <= 0:
+                self._bad(n, "must be > 0")
+
+    def _non_negative(self, *names: str) -> None:
+        for n in names:
+            if getattr(self, n) < 0:
+                self._bad(n, "must be >= 0 (0 disables it)")
+
+
+def _key(obj: Any, name: str) -> str:
+    fl = {f.name: f for f in dataclasses.fields(obj)}[name]
+    return fl.metadata.get("key") or name
+
+
+@dataclass
+class RunConfig(_Section):
+    _name = "run"
+    dir: str = _f("runs/run", "output directory: config, logs, checkpoints, weights")
+    seed: int = _f(0, "seeds python, numpy, torch, the data order and the loader workers")
+    device: str = _f("auto", "where to train; auto picks cuda, then mps, then cpu",
+                     ("auto", "cpu", "cuda", "mps"))
+
+
+@dataclass
+class DataConfig(_Section):
+    _name = "data"
+    name: str = _f("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic")
+    root: str = _f("data", "directory holding dataset files (fashion-mnist)")
+    val_fraction: float = _f(0.2, "fraction of the training split held out for validation")
+    num_workers: int = _f(0, "DataLoader worker processes (0 = load in the main process)")
+    pin_memory: bool = _f(True, "pin host batches for faster non_blocking copies (CUDA only)")
+    download: bool = _f(False, "fetch missing fashion-mnist files and verify their MD5s")
+    num_samples: int = _f(4096, "synthetic only: number of samples")
+    input_shape: list = _f([1, 28, 28], "synthetic only: shape of one input")
+    num_classes: int = _f(10, "synthetic only: number of classes")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            self._bad("val_fraction", "must be in [0, 1)")
+        self._non_negative("num_workers")
+        self._positive("num_samples", "num_classes")
+        if not self.input_shape or any(not isinstance(d, int) or d <= 0 for d in self.input_shape):
+            self._bad("input_shape", "must be a non-empty list of positive ints, e.g. [1, 28, 28]")
+
+
+@dataclass
+class ModelConfig(_Section):
+    _name = "model"
+    name: str = _f("mlp", "built-in model (mlp, small_cnn, cnn1d) or 'module:factory'")
+    kwargs: dict = _f({}, "extra keyword arguments for the model factory")
+
+
+@dataclass
+class TrainConfig(_Section):
+    _name = "train"
+    epochs: int = _f(10, "passes over the training split")
+    max_steps: int = _f(0, "stop after this many optimizer steps (0 = no cap)")
+    batch_size: int = _f(64, "samples per micro-batch, per process")
+    accumulation_steps: int = _f(1, "micro-batches summed into one optimizer step")
+    precision: str = _f("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
+                        ("fp32", "fp16", "bf16", "auto"))
+
+    def validate(self) -> None:
+        self._positive("epochs", "batch_size")
+        self._non_negative("max_steps")
+        if self.accumulation_steps < 1:
+            self._bad("accumulation_steps", "must be >= 1")
+
+
+@dataclass
+class OptimConfig(_Section):
+    _name = "optim"
+    name: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
+    lr: float = _f(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
+    weight_decay: float = _f(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
+    momentum: float = _f(0.9, "sgd momentum")
+    decay_bias_and_norm: bool = _f(False, "also decay biases and norm weights (usually wrong)")
+
+    def validate(self) -> None:
+        self._positive("lr")
+        self._non_negative("weight_decay", "momentum")
+
+
+@dataclass
+class ClipConfig(_Section):
+    _name = "clip"
+    max_norm: float = _f(1.0, "clip threshold; 0 disables clipping (the norm is still logged)")
+    mode: str = _f("norm", "clip the global grad norm, or each grad value", ("norm", "value"))
+
+    def validate(self) -> None:
+        self._non_negative("max_norm")
+
+
+SCHEDULES = ("constant", "warmup_cosine", "onecycle", "cosine", "cosine_restarts", "plateau")
+
+
+@dataclass
+class ScheduleConfig(_Section):
+    _name = "schedule"
+    name: str = _f("constant", "learning-rate schedule", SCHEDULES)
+    warmup_steps: int = _f(0, "warmup_cosine: optimizer steps of linear warmup")
+    warmup_start_factor: float = _f(0.01, "warmup_cosine: LR multiplier at step 0")
+    max_lr: float = _f(0.0, "onecycle: peak LR (0 = 10 x optim.lr)")
+    pct_start: float = _f(0.3, "onecycle: fraction of steps spent rising")
+    eta_min: float = _f(0.0, "cosine*: the LR at the bottom of the cosine")
+    T_0: int = _f(0, "cosine_restarts: optimizer steps in the first cycle (0 = one epoch)")
+    T_mult: int = _f(1, "cosine_restarts: cycle length multiplier")
+    factor: float = _f(0.1, "plateau: LR multiplier on a plateau")
+    patience: int = _f(2, "plateau: epochs without improvement before cutting the LR")
+
+    def validate(self) -> None:
+        self._non_negative("warmup_steps", "max_lr", "eta_min", "T_0", "patience")
+        if not 0.0 < self.pct_start < 1.0:
+            self._bad("pct_start", "must be in (0, 1)")
+        if not 0.0 < self.factor < 1.0:
+            self._bad("factor", "must be in (0, 1)")
+        if not 0.0 < self.warmup_start_factor <= 1.0:
+            self._bad("warmup_start_factor", "must be in (0, 1]")
+        if self.T_mult < 1:
+            self._bad("T_mult", "must be >= 1")
+
+
+LOSSES = ("cross_entropy", "bce_logits", "mse", "huber", "kl_div")
+
+
+@dataclass
+class LossConfig(_Section):
+    _name = "loss"
+    name: str = _f("cross_entropy", "loss function", LOSSES)
+    label_smoothing: float = _f(0.0, "cross_entropy: label smoothing in [0, 1)")
+    class_weights: list = _f([], "per-class loss weights (empty = all 1)")
+    huber_delta: float = _f(1.0, "huber: where the loss turns from quadratic to linear")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.label_smoothing < 1.0:
+            self._bad("label_smoothing", "must be in [0, 1)")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.class_weights):
+            self._bad("class_weights", "must be a list of non-negative numbers")
+        self._positive("huber_delta")
+
+
+@dataclass
+class EarlyStopConfig(_Section):
+    _name = "early_stop"
+    patience: int = _f(0, "epochs without improvement before stopping (0 disables)")
+    min_delta: float = _f(0.0, "smallest change that counts as an improvement")
+    metric: str = _f("val_loss", "monitored metric: also picks best.pt and drives plateau")
+    mode: str = _f("auto", "min or max; auto = min for *loss, max otherwise",
+                   ("auto", "min", "max"))
+
+    def validate(self) -> None:
+        self._non_negative("patience", "min_delta")
+        if not self.metric.startswith("val_"):
+            self._bad("metric", "must be a validation metric such as val_loss or val_acc")
+
+    @property
+    def resolved_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "min" if self.metric.endswith("loss") else "max"
+
+
+@dataclass
+class LogConfig(_Section):
+    _name = "log"
+    every_steps: int = _f(10, "write a metrics.jsonl line every N optimizer steps")
+    tensorboard: bool = _f(False, "also write TensorBoard events to run.dir/tb")
+    progress: str = _f("auto", "tqdm progress bar: auto (only on a terminal), on, off",
+                       ("auto", "on", "off"))
+
+    def validate(self) -> None:
+        self._positive("every_steps")
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    _name = "checkpoint"
+    enabled: bool = _f(True, "write checkpoints to run.dir/checkpoints")
+    every_steps: int = _f(0, "also checkpoint every N optimizer steps (0 = at epoch ends only)")
+    keep_last: int = _f(3, "rolling step-N.pt files to keep (0 = only last.pt and best.pt)")
+    async_write: bool = _f(False, "write in a background thread after a CPU snapshot",
+                           key="async")
+
+    def validate(self) -> None:
+        self._non_negative("every_steps", "keep_last")
+
+
+@dataclass
+class FaultConfig(_Section):
+    _name = "fault"
+    crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
+
+    def validate(self) -> None:
+        self._non_negative("crash_at_step")
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig, "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+    "optim": OptimConfig, "clip": ClipConfig, "schedule": ScheduleConfig, "loss": LossConfig,
+    "early_stop": EarlyStopConfig, "log": LogConfig, "checkpoint": CheckpointConfig,
+    "fault": FaultConfig,
+}
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "Config":
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(SECTIONS))
+        if unknown:
+            raise ConfigError(f"unknown config section '{unknown[0]}'; "
+                              f"known sections: {', '.join(SECTIONS)}")
+        return cls(**{name: _build_section(SECTIONS[name], raw.get(name)) for name in SECTIONS})
+
+    def to_dict(self) -> dict:
+        return {name: {_key(sec, f.name): getattr(sec, f.name) for f in dataclasses.fields(sec)}
+                for name, sec in ((n, getattr(self, n)) for n in SECTIONS)}
+
+    def with_overrides(self, overrides: list[str] | dict) -> "Config":
+        raw = self.to_dict()
+        items = overrides.items() if isinstance(overrides, dict) else map(_split, overrides)
+        for dotted, value in items:
+            _set_dotted(raw, dotted, value)
+        return Config.from_dict(raw)
+
+
+def _build_section(cls: type, raw: Any) -> Any:
+    name = cls._name
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: must be a mapping of keys, got {raw!r}")
+    by_key = {f.metadata.get("key") or f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in by_key:
+            raise ConfigError(f"unknown config key '{name}.{key}'; "
+                              f"known keys in '{name}': {', '.join(by_key)}")
+        fl = by_key[key]
+        kwargs[fl.name] = _coerce(f"{name}.{key}", value, hints[fl.name], fl.metadata)
+    return cls(**kwargs)
+
+
+def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
+    """Check ``value`` against the field type; YAML's '1e-3' string becomes a float."""
+    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            list: "a list", dict: "a mapping"}[typ]
+    if typ is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        allowed = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+        raise ConfigError(f"{dotted}={value!r}: expected {want}{allowed}")
+    return value
+
+
+def _split(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form dotted.key=value "
+                          f"(for example optim.lr=3e-4)")
+    key, text = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return key.strip(), text
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) < 2 or parts[0] not in SECTIONS:
+        raise ConfigError(f"unknown config key '{dotted}'; keys look like section.key with "
+                          f"section one of {', '.join(SECTIONS)}")
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or the defaults when ``path`` is None) and apply overrides."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found; pass the path of a YAML file, "
+                              f"e.g. configs/digits.yaml")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}".replace("\n", " ")) from e
+    return Config.from_dict(raw).with_overrides(overrides or [])
+
+
+def describe() -> str:
+    """Every key with its default and doc, for ``ironloop train --help-config``."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
+                         f"# {f.metadata['doc']}")
+    return "\n".join(lines)

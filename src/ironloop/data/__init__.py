@@ -1,0 +1,6 @@
+"""Datasets and the resumable batching that feeds the loop."""
+
+from ironloop.data.datasets import DATASETS, DataBundle, build_data
+from ironloop.data.loader import EpochSampler, TensorData, make_loader
+
+__all__ = ["DATASETS", "DataBundle", "EpochSampler", "TensorData", "build_data", "make_loader"]

@@ -1,0 +1,40 @@
+"""Early stopping and best-metric tracking: a pure decision, no model, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+
+class BestTracker:
+    """Tracks the best value of one monitored metric and how long since it improved.
+
+    ``patience`` 0 means it never asks to stop (it still tracks the best, for best.pt).
+    """
+
+    def __init__(self, mode: str, patience: int = 0, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.mode, self.patience, self.min_delta = mode, patience, min_delta
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_epoch = -1
+        self.bad_epochs = 0
+
+    def update(self, value: float, epoch: int) -> bool:
+        """Record one epoch's value; returns True when it is a new best."""
+        gain = (self.best - value) if self.mode == "min" else (value - self.best)
+        if gain > self.min_delta:  # NaN never counts as an improvement
+            self.best, self.best_epoch, self.bad_epochs = value, epoch, 0
+            return True
+        self.bad_epochs += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.bad_epochs >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_epoch = state["best"], state["best_epoch"]
+        self.bad_epochs = state["bad_epochs"]

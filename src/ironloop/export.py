@@ -1,0 +1,43 @@
+"""Weights out of a run: safetensors, which holds tensors only and cannot run code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ironloop.errors import UserError
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write atomically. Tensors are cloned because safetensors refuses shared storage."""
+    from ironloop.checkpoint import strip_prefixes
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone()
+               for k, v in strip_prefixes(state_dict).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "ironloop"})
+    os.replace(tmp, path)
+
+
+def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
+    """Export best.pt or last.pt of ``run_dir`` to ``out`` as safetensors."""
+    from ironloop.checkpoint import load_verified
+
+    ckpt = run_dir / "checkpoints" / f"{which}.pt"
+    if not ckpt.exists():
+        found = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) \
+            if (run_dir / "checkpoints").is_dir() else []
+        raise UserError(f"no {ckpt}; " + (f"this run has {', '.join(found)}: pass --which "
+                        f"{'last' if which == 'best' else 'best'}" if found else
+                        "is it an ironloop run.dir with checkpoint.enabled=true?"))
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name like model.safetensors")
+    if out.exists() and not force:
+        raise UserError(f"--out {out} already exists; pass --force to replace it, or pick "
+                        f"another name")
+    save_safetensors(load_verified(ckpt)["model"], out)
+    return out

@@ -1,0 +1,315 @@
+"""``fit()``: build the run from a config, resume it if asked, train, and write the results.
+
+This module is wiring only: the decisions live in small classes (BestTracker, EpochSampler,
+build_scheduler) and the loop itself lives in ``loop.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ironloop import loop
+from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
+from ironloop.config import Config
+from ironloop.data.loader import EpochSampler, TensorData
+from ironloop.distributed import World, barrier, init_from_env
+from ironloop.early_stop import BestTracker
+from ironloop.errors import ConfigError, UserError
+from ironloop.export import save_safetensors
+from ironloop.logs import RunLog, write_atomic
+from ironloop.optim import Loss, build_optimizer, build_scheduler
+from ironloop.precision import grad_scaler, resolve_device, resolve_precision
+from ironloop.progress import Meter, Progress
+from ironloop.resume import collect_state, restore_state
+
+#: Files a run writes; --overwrite removes these and nothing else.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
+               "final.safetensors", "config.yaml", "tb", "report")
+
+
+@dataclass
+class FitResult:
+    model: nn.Module
+    results: dict
+    run_dir: Path
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def as_config(config: Config | dict | None) -> Config:
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, dict):
+        dotted = {k: v for k, v in config.items() if "." in k}
+        nested = {k: v for k, v in config.items() if "." not in k}
+        return Config.from_dict(nested).with_overrides(dotted)
+    raise ConfigError(f"config must be an ironloop.Config, a dict or None, "
+                      f"not {type(config).__name__}")
+
+
+def _dataset_of(data: Dataset | DataLoader | None, what: str):
+    """(dataset, collate_fn, batch_size) from a Dataset or a DataLoader.
+
+    A DataLoader is taken apart rather than iterated: ironloop needs its own batch order to
+    resume mid-epoch without replaying batches. Its dataset, collate_fn and batch size are kept.
+    """
+    if data is None or isinstance(data, Dataset) and not isinstance(data, DataLoader):
+        return data, None, None
+    if isinstance(data, DataLoader):
+        if not hasattr(data.dataset, "__getitem__") or not hasattr(data.dataset, "__len__"):
+            raise UserError(f"{what}: ironloop needs a map-style dataset (with __getitem__ and "
+                            f"__len__) to resume mid-epoch; an IterableDataset is not supported")
+        return data.dataset, data.collate_fn, data.batch_size
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return TensorData(torch.as_tensor(data[0]), torch.as_tensor(data[1])), None, None
+    raise UserError(f"{what} must be a torch Dataset, a DataLoader or an (inputs, targets) "
+                    f"pair, not {type(data).__name__}")
+
+
+def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
+        loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
+        resume: bool | str | None = False, overwrite: bool = False) -> FitResult:
+    """Train ``model`` on ``train_data`` and return the trained model and its results.
+
+    Args:
+        model: any ``nn.Module``; the default step calls ``model(inputs)`` on ``(inputs,
+            targets)`` batches.
+        train_data, val_data, test_data: a Dataset, a DataLoader, or an (inputs, targets) pair.
+        config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
+        loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
+            ``loss.*`` config.
+        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor})`` for anything that
+            is not ``(inputs, targets)`` classification. Loss and metrics are batch means.
+        num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
+        resume: True = the newest valid checkpoint in run.dir (fresh start when none);
+            a path = that checkpoint.
+        overwrite: delete a previous run's outputs in run.dir before starting.
+    """
+    cfg = as_config(config)
+    started = time.time()
+    train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
+    val_set, _, _ = _dataset_of(val_data, "val_data")
+    test_set, _, _ = _dataset_of(test_data, "test_data")
+    if loader_bs and loader_bs != cfg.train.batch_size:
+        cfg = cfg.with_overrides({"train.batch_size": loader_bs})
+    _check_needs_val(cfg, val_set)
+
+    device = resolve_device(cfg.run.device, _env_local_rank())
+    world = init_from_env(device.type)
+    device = resolve_device(cfg.run.device, world.local_rank)
+    precision = resolve_precision(cfg.train.precision, device)
+    seed_everything(cfg.run.seed + world.rank)
+
+    model = model.to(device)
+    raw_model = model
+    if step_fn is None and num_classes is None:
+        num_classes = _infer_num_classes(model, train_set, device)
+    check_labels = None
+    if step_fn is None and num_classes:
+        check_labels = loop.label_checker(num_classes)
+        if isinstance(train_set, TensorData):  # check the whole tensor once, then never again
+            for ds in (train_set, val_set, test_set):
+                if ds is not None:
+                    check_labels((ds.x[:1], ds.y))
+            check_labels = None
+    loss_fn = loss_fn or Loss(cfg.loss, num_classes)
+    step_fn = step_fn or loop.classification_step(loss_fn)
+    if world.distributed:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    _warn_batchnorm(raw_model, cfg, world)
+
+    sampler = EpochSampler(len(train_set), cfg.train.batch_size, cfg.run.seed, shuffle=True,
+                           rank=world.rank, world_size=world.size)
+    steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
+                                                  * cfg.train.accumulation_steps))
+    total_steps = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    optimizer = build_optimizer(raw_model, cfg.optim)
+    scheduler, cadence = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total_steps)
+
+    run_dir = Path(cfg.run.dir)
+    state, source = _prepare_run_dir(run_dir, cfg, resume, overwrite, world)
+    tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
+                          cfg.early_stop.min_delta)
+    run = loop.Run(
+        cfg=cfg, model=model, raw_model=raw_model, optimizer=optimizer, scheduler=scheduler,
+        cadence=cadence, scaler=grad_scaler(precision, device), step_fn=step_fn,
+        train_data=train_set, val_data=val_set, collate_fn=collate_fn, sampler=sampler,
+        progress=Progress(), meter=Meter(device), tracker=tracker, log=None,
+        save=lambda best: None, device=device, precision=precision, world=world,
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
+    if state is not None:
+        restore_state(run, state, source)
+        run.best_state = _best_weights(run_dir, cfg)
+        run.meter.window_start = run.meter.epoch_start = time.perf_counter()
+
+    manager = None
+    if world.is_main:
+        resumed = state is not None
+        run.log = RunLog(run_dir, cfg.log.tensorboard,
+                         resume_step=run.progress.step if resumed else None,
+                         resume_epoch=run.progress.epoch if resumed else None)
+        if resumed:
+            run.log.write("events", {"event": "resume", "step": run.progress.step,
+                                     "epoch": run.progress.epoch, "from": source,
+                                     "time": time.time()})
+        if cfg.checkpoint.enabled:
+            manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                        cfg.checkpoint.async_write)
+            run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
+    try:
+        loop.train(run)
+    finally:
+        if manager is not None:
+            manager.close()  # exit waits for an in-flight async write
+        if run.log is not None:
+            run.log.close()
+    return _finish(run, test_set, run_dir, started)
+
+
+def _env_local_rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _check_needs_val(cfg: Config, val_set) -> None:
+    if val_set is not None and len(val_set) > 0:
+        return
+    if cfg.schedule.name == "plateau":
+        raise ConfigError("schedule.name='plateau' needs validation data to monitor "
+                          f"{cfg.early_stop.metric}; set data.val_fraction > 0 (or pass "
+                          "val_data), or pick another schedule")
+    if cfg.early_stop.patience > 0:
+        raise ConfigError("early_stop.patience > 0 needs validation data; set "
+                          "data.val_fraction > 0 (or pass val_data), or early_stop.patience=0")
+
+
+@torch.inference_mode()
+def _infer_num_classes(model: nn.Module, dataset, device) -> int | None:
+    """C from one forward of one sample in eval mode; None if the output is not (1, C)."""
+    sample = dataset[0]
+    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+        return None
+    x, y = sample[0], sample[1]
+    if not isinstance(x, torch.Tensor) or (isinstance(y, torch.Tensor) and y.is_floating_point()):
+        return None
+    was_training = model.training
+    model.eval()
+    out = model(x.unsqueeze(0).to(device))
+    model.train(was_training)
+    return out.shape[-1] if isinstance(out, torch.Tensor) and out.ndim == 2 else None
+
+
+def _warn_batchnorm(model: nn.Module, cfg: Config, world: World) -> None:
+    norms = (nn.modules.batchnorm._BatchNorm,)
+    if cfg.train.accumulation_steps > 1 and world.is_main and \
+            any(isinstance(m, norms) for m in model.modules()):
+        print(f"warning: the model has BatchNorm and train.accumulation_steps="
+              f"{cfg.train.accumulation_steps}: BatchNorm normalises each micro-batch of "
+              f"{cfg.train.batch_size} separately, so accumulation is not equivalent to a "
+              f"batch of {cfg.train.batch_size * cfg.train.accumulation_steps}")
+
+
+def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World):
+    """Returns (checkpoint state, its path) to resume from, or (None, None) for a fresh run."""
+    ckpt_dir = run_dir / "checkpoints"
+    state = source = None
+    if resume:
+        if isinstance(resume, (str, Path)):
+            source = str(resume)
+            state = load_verified(Path(resume))
+        else:
+            warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
+            found = latest_valid(ckpt_dir, warn)
+            if found is None:
+                if world.is_main:
+                    print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
+            else:
+                source, state = str(found[0]), found[1]
+    elif world.is_main:
+        if not overwrite and (has_checkpoints(ckpt_dir) or (run_dir / "metrics.jsonl").exists()):
+            raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
+                            f"it, --overwrite to delete its outputs and start over, or choose "
+                            f"another run.dir")
+        if overwrite:  # only the files a run writes; anything else in run.dir stays
+            for path in (run_dir / n for n in RUN_OUTPUTS):
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    barrier(world)
+    return state, source
+
+
+def _best_weights(run_dir: Path, cfg: Config) -> dict | None:
+    """After a resume, the best weights for the final restore come back from best.pt."""
+    best = run_dir / "checkpoints" / "best.pt"
+    if cfg.early_stop.patience == 0 or not best.exists():
+        return None
+    return load_verified(best)["model"]
+
+
+def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult:
+    """Restore the best weights, evaluate on test, write final.safetensors and results.json."""
+    cfg = run.cfg
+    restored = run.best_state is not None and cfg.early_stop.patience > 0
+    if restored:
+        run.raw_model.load_state_dict(run.best_state)
+    test = loop.evaluate(run, test_set) if test_set is not None and len(test_set) else {}
+    epochs = _read_jsonl(run_dir / "epochs.jsonl") if run.world.is_main else []
+    accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
+    results: dict[str, Any] = {
+        "best_val_acc": max(accs) if accs else None,
+        "final_val_acc": accs[-1] if accs else None,
+        "best_epoch": run.tracker.best_epoch + 1 if run.tracker.best_epoch >= 0 else None,
+        "monitor": {cfg.early_stop.metric: run.tracker.best},
+        "test_acc": test.get("acc"), "test_loss": test.get("loss"),
+        "steps": run.progress.step, "epochs": run.progress.epoch,
+        "stopped_early": run.tracker.should_stop, "restored_best": restored,
+        "precision": run.precision, "device": str(run.device),
+        "seconds": sum(r.get("seconds", 0.0) for r in epochs),
+        "wall_seconds_this_process": time.time() - started,
+    }
+    if not math.isfinite(run.tracker.best):
+        results["monitor"] = {cfg.early_stop.metric: None}
+    if run.world.is_main:
+        save_safetensors(run.raw_model.state_dict(), run_dir / "final.safetensors")
+        write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    return FitResult(model=run.raw_model, results=results, run_dir=run_dir)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows

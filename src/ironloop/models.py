@@ -1,0 +1,92 @@
+"""Built-in models and the ``module:factory`` hook for the user's own.
+
+Every factory is called as ``factory(input_shape=tuple, num_classes=int, **model.kwargs)``.
+None of the built-ins uses dropout or BatchNorm by default, so gradient accumulation is exactly
+equivalent to a bigger batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+from torch import nn
+
+from ironloop.errors import ConfigError
+
+
+def mlp(input_shape, num_classes, hidden=(256, 128), dropout=0.0) -> nn.Module:
+    """Flatten, then Linear-ReLU blocks, then a linear head."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(input_shape)
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def small_cnn(input_shape, num_classes, channels=(32, 64), hidden=128, dropout=0.0) -> nn.Module:
+    """Two conv-ReLU-maxpool blocks, then a 128-unit linear head with C outputs."""
+    c_in, h, w = input_shape
+    c1, c2 = channels
+    head: list[nn.Module] = [nn.Flatten(), nn.Linear(c2 * (h // 4) * (w // 4), hidden), nn.ReLU()]
+    if dropout:
+        head.append(nn.Dropout(dropout))
+    return nn.Sequential(
+        nn.Conv2d(c_in, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        *head, nn.Linear(hidden, num_classes))
+
+
+def cnn1d(input_shape, num_classes, channels=32, hidden=128) -> nn.Module:
+    """Three strided 1-D convolutions, then an MLP head; sized for MNIST-1D (1 x 40)."""
+    c_in, length = input_shape
+    for _ in range(3):
+        length = (length + 2 - 3) // 2 + 1  # kernel 3, stride 2, padding 1
+    return nn.Sequential(
+        nn.Conv1d(c_in, channels, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(channels * length, hidden), nn.ReLU(),
+        nn.Linear(hidden, num_classes))
+
+
+MODELS = {"mlp": mlp, "small_cnn": small_cnn, "cnn1d": cnn1d}
+
+
+def _import_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"model.name={spec!r}: cannot import module {module_name!r} ({e}); "
+                          f"make it importable (pip install -e . or PYTHONPATH)") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.name={spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict) -> nn.Module:
+    """A built-in model by name, or the user's ``module:factory``."""
+    if ":" in name:
+        factory = _import_factory(name)
+    elif name in MODELS:
+        factory = MODELS[name]
+    else:
+        raise ConfigError(f"model.name={name!r}: unknown model; choose one of "
+                          f"{', '.join(MODELS)} or give your own as 'module:factory'")
+    try:
+        model = factory(input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model factory {name!r} rejected its arguments: {e}; "
+                          f"check model.kwargs") from e
+    except Exception as e:
+        raise ConfigError(f"model factory {name!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model factory {name!r} returned a {type(model).__name__}, "
+                          f"not a torch.nn.Module; return the model instance")
+    return model

@@ -1,0 +1,102 @@
+"""Optimizer, learning-rate schedule and loss, built from the config with torch's own classes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+from ironloop.errors import ConfigError
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
+    """Decay matrices and conv kernels; leave biases and norm weights (ndim < 2) undecayed.
+
+    Decaying a bias or a LayerNorm/BatchNorm gain pulls it towards 0 for no regularising benefit.
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if decay_all or p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg, steps_per_epoch: int, total_steps: int):
+    """Returns (scheduler or None, cadence): cadence is "step" (once per optimizer step) or
+    "epoch" (ReduceLROnPlateau, once per epoch with the monitored metric)."""
+    name, total = cfg.name, max(1, total_steps)
+    if name == "constant":
+        return None, "step"
+    if name == "plateau":
+        return sched.ReduceLROnPlateau(opt, factor=cfg.factor, patience=cfg.patience), "epoch"
+    if name == "onecycle":
+        max_lr = cfg.max_lr or 10 * opt.param_groups[0]["lr"]
+        return sched.OneCycleLR(opt, max_lr=max_lr, total_steps=total,
+                                pct_start=cfg.pct_start), "step"
+    if name == "cosine":
+        return sched.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.eta_min), "step"
+    if name == "cosine_restarts":
+        return sched.CosineAnnealingWarmRestarts(opt, T_0=cfg.T_0 or steps_per_epoch,
+                                                 T_mult=cfg.T_mult, eta_min=cfg.eta_min), "step"
+    # warmup_cosine: linear warmup, then cosine decay over the remaining steps.
+    warmup = min(cfg.warmup_steps, total - 1)
+    if warmup == 0:
+        return sched.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.eta_min), "step"
+    return sched.SequentialLR(opt, [
+        sched.LinearLR(opt, start_factor=cfg.warmup_start_factor, total_iters=warmup),
+        sched.CosineAnnealingLR(opt, T_max=total - warmup, eta_min=cfg.eta_min),
+    ], milestones=[warmup]), "step"
+
+
+class Loss:
+    """``loss(output, target)`` = the MEAN over the batch of a per-sample loss.
+
+    Per-sample mean (not torch's weight-normalised mean for class weights) is what makes
+    micro-batch losses add up exactly when weighted by their sample counts. Integer class targets
+    are turned into one-hot vectors for the losses that compare distributions or values.
+    """
+
+    def __init__(self, cfg, num_classes: int | None = None):
+        self.name = cfg.name
+        self.label_smoothing = cfg.label_smoothing
+        self.delta = cfg.huber_delta
+        self.weights = torch.tensor(cfg.class_weights, dtype=torch.float32) \
+            if cfg.class_weights else None
+        if self.weights is not None and num_classes and len(self.weights) != num_classes:
+            raise ConfigError(f"loss.class_weights has {len(self.weights)} entries but the data "
+                              f"has {num_classes} classes; give one weight per class")
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        output = output.float()  # losses in fp32 even under autocast
+        weights = None if self.weights is None else self.weights.to(output.device)
+        if self.name == "cross_entropy":
+            per = nn.functional.cross_entropy(output, target, weight=weights, reduction="none",
+                                              label_smoothing=self.label_smoothing)
+            return per.mean()
+        if not target.is_floating_point():
+            target = nn.functional.one_hot(target, output.shape[-1]).float()
+        if self.name == "bce_logits":
+            per = nn.functional.binary_cross_entropy_with_logits(output, target, reduction="none")
+        elif self.name == "mse":
+            per = nn.functional.mse_loss(output, target, reduction="none")
+        elif self.name == "huber":
+            per = nn.functional.huber_loss(output, target, reduction="none", delta=self.delta)
+        else:  # kl_div: the model gives logits, the target is a distribution
+            per = nn.functional.kl_div(output.log_softmax(-1), target, reduction="none")
+        if weights is not None and per.shape[-1] == len(weights):
+            per = per * weights
+        per = per.reshape(len(per), -1)
+        # KL is a sum over the distribution; the others average over the output elements.
+        return (per.sum(-1) if self.name == "kl_div" else per.mean(-1)).mean()

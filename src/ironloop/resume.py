@@ -1,0 +1,89 @@
+"""What a checkpoint holds, and putting it back.
+
+A checkpoint is one explicit dict with named keys (nothing registered behind the user's back),
+made only of tensors and plain containers so that ``torch.load(weights_only=True)`` opens it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+import ironloop
+from ironloop.checkpoint import FORMAT_VERSION, load_model_state
+from ironloop.errors import CheckpointError
+
+
+def rng_state() -> dict:
+    """Python, numpy, torch CPU and every CUDA device, as weights_only-loadable values."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
+
+
+def _as_tuple(x):
+    """random.setstate wants tuples all the way down; a round trip may give lists."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def collect_state(run) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "ironloop_version": ironloop.__version__,
+        "torch_version": torch.__version__,
+        "config": run.cfg.to_dict(),
+        "model": run.raw_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
+        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+        "progress": run.progress.state_dict(),
+        "sampler": {**run.sampler.state_dict(), "epoch": run.progress.epoch,
+                    "offset": run.progress.offset},
+        "meter": run.meter.state_dict(),
+        "tracker": run.tracker.state_dict(),
+        "rng": rng_state(),
+    }
+
+
+def restore_state(run, state: dict, source: str) -> None:
+    """Load every part; a checkpoint that does not fit gets a CheckpointError naming it."""
+    version = state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{source} has checkpoint format {version}, this ironloop reads "
+                              f"{FORMAT_VERSION}; resume it with the ironloop that wrote it")
+    load_model_state(run.raw_model, state["model"], source)
+    try:
+        run.optimizer.load_state_dict(state["optimizer"])
+        if run.scheduler is not None and state["scheduler"] is not None:
+            run.scheduler.load_state_dict(state["scheduler"])
+        if run.scaler is not None and state["scaler"] is not None:
+            run.scaler.load_state_dict(state["scaler"])
+        run.sampler.load_state_dict(state["sampler"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{source} does not fit this run's optimizer, schedule or data "
+                              f"({e}); resume with the config it was written with") from e
+    run.progress.load_state_dict(state["progress"])
+    run.meter.load_state_dict(state["meter"])
+    run.tracker.load_state_dict(state["tracker"])
+    set_rng_state(state["rng"])

@@ -1,0 +1,366 @@
+"""Checkpoint files and the checkpoint manager, against real files in tmp_path.
+
+Faults are injected below the code under test (the OS-level ``open``/``fsync`` it calls, or the
+bytes on disk), never by mocking ironloop itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ironloop.checkpoint.io as ckio
+from ironloop.checkpoint import (
+    CheckpointManager,
+    has_checkpoints,
+    latest_valid,
+    load_model_state,
+    load_verified,
+    retention_victims,
+    save_atomic,
+    state_digest,
+    strip_prefixes,
+)
+from ironloop.errors import CheckpointError, UserError
+
+
+def assert_same(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def train_state(step: int = 1, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "progress": {"step": step, "epoch": 0},
+        "plain": {"lr": 1e-3, "name": "run", "flags": [True, None], "shape": (2, 3),
+                  "big": 2**70, "inf": float("-inf")},
+        "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "scalar": torch.tensor(3.5),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def listing(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+class FullDisk:
+    """A real file whose write fails with ENOSPC after ``budget`` bytes, like a disk filling up."""
+
+    def __init__(self, f, budget: int):
+        self._f, self._left = f, budget
+
+    def write(self, data):
+        self._left -= memoryview(data).nbytes
+        if self._left < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+# ---------------------------------------------------------------------------------- io.py --
+def test_round_trip_and_plain_torch_load(tmp_path):
+    state, path = train_state(), tmp_path / "ckpt.pt"
+    expected = {k: v for k, v in state.items()}
+    save_atomic(state, path)
+    loaded = load_verified(path)
+    assert_same(expected, {k: loaded[k] for k in expected})
+    assert loaded["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0  # Adam really stepped
+    direct = torch.load(path, weights_only=True)  # no ironloop needed to read it
+    assert direct["integrity"]["algo"] == "blake2b"
+    assert_same(loaded, direct)
+
+
+def test_digest_survives_save_and_catches_a_flipped_byte(tmp_path):
+    state = {"pattern": torch.full((1 << 18,), 0x5A, dtype=torch.uint8), "progress": {"step": 1}}
+    before = state_digest(state)
+    path = tmp_path / "ckpt.pt"
+    save_atomic(state, path)
+    assert state["integrity"]["digest"] == before
+    assert state_digest(torch.load(path, weights_only=True)) == before
+    changed = dict(state, pattern=state["pattern"].clone())
+    changed["pattern"][12345] = 0
+    assert state_digest(changed) != before
+
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    assert data[mid] == 0x5A  # the middle of the file is tensor payload
+    data[mid] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch|damaged") as info:
+        load_verified(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("cut", ["zero", "ten", "half"])
+def test_truncated_file_is_damaged(tmp_path, cut):
+    path = tmp_path / "ckpt.pt"
+    save_atomic(train_state(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: {"zero": 0, "ten": 10, "half": len(data) // 2}[cut]])
+    with pytest.raises(CheckpointError, match="damaged") as info:
+        load_verified(path)
+    assert str(path) in str(info.value) and isinstance(info.value, UserError)
+
+
+def test_missing_and_foreign_files(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_verified(tmp_path / "nope.pt")
+    torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="not an ironloop checkpoint"):
+        load_verified(tmp_path / "foreign.pt")
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
+    path = tmp_path / "ckpt.pt"
+    first = train_state(step=1, seed=1)
+    save_atomic(first, path)
+    if where == "write":  # fails inside torch.save, which wraps the OSError in a RuntimeError
+        real_open = open
+        monkeypatch.setattr(ckio, "open", lambda *a, **k: FullDisk(real_open(*a, **k), 4096),
+                            raising=False)
+    else:
+        def no_space(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "fsync", no_space)
+    second = dict(train_state(step=2, seed=2), big=torch.randn(10_000))
+    with pytest.raises(CheckpointError) as info:
+        save_atomic(second, path)
+    monkeypatch.undo()
+    assert str(path) in str(info.value) and "No space left" in str(info.value)
+    assert "intact" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
+    assert listing(tmp_path) == ["ckpt.pt"]  # no temp file left behind
+    assert_same(first, load_verified(path))
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+def test_malicious_pickle_is_refused_without_running(tmp_path, writer):
+    marker, path = tmp_path / "pwned", tmp_path / "evil.pt"
+    payload = {"model": {"w": torch.ones(1)}, "x": Evil(marker), "integrity": {"digest": ""}}
+    if writer == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload, protocol=2))
+    with pytest.raises(CheckpointError, match="refused") as info:
+        load_verified(path)
+    assert str(path) in str(info.value) and "trust" in str(info.value)
+    assert not marker.exists()
+    # Prove the payload is live: unsafe loading runs it.
+    if writer == "torch.save":
+        torch.load(path, weights_only=False)
+    else:
+        pickle.loads(path.read_bytes())
+    assert marker.exists()
+
+
+def test_strip_prefixes():
+    sd = {"module._orig_mod.fc.weight": 1, "_orig_mod.module.x": 2, "fc.bias": 3, "modules.y": 4}
+    assert strip_prefixes(sd) == {"fc.weight": 1, "x": 2, "fc.bias": 3, "modules.y": 4}
+
+
+class Wrapper(nn.Module):  # stands in for DDP: its keys carry "module."
+    def __init__(self, inner):
+        super().__init__()
+        self.module = inner
+
+
+def net(width: int = 4) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_load_model_state_across_wrappers():
+    torch.manual_seed(0)
+    src = net()
+    prefixed = {f"module._orig_mod.{k}": v for k, v in src.state_dict().items()}
+    plain = net()
+    load_model_state(plain, prefixed, "ckpt.pt")
+    wrapped = Wrapper(net())
+    load_model_state(wrapped, src.state_dict(), "ckpt.pt")
+    for target in (plain, wrapped.module):
+        assert_same(dict(src.state_dict()), dict(target.state_dict()))
+
+
+def test_load_model_state_reports_the_misfit():
+    model = net(width=4)
+    ckpt = {f"module.{k}": v for k, v in net(width=5).state_dict().items() if k != "2.bias"}
+    ckpt.update({f"extra.{i}": torch.zeros(1) for i in range(11)})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(model, ckpt, "runs/a/last.pt")
+    msg = str(info.value)
+    assert msg.startswith("checkpoint runs/a/last.pt does not fit this model")
+    assert "missing: [2.bias]" in msg
+    assert "extra.0" in msg and "(+3 more)" in msg
+    assert "0.weight: ckpt (8, 5) vs model (8, 4)" in msg
+    assert "model.kwargs" in msg
+    assert_same(before, dict(model.state_dict()))  # nothing half-loaded
+
+
+# ----------------------------------------------------------------------------- manager.py --
+def test_retention_victims():
+    assert retention_victims([5, 1, 3, 9, 7], 2) == [1, 3, 5]
+    assert retention_victims([5, 1, 3], 10) == []
+    assert retention_victims([2, 1], 0) == [1, 2]
+    assert retention_victims([], 3) == []
+
+
+def small_state(step: int) -> dict:
+    return {"w": torch.full((3,), float(step)), "progress": {"step": step}}
+
+
+def test_manager_rolls_links_and_keeps_best(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    for step in range(1, 6):
+        mgr.save(small_state(step), step, best=(step == 3))
+    d = tmp_path / "ckpt"
+    assert listing(d) == ["best.pt", "last.pt", "step-00000004.pt", "step-00000005.pt"]
+    assert_same(small_state(5)["w"], load_verified(d / "last.pt")["w"])
+    assert_same(small_state(3)["w"], load_verified(d / "best.pt")["w"])
+    if sys.platform.startswith("linux"):
+        assert os.stat(d / "last.pt").st_ino == os.stat(d / "step-00000005.pt").st_ino
+        assert os.stat(d / "best.pt").st_ino != os.stat(d / "last.pt").st_ino
+    mgr.save(dict(small_state(5), w=torch.zeros(3)), 5)  # same step again: replaced atomically
+    assert_same(torch.zeros(3), load_verified(d / "step-00000005.pt")["w"])
+    assert_same(torch.zeros(3), load_verified(d / "last.pt")["w"])
+    assert_same(small_state(4)["w"], load_verified(d / "step-00000004.pt")["w"])
+
+
+def test_manager_never_deletes_the_file_it_just_wrote(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (4, 5, 3):  # the last save is older than the files there (a rewound run)
+        mgr.save(small_state(step), step)
+    assert listing(tmp_path) == ["last.pt", "step-00000003.pt", "step-00000004.pt",
+                                 "step-00000005.pt"]
+    assert load_verified(tmp_path / "step-00000003.pt")["progress"]["step"] == 3
+
+
+def test_manager_keep_last_zero_writes_only_last(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr.save(small_state(1), 1, best=True)
+    mgr.save(small_state(2), 2)
+    assert listing(tmp_path) == ["best.pt", "last.pt"]
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
+    assert load_verified(tmp_path / "best.pt")["progress"]["step"] == 1
+
+
+def test_async_snapshot_and_errors(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep_last=3, async_write=True)
+    gate, real_open = threading.Event(), open
+
+    def gated_open(*a, **k):  # holds the background write until the trainer has moved on
+        assert gate.wait(10)
+        return real_open(*a, **k)
+
+    monkeypatch.setattr(ckio, "open", gated_open, raising=False)
+    state = small_state(1)
+    mgr.save(state, 1)
+    assert not (tmp_path / "step-00000001.pt").exists()  # save returned before writing
+    state["w"].add_(100.0)  # the optimizer steps on while the write is pending
+    state["progress"]["step"] = 99
+    gate.set()
+    mgr.save(small_state(2), 2)
+    mgr.wait()
+    one = load_verified(tmp_path / "step-00000001.pt")
+    assert_same(small_state(1), {k: one[k] for k in ("w", "progress")})
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
+
+    monkeypatch.setattr(ckio, "open", lambda *a, **k: FullDisk(real_open(*a, **k), 0),
+                        raising=False)
+    mgr.save(small_state(3), 3)  # returns; the failure happens in the background
+    with pytest.raises(CheckpointError, match="No space left"):
+        mgr.wait()
+    monkeypatch.undo()
+    mgr.wait()  # the error was raised once, not forever
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
+    mgr.save(small_state(4), 4)
+    mgr.close()
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 4
+
+
+def test_latest_valid_falls_back_past_damaged_files(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        mgr.save(small_state(step), step)
+    warnings: list[str] = []
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"], warnings) == ("last.pt", 3, [])
+
+    save_atomic(small_state(4), tmp_path / "step-00000004.pt")  # crash before last.pt moved on
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"], warnings) == ("step-00000004.pt", 4, [])
+    os.unlink(tmp_path / "step-00000004.pt")
+
+    half = (tmp_path / "last.pt").read_bytes()[:100]
+    (tmp_path / ".tmp").write_bytes(half)
+    os.replace(tmp_path / ".tmp", tmp_path / "last.pt")  # new inode: step-3 stays intact
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"]) == ("step-00000003.pt", 3)
+    assert len(warnings) == 1 and str(tmp_path / "last.pt") in warnings[0]
+    assert "damaged" in warnings[0] and "falling back" in warnings[0]
+
+    (tmp_path / "step-00000003.pt").write_bytes(b"garbage")
+    warnings.clear()
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
+    assert len(warnings) == 2 and "step-00000003.pt" in warnings[1]
+
+
+def test_latest_valid_all_damaged_or_none(tmp_path):
+    assert latest_valid(tmp_path / "absent", print) is None
+    assert latest_valid(tmp_path, print) is None and not has_checkpoints(tmp_path)
+    save_atomic(small_state(7), tmp_path / "best.pt")
+    (tmp_path / ".last.pt.tmp-1-0").write_bytes(b"partial")
+    assert latest_valid(tmp_path, print) is None  # best.pt is never resumed from
+    assert has_checkpoints(tmp_path)
+    (tmp_path / "last.pt").write_bytes(b"")
+    (tmp_path / "step-00000005.pt").write_bytes(b"PK\x03\x04 not really")
+    warnings: list[str] = []
+    with pytest.raises(CheckpointError) as info:
+        latest_valid(tmp_path, warnings.append)
+    msg = str(info.value)
+    assert "last.pt" in msg and "step-00000005.pt" in msg and "--overwrite" in msg
+    assert "--resume" in msg and len(warnings) == 2

@@ -1,0 +1,237 @@
+"""Tests for ironloop.report: a fake run directory (200 steps, 5 epochs, one crash and resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from ironloop import report
+from ironloop.errors import UserError
+
+STEPS_PER_EPOCH, EPOCHS, LOG_EVERY = 40, 5, 4
+TOTAL = STEPS_PER_EPOCH * EPOCHS
+CKPT_STEP, CRASH_STEP = 120, 132  # last.pt at the end of epoch 3; the crash came 12 steps later
+MAX_NORM = 1.0
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PNGS = ["loss.png", "accuracy.png", "lr.png", "grad_norm.png", "grad_norm_hist.png"]
+
+# Per-step pre-clip grad norms, ~0.5-3, identical on replay (a resumable RNG).
+NORMS = np.exp(np.random.default_rng(0).normal(-0.25, 0.5, TOTAL)).clip(0.45, 3.0)
+EXPECTED_FRAC = float((NORMS > MAX_NORM).mean())
+
+
+def _lr(step: int) -> float:
+    """OneCycle-like: rises to 0.1 by step 60, then cosine-anneals to ~0."""
+    if step <= 60:
+        return 0.004 + (0.1 - 0.004) * step / 60
+    return 0.1 * 0.5 * (1 + math.cos(math.pi * (step - 60) / (TOTAL - 60))) + 1e-5
+
+
+def _metric(step: int, attempt: int) -> dict:
+    window = NORMS[step - LOG_EVERY:step]
+    loss = 2.3 * math.exp(-step / 60) + 0.08 + 0.03 * math.sin(step) + 0.02 * attempt
+    return {"step": step, "epoch": (step - 1) // STEPS_PER_EPOCH + 1, "loss": loss,
+            "lr": _lr(step), "grad_norm": float(NORMS[step - 1]),
+            "clipped": int((window > MAX_NORM).sum()), "steps": LOG_EVERY,
+            "samples_per_s": 5000.0 + 10 * attempt, "skipped": 0, "time": step * 0.05}
+
+
+def _epoch(epoch: int) -> dict:
+    step = epoch * STEPS_PER_EPOCH
+    return {"epoch": epoch, "step": step, "train_loss": 2.3 * math.exp(-step / 60) + 0.1,
+            "val_loss": 2.3 * math.exp(-step / 70) + 0.15, "val_acc": 0.55 + 0.08 * epoch,
+            "lr": _lr(step), "seconds": 2.0, "samples_per_s": 5000.0, "clipped_frac": 0.3}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def make_run(run: Path, resume: bool = True) -> Path:
+    """A run dir as the loop leaves it after crashing at CRASH_STEP and resuming at CKPT_STEP."""
+    run.mkdir(parents=True)
+    cfg = {"run": {"dir": str(run)}, "data": {"name": "mnist1d"}, "model": {"name": "mlp"},
+           "schedule": {"name": "onecycle"}, "clip": {"max_norm": MAX_NORM, "mode": "norm"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    steps = range(LOG_EVERY, TOTAL + 1, LOG_EVERY)
+    if resume:
+        metrics = [_metric(s, 0) for s in steps if s <= CRASH_STEP]
+        metrics += [_metric(s, 1) for s in steps if s > CKPT_STEP]
+        _write_jsonl(run / "events.jsonl", [{"event": "resume", "step": CKPT_STEP, "epoch": 3,
+                                             "from": str(run / "checkpoints/last.pt")}])
+    else:
+        metrics = [_metric(s, 0) for s in steps]
+    _write_jsonl(run / "metrics.jsonl", metrics)
+    _write_jsonl(run / "epochs.jsonl", [_epoch(e) for e in range(1, EPOCHS + 1)])
+    results = {"best_val_acc": 0.95, "test_acc": 0.9412, "test_loss": 0.2345, "steps": TOTAL,
+               "seconds": 12.5, "extra": "ignored"}
+    (run / "results.json").write_text(json.dumps(results))
+    return run
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("runs") / "mnist1d-mlp")
+    return run, report.render_report(run)
+
+
+def assert_real_plot(path: Path, min_colour_px: int = 300) -> None:
+    """A PNG that decodes, is not one flat colour, and has coloured (data) pixels, not just
+    black axes and text."""
+    import matplotlib.image as mpimg
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 8_000, (path, len(data))
+    img = mpimg.imread(path)[..., :3]
+    assert img.std() > 0.05, (path, img.std())
+    colour = (img.max(axis=-1) - img.min(axis=-1)) > 0.25
+    assert colour.sum() >= min_colour_px, (path, int(colour.sum()))
+
+
+def colour_px(path: Path, rgb: str, rows=slice(None), cols=slice(None)) -> int:
+    """Pixels of (almost exactly) one matplotlib colour in a region: a panel's own line."""
+    import matplotlib.colors as mcolors
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)[rows, cols, :3]
+    return int((np.abs(img - np.array(mcolors.to_rgb(rgb))).max(axis=-1) < 0.06).sum())
+
+
+def test_each_panel_has_its_data(rendered):
+    """A panel that lost its line is caught even when the other panel still has colour."""
+    run, _ = rendered
+    acc, res = run / "report" / "accuracy.png", run / "report" / "resume.png"
+    half = slice(None, 540), slice(540, None)  # 9 in x 120 dpi = 1080 px wide
+    assert colour_px(acc, "C0", cols=half[0]) > 150 and colour_px(acc, "C1", cols=half[0]) > 150
+    assert colour_px(acc, "C2", cols=half[1]) > 150
+    assert colour_px(res, "C0", rows=slice(None, 330)) > 150  # 5.5 in x 120 dpi = 660 px tall
+    assert colour_px(res, "C2", rows=slice(330, None)) > 150
+    assert colour_px(res, "red") > 300 and colour_px(res, "green") > 150
+    hist = run / "report" / "grad_norm_hist.png"
+    assert colour_px(hist, "C3") > 100 and colour_px(hist, "C0") > 2000
+
+
+def test_render_report_writes_every_plot(rendered):
+    run, paths = rendered
+    names = sorted(p.name for p in paths)
+    assert names == sorted(PNGS + ["resume.png", "report.md"])
+    for p in paths:
+        assert p.parent == run / "report" and p.is_file()
+        if p.suffix == ".png":
+            assert_real_plot(p)
+
+
+def test_report_md_links_every_image(rendered):
+    run, paths = rendered
+    md = (run / "report" / "report.md").read_text()
+    for p in paths:
+        if p.suffix == ".png":
+            assert f"]({p.name})" in md
+    assert "mnist1d" in md and "mlp" in md and "onecycle" in md
+
+
+def test_summarize_values(rendered):
+    run, _ = rendered
+    text = report.summarize(run)
+    rows = dict(tuple(c.strip() for c in line.strip("|").split("|"))
+                for line in text.splitlines() if line.startswith("| ") and "---" not in line)
+    assert rows["epochs"] == "5"
+    assert rows["optimizer steps"] == "200"
+    assert rows["best val acc"] == "95.00%"
+    assert rows["final val acc"] == "95.00%"
+    assert rows["test acc"] == "94.12%"
+    assert rows["test loss"] == "0.2345"
+    assert rows["mean samples/s"] == "5,004"  # 30 rows of attempt 0, 20 of attempt 1 after dedupe
+    assert rows["clipped fraction"] == f"{EXPECTED_FRAC:.1%}"
+    assert rows["resumes"] == "1"
+    assert rows["total seconds"] == "12.5"
+
+
+def test_clipped_fraction_matches_fake_data(rendered):
+    run, _ = rendered
+    raw = report.read_jsonl(run / "metrics.jsonl")
+    assert 0.1 < EXPECTED_FRAC < 0.6  # the fake data really has clipping to count
+    got = report.clipped_fraction(report.continuous(raw), MAX_NORM)
+    assert got == pytest.approx(EXPECTED_FRAC)
+    # The replayed steps would be double-counted without the resume dedupe.
+    assert report.clipped_fraction(raw, MAX_NORM) != pytest.approx(EXPECTED_FRAC)
+
+
+def test_clipped_fraction_rules():
+    rows = [{"clipped": 1, "steps": 4}, {"clipped": 0, "steps": 4}, {"clipped": 3, "steps": 4}]
+    assert report.clipped_fraction(rows, 1.0) == pytest.approx(4 / 12)
+    norms = [{"grad_norm": v} for v in (0.5, 1.5, 2.0, 0.9, None, float("nan"))]
+    assert report.clipped_fraction(norms, 1.0) == pytest.approx(2 / 4)
+    assert report.clipped_fraction(norms, 0) is None  # clipping disabled, no counts
+    assert report.clipped_fraction([], 1.0) is None
+
+
+def test_continuous_drops_superseded_steps():
+    rows = [{"step": s, "a": 0} for s in (4, 8, 12, 16)] + [{"step": s, "a": 1} for s in (12, 20)]
+    kept = report.continuous(rows)
+    assert [(r["step"], r["a"]) for r in kept] == [(4, 0), (8, 0), (12, 1), (20, 1)]
+    assert report.crash_steps(rows) == [16]
+    assert report.crash_steps(kept) == []
+
+
+def test_read_jsonl_missing_partial_and_glued(tmp_path):
+    assert report.read_jsonl(tmp_path / "nope.jsonl") == []
+    p = tmp_path / "m.jsonl"
+    # A crash left '{"step": 3, "lo' without a newline; the resumed run appended a full row to it.
+    p.write_text('{"step": 1}\n{"step": 2, "x": {"y": 1}}\n'
+                 '{"step": 3, "lo{"step": 3, "loss": 1.5}\n[1, 2]\n{"step": 4, "l')
+    assert report.read_jsonl(p) == [{"step": 1}, {"step": 2, "x": {"y": 1}}, {"step": 3, "loss": 1.5}]
+
+
+def test_truncated_last_line_tolerated(tmp_path):
+    run = make_run(tmp_path / "run", resume=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 204, "epoch": 6, "loss": 0.1')
+    paths = report.render_report(run, tmp_path / "out")
+    assert sorted(p.name for p in paths) == sorted(PNGS + ["report.md"])  # no resume.png
+    assert all(p.parent == tmp_path / "out" for p in paths)
+    assert len(report.read_jsonl(run / "metrics.jsonl")) == TOTAL // LOG_EVERY
+
+
+@pytest.mark.parametrize("content", [None, "", '{"step": 1, "lo'])
+def test_missing_or_empty_metrics_is_user_error(tmp_path, content):
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(UserError, match="has no metrics.jsonl.*Pass the run.dir"):
+        report.render_report(tmp_path)
+    assert not (tmp_path / "report").exists()
+
+
+def test_sparse_rows_do_not_crash(tmp_path):
+    """Missing keys, nulls and NaNs are skipped; a run with no val acc and no config still plots."""
+    run = tmp_path / "sparse"
+    run.mkdir()
+    rows = [{"step": s, "loss": 2.0 / s, "lr": 0.01} for s in range(1, 60)]
+    rows += [{"step": 60, "loss": None, "grad_norm": float("nan")}, {"epoch": 1}]
+    rows += [{"step": s, "loss": 0.03, "grad_norm": 0.2 * s} for s in range(61, 70)]
+    _write_jsonl(run / "metrics.jsonl", rows)
+    _write_jsonl(run / "epochs.jsonl", [{"epoch": 1, "train_loss": 1.0, "val_acc": None},
+                                        {"epoch": 2, "train_loss": 0.5}])
+    paths = report.render_report(run)
+    for p in paths:
+        if p.suffix == ".png":
+            assert_real_plot(p, min_colour_px=0 if p.name == "accuracy.png" else 300)
+    text = report.summarize(run)
+    assert "| epochs | 2 |" in text and "no config.yaml" in text and "did not finish" in text
+
+
+def test_plot_functions_compare_variants_and_mark_events(tmp_path):
+    a = [_metric(s, 0) for s in range(4, 201, 4)]
+    b = [dict(r, loss=r["loss"] * 1.5, lr=r["lr"] / 2) for r in a]
+    out = report.plot_loss_curves({"sgd": a, "adamw": b}, tmp_path / "l.png", title="cmp")
+    assert out == tmp_path / "l.png"
+    assert_real_plot(out)
+    assert_real_plot(report.plot_lr({"sgd": a, "adamw": b}, tmp_path / "lr.png"))
+    assert_real_plot(report.plot_resume_curve(a, [_epoch(e) for e in range(1, 6)],
+                                              tmp_path / "r.png", [{"step": 120}], 132))
