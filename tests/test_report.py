@@ -114,7 +114,7 @@ def test_each_panel_has_its_data(rendered):
     assert colour_px(res, "C2", rows=slice(330, None)) > 150
     assert colour_px(res, "red") > 300 and colour_px(res, "green") > 150
     hist = run / "report" / "grad_norm_hist.png"
-    assert colour_px(hist, "C3") > 100 and colour_px(hist, "C0") > 2000
+    assert colour_px(hist, "C3") > 150 and colour_px(hist, "C0") > 2000
 
 
 def test_render_report_writes_every_plot(rendered):
@@ -185,7 +185,8 @@ def test_read_jsonl_missing_partial_and_glued(tmp_path):
     p = tmp_path / "m.jsonl"
     # A crash left '{"step": 3, "lo' without a newline; the resumed run appended a full row to it.
     p.write_text('{"step": 1}\n{"step": 2, "x": {"y": 1}}\n'
-                 '{"step": 3, "lo{"step": 3, "loss": 1.5}\n[1, 2]\n{"step": 4, "l')
+                 '{"step": 3, "lo{"step": 3, "loss": 1.5}\n[1, 2]\n{"step": 4, "x": {"y": 2}\n'
+                 '{"step": 5, "l')
     assert report.read_jsonl(p) == [{"step": 1}, {"step": 2, "x": {"y": 1}}, {"step": 3, "loss": 1.5}]
 
 
@@ -235,3 +236,14 @@ def test_plot_functions_compare_variants_and_mark_events(tmp_path):
     assert_real_plot(report.plot_lr({"sgd": a, "adamw": b}, tmp_path / "lr.png"))
     assert_real_plot(report.plot_resume_curve(a, [_epoch(e) for e in range(1, 6)],
                                               tmp_path / "r.png", [{"step": 120}], 132))
+
+
+def test_threshold_line_and_clipped_dots_are_drawn(tmp_path):
+    rows = [_metric(s, 0) for s in range(4, 201, 4)]
+    unclipped = [dict(r, clipped=0) for r in rows]
+    hist_on = report.plot_grad_norm_hist(rows, MAX_NORM, tmp_path / "h1.png")
+    hist_off = report.plot_grad_norm_hist(rows, None, tmp_path / "h0.png")
+    assert colour_px(hist_on, "C3") > colour_px(hist_off, "C3") + 150  # the dashed clip line
+    dots = report.plot_grad_norm(rows, MAX_NORM, tmp_path / "g1.png")
+    no_dots = report.plot_grad_norm(unclipped, MAX_NORM, tmp_path / "g0.png")
+    assert colour_px(dots, "C3") > colour_px(no_dots, "C3") + 500  # red dots where clipped > 0

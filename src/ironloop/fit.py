@@ -79,7 +79,9 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
         if not hasattr(data.dataset, "__getitem__") or not hasattr(data.dataset, "__len__"):
             raise UserError(f"{what}: ironloop needs a map-style dataset (with __getitem__ and "
                             f"__len__) to resume mid-epoch; an IterableDataset is not supported")
-        return data.dataset, data.collate_fn, data.batch_size
+        default = torch.utils.data.default_collate
+        keep = data.collate_fn is not default and not isinstance(data.dataset, TensorData)
+        return data.dataset, data.collate_fn if keep else None, data.batch_size
     if isinstance(data, (tuple, list)) and len(data) == 2:
         return TensorData(torch.as_tensor(data[0]), torch.as_tensor(data[1])), None, None
     raise UserError(f"{what} must be a torch Dataset, a DataLoader or an (inputs, targets) "

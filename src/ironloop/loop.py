@@ -70,6 +70,7 @@ class Run:
     total_steps: int
     check_labels: Callable[[Any], None] | None = None
     best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
+    step_lr: float = 0.0            # the LR the last optimizer step used
     last_eval: dict = field(default_factory=dict)
 
     @property
@@ -147,6 +148,7 @@ def optimizer_step(run: Run) -> None:
         scaler.update()
     else:
         opt.step()
+    run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
     if run.scheduler is not None and run.cadence == "step":
         run.scheduler.step()  # after optimizer.step, once per optimizer step
     run.progress.step += 1
@@ -186,7 +188,7 @@ def after_step(run: Run, bar) -> None:
         os._exit(1)  # the lab's fault knob: die like a preempted job, writing nothing more
     if p.step % cfg.log.every_steps == 0:
         row = run.meter.flush_window()  # host sync: only at log steps
-        row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": _lr(run),
+        row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": run.step_lr,
                **row, "time": time.time()}
         if run.log is not None:
             run.log.write("metrics", row)
@@ -199,7 +201,7 @@ def end_epoch(run: Run) -> None:
     """Validate, log the epoch, step plateau, track the best, checkpoint."""
     cfg, p = run.cfg, run.progress
     stats = run.meter.flush_epoch()  # host sync, once per epoch
-    lr = _lr(run)
+    lr = run.step_lr
     val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()} if run.val_data else {}
     run.last_eval = val
     improved = False
@@ -290,11 +292,6 @@ def _autocast(run: Run):
     from ironloop.precision import autocast
 
     return autocast(run.precision, run.device)
-
-
-def _lr(run: Run) -> float:
-    lr = run.optimizer.param_groups[0]["lr"]
-    return float(lr)
 
 
 def _progress_bar(run: Run):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,16 @@ def read_jsonl(path: Path | str) -> list[dict]:
                 row = json.loads(line[i:])
             except ValueError:
                 continue
-            if isinstance(row, dict):
+            # A glued row starts with the stub's first key; a nested object of a stub does not.
+            if isinstance(row, dict) and (i == 0 or _first_key(line) == _first_key(line[i:])):
                 rows.append(row)
                 break
     return rows
+
+
+def _first_key(text: str) -> str | None:
+    m = re.match(r'\{\s*"([^"]*)"', text)
+    return m.group(1) if m else None
 
 
 def _num(v: Any) -> float | None:
@@ -236,7 +243,7 @@ def plot_accuracy(epoch_rows: list[dict], out) -> Path:
             title="Loss per epoch")
     xs, ys = _xy(rows, "epoch", "val_acc")
     if xs:
-        pass
+        right.plot(xs, _pct(ys), marker="o", color="C2")
         right.grid(alpha=0.3)
     else:
         _note(right, "no validation accuracy recorded", ticks=False)

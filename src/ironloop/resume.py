@@ -51,7 +51,7 @@ def collect_state(run) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "ironloop_version": ironloop.__version__,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "config": run.cfg.to_dict(),
         "model": run.raw_model.state_dict(),
         "optimizer": run.optimizer.state_dict(),

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny deterministic data and a helper to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ironloop.data.loader import TensorData
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def blobs(n: int = 200, d: int = 8, c: int = 3, seed: int = 0) -> TensorData:
+    """Gaussian blobs: learnable in a few steps, n chosen by the test (ragged or not)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(c, d, generator=g) * 2
+    y = torch.randint(0, c, (n,), generator=g)
+    x = torch.randn(n, d, generator=g) + centres[y]
+    return TensorData(x, y)
+
+
+def tiny_mlp(d: int = 8, c: int = 3, dropout: float = 0.0, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(d, 16), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(16, c))
+
+
+def cfg(tmp_path: Path, **overrides) -> dict:
+    """A fast config for fit(): dotted keys, run.dir under tmp_path."""
+    base = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 32,
+            "log.every_steps": 1, "log.progress": "off", "checkpoint.keep_last": 0}
+    base.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return base
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m ironloop ...` as a user would, capturing output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ironloop", *args], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    return SHARED

@@ -1,0 +1,310 @@
+"""The loop's contract: order of operations, exact accumulation, eval mode, early stopping,
+scheduler cadence, precision and label checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import lr_scheduler
+
+import ironloop
+from ironloop.errors import ConfigError, DataError
+from ironloop.loop import clip_gradients
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- order of operations ------------------------------------------------------------------
+
+def test_order_of_operations_with_fp16_scaler_and_accumulation(tmp_path, monkeypatch):
+    calls: list[str] = []
+
+    def spy(owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls.append(label)
+            return original(*a, **k)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(torch.optim.Optimizer, "zero_grad", "zero_grad")
+    spy(torch.optim.AdamW, "step", "step")
+    spy(torch.amp.GradScaler, "unscale_", "unscale")
+    spy(torch.amp.GradScaler, "update", "scaler_update")
+    spy(nn.utils, "clip_grad_norm_", "clip")
+    spy(lr_scheduler.OneCycleLR, "step", "scheduler")
+
+    model = tiny_mlp()
+    model.register_forward_hook(lambda *a: calls.append("forward"))
+    for p in model.parameters():
+        p.register_hook(lambda g: calls.append("backward") or g)
+
+    def loss_fn(out, y):
+        calls.append("loss")
+        assert torch.is_autocast_enabled("cpu"), "the loss must be computed under autocast"
+        return nn.functional.cross_entropy(out.float(), y)
+
+    calls.clear()
+    ironloop.fit(model, blobs(n=96), None, cfg(tmp_path, train__epochs=1, train__batch_size=16,
+                                               train__accumulation_steps=3,
+                                               train__precision="fp16",
+                                               schedule__name="onecycle"), loss_fn=loss_fn)
+    # collapse the per-parameter backward hooks into one "backward" per micro-batch
+    seq = [c for i, c in enumerate(calls) if not (c == "backward" and calls[i - 1] == "backward")]
+    seq = seq[seq.index("zero_grad"):]  # OneCycleLR's constructor steps once; skip set-up
+    micro = ["forward", "loss", "backward"]
+    window = ["zero_grad", *micro * 3, "unscale", "clip", "step", "scaler_update", "scheduler"]
+    assert seq == window * 2  # 96 samples / (16 x 3) = 2 optimizer steps
+
+
+# --- exact accumulation -------------------------------------------------------------------
+
+def _final_weights(tmp_path, name, **over):
+    model = tiny_mlp()
+    conf = cfg(tmp_path / name, **{"train__epochs": 3, "optim__name": "sgd", "optim__lr": 0.1,
+                                   **over})
+    ironloop.fit(model, blobs(n=200), None, conf)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_accumulation_matches_big_batch_including_ragged_window(tmp_path, optim):
+    # 200 samples: windows of 64 end with a ragged window of 8 samples in every epoch.
+    big = _final_weights(tmp_path, "big", train__batch_size=64, optim__name=optim)
+    acc = _final_weights(tmp_path, "acc", train__batch_size=16, train__accumulation_steps=4,
+                         optim__name=optim)
+    for k in big:
+        torch.testing.assert_close(acc[k], big[k], rtol=1e-5, atol=1e-6)
+
+
+def test_naive_one_over_n_weighting_would_fail_this_check(tmp_path):
+    """The equivalence above is sensitive: 1/N weighting of a ragged window differs."""
+    data = blobs(n=200)
+    big = _final_weights(tmp_path, "big", train__batch_size=64)
+    model = tiny_mlp()
+    opt = torch.optim.SGD([{"params": [p for p in model.parameters() if p.ndim >= 2],
+                            "weight_decay": 0.01},
+                           {"params": [p for p in model.parameters() if p.ndim < 2],
+                            "weight_decay": 0.0}], lr=0.1)
+    from ironloop.data.loader import EpochSampler
+
+    sampler = EpochSampler(200, 16, seed=0, shuffle=True)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        for w in range(0, len(batches), 4):
+            opt.zero_grad()
+            for idx in batches[w:w + 4]:
+                x, y = data.__getitems__(idx)
+                (nn.functional.cross_entropy(model(x), y) / 4).backward()  # the classic bug
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    diffs = [float((model.state_dict()[k] - big[k]).abs().max()) for k in big]
+    assert max(diffs) > 1e-4
+
+
+def test_optimizer_steps_per_epoch_count_windows(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(n=200), None,
+                 cfg(tmp_path, train__batch_size=16, train__accumulation_steps=4))
+    epochs = read(tmp_path / "run" / "epochs.jsonl")
+    assert [e["step"] for e in epochs] == [4, 8]  # ceil(200 / 64) = 4 per epoch
+
+
+# --- validation ---------------------------------------------------------------------------
+
+def test_validation_is_deterministic_in_eval_mode_and_train_mode_returns(tmp_path):
+    model = tiny_mlp(dropout=0.5)
+    seen_modes = []
+
+    def step(m, batch):
+        seen_modes.append(m.training)
+        out = m(batch[0])
+        return nn.functional.cross_entropy(out, batch[1]), {}
+
+    val = blobs(n=64, seed=1)
+    ironloop.fit(model, blobs(n=64), val, cfg(tmp_path, train__epochs=1), step_fn=step)
+    assert model.training, "fit must leave the model in train mode"
+    assert seen_modes[:2] == [True, True] and seen_modes[-1] is False
+    logged = read(tmp_path / "run" / "epochs.jsonl")[0]["val_loss"]
+    model.eval()
+    with torch.no_grad():
+        manual = [float(nn.functional.cross_entropy(model(val.x), val.y)) for _ in range(3)]
+    assert manual[0] == manual[1] == manual[2]
+    assert logged == pytest.approx(manual[0], rel=1e-5)
+
+
+def test_early_stopping_restores_best_weights(tmp_path):
+    train, val = blobs(n=128), blobs(n=64, seed=1)
+    val = type(val)(val.x, (val.y + 1) % 3)  # val disagrees with train: val loss worsens
+    model = tiny_mlp()
+    res = ironloop.fit(model, train, val, cfg(tmp_path, train__epochs=20, early_stop__patience=2,
+                                              checkpoint__keep_last=0, optim__lr=0.01))
+    epochs = read(tmp_path / "run" / "epochs.jsonl")
+    assert res.results["stopped_early"] and res.results["restored_best"]
+    assert len(epochs) < 20
+    best_epoch = min(epochs, key=lambda e: e["val_loss"])["epoch"]
+    assert res.results["best_epoch"] == best_epoch
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)["model"]
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, best[k])
+    assert any(not torch.equal(best[k], last[k]) for k in best)
+    from safetensors.torch import load_file
+
+    final = load_file(tmp_path / "run" / "final.safetensors")
+    assert all(torch.equal(final[k], best[k]) for k in best)
+
+
+# --- scheduler cadence --------------------------------------------------------------------
+
+def test_onecycle_rises_then_falls_once_per_optimizer_step(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(n=200), None,
+                 cfg(tmp_path, train__epochs=4, train__batch_size=16,
+                     train__accumulation_steps=2, schedule__name="onecycle",
+                     schedule__max_lr=0.01))
+    rows = read(tmp_path / "run" / "metrics.jsonl")
+    lrs = [r["lr"] for r in rows]
+    steps = len(rows)
+    assert steps == 4 * 7  # ceil(200 / 32) = 7 optimizer steps per epoch
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < steps - 1
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    # the LR logged for step k is exactly the one torch's OneCycleLR gives step k
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    ref = lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=steps, pct_start=0.3)
+    expected = []
+    for _ in range(steps):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        ref.step()
+    assert lrs == pytest.approx(expected, rel=1e-12)
+
+
+def test_plateau_steps_once_per_epoch_with_the_monitored_metric(tmp_path, monkeypatch):
+    got = []
+    original = lr_scheduler.ReduceLROnPlateau.step
+
+    def spy(self, metrics, *a, **k):
+        got.append(metrics)
+        return original(self, metrics, *a, **k)
+
+    monkeypatch.setattr(lr_scheduler.ReduceLROnPlateau, "step", spy)
+    ironloop.fit(tiny_mlp(), blobs(n=128), blobs(n=64, seed=1),
+                 cfg(tmp_path, train__epochs=4, early_stop__metric="val_acc",
+                     schedule__name="plateau"))
+    epochs = read(tmp_path / "run" / "epochs.jsonl")
+    assert got == [e["val_acc"] for e in epochs]
+
+
+def test_plateau_without_validation_data_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="plateau.*val_fraction"):
+        ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path, schedule__name="plateau"))
+
+
+def test_warmup_cosine_warms_up_then_decays(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(n=320), None,
+                 cfg(tmp_path, train__epochs=2, schedule__name="warmup_cosine",
+                     schedule__warmup_steps=5, optim__lr=0.01))
+    lrs = [r["lr"] for r in read(tmp_path / "run" / "metrics.jsonl")]
+    # step k (1-based) uses the LR set after k-1 scheduler steps: the peak is step 6
+    assert lrs[0] == pytest.approx(0.01 * 0.01) and lrs[5] == pytest.approx(0.01)
+    assert all(a < b for a, b in zip(lrs[:5], lrs[1:6]))
+    assert all(a > b for a, b in zip(lrs[5:], lrs[6:])) and lrs[-1] < 0.01 * 0.05
+
+
+# --- clipping -----------------------------------------------------------------------------
+
+def test_clip_returns_pre_clip_norm_and_flags():
+    p = nn.Parameter(torch.zeros(4))
+    p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    norm, clipped = clip_gradients([p], 1.0, "norm")
+    assert float(norm) == pytest.approx(5.0) and bool(clipped)
+    assert float(p.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    p.grad = torch.tensor([3.0, -4.0, 0.0, 0.0])
+    norm, clipped = clip_gradients([p], 2.0, "value")
+    assert float(norm) == pytest.approx(5.0) and bool(clipped)
+    assert p.grad.tolist() == [2.0, -2.0, 0.0, 0.0]
+    p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    norm, clipped = clip_gradients([p], 0.0, "norm")  # disabled: measured, untouched
+    assert float(norm) == pytest.approx(5.0) and not bool(clipped)
+    assert p.grad.tolist() == [3.0, 4.0, 0.0, 0.0]
+
+
+def test_clipped_counts_reach_the_log(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path, clip__max_norm=1e-3))
+    rows = read(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["clipped"] == 1 and r["grad_norm"] > 1e-3 for r in rows)
+
+
+# --- precision ----------------------------------------------------------------------------
+
+def test_bf16_on_cpu_autocasts_without_a_scaler(tmp_path):
+    dtypes = []
+
+    def step(m, batch):
+        out = m(batch[0])
+        dtypes.append(out.dtype)
+        return nn.functional.cross_entropy(out.float(), batch[1]), {}
+
+    res = ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path, train__precision="bf16"),
+                       step_fn=step)
+    assert set(dtypes) == {torch.bfloat16}
+    assert res.results["precision"] == "bf16"
+    epochs = read(tmp_path / "run" / "epochs.jsonl")
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+
+
+def test_auto_precision_is_fp32_on_cpu(tmp_path):
+    res = ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path, train__precision="auto"))
+    assert res.results["precision"] == "fp32"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_mixed_precision_trains(tmp_path, precision):
+    res = ironloop.fit(tiny_mlp(), blobs(n=512), blobs(n=128, seed=1),
+                       cfg(tmp_path, run__device="cuda", train__precision=precision,
+                           train__epochs=3))
+    assert res.results["precision"] == precision
+    assert res.results["best_val_acc"] > 0.8
+    assert next(res.model.parameters()).device.type == "cuda"
+
+
+# --- labels -------------------------------------------------------------------------------
+
+def test_labels_outside_range_are_a_clear_error(tmp_path):
+    data = blobs()
+    bad = type(data)(data.x, data.y.clone())
+    bad.y[7] = 3  # the model has 3 outputs: labels must be in [0, 3)
+    with pytest.raises(DataError, match=r"\[0, 3\)"):
+        ironloop.fit(tiny_mlp(), bad, None, cfg(tmp_path))
+
+
+def test_labels_checked_per_batch_for_plain_datasets(tmp_path):
+    data = blobs()
+    items = [(data.x[i], int(data.y[i]) if i != 50 else -1) for i in range(len(data))]
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(items)
+
+        def __getitem__(self, i):
+            return items[i][0], torch.tensor(items[i][1])
+
+    with pytest.raises(DataError, match="found a batch with labels"):
+        ironloop.fit(tiny_mlp(), Plain(), None, cfg(tmp_path))
+
+
+def test_dataloader_input_keeps_its_dataset_and_batch_size(tmp_path):
+    loader = torch.utils.data.DataLoader(blobs(n=100), batch_size=25, shuffle=True)
+    res = ironloop.fit(tiny_mlp(), loader, None, cfg(tmp_path, train__epochs=1))
+    assert res.results["steps"] == 4
