@@ -311,7 +311,8 @@ def _build_section(cls: type, raw: Any) -> Any:
 
 
 def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
-    """Check ``value`` against the field type; YAML's '1e-3' string becomes a float."""
+    """Check ``value`` against the field type, undoing two YAML 1.1 quirks: '1e-3' is read as a
+    string (it becomes a float) and on/off are read as booleans (they become 'on'/'off')."""
     want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
             list: "a list", dict: "a mapping"}[typ]
     if typ is float and isinstance(value, str):
@@ -319,6 +320,8 @@ def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    if typ is str and isinstance(value, bool) and "on" in (meta.get("choices") or ()):
+        return "on" if value else "off"
     ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

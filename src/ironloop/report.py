@@ -132,6 +132,7 @@ def _finish(ax, drawn: bool, empty: str, **labels) -> None:
     if drawn:
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
+        ax.set_axisbelow(True)  # grid behind histogram bars too
     else:
         _note(ax, empty, ticks=False)
     ax.set(**labels)
@@ -309,6 +310,11 @@ def _fmt(*candidates: Any, spec: str = "", pct: bool = False) -> str:
     return f"{_pct([v])[0]:.2f}%" if pct else format(v, spec)
 
 
+def _span(times: list[float]) -> float | None:
+    """Wall-clock seconds covered by the metrics rows (their "time" is a Unix timestamp)."""
+    return max(times) - min(times) if len(times) > 1 else None
+
+
 def _resumes(run_dir: Path) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "resume"]
 
@@ -333,8 +339,7 @@ def summarize(run_dir: Path | str) -> str:
         ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None, spec=",.0f")),
         ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
         ("resumes", len(_resumes(run_dir))),
-        ("total seconds", _fmt(res.get("seconds"), max(_vals(metrics, "time"), default=None),
-                               spec=".1f")),
+        ("total seconds", _fmt(res.get("seconds"), _span(_vals(metrics, "time")), spec=".1f")),
     ]
     lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table
@@ -352,7 +357,8 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         raise UserError(f"{run_dir} has no metrics.jsonl: is it an ironloop run directory? "
                         "Pass the run.dir of a training run")
     epochs, resumes = read_jsonl(run_dir / "epochs.jsonl"), _resumes(run_dir)
-    max_norm = _get(_load(run_dir / "config.yaml")[0], "clip.max_norm")
+    cfg = _load(run_dir / "config.yaml")[0]
+    max_norm = _get(cfg, "clip.max_norm")
     metrics, name = continuous(raw), run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
@@ -363,8 +369,11 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         plot_grad_norm_hist(metrics, max_norm, out_dir / "grad_norm_hist.png"),
     ]
     if resumes:
-        paths.append(plot_resume_curve(raw, epochs, out_dir / "resume.png", resumes,
-                                       crash_steps(raw) or None))
+        # The loop truncates the logs to the checkpoint on resume, so the crash step is known
+        # from step resets (older logs) or from the lab's fault.crash_at_step knob, if at all.
+        knob = _num(_get(cfg, "fault.crash_at_step")) or 0
+        crashes = crash_steps(raw) or ([int(knob)] if knob > 0 else [])
+        paths.append(plot_resume_curve(raw, epochs, out_dir / "resume.png", resumes, crashes))
     report = out_dir / "report.md"
     md = [summarize(run_dir)] + [f"![{p.stem}]({p.name})\n" for p in paths]
     report.write_text("\n".join(md), encoding="utf-8")

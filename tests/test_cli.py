@@ -1,0 +1,82 @@
+"""The real CLI end to end: outputs, the 64x1 vs 16x4 equivalence, and the run-dir guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+
+FAST = ["train.epochs=2", "log.progress=off"]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cli") / "digits"
+    res = run_cli("train", "configs/digits.yaml", f"run.dir={run_dir}", *FAST)
+    assert res.returncode == 0, res.stderr
+    return run_dir, res
+
+
+def test_train_writes_every_output(digits_run):
+    run_dir, res = digits_run
+    for name in ("config.yaml", "metrics.jsonl", "epochs.jsonl", "final.safetensors",
+                 "results.json", "checkpoints/last.pt", "checkpoints/best.pt"):
+        assert (run_dir / name).exists(), name
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "epoch", "loss", "lr", "grad_norm", "clipped", "samples_per_s"} <= set(
+        metrics[0])
+    epochs = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert {"epoch", "train_loss", "val_loss", "val_acc", "lr", "seconds"} <= set(epochs[0])
+    results = json.loads((run_dir / "results.json").read_text())
+    assert {"best_val_acc", "test_acc", "test_loss", "steps", "seconds"} <= set(results)
+    assert results["steps"] == epochs[-1]["step"]
+    assert "epoch 2/2" in res.stdout  # not a TTY: plain epoch lines, no progress bar
+    assert "\r" not in res.stdout + res.stderr
+
+
+def test_accumulation_equivalence_through_the_cli(tmp_path):
+    common = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
+              "checkpoint.enabled=false"]
+    a = run_cli("train", *common, f"run.dir={tmp_path / 'a'}", "train.batch_size=64")
+    b = run_cli("train", *common, f"run.dir={tmp_path / 'b'}", "train.batch_size=16",
+                "train.accumulation_steps=4")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    wa = load_file(tmp_path / "a" / "final.safetensors")
+    wb = load_file(tmp_path / "b" / "final.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+    steps = [json.loads((tmp_path / d / "results.json").read_text())["steps"] for d in "ab"]
+    assert steps[0] == steps[1] == 2 * 23  # ceil(1438 / 64) optimizer steps per epoch
+
+
+def test_existing_run_dir_is_refused_without_resume_or_overwrite(digits_run):
+    run_dir, _ = digits_run
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    res = run_cli("train", "configs/digits.yaml", f"run.dir={run_dir}", *FAST)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--resume" in res.stderr and "--overwrite" in res.stderr
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_overwrite_keeps_files_the_user_put_in_run_dir(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    args = ["train", "configs/digits.yaml", f"run.dir={run_dir}", "train.epochs=1",
+            "log.progress=off"]
+    assert run_cli(*args).returncode == 0
+    res = run_cli(*args, "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    assert len((run_dir / "epochs.jsonl").read_text().splitlines()) == 1
+
+
+def test_python_dash_m_and_help():
+    res = run_cli("--help")
+    assert res.returncode == 0 and "train" in res.stdout and "export" in res.stdout
