@@ -169,17 +169,20 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
 
     manager = None
     if world.is_main:
-        resumed = state is not None
-        run.log = RunLog(run_dir, cfg.log.tensorboard,
-                         resume_step=run.progress.step if resumed else None,
-                         resume_epoch=run.progress.epoch if resumed else None)
-        if resumed:
+        # Any --resume, even one that found nothing and starts fresh, drops log lines past the
+        # step it continues from, so each step and each epoch is logged exactly once.
+        run.log = RunLog(run_dir, cfg.log.tensorboard, resume_step=run.progress.step if resume
+                         else None, resume_epoch=run.progress.epoch)
+        if state is not None:
             run.log.write("events", {"event": "resume", "step": run.progress.step,
                                      "epoch": run.progress.epoch, "from": source,
+                                     "last_logged_step": run.log.last_logged_step,
                                      "time": time.time()})
         if cfg.checkpoint.enabled:
             manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                         cfg.checkpoint.async_write)
+            for path in manager.discard_after(run.progress.step):
+                print(f"notice: removed {path}: it is past the step this run resumed from")
             run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
     try:
         loop.train(run)
@@ -240,10 +243,12 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
     ckpt_dir = run_dir / "checkpoints"
     state = source = None
     if resume:
-        if isinstance(resume, (str, Path)):
-            source = str(resume)
-            state = load_verified(Path(resume))
+        path = Path(resume) if isinstance(resume, (str, Path)) else None
+        if path is not None and not path.is_dir():
+            source, state = str(path), load_verified(path)
         else:
+            if path is not None:  # a directory: a run.dir or its checkpoints/ folder
+                ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
             found = latest_valid(ckpt_dir, warn)
             if found is None:

@@ -20,19 +20,23 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def truncate_jsonl(path: Path, key: str, last: int) -> None:
-    """Keep only the lines whose ``key`` is <= ``last``; drop a torn final line."""
+def truncate_jsonl(path: Path, key: str, last: int) -> int:
+    """Keep only the lines whose ``key`` is <= ``last``; drop a torn final line.
+
+    Returns the largest ``key`` the file held: where the previous process got to."""
     if not path.exists():
-        return
-    kept = []
+        return 0
+    kept, seen = [], 0
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line torn by a kill mid-write
+        seen = max(seen, row.get(key, 0))
         if row.get(key, 0) <= last:
             kept.append(line)
     write_atomic(path, "".join(k + "\n" for k in kept))
+    return seen
 
 
 class RunLog:
@@ -41,8 +45,9 @@ class RunLog:
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None = None,
                  resume_epoch: int | None = None):
         self.dir = run_dir
+        self.last_logged_step = 0  # the furthest step the previous process logged
         if resume_step is not None:
-            truncate_jsonl(run_dir / "metrics.jsonl", "step", resume_step)
+            self.last_logged_step = truncate_jsonl(run_dir / "metrics.jsonl", "step", resume_step)
             truncate_jsonl(run_dir / "epochs.jsonl", "epoch", resume_epoch)
         self._files = {name: open(run_dir / f"{name}.jsonl", "a")
                        for name in ("metrics", "epochs", "events")}

@@ -87,6 +87,17 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete what a resume from ``step`` leaves behind: step files newer than it (an
+        abandoned timeline after a rewind, or damaged files that the fallback skipped) and
+        temp files of writers that were killed. Returns the step files deleted."""
+        for tmp in self.directory.glob(".*.tmp-*"):
+            _remove_quietly(tmp)
+        newer = [p for s, p in sorted(_step_files(self.directory).items()) if s > step]
+        for p in newer:
+            _remove_quietly(p)
+        return newer
+
     def save(self, state: dict, step: int, best: bool = False) -> None:
         """Save ``state`` as the checkpoint for ``step``; also as ``best.pt`` if ``best``."""
         if not self.async_write:
