@@ -1,0 +1,29 @@
+"""BestTracker: a pure decision, no model."""
+
+from ironloop.early_stop import BestTracker
+
+
+def test_min_mode_patience_and_min_delta():
+    t = BestTracker("min", patience=2, min_delta=0.05)
+    assert t.update(1.0, 0) and not t.should_stop
+    assert not t.update(0.97, 1)  # within min_delta: not an improvement
+    assert t.update(0.9, 2) and t.best == 0.9 and t.best_epoch == 2
+    assert not t.update(0.95, 3) and not t.should_stop
+    assert not t.update(0.91, 4) and t.should_stop
+
+
+def test_max_mode_nan_and_disabled_patience():
+    t = BestTracker("max", patience=0)
+    assert t.update(0.5, 0) and not t.update(float("nan"), 1) and t.best == 0.5
+    for e in range(2, 50):
+        t.update(0.1, e)
+    assert not t.should_stop  # patience 0 never stops
+
+
+def test_state_dict_round_trip():
+    t = BestTracker("max", patience=3)
+    t.update(0.7, 0)
+    t.update(0.6, 1)
+    u = BestTracker("max", patience=3)
+    u.load_state_dict(t.state_dict())
+    assert u.state_dict() == t.state_dict() == {"best": 0.7, "best_epoch": 0, "bad_epochs": 1}

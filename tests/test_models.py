@@ -1,0 +1,55 @@
+"""Built-in models and the module:factory hook, with clear errors."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from ironloop.errors import ConfigError
+from ironloop.models import build_model
+
+
+@pytest.mark.parametrize("name, shape", [("mlp", (1, 8, 8)), ("small_cnn", (1, 8, 8)),
+                                         ("small_cnn", (1, 28, 28)), ("cnn1d", (1, 40))])
+def test_builtins_map_inputs_to_class_logits(name, shape):
+    model = build_model(name, shape, 10, {})
+    assert model(torch.zeros(3, *shape)).shape == (3, 10)
+    assert not any(isinstance(m, (nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d))
+                   for m in model.modules())
+
+
+@pytest.fixture
+def user_module(monkeypatch):
+    mod = types.ModuleType("my_models")
+    mod.good = lambda input_shape, num_classes, width=4: nn.Sequential(
+        nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), num_classes))
+    mod.boom = lambda **k: (_ for _ in ()).throw(RuntimeError("no GPU today"))
+    mod.not_a_module = lambda **k: "a string"
+    monkeypatch.setitem(sys.modules, "my_models", mod)
+    return mod
+
+
+def test_user_factory_gets_shape_classes_and_kwargs(user_module):
+    model = build_model("my_models:good", (2, 3), 5, {"width": 8})
+    assert model(torch.zeros(1, 2, 3)).shape == (1, 5)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("my_models:boom", "my_models:boom' raised RuntimeError: no GPU today"),
+    ("my_models:not_a_module", "returned a str, not a torch.nn.Module"),
+    ("my_models:missing", "has no callable 'missing'"),
+    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("resnet", "choose one of mlp, small_cnn, cnn1d"),
+])
+def test_factory_errors_name_the_factory(user_module, spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_model(spec, (4,), 2, {})
+
+
+def test_unknown_kwarg_is_a_config_error():
+    with pytest.raises(ConfigError, match="check model.kwargs"):
+        build_model("mlp", (4,), 2, {"widht": 3})

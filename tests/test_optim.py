@@ -1,0 +1,63 @@
+"""Param groups, schedulers and losses built from the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ironloop.config import load_config
+from ironloop.errors import ConfigError
+from ironloop.optim import Loss, build_optimizer, build_scheduler, param_groups
+
+
+def test_biases_and_norm_weights_get_no_decay():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    groups = param_groups(model, 0.1, decay_all=False)
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {p.shape for p in decay["params"]} == {torch.Size([8, 4]), torch.Size([2, 8])}
+    assert len(no_decay["params"]) == 4  # two biases, the norm's weight and bias
+    assert len(param_groups(model, 0.1, decay_all=True)) == 1
+
+
+def test_optimizer_choice_and_lr():
+    model = nn.Linear(2, 2)
+    for name, cls in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam),
+                      ("sgd", torch.optim.SGD)):
+        opt = build_optimizer(model, load_config(None, [f"optim.name={name}",
+                                                        "optim.lr=0.5"]).optim)
+        assert isinstance(opt, cls) and opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["constant", "warmup_cosine", "onecycle", "cosine",
+                                  "cosine_restarts", "plateau"])
+def test_every_schedule_builds_with_its_cadence(name):
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, [f"schedule.name={name}", "schedule.warmup_steps=3"]).schedule
+    sched, cadence = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=50)
+    assert cadence == ("epoch" if name == "plateau" else "step")
+    assert (sched is None) == (name == "constant")
+
+
+def per_sample_mean_is_additive(loss: Loss, out: torch.Tensor, y: torch.Tensor) -> None:
+    whole = loss(out, y)
+    parts = loss(out[:3], y[:3]) * 3 / 7 + loss(out[3:], y[3:]) * 4 / 7
+    torch.testing.assert_close(parts, whole)
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "bce_logits", "mse", "huber", "kl_div"])
+def test_losses_are_per_sample_means_so_accumulation_is_exact(name):
+    torch.manual_seed(0)
+    cfg = load_config(None, [f"loss.name={name}", "loss.class_weights=[1.0, 2.0, 0.5]"]).loss
+    out, y = torch.randn(7, 3), torch.randint(0, 3, (7,))
+    per_sample_mean_is_additive(Loss(cfg, 3), out, y)
+
+
+def test_cross_entropy_label_smoothing_and_weight_count_check():
+    cfg = load_config(None, ["loss.label_smoothing=0.1"]).loss
+    out, y = torch.randn(5, 4), torch.randint(0, 4, (5,))
+    expected = nn.functional.cross_entropy(out, y, label_smoothing=0.1)
+    torch.testing.assert_close(Loss(cfg)(out, y), expected)
+    with pytest.raises(ConfigError, match="one weight per class"):
+        Loss(load_config(None, ["loss.class_weights=[1, 2]"]).loss, num_classes=3)

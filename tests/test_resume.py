@@ -1,0 +1,159 @@
+"""Resume semantics in-process: no replay, fallback past damage, clear refusals, export."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ironloop
+from ironloop.checkpoint import io as ckpt_io
+from ironloop.cli import main
+from ironloop.data.loader import TensorData
+from ironloop.errors import CheckpointError
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+class CountingData(TensorData):
+    """Counts the samples fetched, to prove a resume does not replay skipped batches."""
+
+    fetched = 0
+
+    def __getitems__(self, indices):
+        CountingData.fetched += len(indices)
+        return super().__getitems__(indices)
+
+
+def counting(n=640) -> CountingData:
+    d = blobs(n=n)
+    return CountingData(d.x, d.y)
+
+
+def test_resume_mid_epoch_fetches_only_the_rest_of_the_epoch(tmp_path):
+    conf = cfg(tmp_path, train__epochs=1, train__batch_size=32, checkpoint__every_steps=5,
+               checkpoint__keep_last=10)
+    ironloop.fit(tiny_mlp(), counting(), None, conf)
+    full = ironloop.fit(tiny_mlp(), counting(), None, {**conf, "run.dir": str(tmp_path / "b")})
+    step15 = tmp_path / "run" / "checkpoints" / "step-00000015.pt"
+    CountingData.fetched = 0
+    model = tiny_mlp()
+    ironloop.fit(model, counting(), None, conf, resume=str(step15))
+    assert CountingData.fetched == 640 - 15 * 32  # the 5 remaining batches, nothing replayed
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+
+
+def test_resume_with_nothing_to_resume_starts_fresh(tmp_path, capsys):
+    res = ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path), resume=True)
+    assert "starting a fresh run" in capsys.readouterr().out
+    assert res.results["steps"] == 2 * 7
+
+
+def test_truncated_last_falls_back_to_an_older_step_file(tmp_path, capsys):
+    conf = cfg(tmp_path, train__epochs=2, checkpoint__every_steps=3, checkpoint__keep_last=3)
+    reference = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "r")})
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 9})
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a torn write
+    # also damage the newest step file (last.pt's twin): the fallback must go one further back
+    (tmp_path / "run" / "checkpoints" / "step-00000009.pt").write_bytes(b"garbage")
+    model = tiny_mlp()
+    res = ironloop.fit(model, blobs(), None, conf, resume=True)
+    out = capsys.readouterr().out
+    assert out.count("is damaged") == 2 and "falling back" in out
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["step"] == 7  # the end of epoch 1: step-9 and last.pt were damaged
+    assert res.results["steps"] == reference.results["steps"]
+    for k, v in reference.model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+
+
+def test_checkpoint_of_another_model_lists_keys_and_shapes(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path))
+    other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    with pytest.raises(CheckpointError, match=r"does not fit.*0.weight.*\(16, 8\)"):
+        ironloop.fit(other, blobs(), None, cfg(tmp_path), resume=True)
+
+
+def test_not_a_checkpoint_and_malicious_pickle_are_refused(tmp_path, capsys):
+    junk = tmp_path / "notes.pt"
+    junk.write_text("hello")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Evil()}, evil, pickle_protocol=2)
+    base = ["train", "configs/digits.yaml", "train.epochs=1", f"run.dir={tmp_path / 'r'}"]
+    assert main([*base, "--resume", str(junk)]) == 2
+    assert "damaged or not a checkpoint" in capsys.readouterr().err
+    assert main([*base, "--resume", str(evil)]) == 2
+    err = capsys.readouterr().err
+    assert "refused" in err and "Traceback" not in err
+    assert not marker.exists(), "loading must never run the pickle's code"
+    torch.load(evil, weights_only=False)  # the control: an unsafe load does run it
+    assert marker.exists()
+
+
+def test_full_disk_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint(
+        tmp_path, monkeypatch):
+    conf = cfg(tmp_path, train__epochs=3)
+    real_fsync, calls = os.fsync, {"n": 0}
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.epochs": 1})
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+
+    def full_disk(fd):
+        calls["n"] += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_io.os, "fsync", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
+    monkeypatch.setattr(ckpt_io.os, "fsync", real_fsync)
+    assert calls["n"] >= 1 and last.read_bytes() == before
+    assert not list(last.parent.glob(".*tmp*"))
+    state = torch.load(last, weights_only=True)
+    assert state["progress"]["epoch"] == 1
+
+
+def test_export_writes_safetensors_and_never_clobbers(tmp_path, capsys):
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path))
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--which", "last"]) == 0
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    exported = load_file(out)
+    assert exported.keys() == last.keys() and all(torch.equal(exported[k], last[k]) for k in last)
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--force"]) == 0
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "x.st")]) == 2
+
+
+def test_checkpoint_holds_everything_the_issue_lists(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path, train__precision="fp16"))
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "scaler", "progress", "sampler", "rng",
+                "tracker", "config", "format_version", "ironloop_version", "torch_version"):
+        assert key in state, key
+    assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert state["scaler"] is not None and state["progress"]["epoch"] == 2
+
+
+def test_prefixed_checkpoint_keys_load(tmp_path):
+    """Checkpoints written from DDP ("module.") or torch.compile ("_orig_mod.") models load."""
+    ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path))
+    path = tmp_path / "run" / "checkpoints" / "last.pt"
+    state = torch.load(path, weights_only=True)
+    state["model"] = {f"module._orig_mod.{k}": v for k, v in state["model"].items()}
+    ckpt_io.save_atomic(state, path)
+    model = tiny_mlp(seed=5)
+    ironloop.fit(model, blobs(), None, cfg(tmp_path), resume=str(path))
+    for k, v in state["model"].items():
+        assert torch.equal(model.state_dict()[k.split("_orig_mod.")[1]], v)
