@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ironloop.data.loader import EpochSampler
+
 
 @dataclass(frozen=True)
 class World:
@@ -46,3 +48,56 @@ def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+class EvalSampler(EpochSampler):
+    """Evaluation shards that cover EVERY sample exactly once over all ranks.
+
+    The training sampler drops a tail smaller than the number of ranks, because DDP needs a
+    backward on every rank. Evaluation runs the unwrapped model and only all-reduces sums, so
+    nothing needs dropping: the last global batch is split as far as it goes and a rank whose
+    share is empty simply gets no batch (e.g. 359 samples, batch 179, 2 ranks: the 359th
+    sample goes to rank 0 alone, instead of being silently left out of val_acc).
+    """
+
+    @property
+    def usable(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if batch:  # an empty share of a tail smaller than world_size
+                yield batch
+
+    def __len__(self) -> int:
+        left = max(0, self.n - self.offset)
+        if left == 0:
+            return 0
+        chunks = -(-left // self.global_batch)
+        last = left - (chunks - 1) * self.global_batch  # tensor_split gives ranks < last a sample
+        return chunks - 1 + (1 if last > self.rank else 0)
+
+
+def sum_over_ranks(names: list[str], sums: torch.Tensor | None, count: int,
+                   world: World) -> dict[str, float]:
+    """{name: sum over ranks / sample count over ranks}, from each rank's sums of value * n.
+
+    A rank that saw no sample (fewer samples than ranks) passes ``sums=None`` and no names; it
+    still joins the all-reduce, with zeros, after learning the names from the others.
+    Returns {} when no rank saw a sample.
+    """
+    if world.distributed:
+        gathered: list = [None] * world.size
+        dist.all_gather_object(gathered, names if sums is not None else None)
+        names = next((g for g in gathered if g is not None), [])
+        if not names:
+            return {}
+        if sums is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if dist.get_backend() == "nccl" else torch.device("cpu")
+            sums = torch.zeros(len(names), device=device)
+    if sums is None:
+        return {}
+    totals = all_reduce_sum(torch.cat([sums, sums.new_tensor([count])]), world)
+    totals = totals.tolist()  # host sync, once per evaluation
+    return {k: v / totals[-1] for k, v in zip(names, totals[:-1])}

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, batch_size_of, make_loader, to_device
-from ironloop.distributed import World, all_reduce_sum
+from ironloop.distributed import EvalSampler, World, sum_over_ranks
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, DataError
 from ironloop.logs import RunLog
@@ -233,8 +233,10 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
     model = run.raw_model
     was_training = model.training
     model.eval()
-    sampler = EpochSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
-                           shuffle=False, rank=run.world.rank, world_size=run.world.size)
+    # EvalSampler, not EpochSampler: shards cover every sample (EpochSampler drops a tail
+    # smaller than the number of ranks, which made distributed val metrics miss samples).
+    sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
+                          shuffle=False, rank=run.world.rank, world_size=run.world.size)
     loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
@@ -251,11 +253,9 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
         sums = values if sums is None else sums + values
         count += n
     model.train(was_training)
-    if sums is None:
-        return {}
-    totals = all_reduce_sum(torch.cat([sums, sums.new_tensor([count])]), run.world)
-    totals = totals.tolist()  # host sync, once per evaluation
-    return {k: v / totals[-1] for k, v in zip(names, totals[:-1])}
+    # A rank may now see no sample (fewer samples than ranks): it must still join the
+    # all-reduce, so the early `return {}` on sums None moved into sum_over_ranks.
+    return sum_over_ranks(names, sums, count, run.world)
 
 
 def classification_step(loss_fn) -> StepFn:

@@ -138,26 +138,30 @@ def _finish(ax, drawn: bool, empty: str, **labels) -> None:
     ax.set(**labels)
 
 
-def _per_step(runs: dict[str, list[dict]], key: str, out, log: bool, **labels) -> Path:
-    """One line per variant of ``key`` vs optimizer step."""
+def _per_step(runs: dict[str, list[dict]], key: str, out, log: bool, x: str = "step",
+              xlabel: str = "optimizer step", **labels) -> Path:
+    """One line per variant of ``key`` vs ``x`` (the optimizer step unless told otherwise)."""
     fig, (ax,) = _figure()
     ys_all: list[float] = []
-    for name, rows in runs.items():
-        xs, ys = _xy(continuous(rows), "step", key)
-        if xs:
-            ax.plot(xs, ys, lw=1.3, label=name)
+    for i, (name, rows) in enumerate(runs.items()):
+        xs, ys = _xy(continuous(rows), x, key)
+        if xs:  # line styles cycle too, so overlapping variants stay distinguishable
+            ax.plot(xs, ys, lw=1.3, label=name, ls=("-", "--", ":", "-.")[i // 10 % 4])
             ys_all += ys
     if log and _spans(ys_all, 2):
         ax.set_yscale("log")
     elif ys_all and not log:
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    _finish(ax, bool(ys_all), f"no {labels['ylabel']} recorded", xlabel="optimizer step", **labels)
+    _finish(ax, bool(ys_all), f"no {labels['ylabel']} recorded", xlabel=xlabel, **labels)
     return _save(fig, out)
 
 
-def plot_loss_curves(runs: dict[str, list[dict]], out, title: str = "Training loss") -> Path:
-    """Train loss vs optimizer step, one line per variant; log y when it spans > 2 decades."""
-    return _per_step(runs, "loss", out, True, ylabel="train loss", title=title)
+def plot_loss_curves(runs: dict[str, list[dict]], out, title: str = "Training loss",
+                     x: str = "step", xlabel: str = "optimizer step") -> Path:
+    """Train loss vs optimizer step (or another x key), one line per variant; log y when it
+    spans > 2 decades. Variants with different steps per epoch compare better with x="epochs"."""
+    return _per_step(runs, "loss", out, True, x=x, xlabel=xlabel, ylabel="train loss",
+                     title=title)
 
 
 def plot_lr(runs: dict[str, list[dict]], out) -> Path:
@@ -369,10 +373,12 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         plot_grad_norm_hist(metrics, max_norm, out_dir / "grad_norm_hist.png"),
     ]
     if resumes:
-        # The loop truncates the logs to the checkpoint on resume, so the crash step is known
-        # from step resets (older logs) or from the lab's fault.crash_at_step knob, if at all.
+        # The loop truncates the logs to the checkpoint on resume, but each resume event
+        # records the last step the killed process logged; older logs show step resets.
+        crashes = [e["last_logged_step"] for e in resumes
+                   if (_num(e.get("last_logged_step")) or 0) > (_num(e.get("step")) or 0)]
         knob = _num(_get(cfg, "fault.crash_at_step")) or 0
-        crashes = crash_steps(raw) or ([int(knob)] if knob > 0 else [])
+        crashes = crashes or crash_steps(raw) or ([int(knob)] if knob > 0 else [])
         paths.append(plot_resume_curve(raw, epochs, out_dir / "resume.png", resumes, crashes))
     report = out_dir / "report.md"
     md = [summarize(run_dir)] + [f"![{p.stem}]({p.name})\n" for p in paths]

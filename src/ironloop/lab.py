@@ -1,0 +1,298 @@
+"""``ironloop lab``: the toy script turned into a production loop, one measured step at a time.
+
+The steps are cumulative, as in the original lab: each one keeps everything before it and adds
+one thing, with the same seed and data, so each row of the report shows what that one thing did.
+Step 7 runs as real processes, because its crash is a real ``os._exit(1)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from ironloop.config import Config, load_config
+from ironloop.errors import UserError
+from ironloop.recipe import train_config
+from ironloop.report import (clipped_fraction, plot_grad_norm_hist, plot_loss_curves, plot_lr,
+                             plot_resume_curve, read_jsonl)
+
+MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
+         "synthetic": "mlp"}
+PLOTS = ("lr.png", "grad_norm_hist.png", "resume_curve.png", "loss_curves.png")
+
+
+@dataclass
+class Variant:
+    name: str
+    title: str
+    overrides: dict
+    run_dir: Path = Path()
+    notes: dict = field(default_factory=dict)
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def epochs(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "epochs.jsonl")
+
+    def results(self) -> dict:
+        return json.loads((self.run_dir / "results.json").read_text())
+
+
+def amp_precision() -> str:
+    """bf16 where the hardware supports it (any CPU, Ampere+ GPUs), else fp16 + GradScaler."""
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "fp16"
+    return "bf16"
+
+
+def steps_plan(data: str) -> list[Variant]:
+    """The seven cumulative steps, then the two stretch comparisons."""
+    base = {"data.name": data, "model.name": MODEL.get(data, "mlp"), "train.epochs": 5,
+            "train.batch_size": 64, "optim.name": "adamw", "optim.lr": 1e-3,
+            "schedule.name": "constant", "clip.max_norm": 0.0, "checkpoint.enabled": False,
+            "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off"}
+    steps = [("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
+             ("2-onecycle", "Scheduler: OneCycleLR, max_lr 3e-3",
+              {"schedule.name": "onecycle", "schedule.max_lr": 3e-3}),
+             ("3-clip", "Clipping at 1.0, pre-clip norm logged every step",
+              {"clip.max_norm": 1.0}),
+             ("4-accum", "Accumulation: physical batch 32 x 4",
+              {"train.batch_size": 32, "train.accumulation_steps": 4}),
+             ("5-amp", f"AMP: {amp_precision()} autocast", {"train.precision": amp_precision()}),
+             ("6-checkpoint", "Checkpointing: last every 100 steps, best on val acc",
+              {"checkpoint.enabled": True, "checkpoint.every_steps": 100}),
+             ("7-crash-resume", "Crash in epoch 3, then --resume", {})]
+    variants, acc = [], dict(base)
+    for name, title, extra in steps:
+        acc = {**acc, **extra}
+        variants.append(Variant(name, title, dict(acc)))
+    full = variants[5].overrides
+    variants.append(Variant("8-decay-all", "Stretch: weight decay on biases and norms too",
+                            {**full, "optim.decay_bias_and_norm": True}))
+    other = "fp16" if amp_precision() == "bf16" else "bf16"
+    variants.append(Variant("9-" + other, f"Stretch: {other} instead of {amp_precision()}",
+                            {**full, "train.precision": other}))
+    return variants
+
+
+def _cfg(overrides: dict, run_dir: Path, root: str) -> Config:
+    return load_config(None, []).with_overrides({**overrides, "run.dir": str(run_dir),
+                                                 "data.root": root})
+
+
+def run_lab(data: str, out: Path, root: str = "data", overwrite: bool = False) -> Path:
+    """Run every step into ``out`` and write report.md, report.html and the plots."""
+    if (out / "report.md").exists() and not overwrite:
+        raise UserError(f"{out} already holds a lab report; pass --overwrite to replace it, "
+                        f"or choose another --out")
+    variants = steps_plan(data)
+    if overwrite:
+        for path in [out / v.name for v in variants] + [out / "7-crash-resume.yaml",
+                                                        out / "accum-check"]:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, v in enumerate(variants):
+        v.run_dir = out / v.name
+        print(f"[lab] {v.name}: {v.title}", flush=True)
+        if v.name == "7-crash-resume":
+            crash_and_resume(v, out, root)
+        else:
+            train_config(_cfg(v.overrides, v.run_dir, root))
+    variants[3].notes.update(accumulation_check(variants[3], out, root))
+    variants[6].notes["bit_identical"] = _same_weights(variants[5].run_dir, variants[6].run_dir)
+    plots = draw(variants, out)
+    report = write_reports(variants, out, plots, data)
+    return report
+
+
+def crash_and_resume(v: Variant, out: Path, root: str) -> None:
+    """Crash with os._exit(1) in epoch 3 in a real process, then resume in another."""
+    cfg = _cfg(v.overrides, v.run_dir, root)
+    probe = _cfg({**v.overrides, "train.epochs": 1}, v.run_dir, root)
+    spe = steps_per_epoch(probe)
+    crash = 2 * spe + spe // 2
+    v.notes.update(crash_step=crash, steps_per_epoch=spe)
+    path = out / "7-crash-resume.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    cmd = [sys.executable, "-m", "ironloop", "train", str(path)]
+    first = subprocess.run([*cmd, f"fault.crash_at_step={crash}"], capture_output=True,
+                           text=True)
+    if first.returncode != 1:
+        raise RuntimeError(f"the crash run should exit 1, got {first.returncode}: "
+                           f"{first.stderr[-2000:]}")
+    second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True)
+    if second.returncode != 0:
+        raise RuntimeError(f"the resumed run failed: {second.stderr[-2000:]}")
+    events = [e for e in read_jsonl(v.run_dir / "events.jsonl") if e.get("event") == "resume"]
+    v.notes["resumed_from"] = events[-1]["step"]
+
+
+def steps_per_epoch(cfg: Config) -> int:
+    from ironloop.data import build_data
+
+    n = len(build_data(cfg.data).train)
+    return math.ceil(n / (cfg.train.batch_size * cfg.train.accumulation_steps))
+
+
+def accumulation_check(v: Variant, out: Path, root: str) -> dict:
+    """One epoch of 32 x 4 against one epoch of 128 x 1: equal weights mean the loss was scaled
+    by sample counts (ragged last window included) and the optimizer stepped once per window."""
+    one_epoch = {**v.overrides, "train.epochs": 1}
+    dirs = {}
+    for name, extra in (("32x4", {}), ("128x1", {"train.batch_size": 128,
+                                                 "train.accumulation_steps": 1})):
+        dirs[name] = out / "accum-check" / name
+        train_config(_cfg({**one_epoch, **extra}, dirs[name], root))
+    a, b = (load_file(dirs[k] / "final.safetensors") for k in ("32x4", "128x1"))
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    expected = steps_per_epoch(_cfg(v.overrides, v.run_dir, root)) * v.overrides["train.epochs"]
+    return {"max_abs_diff": diff, "expected_steps": expected}
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = load_file(a / "final.safetensors"), load_file(b / "final.safetensors")
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def draw(variants: list[Variant], out: Path) -> dict[str, Path]:
+    by = {v.name: v for v in variants}
+    crash = by["7-crash-resume"]
+    resumes = [e for e in read_jsonl(crash.run_dir / "events.jsonl") if e.get("event") == "resume"]
+    return {
+        "lr.png": plot_lr({"1-baseline (constant)": by["1-baseline"].metrics(),
+                           "2-onecycle": by["2-onecycle"].metrics()}, out / "lr.png"),
+        "grad_norm_hist.png": plot_grad_norm_hist(by["3-clip"].metrics(), 1.0,
+                                                  out / "grad_norm_hist.png"),
+        "resume_curve.png": plot_resume_curve(crash.metrics(), crash.epochs(),
+                                              out / "resume_curve.png", resumes,
+                                              crash.notes["crash_step"]),
+        "loss_curves.png": plot_loss_curves({v.name: _with_epochs(v) for v in variants},
+                                            out / "loss_curves.png", x="epochs",
+                                            xlabel="epochs of data seen",
+                                            title="Training loss, every lab variant"),
+    }
+
+
+def _with_epochs(v: Variant) -> list[dict]:
+    """Metrics rows with x = epochs of data seen: steps are not comparable across variants
+    whose optimizer steps cover different numbers of samples (accumulation)."""
+    per_epoch = v.epochs()[0]["step"]
+    return [{**m, "epochs": m["step"] / per_epoch} for m in v.metrics()]
+
+
+def summary_row(v: Variant) -> dict:
+    epochs, metrics = v.epochs(), v.metrics()
+    secs = [e["seconds"] for e in epochs]
+    return {"variant": v.name, "final val acc": epochs[-1].get("val_acc"),
+            "s/epoch": statistics.median(secs), "s/epoch spread": (min(secs), max(secs)),
+            "samples/s": statistics.median(e["samples_per_s"] for e in epochs),
+            "optimizer steps": epochs[-1]["step"],
+            "clipped": clipped_fraction(metrics, v.overrides["clip.max_norm"])
+            if v.overrides["clip.max_norm"] > 0 else None}
+
+
+def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
+    """One sentence per step, computed from what the runs logged."""
+    by, row = {v.name: v for v in variants}, {r["variant"]: r for r in rows}
+    acc = {k: r["final val acc"] for k, r in row.items()}
+    lrs = [m["lr"] for m in by["2-onecycle"].metrics()]
+    peak = lrs.index(max(lrs))
+    norms = sorted(m["grad_norm"] for m in by["3-clip"].metrics())
+    acc_notes, crash = by["4-accum"].notes, by["7-crash-resume"].notes
+    speed4, speed5 = row["4-accum"]["samples/s"], row["5-amp"]["samples/s"]
+    secs5, secs6 = row["5-amp"]["s/epoch"], row["6-checkpoint"]["s/epoch"]
+    ckpts = sorted(p.name for p in (by["6-checkpoint"].run_dir / "checkpoints").glob("*.pt"))
+    s = {
+        "1-baseline": f"val acc {acc['1-baseline']:.2%} after 5 epochs; epochs took "
+                      + ", ".join(f"{e['seconds']:.2f}" for e in by["1-baseline"].epochs())
+                      + " s.",
+        "2-onecycle": f"the LR rose from {lrs[0]:.1e} to {max(lrs):.1e} at step {peak + 1} of "
+                      f"{len(lrs)}, then fell to {lrs[-1]:.1e} (lr.png); val acc "
+                      f"{acc['2-onecycle']:.2%} ({acc['2-onecycle'] - acc['1-baseline']:+.2%}).",
+        "3-clip": f"{row['3-clip']['clipped']:.1%} of optimizer steps were clipped; median "
+                  f"pre-clip norm {statistics.median(norms):.2f}, max {norms[-1]:.2f} "
+                  f"(grad_norm_hist.png).",
+        "4-accum": f"{row['4-accum']['optimizer steps']} optimizer steps for "
+                   f"{acc_notes['expected_steps']} expected (one per window of 4, ragged last "
+                   f"window included); after one epoch, 32 x 4 and 128 x 1 end with weights "
+                   f"within {acc_notes['max_abs_diff']:.1e}: the loss is scaled by samples.",
+        "5-amp": f"throughput {speed5:,.0f} samples/s vs {speed4:,.0f} in fp32 "
+                 f"(x{speed5 / speed4:.2f}); val acc {acc['5-amp']:.2%}."
+                 + (" On CPU, bf16 autocast often costs more in casts than it saves."
+                    if not torch.cuda.is_available() else ""),
+        "6-checkpoint": f"wrote {', '.join(ckpts)}; median {secs6:.2f} s/epoch vs {secs5:.2f} "
+                        f"without checkpoints.",
+        "7-crash-resume": f"os._exit(1) right after step {crash['crash_step']} (epoch 3), "
+                          f"resumed from step {crash['resumed_from']}; final weights "
+                          f"{'bit-identical' if crash['bit_identical'] else 'DIFFERENT'} to "
+                          f"step 6's uninterrupted run (resume_curve.png).",
+    }
+    for v in variants[7:]:
+        s[v.name] = f"val acc {acc[v.name]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
+    return s
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "n/a"
+    return {"pct": f"{value:.2%}", "s": f"{value:.2f}", "int": f"{value:,.0f}"}[kind]
+
+
+def write_reports(variants: list[Variant], out: Path, plots: dict[str, Path], data: str) -> Path:
+    rows = [summary_row(v) for v in variants]
+    said = findings(variants, rows)
+    header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
+              "clipped fraction"]
+    table = [[r["variant"], _fmt(r["final val acc"], "pct"),
+              f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
+              _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
+              _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
+             for r in rows]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    intro = (f"Dataset `{data}`, device {device}, torch {torch.__version__}. Each step keeps "
+             f"everything before it and adds one thing; same seed and data throughout.")
+    md = [f"# ironloop lab: {data}", "", intro, "",
+          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(cells) + " |" for cells in table]
+    md += ["", "## What each step showed", ""]
+    md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in variants]
+    md += ["", *[f"![{name}]({name})" for name in plots]]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    (out / "report.html").write_text(_html(data, intro, header, table, variants, said, plots))
+    return out / "report.md"
+
+
+def _html(data, intro, header, table, variants, said, plots) -> str:
+    def img(path: Path) -> str:
+        b64 = base64.b64encode(path.read_bytes()).decode()
+        return f'<figure><img alt="{path.name}" src="data:image/png;base64,{b64}">' \
+               f"<figcaption>{path.name}</figcaption></figure>"
+
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
+                   for row in table)
+    items = "".join(f"<li><b>{esc(v.name)}</b> ({esc(v.title)}): {esc(said[v.name])}</li>"
+                    for v in variants)
+    style = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}"
+             "img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>ironloop lab: "
+            f"{esc(data)}</title><style>{style}</style></head><body>"
+            f"<h1>ironloop lab: {esc(data)}</h1><p>{esc(intro)}</p>"
+            f"<table><tr>{head}</tr>{body}</table><h2>What each step showed</h2><ul>{items}</ul>"
+            + "".join(img(p) for p in plots.values()) + "</body></html>\n")

@@ -1,0 +1,125 @@
+"""Multi-process (torchrun, gloo on CPU) runs must train exactly like one process.
+
+With a model that has no dropout and no BatchNorm, R ranks at ``train.batch_size=B`` see the
+same global batches of R*B samples as one process at ``B*R``; the loop weights each micro-batch
+loss so that DDP's average over ranks is the global batch's mean gradient. So the final weights
+match to fp32 rounding, the step counts match, and validation, sharded over ranks and
+all-reduced, reports the same metrics as validation of the full set in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ironloop.data.loader import EpochSampler
+from ironloop.distributed import EvalSampler
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+N_VAL = 359  # digits: 1438 train / 359 val
+ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
+        "log.every_steps=5"]
+
+
+def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
+    """`ironloop train` in one process, or under torchrun with ``ranks`` processes."""
+    launcher = [sys.executable, "-m", "ironloop"] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+         "--standalone", "-m", "ironloop"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*launcher, "train", *ARGS, *overrides, f"run.dir={run_dir}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{ranks} rank(s) failed:\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-5000:]}"
+    return run_dir
+
+
+def read(run_dir: Path) -> dict:
+    return {
+        "weights": load_file(run_dir / "final.safetensors"),
+        "results": json.loads((run_dir / "results.json").read_text()),
+        "epochs": [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text()
+                   .splitlines()],
+        "metric_steps": [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl")
+                         .read_text().splitlines()],
+    }
+
+
+def assert_same_run(one: dict, many: dict) -> None:
+    assert one["weights"].keys() == many["weights"].keys()
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(many["weights"][name], w, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert many["results"]["steps"] == one["results"]["steps"]
+    assert many["results"]["epochs"] == one["results"]["epochs"] == 2
+    # Only rank 0 logs: each step and each epoch once, as in one process.
+    assert many["metric_steps"] == one["metric_steps"]
+    assert [r["step"] for r in many["epochs"]] == [r["step"] for r in one["epochs"]]
+    for a, b in zip(one["epochs"], many["epochs"]):
+        # Sharded validation covers the whole val set: acc is (correct samples) / 359.
+        assert round(b["val_acc"] * N_VAL) == pytest.approx(b["val_acc"] * N_VAL, abs=1e-6)
+        assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9)
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+    assert many["results"]["best_val_acc"] == pytest.approx(one["results"]["best_val_acc"],
+                                                            abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def single_64(tmp_path_factory) -> dict:
+    """The reference: one process, batch 64 (23 steps per epoch)."""
+    return read(train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64"))
+
+
+def test_two_ranks_equal_one_process_with_the_global_batch(single_64, tmp_path):
+    two = read(train(tmp_path / "two", "train.batch_size=32", ranks=2))
+    assert two["results"]["steps"] == 2 * 23  # ceil(1438 / 64) per epoch
+    assert_same_run(single_64, two)
+    # Checkpoints (on by default) are written by rank 0 alone, from the unwrapped model.
+    ckpts = list((tmp_path / "two" / "checkpoints").glob("*.pt"))
+    assert ckpts, "rank 0 wrote no checkpoint"
+
+
+def test_two_ranks_with_accumulation_equal_one_process(single_64, tmp_path):
+    # 2 ranks x 16 x 2 micro-steps = 64 per optimizer step; the first micro-step of each
+    # window runs under DDP's no_sync, the second all-reduces the accumulated gradients.
+    two = read(train(tmp_path / "two", "train.batch_size=16", "train.accumulation_steps=2",
+                     "checkpoint.enabled=false", ranks=2))
+    assert_same_run(single_64, two)
+
+
+def test_sharded_validation_covers_a_tail_smaller_than_the_ranks(tmp_path):
+    # 359 % (179 * 2) == 1: the training sampler's rule would drop the 359th val sample (one
+    # sample cannot be split between two ranks). Validation must not: same val_acc as one
+    # process, whose denominator is 359. (Training: 1438 % 358 == 6, nothing dropped.)
+    one = read(train(tmp_path / "one", "train.batch_size=358", "checkpoint.enabled=false"))
+    two = read(train(tmp_path / "two", "train.batch_size=179", "checkpoint.enabled=false",
+                     ranks=2))
+    assert_same_run(one, two)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 65, 359])
+@pytest.mark.parametrize("batch_size", [1, 32, 179])
+def test_eval_shards_cover_every_sample_once(n, batch_size, world):
+    shards = [list(EvalSampler(n, batch_size, 0, shuffle=False, rank=r, world_size=world))
+              for r in range(world)]
+    seen = sorted(i for batches in shards for b in batches for i in b)
+    assert seen == list(range(n))  # every sample, exactly once
+    for r, batches in enumerate(shards):
+        assert all(batches), "an empty batch"
+        assert len(EvalSampler(n, batch_size, 0, False, rank=r, world_size=world)) \
+            == len(batches)
+        assert all(len(b) <= batch_size for b in batches)
+    # For contrast: the training sampler drops such a tail, on purpose (DDP needs every rank).
+    train_seen = sum(len(b) for r in range(world)
+                     for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
+    assert n - train_seen < world

@@ -1,0 +1,76 @@
+"""`ironloop lab --data digits` end to end: every artifact, and the claims it makes hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lab") / "out"
+    res = run_cli("lab", "--data", "digits", "--out", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_every_artifact_is_there(lab):
+    for name in ("report.md", "report.html", "lr.png", "grad_norm_hist.png",
+                 "resume_curve.png", "loss_curves.png"):
+        assert (lab / name).stat().st_size > 0, name
+    variants = [d for d in lab.iterdir() if d.is_dir() and re.match(r"\d-", d.name)]
+    assert len(variants) == 9
+    for d in variants:
+        assert (d / "metrics.jsonl").stat().st_size > 0, d
+
+
+def test_plots_are_not_empty(lab):
+    for name in ("lr.png", "grad_norm_hist.png", "resume_curve.png", "loss_curves.png"):
+        img = imread(lab / name)
+        assert img.shape[0] > 300 and float(np.std(img[..., :3])) > 0.05, name
+
+
+def test_report_table_and_findings(lab):
+    md = (lab / "report.md").read_text()
+    rows = [line for line in md.splitlines() if re.match(r"\| \d-", line)]
+    assert len(rows) == 9
+    assert "bit-identical" in md and "DIFFERENT" not in md
+    assert re.search(r"(\d+) optimizer steps for \1 expected", md)
+    html = (lab / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4 and 'src="http' not in html
+
+
+def test_each_step_did_what_it_says(lab):
+    def metrics(name):
+        return [json.loads(x) for x in (lab / name / "metrics.jsonl").read_text().splitlines()]
+
+    lrs = [m["lr"] for m in metrics("2-onecycle")]
+    assert 0 < lrs.index(max(lrs)) < len(lrs) - 1  # rises, then falls
+    assert {m["lr"] for m in metrics("1-baseline")} == {1e-3}
+    clip = metrics("3-clip")
+    assert len(clip) == clip[-1]["step"]  # the norm is logged at every step
+    assert any(m["clipped"] for m in clip)
+    # 1438 digits training samples, 5 epochs: one optimizer step per 64, then per 32 x 4
+    assert clip[-1]["step"] == 5 * math.ceil(1438 / 64)
+    assert metrics("4-accum")[-1]["step"] == 5 * math.ceil(1438 / 128)
+    ckpts = {p.name for p in (lab / "6-checkpoint" / "checkpoints").iterdir()}
+    assert {"best.pt", "last.pt"} <= ckpts
+    events = [json.loads(x) for x in (lab / "7-crash-resume" / "events.jsonl").read_text()
+              .splitlines()]
+    assert [e["event"] for e in events] == ["resume"]
+
+
+def test_existing_lab_output_is_not_overwritten(lab):
+    before = (lab / "report.md").read_text()
+    res = run_cli("lab", "--data", "digits", "--out", str(lab))
+    assert res.returncode == 2 and "--overwrite" in res.stderr
+    assert (lab / "report.md").read_text() == before
