@@ -54,7 +54,7 @@ def read(run_dir: Path) -> dict:
     }
 
 
-def assert_same_run(one: dict, many: dict) -> None:
+def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
     assert one["weights"].keys() == many["weights"].keys()
     for name, w in one["weights"].items():
         torch.testing.assert_close(many["weights"][name], w, rtol=1e-5, atol=1e-6,
@@ -65,8 +65,8 @@ def assert_same_run(one: dict, many: dict) -> None:
     assert many["metric_steps"] == one["metric_steps"]
     assert [r["step"] for r in many["epochs"]] == [r["step"] for r in one["epochs"]]
     for a, b in zip(one["epochs"], many["epochs"]):
-        # Sharded validation covers the whole val set: acc is (correct samples) / 359.
-        assert round(b["val_acc"] * N_VAL) == pytest.approx(b["val_acc"] * N_VAL, abs=1e-6)
+        # Sharded validation covers the whole val set: acc is (correct samples) / n_val.
+        assert round(b["val_acc"] * n_val) == pytest.approx(b["val_acc"] * n_val, abs=1e-6)
         assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9)
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
     assert many["results"]["best_val_acc"] == pytest.approx(one["results"]["best_val_acc"],
@@ -104,6 +104,16 @@ def test_sharded_validation_covers_a_tail_smaller_than_the_ranks(tmp_path):
     two = read(train(tmp_path / "two", "train.batch_size=179", "checkpoint.enabled=false",
                      ranks=2))
     assert_same_run(one, two)
+
+
+def test_a_rank_without_validation_samples_still_joins_the_reduction(tmp_path):
+    # data.val_fraction=0.0006: 1 val sample of 1797, so rank 1 evaluates nothing. It must
+    # still take part in the all-reduce (no hang) and both runs must report that sample.
+    extra = ("data.val_fraction=0.0006", "checkpoint.enabled=false")
+    one = read(train(tmp_path / "one", "train.batch_size=64", *extra))
+    two = read(train(tmp_path / "two", "train.batch_size=32", *extra, ranks=2))
+    assert all(r["val_acc"] in (0.0, 1.0) for r in one["epochs"])
+    assert_same_run(one, two, n_val=1)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
