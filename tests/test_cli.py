@@ -80,3 +80,15 @@ def test_overwrite_keeps_files_the_user_put_in_run_dir(tmp_path):
 def test_python_dash_m_and_help():
     res = run_cli("--help")
     assert res.returncode == 0 and "train" in res.stdout and "export" in res.stdout
+
+
+def test_report_renders_a_real_run(digits_run, tmp_path):
+    run_dir, _ = digits_run
+    res = run_cli("report", str(run_dir), "--out", str(tmp_path / "rep"))
+    assert res.returncode == 0, res.stderr
+    for name in ("loss.png", "accuracy.png", "lr.png", "grad_norm.png", "grad_norm_hist.png",
+                 "report.md"):
+        assert (tmp_path / "rep" / name).stat().st_size > 0, name
+    assert "best val acc" in (tmp_path / "rep" / "report.md").read_text()
+    bad = run_cli("report", str(tmp_path))
+    assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 N_VAL = 359  # digits: 1438 train / 359 val
+TIMEOUT = 120  # seconds per run; each takes ~3-6 s on 2 cores
 ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
         "log.every_steps=5"]
 
@@ -36,11 +38,40 @@ def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
          "--standalone", "-m", "ironloop"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([*launcher, "train", *ARGS, *overrides, f"run.dir={run_dir}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{ranks} rank(s) failed:\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-5000:]}"
+    log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: see _stop
+    with log.open("w") as out:
+        proc = subprocess.Popen([*launcher, "train", *ARGS, *overrides, f"run.dir={run_dir}"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            pytest.fail(f"{ranks} rank(s) still running after {TIMEOUT}s (a hung "
+                        f"collective?):\n{log.read_text()[-5000:]}")
+    assert proc.returncode == 0, f"{ranks} rank(s) failed:\n{log.read_text()[-8000:]}"
     return run_dir
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a hung run and its ranks. torchrun starts each rank in a session of its own, so
+    killing torchrun's process group misses them (and orphans would hold a stdout pipe open
+    forever); SIGTERM makes torchrun stop its ranks, and any rank that survives is killed."""
+    try:
+        ranks = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        ranks = []
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid in map(int, ranks):
+        try:
+            if b"ironloop" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def read(run_dir: Path) -> dict:
@@ -65,10 +96,13 @@ def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
     assert many["metric_steps"] == one["metric_steps"]
     assert [r["step"] for r in many["epochs"]] == [r["step"] for r in one["epochs"]]
     for a, b in zip(one["epochs"], many["epochs"]):
+        assert b["val_acc"] is not None, "the multi-rank run reported no validation metrics"
         # Sharded validation covers the whole val set: acc is (correct samples) / n_val.
         assert round(b["val_acc"] * n_val) == pytest.approx(b["val_acc"] * n_val, abs=1e-6)
         assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9)
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+        # the logged train loss covers every rank's samples, not only rank 0's
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
     assert many["results"]["best_val_acc"] == pytest.approx(one["results"]["best_val_acc"],
                                                             abs=1e-9)
 

@@ -133,9 +133,9 @@ def reference(tmp_path_factory) -> Path:
 
 def test_sigkill_at_random_points_then_resume_is_bit_exact(reference, tmp_path):
     rng = random.Random(1234)
-    targets = sorted(rng.sample(range(3, TOTAL - 5), 10))
+    targets = sorted(rng.sample(range(3, TOTAL - 5), 12))
     KILLS["plain"] = run_with_kills(tmp_path / "run", targets, rng)
-    assert KILLS["plain"] >= 8
+    assert KILLS["plain"] >= 10
     assert_bit_exact(reference, tmp_path / "run")
     # every resume from a checkpoint left a note, at a checkpoint step (every 7, or an epoch end)
     events = curve(tmp_path / "run", "events.jsonl", ("event", "step", "last_logged_step"))
@@ -146,7 +146,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_exact(reference, tmp_path):
 
 def test_sigkill_with_loader_workers_and_async_checkpoints_is_bit_exact(reference, tmp_path):
     rng = random.Random(99)
-    targets = sorted(rng.sample(range(3, TOTAL - 5), 6))
+    targets = sorted(rng.sample(range(3, TOTAL - 5), 7))
     KILLS["workers+async"] = run_with_kills(tmp_path / "run", targets, rng,
                                             extra=("data.num_workers=2", "checkpoint.async=true"))
     assert KILLS["workers+async"] >= 5
@@ -156,7 +156,7 @@ def test_sigkill_with_loader_workers_and_async_checkpoints_is_bit_exact(referenc
 def test_sigkill_in_the_middle_of_a_checkpoint_write(reference, tmp_path):
     """Kill the moment a temp file appears; the file it was writing must never be used."""
     run_dir = tmp_path / "run"
-    caught_mid_write = 0
+    kills = caught_mid_write = 0
     for floor in (20, 70, 120, 170, 220):
         proc = subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
@@ -164,10 +164,11 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write(reference, tmp_path):
             time.sleep(0.0005)
         if proc.poll() is None:
             kill(proc)
+            kills += 1
             caught_mid_write += bool(temp_files(run_dir))  # still there: the write was cut
         else:
             assert proc.returncode == 0
-    KILLS["mid-write"] = caught_mid_write
+    KILLS["mid-write"] = kills
     assert caught_mid_write >= 3, "too few kills landed inside a checkpoint write"
     finish(subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True))
@@ -179,4 +180,5 @@ def test_total_kills_across_the_suite():
     """The issue asks for at least 20 SIGKILLs in total; the tests above record theirs."""
     if not all(KILLS.values()):
         pytest.fail(f"run the whole module: kills so far {KILLS}")
+    print(f"SIGKILLs: {KILLS}, total {sum(KILLS.values())}")
     assert sum(KILLS.values()) >= 20, KILLS

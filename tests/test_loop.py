@@ -308,3 +308,14 @@ def test_dataloader_input_keeps_its_dataset_and_batch_size(tmp_path):
     loader = torch.utils.data.DataLoader(blobs(n=100), batch_size=25, shuffle=True)
     res = ironloop.fit(tiny_mlp(), loader, None, cfg(tmp_path, train__epochs=1))
     assert res.results["steps"] == 4
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path, log__tensorboard=True))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "metrics/loss" in tags and "epochs/val_acc" in tags
+    assert [e.step for e in acc.Scalars("epochs/val_acc")] == [7, 14]

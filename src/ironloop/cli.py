@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def _train(args) -> int:
         resume, overrides = True, [resume, *overrides]  # `--resume key=value`: a bare --resume
     cfg = load_config(args.config, overrides)
     result = train_config(cfg, resume=resume, overwrite=args.overwrite)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun, rank 0 speaks for the run
     r = result.results
     summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "seconds") if k in r}
     print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")

@@ -16,6 +16,7 @@ class World:
     rank: int = 0
     local_rank: int = 0
     size: int = 1
+    owns_group: bool = False  # fit() created the process group, so fit() destroys it
 
     @property
     def is_main(self) -> bool:
@@ -31,12 +32,22 @@ def init_from_env(device_type: str) -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
-    return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size())
+    return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size(),
+                 owns_group=owns)
+
+
+def shutdown(world: World) -> None:
+    """Destroy a process group fit() created. Exiting with a live gloo group can abort the
+    process ("terminate called without an active exception") after training succeeded."""
+    if world.owns_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:

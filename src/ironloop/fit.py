@@ -25,7 +25,7 @@ from ironloop import loop
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
-from ironloop.distributed import World, barrier, init_from_env
+from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
@@ -159,13 +159,14 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         cfg=cfg, model=model, raw_model=raw_model, optimizer=optimizer, scheduler=scheduler,
         cadence=cadence, scaler=grad_scaler(precision, device), step_fn=step_fn,
         train_data=train_set, val_data=val_set, collate_fn=collate_fn, sampler=sampler,
-        progress=Progress(), meter=Meter(device), tracker=tracker, log=None,
+        progress=Progress(), meter=Meter(device, reduce=lambda t: all_reduce_sum(t, world)),
+        tracker=tracker, log=None,
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
-        run.meter.window_start = run.meter.epoch_start = time.perf_counter()
+        run.meter.window_start = time.perf_counter()  # not the time spent starting up
 
     manager = None
     if world.is_main:
@@ -191,7 +192,9 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             manager.close()  # exit waits for an in-flight async write
         if run.log is not None:
             run.log.close()
-    return _finish(run, test_set, run_dir, started)
+    result = _finish(run, test_set, run_dir, started)
+    shutdown(world)
+    return result
 
 
 def _env_local_rank() -> int:

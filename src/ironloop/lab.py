@@ -30,7 +30,9 @@ from ironloop.report import (clipped_fraction, plot_grad_norm_hist, plot_loss_cu
 
 MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
          "synthetic": "mlp"}
-PLOTS = ("lr.png", "grad_norm_hist.png", "resume_curve.png", "loss_curves.png")
+#: Fashion-MNIST on 2 CPU cores: 8/16 channels train at ~9,500 samples/s in fp32 here, against
+#: ~3,350 for the default 32/64, which keeps the whole lab well under 10 minutes.
+MODEL_KWARGS = {"fashion-mnist": {"channels": [8, 16]}}
 
 
 @dataclass
@@ -60,7 +62,8 @@ def amp_precision() -> str:
 
 def steps_plan(data: str) -> list[Variant]:
     """The seven cumulative steps, then the two stretch comparisons."""
-    base = {"data.name": data, "model.name": MODEL.get(data, "mlp"), "train.epochs": 5,
+    base = {"data.name": data, "model.name": MODEL.get(data, "mlp"),
+            "model.kwargs": MODEL_KWARGS.get(data, {}), "train.epochs": 5,
             "train.batch_size": 64, "optim.name": "adamw", "optim.lr": 1e-3,
             "schedule.name": "constant", "clip.max_norm": 0.0, "checkpoint.enabled": False,
             "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off"}
@@ -83,8 +86,11 @@ def steps_plan(data: str) -> list[Variant]:
     variants.append(Variant("8-decay-all", "Stretch: weight decay on biases and norms too",
                             {**full, "optim.decay_bias_and_norm": True}))
     other = "fp16" if amp_precision() == "bf16" else "bf16"
-    variants.append(Variant("9-" + other, f"Stretch: {other} instead of {amp_precision()}",
-                            {**full, "train.precision": other}))
+    # CPUs emulate fp16 at a fraction of bf16's speed: there, one epoch shows the throughput.
+    short = {} if torch.cuda.is_available() else {"train.epochs": 1}
+    variants.append(Variant("9-" + other, f"Stretch: {other} instead of {amp_precision()}"
+                            + (", 1 epoch" if short else ""),
+                            {**full, "train.precision": other, **short}))
     return variants
 
 
@@ -240,8 +246,14 @@ def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
                           f"{'bit-identical' if crash['bit_identical'] else 'DIFFERENT'} to "
                           f"step 6's uninterrupted run (resume_curve.png).",
     }
-    for v in variants[7:]:
-        s[v.name] = f"val acc {acc[v.name]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
+    decay = variants[7].name
+    s[decay] = f"val acc {acc[decay]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
+    prec, first = variants[8], by["6-checkpoint"].epochs()[0]
+    s[prec.name] = (f"{row[prec.name]['samples/s']:,.0f} samples/s vs "
+                    f"{row['6-checkpoint']['samples/s']:,.0f} for step 6; val acc "
+                    f"{acc[prec.name]:.2%} after {len(prec.epochs())} epoch(s)"
+                    + (f" (step 6 had {first['val_acc']:.2%} after its first)."
+                       if len(prec.epochs()) == 1 else "."))
     return s
 
 

@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,6 +37,7 @@ from ironloop.distributed import EvalSampler, World, sum_over_ranks
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, DataError
 from ironloop.logs import RunLog
+from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
 
 StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -71,7 +72,6 @@ class Run:
     check_labels: Callable[[Any], None] | None = None
     best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
     step_lr: float = 0.0            # the LR the last optimizer step used
-    last_eval: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -96,6 +96,7 @@ def train_epoch(run: Run) -> None:
     non_blocking = run.device.type == "cuda"
     bar = _progress_bar(run)
     run.model.train()
+    run.meter.start_epoch()
     micro = window = 0
     for batch in loader:
         if micro == 0:
@@ -201,9 +202,10 @@ def end_epoch(run: Run) -> None:
     """Validate, log the epoch, step plateau, track the best, checkpoint."""
     cfg, p = run.cfg, run.progress
     stats = run.meter.flush_epoch()  # host sync, once per epoch
+    started = time.perf_counter()
     lr = run.step_lr
     val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()} if run.val_data else {}
-    run.last_eval = val
+    val_seconds = time.perf_counter() - started
     improved = False
     metric = cfg.early_stop.metric
     if val:
@@ -219,12 +221,14 @@ def end_epoch(run: Run) -> None:
     p.epoch += 1
     p.offset = 0
     row = {"epoch": p.epoch, "step": p.step, "train_loss": stats.pop("train_loss"),
-           "val_loss": val.get("val_loss"), "val_acc": val.get("val_acc"), "lr": lr, **stats,
+           "val_loss": val.get("val_loss"), "val_acc": val.get("val_acc"), "lr": lr,
+           "seconds": stats["train_seconds"] + val_seconds, "val_seconds": val_seconds, **stats,
            **{k: v for k, v in val.items() if k not in ("val_loss", "val_acc")}}
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
     run.save(improved)
+    run.meter.exclude(time.perf_counter() - started)
 
 
 @torch.inference_mode()
@@ -289,8 +293,6 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
 
 
 def _autocast(run: Run):
-    from ironloop.precision import autocast
-
     return autocast(run.precision, run.device)
 
 

@@ -54,12 +54,27 @@ class _Sums:
 
 
 class Meter:
-    """What metrics.jsonl (per log window) and epochs.jsonl (per epoch) report."""
+    """What metrics.jsonl (per log window) and epochs.jsonl (per epoch) report.
 
-    def __init__(self, device: torch.device):
+    ``reduce`` sums a tensor over ranks (all_reduce) so that, under DDP, the logged loss and
+    throughput cover every rank's samples. Clip and skip counts need no reduction: every rank
+    sees the same all-reduced gradients.
+    """
+
+    def __init__(self, device: torch.device, reduce=None):
+        self.reduce = reduce
         self.window, self.epoch = _Sums(device), _Sums(device)
         self.grad_norm = torch.zeros((), device=device)
         self.window_start = self.epoch_start = time.perf_counter()
+
+    def start_epoch(self) -> None:
+        """Training time of an epoch starts here, not when the previous one was flushed."""
+        self.epoch_start = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Keep time that was not training (validation, end-of-epoch checkpoints) out of the
+        log window's samples/s."""
+        self.window_start += seconds
 
     def add_micro(self, loss: torch.Tensor, n: int) -> None:
         contrib = loss.detach().to(self.window.acc.dtype) * n  # stays on the device: no sync
@@ -80,12 +95,13 @@ class Meter:
     def flush_window(self) -> dict:
         """Read and reset the log window. This is a host-device sync: call at log steps only."""
         w = self.window
-        loss_sum, clipped, skipped, grad_norm = torch.cat(
-            [w.acc, self.grad_norm.to(w.acc.dtype).reshape(1)]).tolist()  # host sync
+        loss_sum, samples, clipped, skipped, grad_norm = torch.cat(
+            [self._over_ranks(w), w.acc[1:], self.grad_norm.to(w.acc.dtype).reshape(1)]
+        ).tolist()  # host sync
         now = time.perf_counter()
-        row = {"loss": loss_sum / max(w.samples, 1), "grad_norm": grad_norm,
+        row = {"loss": loss_sum / max(samples, 1), "grad_norm": grad_norm,
                "clipped": int(clipped), "steps": w.steps, "skipped": int(skipped),
-               "samples_per_s": w.samples / max(now - self.window_start, 1e-9)}
+               "samples_per_s": samples / max(now - self.window_start, 1e-9)}
         w.reset()
         self.window_start = now
         return row
@@ -93,15 +109,20 @@ class Meter:
     def flush_epoch(self) -> dict:
         """Read and reset the epoch sums. A host-device sync, once per epoch."""
         e = self.epoch
-        loss_sum, clipped, skipped = e.acc.tolist()  # host sync
+        loss_sum, samples, clipped, skipped = torch.cat(
+            [self._over_ranks(e), e.acc[1:]]).tolist()  # host sync
         now = time.perf_counter()
-        row = {"train_loss": loss_sum / max(e.samples, 1),
+        row = {"train_loss": loss_sum / max(samples, 1),
                "clipped_frac": clipped / max(e.steps, 1), "skipped": int(skipped),
-               "seconds": now - self.epoch_start,
-               "samples_per_s": e.samples / max(now - self.epoch_start, 1e-9)}
+               "train_seconds": now - self.epoch_start,
+               "samples_per_s": samples / max(now - self.epoch_start, 1e-9)}
         e.reset()
-        self.epoch_start = now
         return row
+
+    def _over_ranks(self, sums: _Sums) -> torch.Tensor:
+        """[loss * samples, samples], summed over ranks when distributed."""
+        t = torch.stack([sums.acc[0], sums.acc.new_tensor(float(sums.samples))])
+        return self.reduce(t) if self.reduce is not None else t
 
     def state_dict(self) -> dict:
         return {"window": self.window.state_dict(), "epoch": self.epoch.state_dict(),
