@@ -45,6 +45,7 @@ def test_report_table_and_findings(lab):
     assert len(rows) == 9
     assert "bit-identical" in md and "DIFFERENT" not in md
     assert re.search(r"(\d+) optimizer steps for \1 expected", md)
+    assert "the loss is scaled by sample counts" in md and "NOT SCALED" not in md
     html = (lab / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and 'src="http' not in html
 

@@ -32,29 +32,12 @@ def _sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-class _Sums:
-    """Device-side sums of loss*samples, clipped and skipped steps, plus host-side counts."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        # [loss * samples, clipped steps, skipped steps]
-        self.acc = torch.zeros(3, dtype=_sum_dtype(self.device), device=self.device)
-        self.samples = 0
-        self.steps = 0
-
-    def state_dict(self) -> dict:
-        return {"acc": self.acc.cpu().clone(), "samples": self.samples, "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.acc = state["acc"].to(self.device, _sum_dtype(self.device))
-        self.samples, self.steps = state["samples"], state["steps"]
-
-
 class Meter:
     """What metrics.jsonl (per log window) and epochs.jsonl (per epoch) report.
+
+    It keeps running totals since the start of the run, on the device, so a micro-batch costs
+    one in-place add and an optimizer step one or two; a log window or an epoch is the
+    difference between the totals now and a mark taken where it began.
 
     ``reduce`` sums a tensor over ranks (all_reduce) so that, under DDP, the logged loss and
     throughput cover every rank's samples. Clip and skip counts need no reduction: every rank
@@ -63,9 +46,20 @@ class Meter:
 
     def __init__(self, device: torch.device, reduce=None):
         self.reduce = reduce
-        self.window, self.epoch = _Sums(device), _Sums(device)
-        self.grad_norm = torch.zeros((), device=device)
+        dtype = _sum_dtype(device)
+        self.loss_sum = torch.zeros((), dtype=dtype, device=device)  # sum of loss * samples
+        self.clipped = torch.zeros((), dtype=dtype, device=device)   # steps clipped
+        self.skipped = torch.zeros((), dtype=dtype, device=device)   # fp16 steps skipped
+        self.grad_norm = torch.zeros((), device=device)              # of the last step
+        self.samples = self.steps = 0                                # host-side counts
+        self.window_mark = self.epoch_mark = self._mark()
         self.window_start = self.epoch_start = time.perf_counter()
+
+    def _totals(self) -> torch.Tensor:
+        return torch.stack([self.loss_sum, self.clipped, self.skipped])
+
+    def _mark(self) -> dict:
+        return {"totals": self._totals(), "samples": self.samples, "steps": self.steps}
 
     def start_epoch(self) -> None:
         """Training time of an epoch starts here, not when the previous one was flushed."""
@@ -77,58 +71,62 @@ class Meter:
         self.window_start += seconds
 
     def add_micro(self, loss: torch.Tensor, n: int) -> None:
-        contrib = loss.detach().to(self.window.acc.dtype) * n  # stays on the device: no sync
-        for s in (self.window, self.epoch):
-            s.acc[0] += contrib
-            s.samples += n
+        self.loss_sum.add_(loss.detach(), alpha=n)  # stays on the device: no sync
+        self.samples += n
 
     def add_step(self, grad_norm: torch.Tensor, clipped: torch.Tensor,
                  skipped: torch.Tensor | None) -> None:
         self.grad_norm = grad_norm.detach()
-        dtype = self.window.acc.dtype
-        skipped = torch.zeros((), device=clipped.device) if skipped is None else skipped
-        flags = torch.stack([clipped.to(dtype), skipped.to(dtype)])
-        for s in (self.window, self.epoch):
-            s.acc[1:] += flags
-            s.steps += 1
+        self.clipped.add_(clipped)
+        if skipped is not None:
+            self.skipped.add_(skipped)
+        self.steps += 1
+
+    def _since(self, mark: dict) -> tuple[list[float], int, int]:
+        """(loss_sum over all ranks, samples over all ranks, clipped, skipped, grad_norm),
+        since ``mark``. This is a host-device sync."""
+        delta = self._totals() - mark["totals"]
+        samples = self.samples - mark["samples"]
+        shared = torch.stack([delta[0], delta.new_tensor(float(samples))])
+        if self.reduce is not None:
+            shared = self.reduce(shared)
+        values = torch.cat([shared, delta[1:], self.grad_norm.to(delta.dtype).reshape(1)])
+        return values.tolist(), self.steps - mark["steps"]  # host sync
 
     def flush_window(self) -> dict:
-        """Read and reset the log window. This is a host-device sync: call at log steps only."""
-        w = self.window
-        loss_sum, samples, clipped, skipped, grad_norm = torch.cat(
-            [self._over_ranks(w), w.acc[1:], self.grad_norm.to(w.acc.dtype).reshape(1)]
-        ).tolist()  # host sync
+        """Read the log window and start a new one. A host sync: call at log steps only."""
+        (loss_sum, samples, clipped, skipped, grad_norm), steps = self._since(self.window_mark)
         now = time.perf_counter()
         row = {"loss": loss_sum / max(samples, 1), "grad_norm": grad_norm,
-               "clipped": int(clipped), "steps": w.steps, "skipped": int(skipped),
+               "clipped": int(clipped), "steps": steps, "skipped": int(skipped),
                "samples_per_s": samples / max(now - self.window_start, 1e-9)}
-        w.reset()
-        self.window_start = now
+        self.window_mark, self.window_start = self._mark(), now
         return row
 
     def flush_epoch(self) -> dict:
-        """Read and reset the epoch sums. A host-device sync, once per epoch."""
-        e = self.epoch
-        loss_sum, samples, clipped, skipped = torch.cat(
-            [self._over_ranks(e), e.acc[1:]]).tolist()  # host sync
+        """Read the epoch and start a new one. A host sync, once per epoch."""
+        (loss_sum, samples, clipped, skipped, _), steps = self._since(self.epoch_mark)
         now = time.perf_counter()
-        row = {"train_loss": loss_sum / max(samples, 1),
-               "clipped_frac": clipped / max(e.steps, 1), "skipped": int(skipped),
-               "train_seconds": now - self.epoch_start,
+        row = {"train_loss": loss_sum / max(samples, 1), "clipped_frac": clipped / max(steps, 1),
+               "skipped": int(skipped), "train_seconds": now - self.epoch_start,
                "samples_per_s": samples / max(now - self.epoch_start, 1e-9)}
-        e.reset()
+        self.epoch_mark = self._mark()
         return row
 
-    def _over_ranks(self, sums: _Sums) -> torch.Tensor:
-        """[loss * samples, samples], summed over ranks when distributed."""
-        t = torch.stack([sums.acc[0], sums.acc.new_tensor(float(sums.samples))])
-        return self.reduce(t) if self.reduce is not None else t
-
     def state_dict(self) -> dict:
-        return {"window": self.window.state_dict(), "epoch": self.epoch.state_dict(),
-                "grad_norm": self.grad_norm.cpu().clone()}
+        def cpu(mark: dict) -> dict:
+            return {**mark, "totals": mark["totals"].cpu().clone()}
+
+        return {"totals": self._totals().cpu().clone(), "grad_norm": self.grad_norm.cpu().clone(),
+                "samples": self.samples, "steps": self.steps,
+                "window_mark": cpu(self.window_mark), "epoch_mark": cpu(self.epoch_mark)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.window.load_state_dict(state["window"])
-        self.epoch.load_state_dict(state["epoch"])
-        self.grad_norm = state["grad_norm"].to(self.window.device)
+        device, dtype = self.loss_sum.device, self.loss_sum.dtype
+        totals = state["totals"].to(device, dtype)
+        self.loss_sum, self.clipped, self.skipped = (t.clone() for t in totals)
+        self.grad_norm = state["grad_norm"].to(device)
+        self.samples, self.steps = state["samples"], state["steps"]
+        for name in ("window_mark", "epoch_mark"):
+            mark = state[name]
+            setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})
