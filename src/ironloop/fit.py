@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -33,6 +34,7 @@ from ironloop.logs import RunLog, write_atomic
 from ironloop.optim import Loss, build_optimizer, build_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
 from ironloop.progress import Meter, Progress
+from ironloop.report import read_jsonl
 from ironloop.resume import collect_state, restore_state
 
 #: Files a run writes; --overwrite removes these and nothing else.
@@ -118,24 +120,15 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
 
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type)
-    device = resolve_device(cfg.run.device, world.local_rank)
     precision = resolve_precision(cfg.train.precision, device)
     seed_everything(cfg.run.seed + world.rank)
 
     model = model.to(device)
     raw_model = model
-    if step_fn is None and num_classes is None:
-        num_classes = _infer_num_classes(model, train_set, device)
     check_labels = None
-    if step_fn is None and num_classes:
-        check_labels = loop.label_checker(num_classes)
-        if isinstance(train_set, TensorData):  # check the whole tensor once, then never again
-            for ds in (train_set, val_set, test_set):
-                if ds is not None:
-                    check_labels((ds.x[:1], ds.y))
-            check_labels = None
-    loss_fn = loss_fn or Loss(cfg.loss, num_classes)
-    step_fn = step_fn or loop.classification_step(loss_fn)
+    if step_fn is None:
+        step_fn, check_labels = _classification(cfg, model, device, loss_fn, num_classes,
+                                                (train_set, val_set, test_set))
     if world.distributed:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -168,23 +161,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         run.best_state = _best_weights(run_dir, cfg)
         run.meter.window_start = time.perf_counter()  # not the time spent starting up
 
-    manager = None
-    if world.is_main:
-        # Any --resume, even one that found nothing and starts fresh, drops log lines past the
-        # step it continues from, so each step and each epoch is logged exactly once.
-        run.log = RunLog(run_dir, cfg.log.tensorboard, resume_step=run.progress.step if resume
-                         else None, resume_epoch=run.progress.epoch)
-        if state is not None:
-            run.log.write("events", {"event": "resume", "step": run.progress.step,
-                                     "epoch": run.progress.epoch, "from": source,
-                                     "last_logged_step": run.log.last_logged_step,
-                                     "time": time.time()})
-        if cfg.checkpoint.enabled:
-            manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                        cfg.checkpoint.async_write)
-            for path in manager.discard_after(run.progress.step):
-                print(f"notice: removed {path}: it is past the step this run resumed from")
-            run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
+    manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
     try:
         loop.train(run)
     finally:
@@ -197,9 +174,48 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     return result
 
 
-def _env_local_rank() -> int:
-    import os
+def _classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes, datasets):
+    """The default (inputs, targets) step, and the label check it needs (or None when every
+    dataset is an in-memory tensor whose labels were checked here, once, in full)."""
+    train_set = datasets[0]
+    if num_classes is None:
+        num_classes = _infer_num_classes(model, train_set, device)
+    step_fn = loop.classification_step(loss_fn or Loss(cfg.loss, num_classes))
+    if not num_classes:
+        return step_fn, None
+    check = loop.label_checker(num_classes)
+    sets = [ds for ds in datasets if ds is not None]
+    if not all(isinstance(ds, TensorData) for ds in sets):
+        return step_fn, check  # checked batch by batch, on the host
+    for ds in sets:
+        check((ds.x[:1], ds.y))
+    return step_fn, None
 
+
+def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
+    """Rank 0's logs (truncated to the resumed step), the resume event, and the checkpoint
+    manager wired into ``run.save``. Returns the manager, or None without checkpoints."""
+    cfg = run.cfg
+    # Any --resume, even one that found nothing and starts fresh, drops log lines past the
+    # step it continues from, so each step and each epoch is logged exactly once.
+    run.log = RunLog(run_dir, cfg.log.tensorboard, resume_epoch=run.progress.epoch,
+                     resume_step=run.progress.step if resume else None)
+    if state is not None:
+        run.log.write("events", {"event": "resume", "step": run.progress.step,
+                                 "epoch": run.progress.epoch, "from": source,
+                                 "last_logged_step": run.log.last_logged_step,
+                                 "time": time.time()})
+    if not cfg.checkpoint.enabled:
+        return None
+    manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                cfg.checkpoint.async_write)
+    for path in manager.discard_after(run.progress.step):
+        print(f"notice: removed {path}: it is past the step this run resumed from")
+    run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
+    return manager
+
+
+def _env_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
@@ -292,7 +308,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
     if restored:
         run.raw_model.load_state_dict(run.best_state)
     test = loop.evaluate(run, test_set) if test_set is not None and len(test_set) else {}
-    epochs = _read_jsonl(run_dir / "epochs.jsonl") if run.world.is_main else []
+    epochs = read_jsonl(run_dir / "epochs.jsonl") if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
@@ -313,13 +329,3 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
     return FitResult(model=run.raw_model, results=results, run_dir=run_dir)
 
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows

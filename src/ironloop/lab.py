@@ -110,7 +110,7 @@ def run_lab(data: str, out: Path, root: str = "data", overwrite: bool = False) -
                                                         out / "accum-check"]:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
     out.mkdir(parents=True, exist_ok=True)
-    for i, v in enumerate(variants):
+    for v in variants:
         v.run_dir = out / v.name
         print(f"[lab] {v.name}: {v.title}", flush=True)
         if v.name == "7-crash-resume":

@@ -49,7 +49,7 @@ class TensorData(Dataset):
 
 
 def _already_collated(batch):
-    """``TensorData.__getitems__`` returns a finished batch; module-level so workers can pickle it."""
+    """``TensorData.__getitems__`` returns a finished batch (module-level: workers pickle it)."""
     return batch
 
 
