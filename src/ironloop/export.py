@@ -19,7 +19,9 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
                for k, v in strip_prefixes(state_dict).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "ironloop"})
+    # One metadata key only: safetensors writes the metadata map in hash order, so with two
+    # keys identical weights could give different bytes (and different checksums).
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
 
 
