@@ -244,14 +244,6 @@ class FaultConfig(_Section):
         self._non_negative("crash_at_step")
 
 
-SECTIONS: dict[str, type] = {
-    "run": RunConfig, "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
-    "optim": OptimConfig, "clip": ClipConfig, "schedule": ScheduleConfig, "loss": LossConfig,
-    "early_stop": EarlyStopConfig, "log": LogConfig, "checkpoint": CheckpointConfig,
-    "fault": FaultConfig,
-}
-
-
 @dataclass
 class Config:
     """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
@@ -290,6 +282,10 @@ class Config:
         for dotted, value in items:
             _set_dotted(raw, dotted, value)
         return Config.from_dict(raw)
+
+
+#: section name -> its dataclass, read off Config's fields so the two cannot drift apart.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 
 
 def _build_section(cls: type, raw: Any) -> Any:

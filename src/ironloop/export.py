@@ -8,13 +8,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ironloop.checkpoint import load_verified, strip_prefixes
 from ironloop.errors import UserError
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Write atomically. Tensors are cloned because safetensors refuses shared storage."""
-    from ironloop.checkpoint import strip_prefixes
-
     tensors = {k: v.detach().to("cpu").contiguous().clone()
                for k, v in strip_prefixes(state_dict).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -27,8 +26,6 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 
 def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
     """Export best.pt or last.pt of ``run_dir`` to ``out`` as safetensors."""
-    from ironloop.checkpoint import load_verified
-
     ckpt = run_dir / "checkpoints" / f"{which}.pt"
     if not ckpt.exists():
         found = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) \

@@ -123,7 +123,6 @@ def train_epoch(run: Run) -> None:
         if not last:
             continue
         micro = 0
-        p.samples += window
         optimizer_step(run)
         bar.update(1)
         after_step(run, bar)

@@ -18,7 +18,6 @@ class Progress:
     epoch: int = 0   # the epoch in progress, 0-based
     step: int = 0    # optimizer steps done
     offset: int = 0  # samples of this epoch consumed, counted over all ranks
-    samples: int = 0  # samples consumed since the start of the run, over all ranks
 
     def state_dict(self) -> dict:
         return asdict(self)
