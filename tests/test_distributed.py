@@ -20,8 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ironloop.data.loader import EpochSampler
-from ironloop.distributed import EvalSampler
+from ironloop.data.loader import EpochSampler, EvalSampler
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

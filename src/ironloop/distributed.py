@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ironloop.data.loader import EpochSampler
-
 
 @dataclass(frozen=True)
 class World:
@@ -59,34 +57,6 @@ def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
-
-
-class EvalSampler(EpochSampler):
-    """Evaluation shards that cover EVERY sample exactly once over all ranks.
-
-    The training sampler drops a tail smaller than the number of ranks, because DDP needs a
-    backward on every rank. Evaluation runs the unwrapped model and only all-reduces sums, so
-    nothing needs dropping: the last global batch is split as far as it goes and a rank whose
-    share is empty simply gets no batch (e.g. 359 samples, batch 179, 2 ranks: the 359th
-    sample goes to rank 0 alone, instead of being silently left out of val_acc).
-    """
-
-    @property
-    def usable(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        for batch in super().__iter__():
-            if batch:  # an empty share of a tail smaller than world_size
-                yield batch
-
-    def __len__(self) -> int:
-        left = max(0, self.n - self.offset)
-        if left == 0:
-            return 0
-        chunks = -(-left // self.global_batch)
-        last = left - (chunks - 1) * self.global_batch  # tensor_split gives ranks < last a sample
-        return chunks - 1 + (1 if last > self.rank else 0)
 
 
 def sum_over_ranks(names: list[str], sums: torch.Tensor | None, count: int,

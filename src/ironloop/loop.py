@@ -32,8 +32,9 @@ from torch import nn
 from tqdm import tqdm
 
 from ironloop.config import Config
-from ironloop.data.loader import EpochSampler, batch_size_of, make_loader, to_device
-from ironloop.distributed import EvalSampler, World, sum_over_ranks
+from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make_loader,
+                                  to_device)
+from ironloop.distributed import World, sum_over_ranks
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, DataError
 from ironloop.logs import RunLog
@@ -236,8 +237,8 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
     model = run.raw_model
     was_training = model.training
     model.eval()
-    # EvalSampler, not EpochSampler: shards cover every sample (EpochSampler drops a tail
-    # smaller than the number of ranks, which made distributed val metrics miss samples).
+    # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's
+    # backward, and evaluation has none.
     sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
                           shuffle=False, rank=run.world.rank, world_size=run.world.size)
     loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
@@ -256,8 +257,7 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
         sums = values if sums is None else sums + values
         count += n
     model.train(was_training)
-    # A rank may now see no sample (fewer samples than ranks): it must still join the
-    # all-reduce, so the early `return {}` on sums None moved into sum_over_ranks.
+    # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     return sum_over_ranks(names, sums, count, run.world)
 
 
