@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ironloop.checkpoint import load_verified, strip_prefixes
+from ironloop.checkpoint import load_verified, strip_prefixes, temp_path
 from ironloop.errors import UserError
 
 
@@ -17,7 +17,7 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     tensors = {k: v.detach().to("cpu").contiguous().clone()
                for k, v in strip_prefixes(state_dict).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     # One metadata key only: safetensors writes the metadata map in hash order, so with two
     # keys identical weights could give different bytes (and different checksums).
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -10,12 +10,13 @@ import json
 import os
 from pathlib import Path
 
+from ironloop.checkpoint import temp_path
 from ironloop.errors import UserError
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Write a small text file so a reader never sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -7,6 +7,7 @@ from .io import (
     save_atomic,
     state_digest,
     strip_prefixes,
+    temp_path,
 )
 from .manager import CheckpointManager, has_checkpoints, latest_valid, retention_victims
 
@@ -21,4 +22,5 @@ __all__ = [
     "save_atomic",
     "state_digest",
     "strip_prefixes",
+    "temp_path",
 ]

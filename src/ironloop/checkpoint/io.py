@@ -91,7 +91,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _tmp_path(path: Path) -> Path:
+def temp_path(path: Path) -> Path:
     """A temp name next to ``path``: same filesystem, so ``os.replace`` is atomic; the leading
     dot keeps it out of checkpoint listings."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
@@ -138,7 +138,7 @@ def save_atomic(state: dict, path: Path) -> None:
     path = Path(path)
     state.pop("integrity", None)
     state["integrity"] = {"algo": "blake2b", "digest": state_digest(state)}
-    tmp = _tmp_path(path)
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)

@@ -21,7 +21,7 @@ import torch
 
 from ironloop.errors import CheckpointError
 
-from .io import (LoadFailure, _fsync_dir, _load, _remove_quietly, _tmp_path, save_atomic,
+from .io import (LoadFailure, _fsync_dir, _load, _remove_quietly, save_atomic, temp_path,
                  write_failed)
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
@@ -156,7 +156,7 @@ class CheckpointManager:
         A hard link costs no I/O, so a save writes its bytes once however many names it gets.
         On filesystems without hard links, fall back to copying the bytes.
         """
-        tmp = _tmp_path(target)
+        tmp = temp_path(target)
         _remove_quietly(tmp)  # a stale temp from a crashed process with the same pid
         try:
             try:
