@@ -36,7 +36,7 @@ def test_every_schedule_builds_with_its_cadence(name):
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     cfg = load_config(None, [f"schedule.name={name}", "schedule.warmup_steps=3"]).schedule
     sched, cadence = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=50)
-    assert cadence == ("epoch" if name == "plateau" else "step")
+    assert cadence == ("eval" if name == "plateau" else "step")
     assert (sched is None) == (name == "constant")
 
 

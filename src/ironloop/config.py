@@ -9,10 +9,11 @@ No ``exec``, no ``eval``: values are parsed with ``yaml.safe_load`` and coerced 
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -74,7 +75,8 @@ class RunConfig(_Section):
 @dataclass
 class DataConfig(_Section):
     _name = "data"
-    name: str = _f("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic")
+    name: str = _f("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic | "
+                   "'module:factory' (returns (train, val[, test]) datasets)")
     root: str = _f("data", "directory holding dataset files (fashion-mnist)")
     val_fraction: float = _f(0.2, "fraction of the training split held out for validation")
     num_workers: int = _f(0, "DataLoader worker processes (0 = load in the main process)")
@@ -83,6 +85,7 @@ class DataConfig(_Section):
     num_samples: int = _f(4096, "synthetic only: number of samples")
     input_shape: list = _f([1, 28, 28], "synthetic only: shape of one input")
     num_classes: int = _f(10, "synthetic only: number of classes")
+    kwargs: dict = _f({}, "module:factory data only: keyword arguments, besides root=data.root")
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -100,6 +103,9 @@ class ModelConfig(_Section):
     kwargs: dict = _f({}, "extra keyword arguments for the model factory")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainConfig(_Section):
     _name = "train"
@@ -109,12 +115,22 @@ class TrainConfig(_Section):
     accumulation_steps: int = _f(1, "micro-batches summed into one optimizer step")
     precision: str = _f("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
                         ("fp32", "fp16", "bf16", "auto"))
+    step_fn: str = _f("", "'module:function' step(model, batch) -> (loss, {name: tensor}); "
+                      "empty = the (inputs, targets) step")
+    compile: bool = _f(False, "torch.compile the model for training (evaluation runs eager)")
+    compile_mode: str = _f("default", "torch.compile mode", COMPILE_MODES)
+    activation_checkpointing: list = _f([], "block class names whose forward is recomputed "
+                                        "in backward (torch.utils.checkpoint), e.g. [Block]")
 
     def validate(self) -> None:
         self._positive("epochs", "batch_size")
         self._non_negative("max_steps")
         if self.accumulation_steps < 1:
             self._bad("accumulation_steps", "must be >= 1")
+        if self.step_fn and ":" not in self.step_fn:
+            self._bad("step_fn", "must be 'module:function', e.g. my_pkg.steps:lm_step")
+        if any(not isinstance(n, str) or not n for n in self.activation_checkpointing):
+            self._bad("activation_checkpointing", "must be a list of class names, e.g. [Block]")
 
 
 @dataclass
@@ -125,10 +141,20 @@ class OptimConfig(_Section):
     weight_decay: float = _f(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
     momentum: float = _f(0.9, "sgd momentum")
     decay_bias_and_norm: bool = _f(False, "also decay biases and norm weights (usually wrong)")
+    betas: list = _f([0.9, 0.999], "adamw, adam: (beta1, beta2); nanoGPT uses [0.9, 0.95]")
+    eps: float = _f(1e-8, "adamw, adam: denominator epsilon")
+    fused: Optional[bool] = _f(None, "fused optimizer kernel (true, false; null = torch's default)")
+    foreach: Optional[bool] = _f(None, "multi-tensor (foreach) kernel (null = torch's default)")
 
     def validate(self) -> None:
-        self._positive("lr")
+        self._positive("lr", "eps")
         self._non_negative("weight_decay", "momentum")
+        if len(self.betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float))
+                                       or not 0.0 <= b < 1.0 for b in self.betas):
+            self._bad("betas", "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        self.betas = [float(b) for b in self.betas]
+        if self.fused and self.foreach:
+            self._bad("fused", "fused and foreach cannot both be true; set one of them")
 
 
 @dataclass
@@ -156,7 +182,7 @@ class ScheduleConfig(_Section):
     T_0: int = _f(0, "cosine_restarts: optimizer steps in the first cycle (0 = one epoch)")
     T_mult: int = _f(1, "cosine_restarts: cycle length multiplier")
     factor: float = _f(0.1, "plateau: LR multiplier on a plateau")
-    patience: int = _f(2, "plateau: epochs without improvement before cutting the LR")
+    patience: int = _f(2, "plateau: evaluations without improvement before cutting the LR")
 
     def validate(self) -> None:
         self._non_negative("warmup_steps", "max_lr", "eta_min", "T_0", "patience")
@@ -176,12 +202,15 @@ LOSSES = ("cross_entropy", "bce_logits", "mse", "huber", "kl_div")
 @dataclass
 class LossConfig(_Section):
     _name = "loss"
-    name: str = _f("cross_entropy", "loss function", LOSSES)
+    name: str = _f("cross_entropy", f"loss function: {' | '.join(LOSSES)} | "
+                   "'module:function' called as loss(output, target)")
     label_smoothing: float = _f(0.0, "cross_entropy: label smoothing in [0, 1)")
     class_weights: list = _f([], "per-class loss weights (empty = all 1)")
     huber_delta: float = _f(1.0, "huber: where the loss turns from quadratic to linear")
 
     def validate(self) -> None:
+        if self.name not in LOSSES and ":" not in self.name:
+            self._bad("name", f"must be one of {', '.join(LOSSES)}, or 'module:function'")
         if not 0.0 <= self.label_smoothing < 1.0:
             self._bad("label_smoothing", "must be in [0, 1)")
         if any(not isinstance(w, (int, float)) or w < 0 for w in self.class_weights):
@@ -192,7 +221,7 @@ class LossConfig(_Section):
 @dataclass
 class EarlyStopConfig(_Section):
     _name = "early_stop"
-    patience: int = _f(0, "epochs without improvement before stopping (0 disables)")
+    patience: int = _f(0, "evaluations without improvement before stopping (0 disables)")
     min_delta: float = _f(0.0, "smallest change that counts as an improvement")
     metric: str = _f("val_loss", "monitored metric: also picks best.pt and drives plateau")
     mode: str = _f("auto", "min or max; auto = min for *loss, max otherwise",
@@ -208,6 +237,17 @@ class EarlyStopConfig(_Section):
         if self.mode != "auto":
             return self.mode
         return "min" if self.metric.endswith("loss") else "max"
+
+
+@dataclass
+class EvalConfig(_Section):
+    _name = "eval"
+    every_steps: int = _f(0, "evaluate every N optimizer steps (0 = at each epoch end)")
+    max_batches: int = _f(0, "evaluate on a fixed subset of N batches of the val split "
+                          "(0 = all of it)")
+
+    def validate(self) -> None:
+        self._non_negative("every_steps", "max_batches")
 
 
 @dataclass
@@ -260,6 +300,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":
@@ -309,6 +350,10 @@ def _build_section(cls: type, raw: Any) -> Any:
 def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
     """Check ``value`` against the field type, undoing two YAML 1.1 quirks: '1e-3' is read as a
     string (it becomes a float) and on/off are read as booleans (they become 'on'/'off')."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # Optional[X]: null allowed
+        if value is None:
+            return None
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
     want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
             list: "a list", dict: "a mapping"}[typ]
     if typ is float and isinstance(value, str):

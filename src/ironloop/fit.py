@@ -25,21 +25,25 @@ from torch.utils.data import DataLoader, Dataset
 from ironloop import loop
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
-from ironloop.data.loader import EpochSampler, TensorData
+from ironloop.callbacks import HOOKS, fire
+from ironloop.data.loader import EpochSampler, TensorData, derive_seed
 from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
 from ironloop.logs import RunLog, write_atomic
-from ironloop.optim import Loss, build_optimizer, build_scheduler
+from ironloop.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
 from ironloop.progress import Meter, Progress
 from ironloop.report import read_jsonl
 from ironloop.resume import collect_state, restore_state
+from ironloop.specs import import_spec
+from ironloop.wrap import checkpoint_activations, compile_model
 
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
-               "final.safetensors", "config.yaml", "tb", "report")
+               "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
+               "scalars.jsonl")
 
 
 @dataclass
@@ -92,6 +96,7 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
 
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
+        optimizer=None, scheduler=None, callbacks=None,
         resume: bool | str | None = False, overwrite: bool = False) -> FitResult:
     """Train ``model`` on ``train_data`` and return the trained model and its results.
 
@@ -101,10 +106,17 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         train_data, val_data, test_data: a Dataset, a DataLoader, or an (inputs, targets) pair.
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
-            ``loss.*`` config.
+            ``loss.*`` config (``loss.name`` may be 'module:function').
         step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor})`` for anything that
             is not ``(inputs, targets)`` classification. Loss and metrics are batch means.
+            Default: ``train.step_fn`` ('module:function'), else the classification step.
         num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
+        optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
+            returning one. Default: the ``optim.*`` config.
+        scheduler: a torch LR scheduler, or ``factory(optimizer)`` returning one. It steps after
+            every optimizer step; a ReduceLROnPlateau steps after every evaluation with the
+            monitored metric. Default: the ``schedule.*`` config.
+        callbacks: ``ironloop.callbacks.Callback`` objects; see that module for the hooks.
         resume: True = the newest valid checkpoint in run.dir (fresh start when none);
             a path = that checkpoint.
         overwrite: delete a previous run's outputs in run.dir before starting.
@@ -113,6 +125,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     started = time.time()
     train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
     val_set, _, _ = _dataset_of(val_data, "val_data")
+    val_set = _eval_subset(val_set, cfg)
     test_set, _, _ = _dataset_of(test_data, "test_data")
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
@@ -126,12 +139,18 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     model = model.to(device)
     raw_model = model
     check_labels = None
+    if step_fn is None and cfg.train.step_fn:
+        step_fn = import_spec(cfg.train.step_fn, "train.step_fn")
     if step_fn is None:
         step_fn, check_labels = _classification(cfg, model, device, loss_fn, num_classes,
                                                 (train_set, val_set, test_set))
+    if cfg.train.activation_checkpointing:
+        checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
     if world.distributed:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.train.compile:
+        model = compile_model(model, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
 
     sampler = EpochSampler(len(train_set), cfg.train.batch_size, cfg.run.seed, shuffle=True,
@@ -141,8 +160,9 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    optimizer = build_optimizer(raw_model, cfg.optim)
-    scheduler, cadence = build_scheduler(optimizer, cfg.schedule, steps_per_epoch, total_steps)
+    optimizer = resolve_optimizer(optimizer, raw_model, cfg.optim)
+    scheduler, cadence = resolve_scheduler(scheduler, optimizer, cfg.schedule, steps_per_epoch,
+                                           total_steps)
 
     run_dir = Path(cfg.run.dir)
     state, source = _prepare_run_dir(run_dir, cfg, resume, overwrite, world)
@@ -155,7 +175,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         progress=Progress(), meter=Meter(device, reduce=lambda t: all_reduce_sum(t, world)),
         tracker=tracker, log=None,
         save=lambda best: None, device=device, precision=precision, world=world,
-        steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
+        steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels,
+        callbacks=_check_callbacks(callbacks))
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
@@ -163,7 +184,10 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
 
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
     try:
+        fire(run, "on_train_start", {"step": run.progress.step, "epoch": run.progress.epoch})
         loop.train(run)
+        fire(run, "on_train_end", {"step": run.progress.step, "epoch": run.progress.epoch,
+                                   "best": run.tracker.best})
     finally:
         if manager is not None:
             manager.close()  # exit waits for an in-flight async write
@@ -180,6 +204,8 @@ def _classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
     train_set = datasets[0]
     if num_classes is None:
         num_classes = _infer_num_classes(model, train_set, device)
+    if loss_fn is None and ":" in cfg.loss.name:
+        loss_fn = import_spec(cfg.loss.name, "loss.name")
     step_fn = loop.classification_step(loss_fn or Loss(cfg.loss, num_classes))
     if not num_classes:
         return step_fn, None
@@ -211,8 +237,35 @@ def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
                                 cfg.checkpoint.async_write)
     for path in manager.discard_after(run.progress.step):
         print(f"notice: removed {path}: it is past the step this run resumed from")
-    run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
+    def save(best: bool) -> None:
+        manager.save(collect_state(run), run.progress.step, best=best)
+        fire(run, "on_checkpoint", {"step": run.progress.step, "epoch": run.progress.epoch,
+                                    "best": best})
+
+    run.save = save
     return manager
+
+
+def _check_callbacks(callbacks) -> list:
+    callbacks = list(callbacks or [])
+    for cb in callbacks:
+        if not any(hasattr(cb, hook) for hook in HOOKS):
+            raise UserError(f"callbacks: {type(cb).__name__} has none of the hooks "
+                            f"{', '.join(HOOKS)}; subclass ironloop.callbacks.Callback")
+    return callbacks
+
+
+def _eval_subset(val_set, cfg: Config):
+    """With eval.max_batches, the same fixed random subset of the val split at every
+    evaluation (independent of run.seed), so evaluations compare like with like."""
+    cap = cfg.eval.max_batches * cfg.train.batch_size * int(os.environ.get("WORLD_SIZE", "1"))
+    if val_set is None or not cap or cap >= len(val_set):
+        return val_set
+    gen = torch.Generator().manual_seed(derive_seed("eval-subset"))
+    idx = torch.randperm(len(val_set), generator=gen)[:cap].sort().values
+    if isinstance(val_set, TensorData):  # keep the one-slice batch path
+        return TensorData(val_set.x[idx], val_set.y[idx])
+    return torch.utils.data.Subset(val_set, idx.tolist())
 
 
 def _env_local_rank() -> int:

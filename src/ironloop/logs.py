@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl, epochs.jsonl, events.jsonl and, optionally, TensorBoard.
+"""Run outputs: metrics.jsonl, epochs.jsonl, events.jsonl, evals.jsonl (one line per
+evaluation), scalars.jsonl (what callbacks log) and, optionally, TensorBoard.
 
 After a resume, lines past the checkpoint are dropped first, so each step and each epoch appears
 exactly once and a curve across crashes is one line.
@@ -50,8 +51,10 @@ class RunLog:
         if resume_step is not None:
             self.last_logged_step = truncate_jsonl(run_dir / "metrics.jsonl", "step", resume_step)
             truncate_jsonl(run_dir / "epochs.jsonl", "epoch", resume_epoch)
+            for name in ("evals", "scalars"):
+                truncate_jsonl(run_dir / f"{name}.jsonl", "step", resume_step)
         self._files = {name: open(run_dir / f"{name}.jsonl", "a")
-                       for name in ("metrics", "epochs", "events")}
+                       for name in ("metrics", "epochs", "events", "evals", "scalars")}
         self.tb = None
         if tensorboard:
             try:

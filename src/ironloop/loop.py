@@ -12,10 +12,23 @@ ragged last window of an epoch)::
     grad_norm = clip(parameters)              # the pre-clip norm is what gets logged
     optimizer.step(); scaler.update()         # scaler.step skips the step on inf/NaN (fp16)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
-    [crash knob] -> [log line] -> [checkpoint] -> [max_steps?]
+    [crash knob] -> [log line] -> on_step_end
+    -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint -> [finished?]
 
-and at the end of each epoch: validate (eval mode, inference_mode) -> epoch line -> plateau
-scheduler step with the monitored metric -> best tracking -> checkpoint.
+and at the end of each epoch: [evaluate, when eval.every_steps is 0] -> epoch line ->
+on_epoch_end -> checkpoint -> on_checkpoint.
+
+An evaluation (``run_evaluation``, the same one from both places): validate in eval mode under
+inference_mode on the val split (a fixed subset with eval.max_batches) -> best tracking and
+early-stopping patience -> plateau scheduler step with the monitored metric -> evals.jsonl
+line -> on_eval_end.
+
+Callback hooks (``ironloop.callbacks``), in order over a run::
+
+    on_train_start
+    per optimizer step:  on_step_end -> [on_eval_end] -> [on_checkpoint]
+    per epoch end:       [on_eval_end] -> on_epoch_end -> [on_checkpoint]
+    on_train_end
 """
 
 from __future__ import annotations
@@ -24,19 +37,20 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make_loader,
                                   to_device)
 from ironloop.distributed import World, sum_over_ranks
 from ironloop.early_stop import BestTracker
-from ironloop.errors import ConfigError, DataError
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.logs import RunLog
 from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
@@ -73,10 +87,19 @@ class Run:
     check_labels: Callable[[Any], None] | None = None
     best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
     step_lr: float = 0.0            # the LR the last optimizer step used
+    callbacks: list = field(default_factory=list)
+    last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
 
     @property
     def finished(self) -> bool:
         return self.progress.step >= self.total_steps or self.tracker.should_stop
+
+    def log_scalars(self, scalars: dict[str, Any]) -> None:
+        """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
+        go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
+        if self.log is not None:
+            self.log.write("scalars", {"step": self.progress.step, "epoch": self.progress.epoch
+                                       + 1, **scalars, "time": time.time()})
 
 
 def train(run: Run) -> None:
@@ -114,7 +137,7 @@ def train_epoch(run: Run) -> None:
             else run.model.no_sync()
         with sync:
             with _autocast(run):
-                loss, _ = run.step_fn(run.model, batch)
+                loss, _ = _call_step(run, run.model, batch, "training")
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
             # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
             scaled = loss * (n_micro * world / window)
@@ -127,7 +150,7 @@ def train_epoch(run: Run) -> None:
         optimizer_step(run)
         bar.update(1)
         after_step(run, bar)
-        if run.progress.step >= run.total_steps:
+        if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
     bar.close()
 
@@ -194,30 +217,32 @@ def after_step(run: Run, bar) -> None:
         if run.log is not None:
             run.log.write("metrics", row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
-    if cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0:
-        run.save(False)
+    else:
+        row = {"step": p.step, "epoch": p.epoch + 1}  # no device read off the log steps
+    fire(run, "on_step_end", row)
+    evaluated = improved = False
+    if cfg.eval.every_steps and p.step % cfg.eval.every_steps == 0 and run.val_data:
+        started = time.perf_counter()
+        evaluated, improved = True, run_evaluation(run)[1]
+        run.meter.exclude(time.perf_counter() - started)  # keep samples/s about training
+    # Checkpoint after an evaluation too: best.pt follows evaluations, and a resume then
+    # continues from the evaluated state.
+    if evaluated or cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0:
+        run.save(improved)
 
 
 def end_epoch(run: Run) -> None:
-    """Validate, log the epoch, step plateau, track the best, checkpoint."""
+    """Evaluate (unless evaluations follow eval.every_steps), log the epoch, checkpoint."""
     cfg, p = run.cfg, run.progress
     stats = run.meter.flush_epoch()  # host sync, once per epoch
     started = time.perf_counter()
     lr = run.step_lr
-    val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()} if run.val_data else {}
-    val_seconds = time.perf_counter() - started
     improved = False
-    metric = cfg.early_stop.metric
-    if val:
-        if metric not in val:
-            raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
-                              f"{', '.join(val)}; monitor one of those")
-        improved = run.tracker.update(val[metric], p.epoch)
-        if improved and cfg.early_stop.patience > 0:
-            run.best_state = {k: v.detach().to("cpu", copy=True)
-                              for k, v in run.raw_model.state_dict().items()}
-        if run.scheduler is not None and run.cadence == "epoch":
-            run.scheduler.step(val[metric])  # ReduceLROnPlateau: once per epoch, with the metric
+    if run.val_data and not cfg.eval.every_steps:
+        val, improved = run_evaluation(run)
+    else:  # step-path evaluations: the epoch line repeats the latest one
+        val = {k: v for k, v in run.last_eval.items() if k.startswith("val_")}
+    val_seconds = time.perf_counter() - started
     p.epoch += 1
     p.offset = 0
     row = {"epoch": p.epoch, "step": p.step, "train_loss": stats.pop("train_loss"),
@@ -227,8 +252,34 @@ def end_epoch(run: Run) -> None:
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
+    fire(run, "on_epoch_end", row)
     run.save(improved)
     run.meter.exclude(time.perf_counter() - started)
+
+
+def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
+    """One evaluation, from the step path or an epoch end: validate, track the best (and
+    early-stopping patience), step plateau, log evals.jsonl. Returns (val metrics, new best)."""
+    cfg, p = run.cfg, run.progress
+    started = time.perf_counter()
+    val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()}
+    metric = cfg.early_stop.metric
+    if metric not in val:
+        raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
+                          f"{', '.join(val)}; monitor one of those")
+    improved = run.tracker.update(val[metric], p.epoch)
+    if improved and cfg.early_stop.patience > 0:
+        run.best_state = {k: v.detach().to("cpu", copy=True)
+                          for k, v in run.raw_model.state_dict().items()}
+    if run.scheduler is not None and run.cadence == "eval":
+        run.scheduler.step(val[metric])  # ReduceLROnPlateau: once per evaluation, with the metric
+    row = {"step": p.step, "epoch": p.epoch + 1, **val, "lr": run.step_lr,
+           "seconds": time.perf_counter() - started}
+    run.last_eval = row
+    if run.log is not None:
+        run.log.write("evals", row)
+    fire(run, "on_eval_end", row)
+    return val, improved
 
 
 @torch.inference_mode()
@@ -251,7 +302,7 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
         n = batch_size_of(batch)
         batch = to_device(batch, run.device, run.device.type == "cuda")
         with _autocast(run):
-            loss, metrics = run.step_fn(model, batch)
+            loss, metrics = _call_step(run, model, batch, "evaluation")
         names = ["loss", *metrics]
         values = torch.stack([loss.float(), *(m.float() for m in metrics.values())]) * n
         sums = values if sums is None else sums + values
@@ -265,14 +316,55 @@ def classification_step(loss_fn) -> StepFn:
     """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating."""
 
     def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
+            return output_loss(model(**batch)), {}
         x, y = batch[0], batch[1]
         out = model(x)
+        if not isinstance(out, torch.Tensor):
+            return output_loss(out), {}
         loss = loss_fn(out, y)
         if model.training or y.is_floating_point() or out.ndim != 2:
             return loss, {}
         return loss, {"acc": (out.argmax(-1) == y).float().mean()}
 
     return step
+
+
+def output_loss(out) -> torch.Tensor:
+    """The loss an HF-style output carries (``out.loss`` or ``out["loss"]``), or a one-line
+    error saying what the model returned and what the default step needs instead."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise UserError(f"the model returned {describe(out)}; the default step needs a tensor of "
+                    f"outputs, or an output carrying its loss (.loss or ['loss']). Pass a "
+                    f"step_fn (train.step_fn=module:function) that computes the loss, or a "
+                    f"loss_fn (loss.name=module:function) for the model's output")
+
+
+def describe(obj, depth: int = 0) -> str:
+    """Shapes and dtypes of a (nested) batch or output, for error messages."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if depth < 2 and isinstance(obj, dict):
+        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in obj.items()) + "}"
+    if depth < 2 and isinstance(obj, (list, tuple)):
+        inner = ", ".join(describe(v, depth + 1) for v in obj)
+        return f"a {type(obj).__name__} ({inner})"
+    return "None" if obj is None else f"a {type(obj).__name__}"
+
+
+def _call_step(run: Run, model: nn.Module, batch, where: str):
+    """The step function; an exception from it (the user's code, usually) keeps its traceback
+    and gains one line saying where in the run it happened and on what batch."""
+    try:
+        return run.step_fn(model, batch)
+    except Exception as e:
+        p = run.progress
+        step = p.step + 1 if where == "training" else p.step  # the step being computed
+        e.add_note(f"ironloop: raised in {where} at step {step}, epoch {p.epoch + 1}; "
+                   f"batch: {describe(batch)}")
+        raise
 
 
 def label_checker(num_classes: int) -> Callable[[Any], None]:
@@ -299,7 +391,9 @@ def _progress_bar(run: Run):
     mode = run.cfg.log.progress
     show = run.world.is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     done = run.progress.offset // (run.sampler.global_batch * run.cfg.train.accumulation_steps)
-    return tqdm(total=run.steps_per_epoch, initial=done, disable=not show, leave=False,
+    # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
+    left = max(0, min(run.steps_per_epoch - done, run.total_steps - run.progress.step))
+    return tqdm(total=done + left, initial=done, disable=not show, leave=False,
                 desc=f"epoch {run.progress.epoch + 1}/{run.cfg.train.epochs}", unit="step",
                 dynamic_ncols=True)
 

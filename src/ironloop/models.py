@@ -1,18 +1,19 @@
 """Built-in models and the ``module:factory`` hook for the user's own.
 
-Every factory is called as ``factory(input_shape=tuple, num_classes=int, **model.kwargs)``.
+Every factory is called as ``factory(input_shape=tuple, num_classes=int, **model.kwargs)``,
+offered only the ones of input_shape and num_classes that its signature accepts.
 None of the built-ins uses dropout or BatchNorm by default, so gradient accumulation is exactly
 equivalent to a bigger batch.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 
 from torch import nn
 
 from ironloop.errors import ConfigError
+from ironloop.specs import accepted, import_spec
 
 
 def mlp(input_shape, num_classes, hidden=(256, 128), dropout=0.0) -> nn.Module:
@@ -57,30 +58,18 @@ def cnn1d(input_shape, num_classes, channels=32, hidden=128) -> nn.Module:
 MODELS = {"mlp": mlp, "small_cnn": small_cnn, "cnn1d": cnn1d}
 
 
-def _import_factory(spec: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"model.name={spec!r}: cannot import module {module_name!r} ({e}); "
-                          f"make it importable (pip install -e . or PYTHONPATH)") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"model.name={spec!r}: {module_name} has no callable {attr!r}")
-    return factory
-
-
 def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict) -> nn.Module:
     """A built-in model by name, or the user's ``module:factory``."""
     if ":" in name:
-        factory = _import_factory(name)
+        factory = import_spec(name, "model.name")
     elif name in MODELS:
         factory = MODELS[name]
     else:
         raise ConfigError(f"model.name={name!r}: unknown model; choose one of "
                           f"{', '.join(MODELS)} or give your own as 'module:factory'")
     try:
-        model = factory(input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
+        offered = accepted(factory, input_shape=tuple(input_shape), num_classes=num_classes)
+        model = factory(**{**offered, **kwargs})
     except TypeError as e:
         raise ConfigError(f"model factory {name!r} rejected its arguments: {e}; "
                           f"check model.kwargs") from e

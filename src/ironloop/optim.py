@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
-from ironloop.errors import ConfigError
+from ironloop.errors import ConfigError, UserError
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:
@@ -26,21 +26,61 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
-    if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    # None = let torch pick its default kernel; passing fused=None is not the same on every torch.
+    kernels = {k: v for k, v in (("fused", cfg.fused), ("foreach", cfg.foreach)) if v is not None}
+    if cfg.name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+        return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernels)
+
+
+def resolve_optimizer(given, model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """The user's optimizer (an object, or a factory called with the model's parameters), or
+    the one ``optim.*`` describes."""
+    if given is None:
+        return build_optimizer(model, cfg)
+    opt = given if isinstance(given, torch.optim.Optimizer) else given(model.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise UserError(f"optimizer= must be a torch.optim.Optimizer or a factory "
+                        f"factory(params) returning one; got {type(opt).__name__}")
+    ours = {id(p) for p in model.parameters()}
+    if not any(id(p) in ours for g in opt.param_groups for p in g["params"]):
+        raise UserError("optimizer= holds none of the model's parameters; build it from "
+                        "model.parameters() (of the model passed to fit) or pass a factory")
+    return opt
+
+
+def resolve_scheduler(given, opt: torch.optim.Optimizer, cfg, steps_per_epoch: int,
+                      total_steps: int):
+    """(scheduler or None, cadence) for the user's scheduler (an object, or a factory called with
+    the optimizer) or the one ``schedule.*`` describes. ReduceLROnPlateau steps per evaluation
+    with the monitored metric; every other scheduler steps once per optimizer step."""
+    if given is None:
+        return build_scheduler(opt, cfg, steps_per_epoch, total_steps)
+    is_sched = isinstance(given, (sched.LRScheduler, sched.ReduceLROnPlateau))
+    scheduler = given if is_sched else given(opt)
+    if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+        raise UserError(f"scheduler= must be a torch LR scheduler or a factory "
+                        f"factory(optimizer) returning one; got {type(scheduler).__name__}")
+    if getattr(scheduler, "optimizer", opt) is not opt:
+        raise UserError("scheduler= is bound to another optimizer than the one fit() uses; "
+                        "pass optimizer= too, or pass the scheduler as a factory "
+                        "factory(optimizer)")
+    return scheduler, cadence_of(scheduler)
+
+
+def cadence_of(scheduler) -> str:
+    return "eval" if isinstance(scheduler, sched.ReduceLROnPlateau) else "step"
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg, steps_per_epoch: int, total_steps: int):
     """Returns (scheduler or None, cadence): cadence is "step" (once per optimizer step) or
-    "epoch" (ReduceLROnPlateau, once per epoch with the monitored metric)."""
+    "eval" (ReduceLROnPlateau, once per evaluation with the monitored metric)."""
     name, total = cfg.name, max(1, total_steps)
     if name == "constant":
         return None, "step"
     if name == "plateau":
-        return sched.ReduceLROnPlateau(opt, factor=cfg.factor, patience=cfg.patience), "epoch"
+        return sched.ReduceLROnPlateau(opt, factor=cfg.factor, patience=cfg.patience), "eval"
     if name == "onecycle":
         max_lr = cfg.max_lr or 10 * opt.param_groups[0]["lr"]
         return sched.OneCycleLR(opt, max_lr=max_lr, total_steps=total,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import ironloop
+from ironloop.callbacks import callbacks_state, load_callbacks_state
 from ironloop.checkpoint import FORMAT_VERSION, load_model_state
 from ironloop.errors import CheckpointError
 
@@ -63,6 +64,8 @@ def collect_state(run) -> dict:
         "meter": run.meter.state_dict(),
         "tracker": run.tracker.state_dict(),
         "rng": rng_state(),
+        "callbacks": callbacks_state(run.callbacks),
+        "evaluation": run.last_eval,
     }
 
 
@@ -86,4 +89,6 @@ def restore_state(run, state: dict, source: str) -> None:
     run.progress.load_state_dict(state["progress"])
     run.meter.load_state_dict(state["meter"])
     run.tracker.load_state_dict(state["tracker"])
+    load_callbacks_state(run.callbacks, state.get("callbacks"))
+    run.last_eval = state.get("evaluation") or {}
     set_rng_state(state["rng"])

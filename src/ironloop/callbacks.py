@@ -1,0 +1,78 @@
+"""Callbacks: one flat base class with no-op hooks, fired at named points of the loop.
+
+Where each hook fires is listed beside the loop's order in ``loop.py``'s docstring. Every hook
+gets the run (``ironloop.loop.Run``: model, optimizer, progress, config, ...) and the metrics
+just computed, as plain Python numbers:
+
+- ``on_train_start``: ``{"step", "epoch"}`` (non-zero after a resume);
+- ``on_step_end``: the ``metrics.jsonl`` row on logging steps, else ``{"step", "epoch"}`` (the
+  loop reads device values only at log steps, so no host sync is added per step);
+- ``on_eval_end``: ``{"step", "epoch", "val_loss", "val_acc", ...}``, the ``evals.jsonl`` row;
+- ``on_epoch_end``: the ``epochs.jsonl`` row;
+- ``on_checkpoint``: ``{"step", "epoch", "best"}`` after a checkpoint was written (rank 0);
+- ``on_train_end``: ``{"step", "epoch", "best"}`` before the final results are written.
+
+A hook may log its own values with ``run.log_scalars({"name": value})``: one
+``scalars.jsonl`` line with the step and epoch (and TensorBoard scalars for the numbers).
+A callback that defines ``state_dict`` and ``load_state_dict`` is saved in every checkpoint
+(under ``"callbacks"``) and restored on resume. Its state must be tensors and plain
+containers, as for everything in a checkpoint (``torch.load(weights_only=True)``).
+Callbacks run on every rank; check ``run.world.is_main`` for work only one process should do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_checkpoint",
+         "on_train_end")
+
+
+class Callback:
+    """Subclass and override the hooks you need; the others do nothing."""
+
+    def on_train_start(self, run, metrics: dict) -> None:
+        pass
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        pass
+
+    def on_eval_end(self, run, metrics: dict) -> None:
+        pass
+
+    def on_epoch_end(self, run, metrics: dict) -> None:
+        pass
+
+    def on_checkpoint(self, run, metrics: dict) -> None:
+        pass
+
+    def on_train_end(self, run, metrics: dict) -> None:
+        pass
+
+
+def fire(run, hook: str, metrics: dict[str, Any]) -> None:
+    """Call ``hook`` on every callback of the run, in the order they were given."""
+    for cb in run.callbacks:
+        method = getattr(cb, hook, None)
+        if method is not None:
+            method(run, metrics)
+
+
+def _key(i: int, cb) -> str:
+    return f"{i}:{type(cb).__name__}"
+
+
+def callbacks_state(callbacks: list) -> dict:
+    """The state of every stateful callback, keyed by position and class name."""
+    return {_key(i, cb): cb.state_dict() for i, cb in enumerate(callbacks)
+            if hasattr(cb, "state_dict")}
+
+
+def load_callbacks_state(callbacks: list, state: dict | None) -> None:
+    """Give each stateful callback its saved state; a callback new since the checkpoint (no
+    saved state) starts fresh."""
+    state = state or {}
+    for i, cb in enumerate(callbacks):
+        saved = state.get(_key(i, cb))
+        if saved is not None and hasattr(cb, "load_state_dict"):
+            cb.load_state_dict(saved)
