@@ -1,0 +1,92 @@
+"""The callback protocol: hook order, the metrics each hook gets, logging, checkpointed state."""
+
+from __future__ import annotations
+
+import pytest
+
+import ironloop
+from ironloop.callbacks import Callback
+from ironloop.errors import UserError
+from ironloop.report import read_jsonl
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def _rec(name):
+        def hook(self, run, metrics):
+            self.calls.append((name, metrics))
+        return hook
+
+    on_train_start = _rec("train_start")
+    on_step_end = _rec("step")
+    on_eval_end = _rec("eval")
+    on_epoch_end = _rec("epoch")
+    on_checkpoint = _rec("checkpoint")
+    on_train_end = _rec("train_end")
+
+
+def test_hooks_fire_in_the_documented_order_with_their_metrics(tmp_path):
+    rec = Recorder()
+    # 200 samples, batch 32: 7 steps an epoch; log every 2nd step
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
+                 cfg(tmp_path, train__epochs=2, log__every_steps=2), callbacks=[rec])
+    names = [n for n, _ in rec.calls]
+    epoch = ["step"] * 7 + ["eval", "epoch", "checkpoint"]
+    assert names == ["train_start", *epoch, *epoch, "train_end"]
+    steps = [m for n, m in rec.calls if n == "step"]
+    assert [m["step"] for m in steps] == list(range(1, 15))
+    assert "loss" in steps[1] and "loss" not in steps[0]  # the metrics row on log steps only
+    evals = [m for n, m in rec.calls if n == "eval"]
+    assert evals[0]["step"] == 7 and "val_loss" in evals[0] and "val_acc" in evals[0]
+    epochs = [m for n, m in rec.calls if n == "epoch"]
+    assert epochs[1]["epoch"] == 2 and epochs[1]["val_loss"] == evals[1]["val_loss"]
+    assert rec.calls[-1][1]["step"] == 14
+
+
+def test_a_callback_logs_its_own_scalars(tmp_path):
+    class Custom(Callback):
+        def on_eval_end(self, run, metrics):
+            run.log_scalars({"double_val": 2 * metrics["val_loss"], "note": "text is fine"})
+
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path, train__epochs=2),
+                 callbacks=[Custom()])
+    rows = read_jsonl(tmp_path / "run" / "scalars.jsonl")
+    evals = read_jsonl(tmp_path / "run" / "evals.jsonl")
+    assert [r["step"] for r in rows] == [7, 14] and rows[0]["note"] == "text is fine"
+    assert [r["double_val"] for r in rows] == [2 * e["val_loss"] for e in evals]
+
+
+class StepCounter(Callback):
+    """Stateful: counts the optimizer steps it saw, across a resume."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, run, metrics):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_callback_state_is_checkpointed_and_resumed(tmp_path):
+    conf = cfg(tmp_path, train__epochs=2, checkpoint__every_steps=5, checkpoint__keep_last=10)
+    full = StepCounter()
+    ironloop.fit(tiny_mlp(), blobs(), None, conf, callbacks=[full])
+    assert full.steps == 14
+    resumed = StepCounter()
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "b")},
+                 callbacks=[resumed],
+                 resume=str(tmp_path / "run" / "checkpoints" / "step-00000005.pt"))
+    assert resumed.steps == 14  # 5 restored from the checkpoint + 9 seen after it
+
+
+def test_an_object_with_no_hooks_is_refused(tmp_path):
+    with pytest.raises(UserError, match="none of the hooks"):
+        ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path), callbacks=[object()])
