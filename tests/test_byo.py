@@ -101,3 +101,102 @@ def test_user_plateau_scheduler_steps_per_evaluation_with_the_metric(tmp_path):
                  scheduler=lambda o: Plateau(o, patience=0))
     vals = [r["val_loss"] for r in read_jsonl(tmp_path / "run" / "epochs.jsonl")]
     assert seen == vals  # once per evaluation (here: per epoch), with val_loss
+
+
+# --- your own data, model, step and loss from the CLI ---------------------------------------
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+VOCAB = 12
+
+
+def data(root, n=256, length=6):
+    """Next-token prediction on sequences that count up mod VOCAB."""
+    assert root == "elsewhere"
+    start = torch.arange(n) % VOCAB
+    seq = (start[:, None] + torch.arange(length + 1)) % VOCAB
+    ds = torch.utils.data.TensorDataset(seq[:, :-1], seq[:, 1:])
+    return torch.utils.data.random_split(ds, [n - 64, 64], torch.Generator().manual_seed(0))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, idx, targets=None):  # nanoGPT's signature and return value
+        logits = self.head(self.emb(idx))
+        loss = None if targets is None else nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def lm(dim=16):  # no input_shape, no num_classes
+    return TinyLM(dim)
+
+
+def step(model, batch):
+    _, loss = model(*batch)
+    return loss, {}
+
+
+def token_loss(output, target):
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def plain_lm(dim=16):
+    class Plain(TinyLM):
+        def forward(self, idx):
+            return super().forward(idx)[0]
+    return Plain(dim)
+'''
+
+
+def _user_module(tmp_path, monkeypatch, name):
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)  # only the CWD makes it importable
+
+
+def test_cli_trains_with_user_data_model_and_step(tmp_path, monkeypatch, capsys):
+    from ironloop.cli import main
+
+    _user_module(tmp_path, monkeypatch, "byo_lm_a")
+    code = main(["train", "help"])  # a config file is optional: all keys as overrides below
+    assert code == 0 and "data.kwargs" in capsys.readouterr().out
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("data: {name: 'byo_lm_a:data', root: elsewhere, kwargs: {n: 320}}\n"
+                        "model: {name: 'byo_lm_a:lm', kwargs: {dim: 8}}\n"
+                        "train: {step_fn: 'byo_lm_a:step', epochs: 3, batch_size: 32}\n"
+                        "optim: {lr: 0.05, betas: [0.9, 0.95]}\n"
+                        "log: {progress: 'off'}\n")
+    assert main(["train", str(cfg_file), "run.dir=r"]) == 0
+    evals = read_jsonl(tmp_path / "r" / "evals.jsonl")
+    assert len(evals) == 3 and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    groups = _saved_optimizer(tmp_path, "r")["param_groups"]
+    assert tuple(groups[0]["betas"]) == (0.9, 0.95)
+
+
+def test_cli_loss_name_takes_a_user_function(tmp_path, monkeypatch):
+    from ironloop.cli import main
+
+    _user_module(tmp_path, monkeypatch, "byo_lm_b")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("log: {progress: 'off'}\n")
+    assert main(["train", str(cfg_file), "data.name=byo_lm_b:data", "data.root=elsewhere",
+                 "model.name=byo_lm_b:plain_lm", "loss.name=byo_lm_b:token_loss",
+                 "train.epochs=1", "run.dir=r"]) == 0
+    assert read_jsonl(tmp_path / "r" / "evals.jsonl")[0]["val_loss"] > 0
+
+
+def test_bad_specs_name_the_key(tmp_path, monkeypatch):
+    from ironloop.models import build_model
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="loss.name='nope'"):
+        Config().with_overrides(["loss.name=nope"])
+    with pytest.raises(ConfigError, match="train.step_fn='x.y'"):
+        Config().with_overrides(["train.step_fn=x.y"])
+    with pytest.raises(ConfigError, match="model.name='no_such_mod:f': cannot import"):
+        build_model("no_such_mod:f", (4,), 3, {})

@@ -116,11 +116,16 @@ DATASETS = {"digits": digits, "mnist1d": mnist1d, "fashion-mnist": fashion_mnist
 
 def build_data(cfg) -> DataBundle:
     """The dataset named by ``data.name``; unknown names list the ones that exist."""
+    if ":" in cfg.name:
+        from ironloop.data.user import user_data  # imports this module
+
+        return user_data(cfg)
     if cfg.name not in DATASETS:
         from ironloop.errors import ConfigError
 
         raise ConfigError(f"data.name={cfg.name!r}: unknown dataset; "
-                          f"choose one of {', '.join(DATASETS)}")
+                          f"choose one of {', '.join(DATASETS)}, or give your own as "
+                          f"'module:factory'")
     bundle = DATASETS[cfg.name](cfg)
     if len(bundle.train) == 0:
         raise DataError(f"data.name={cfg.name!r}: the training split is empty")
