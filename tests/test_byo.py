@@ -200,3 +200,76 @@ def test_bad_specs_name_the_key(tmp_path, monkeypatch):
         Config().with_overrides(["train.step_fn=x.y"])
     with pytest.raises(ConfigError, match="model.name='no_such_mod:f': cannot import"):
         build_model("no_such_mod:f", (4,), 3, {})
+
+
+# --- clear errors, and Hugging Face style outputs ------------------------------------------
+
+class ReturnsTuple(torch.nn.Module):
+    """nanoGPT's contract: forward(idx, targets=None) -> (logits, loss or None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x, targets=None):
+        return self.lin(x), None
+
+
+def test_tuple_output_with_the_default_step_says_what_to_do(tmp_path):
+    with pytest.raises(UserError, match=r"the model returned a tuple \(Tensor\[32, 3\] float32, "
+                                        r"None\).*step_fn.*loss.name"):
+        ironloop.fit(ReturnsTuple(), blobs(), None, cfg(tmp_path))
+
+
+class DictData(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return {"inputs": x, "labels": y}
+
+
+class HFStyle(torch.nn.Module):
+    def __init__(self, as_dict):
+        super().__init__()
+        self.lin, self.as_dict = torch.nn.Linear(8, 3), as_dict
+
+    def forward(self, inputs, labels):
+        logits = self.lin(inputs)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if self.as_dict:
+            return {"logits": logits, "loss": loss}
+        return type("Output", (), {"logits": logits, "loss": loss})()
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_hf_style_batches_and_outputs_train_with_the_default_step(tmp_path, as_dict):
+    ironloop.fit(HFStyle(as_dict), DictData(blobs()), DictData(blobs()),
+                 cfg(tmp_path, train__epochs=3, optim__lr=0.05))
+    evals = read_jsonl(tmp_path / "run" / "evals.jsonl")
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+class FailsAtStep3(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = torch.nn.Linear(8, 3), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 4:  # the first call infers the class count; then steps 1, 2, 3
+            raise ValueError("the user's own bug")
+        return self.lin(x)
+
+
+def test_an_error_in_the_users_forward_keeps_its_traceback_and_gains_context(tmp_path):
+    with pytest.raises(ValueError, match="the user's own bug") as info:
+        ironloop.fit(FailsAtStep3(), blobs(), None, cfg(tmp_path))
+    assert info.value.__notes__ == [
+        "ironloop: raised in training at step 3, epoch 1; "
+        "batch: a tuple (Tensor[32, 8] float32, Tensor[32] int64)"]
+    assert info.traceback[-1].name == "forward"  # the user's frame is still the last one
