@@ -1,0 +1,1 @@
+"""Examples, importable from the repository root (``examples.char_gpt:data`` in a config)."""
