@@ -273,3 +273,19 @@ def test_an_error_in_the_users_forward_keeps_its_traceback_and_gains_context(tmp
         "ironloop: raised in training at step 3, epoch 1; "
         "batch: a tuple (Tensor[32, 8] float32, Tensor[32] int64)"]
     assert info.traceback[-1].name == "forward"  # the user's frame is still the last one
+
+
+def test_readme_byo_example_runs(tmp_path, monkeypatch):
+    import re
+
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Bring your own model, data, step, optimizer and callbacks")[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - our own README
+    run = tmp_path / "runs" / "readme-lm"
+    evals = read_jsonl(run / "evals.jsonl")
+    assert [e["step"] for e in evals] == [40, 80, 120] and evals[-1]["val_loss"] < 1.0
+    assert [r["val_ppl"] for r in read_jsonl(run / "scalars.jsonl")][-1] < 3

@@ -227,7 +227,7 @@ def after_step(run: Run, bar) -> None:
         run.meter.exclude(time.perf_counter() - started)  # keep samples/s about training
     # Checkpoint after an evaluation too: best.pt follows evaluations, and a resume then
     # continues from the evaluated state.
-    if evaluated or cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0:
+    if evaluated or (cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0):
         run.save(improved)
 
 
