@@ -266,6 +266,8 @@ class Config:
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+        # config.yaml's `used:` block is a record of the run, not config (see records.py).
+        raw = {k: v for k, v in raw.items() if k != "used"}
         unknown = sorted(set(raw) - set(SECTIONS))
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; "
@@ -367,7 +369,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def describe() -> str:
-    """Every key with its default and doc, for ``ironloop train --help-config``."""
+    """Every key with its default and doc, for ``ironloop train help``."""
     lines = []
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):

@@ -73,6 +73,7 @@ class Run:
     check_labels: Callable[[Any], None] | None = None
     best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
     step_lr: float = 0.0            # the LR the last optimizer step used
+    schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
 
     @property
     def finished(self) -> bool:
@@ -80,9 +81,18 @@ class Run:
 
 
 def train(run: Run) -> None:
-    """Run epochs until the configured epochs, max_steps or early stopping end the run."""
+    """Run epochs until the configured epochs, max_steps or early stopping end the run.
+
+    A run that max_steps stops mid-epoch leaves that epoch open: it checkpoints where it is,
+    and a resume with a larger max_steps finishes the same epoch in the same order."""
+    run.meter.start_clock()  # training time starts now, not while fit() was setting up
     while run.progress.epoch < run.cfg.train.epochs and not run.finished:
         train_epoch(run)
+        if run.progress.offset < run.sampler.usable:  # stopped by max_steps, mid-epoch
+            if not (run.cfg.checkpoint.every_steps
+                    and run.progress.step % run.cfg.checkpoint.every_steps == 0):
+                run.save(False)  # unless after_step just saved this very step
+            return
         end_epoch(run)
 
 
@@ -97,7 +107,6 @@ def train_epoch(run: Run) -> None:
     non_blocking = run.device.type == "cuda"
     bar = _progress_bar(run)
     run.model.train()
-    run.meter.start_epoch()
     micro = window = 0
     for batch in loader:
         if micro == 0:
@@ -150,7 +159,8 @@ def optimizer_step(run: Run) -> None:
     else:
         opt.step()
     run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
-    if run.scheduler is not None and run.cadence == "step":
+    if run.scheduler is not None and run.cadence == "step" and \
+            (not run.schedule_steps or run.progress.step < run.schedule_steps):
         run.scheduler.step()  # after optimizer.step, once per optimizer step
     run.progress.step += 1
     run.meter.add_step(grad_norm, clipped, skipped)
@@ -206,6 +216,7 @@ def end_epoch(run: Run) -> None:
     lr = run.step_lr
     val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()} if run.val_data else {}
     val_seconds = time.perf_counter() - started
+    run.meter.exclude(val_seconds)  # before the checkpoint below: it saves the training time
     improved = False
     metric = cfg.early_stop.metric
     if val:
@@ -227,8 +238,9 @@ def end_epoch(run: Run) -> None:
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
+    saving = time.perf_counter()
     run.save(improved)
-    run.meter.exclude(time.perf_counter() - started)
+    run.meter.exclude(time.perf_counter() - saving)
 
 
 @torch.inference_mode()

@@ -63,6 +63,7 @@ def collect_state(run) -> dict:
         "meter": run.meter.state_dict(),
         "tracker": run.tracker.state_dict(),
         "rng": rng_state(),
+        "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
     }
 
 
