@@ -217,6 +217,14 @@ class LogConfig(_Section):
     tensorboard: bool = _f(False, "also write TensorBoard events to run.dir/tb")
     progress: str = _f("auto", "tqdm progress bar: auto (only on a terminal), on, off",
                        ("auto", "on", "off"))
+    wandb: bool = _f(False, "also log to Weights & Biases (pip install 'ironloop[wandb]')")
+    wandb_project: str = _f("ironloop", "W&B project")
+    wandb_name: str = _f("", "W&B run name (empty = the name of run.dir)")
+    wandb_mode: str = _f("auto", "W&B mode; auto = WANDB_MODE or wandb's default",
+                         ("auto", "online", "offline", "disabled"))
+    mlflow: bool = _f(False, "also log to MLflow (pip install 'ironloop[mlflow]')")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
+    mlflow_experiment: str = _f("ironloop", "MLflow experiment name")
 
     def validate(self) -> None:
         self._positive("every_steps")

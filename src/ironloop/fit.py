@@ -22,7 +22,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ironloop import drift, loop, records
+from ironloop import drift, loggers, loop, records
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
@@ -39,7 +39,8 @@ from ironloop.resume import collect_state, restore_state
 
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
-               "final.safetensors", "config.yaml", "tb", "report", "run.json")
+               "final.safetensors", "config.yaml", "tb", "report", "run.json", "wandb",
+               "mlflow.db")
 
 
 @dataclass
@@ -215,8 +216,13 @@ def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
     cfg = run.cfg
     # Any --resume, even one that found nothing and starts fresh, drops log lines past the
     # step it continues from, so each step and each epoch is logged exactly once.
-    run.log = RunLog(run_dir, cfg.log.tensorboard, resume_epoch=run.progress.epoch,
-                     resume_step=run.progress.step if resume else None)
+    resume_step = run.progress.step if resume else None
+    ids = (state.get("loggers") or {}) if state is not None else {}
+    run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
+                     loggers=loggers.build(cfg, run_dir, resume_step, ids))
+    if ids:  # the same external runs go on: re-send what a killed process may have lost
+        loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
+                       read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
     if state is not None:
         run.log.write("events", {"event": "resume", "step": run.progress.step,
                                  "epoch": run.progress.epoch, "from": source,

@@ -101,8 +101,9 @@ def _threshold(max_norm: Any) -> float | None:
 
 
 def _figure(nrows: int = 1, ncols: int = 1, size=SIZE, **kw):
-    from matplotlib.figure import Figure
+    from ironloop.extras import require
 
+    Figure = require("matplotlib.figure", "plots", "drawing plots").Figure
     fig = Figure(figsize=size, dpi=DPI)
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw).ravel()
 

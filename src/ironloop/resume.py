@@ -64,6 +64,7 @@ def collect_state(run) -> dict:
         "tracker": run.tracker.state_dict(),
         "rng": rng_state(),
         "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
+        "loggers": run.log.ids() if run.log is not None else {},  # W&B / MLflow run ids
     }
 
 
