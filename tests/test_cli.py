@@ -92,3 +92,56 @@ def test_report_renders_a_real_run(digits_run, tmp_path):
     assert "best val acc" in (tmp_path / "rep" / "report.md").read_text()
     bad = run_cli("report", str(tmp_path))
     assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
+
+
+# --- flags and overrides in any order, --version, run.dir errors (issue 13) ---
+
+from pathlib import Path  # noqa: E402
+
+from ironloop import cli  # noqa: E402
+
+
+def test_train_argv_puts_positionals_first_and_keeps_resume_paths(tmp_path):
+    ckpt = tmp_path / "last.pt"
+    ckpt.write_bytes(b"")
+    assert cli.train_argv(["c.yaml", "--overwrite", "a.b=1", "c.d=2"]) == \
+        ["c.yaml", "a.b=1", "c.d=2", "--overwrite"]
+    assert cli.train_argv(["c.yaml", "--resume", "a.b=1", "c.d=2"]) == \
+        ["c.yaml", "a.b=1", "c.d=2", "--resume"]
+    assert cli.train_argv(["c.yaml", "--resume", str(ckpt), "a.b=1"]) == \
+        ["c.yaml", "a.b=1", f"--resume={ckpt}"]
+    assert cli.train_argv(["--resume", "c.yaml", "a.b=1"]) == ["c.yaml", "a.b=1", "--resume"]
+
+
+def test_overrides_after_flags_and_several_after_resume(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    args = ["train", "configs/digits.yaml", "--overwrite", f"run.dir={run_dir}",
+            "model.name=mlp", "train.epochs=1", "train.max_steps=3", "log.progress=off"]
+    assert cli.main(args) == 0
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 3
+    assert cli.main(["train", "configs/digits.yaml", "--resume", f"run.dir={run_dir}",
+                     "model.name=mlp", "train.epochs=1", "train.max_steps=5", "log.progress=off",
+                     "--allow-config-change"]) == 0
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 5
+    assert "train.max_steps: 3 -> 5" in capsys.readouterr().out
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = cli.main(["train", "configs/digits.yaml", f"run.dir={blocker / 'run'}",
+                     "train.max_steps=1", "log.progress=off"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"run.dir {blocker / 'run'} cannot be created or written" in err
+
+
+def test_version_and_train_help_name_the_same_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip().startswith("ironloop 0.")
+    assert cli.main(["train", "help"]) == 0
+    assert "train.max_steps = 0" in capsys.readouterr().out
+    src = Path(cli.__file__).parent
+    for path in src.rglob("*.py"):  # every docstring and help text names `ironloop train help`
+        assert "--help-config" not in path.read_text(), path

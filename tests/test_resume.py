@@ -62,7 +62,7 @@ def test_truncated_last_falls_back_to_an_older_step_file(tmp_path, capsys):
     # also damage the newest step file (last.pt's twin): the fallback must go one further back
     (tmp_path / "run" / "checkpoints" / "step-00000009.pt").write_bytes(b"garbage")
     model = tiny_mlp()
-    res = ironloop.fit(model, blobs(), None, conf, resume=True)
+    res = ironloop.fit(model, blobs(), None, conf, resume=True, allow_config_change=True)
     out = capsys.readouterr().out
     assert out.count("is damaged") == 2 and "falling back" in out
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
@@ -115,7 +115,7 @@ def test_full_disk_during_a_save_stops_the_run_and_keeps_the_previous_checkpoint
 
     monkeypatch.setattr(ckpt_io.os, "fsync", full_disk)
     with pytest.raises(CheckpointError, match="No space left"):
-        ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
+        ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True, allow_config_change=True)
     monkeypatch.setattr(ckpt_io.os, "fsync", real_fsync)
     assert calls["n"] >= 1 and last.read_bytes() == before
     assert not list(last.parent.glob(".*tmp*"))

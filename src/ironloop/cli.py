@@ -18,15 +18,13 @@ def _train(args) -> int:
     if args.config == "help":
         print(describe())
         return 0
-    resume, overrides = args.resume, list(args.overrides)
-    if isinstance(resume, str) and "=" in resume and not Path(resume).exists():
-        resume, overrides = True, [resume, *overrides]  # `--resume key=value`: a bare --resume
-    cfg = load_config(args.config, overrides)
-    result = train_config(cfg, resume=resume, overwrite=args.overwrite)
+    cfg = load_config(args.config, list(args.overrides))
+    result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
+                          allow_config_change=args.allow_config_change)
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run
     r = result.results
-    summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "seconds") if k in r}
+    summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "train_seconds") if k in r}
     print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")
     return 0
 
@@ -55,9 +53,42 @@ def _lab(args) -> int:
     return 0
 
 
+def train_argv(argv: list[str]) -> list[str]:
+    """``train``'s arguments in argparse's order: positionals (the config, then the overrides),
+    then the flags, so that overrides and flags mix in any order.
+
+    ``--resume`` takes the next argument as its PATH only when it is one: not a flag, not a YAML
+    config, and either without '=' or an existing path. ``--resume train.epochs=3`` is a bare
+    ``--resume`` followed by an override.
+    """
+    positionals, flags = [], []
+    i = 0
+    while i < len(argv):
+        arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--resume" and nxt is not None and _is_resume_path(nxt):
+            flags.append(f"--resume={nxt}")
+            i += 1
+        elif arg == "--":
+            positionals += argv[i + 1:]
+            break
+        else:
+            (flags if arg.startswith("-") else positionals).append(arg)
+        i += 1
+    return positionals + flags
+
+
+def _is_resume_path(arg: str) -> bool:
+    if arg.startswith("-") or arg.endswith((".yaml", ".yml")):
+        return False
+    return "=" not in arg or Path(arg).exists()
+
+
 def parser() -> argparse.ArgumentParser:
+    from ironloop import __version__
+
     p = argparse.ArgumentParser(prog="ironloop", description="A training loop you can trust "
                                 "with a 72-hour run.")
+    p.add_argument("--version", action="version", version=f"ironloop {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train from a YAML config",
@@ -71,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
                    "when there is none), or from PATH")
     t.add_argument("--overwrite", action="store_true",
                    help="delete a previous run's outputs in run.dir and start over")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="resume even though keys that change the training trajectory differ "
+                   "from the checkpoint's config (e.g. a larger train.max_steps)")
     t.set_defaults(func=_train)
 
     e = sub.add_parser("export", help="write a run's weights as safetensors")
@@ -95,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        argv = ["train", *train_argv(argv[1:])]
     args = parser().parse_args(argv)
     try:
         return args.func(args)

@@ -257,6 +257,14 @@ class LogConfig(_Section):
     tensorboard: bool = _f(False, "also write TensorBoard events to run.dir/tb")
     progress: str = _f("auto", "tqdm progress bar: auto (only on a terminal), on, off",
                        ("auto", "on", "off"))
+    wandb: bool = _f(False, "also log to Weights & Biases (pip install 'ironloop[wandb]')")
+    wandb_project: str = _f("ironloop", "W&B project")
+    wandb_name: str = _f("", "W&B run name (empty = the name of run.dir)")
+    wandb_mode: str = _f("auto", "W&B mode; auto = WANDB_MODE or wandb's default",
+                         ("auto", "online", "offline", "disabled"))
+    mlflow: bool = _f(False, "also log to MLflow (pip install 'ironloop[mlflow]')")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
+    mlflow_experiment: str = _f("ironloop", "MLflow experiment name")
 
     def validate(self) -> None:
         self._positive("every_steps")
@@ -307,6 +315,8 @@ class Config:
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+        # config.yaml's `used:` block is a record of the run, not config (see records.py).
+        raw = {k: v for k, v in raw.items() if k != "used"}
         unknown = sorted(set(raw) - set(SECTIONS))
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; "
@@ -412,7 +422,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def describe() -> str:
-    """Every key with its default and doc, for ``ironloop train --help-config``."""
+    """Every key with its default and doc, for ``ironloop train help``."""
     lines = []
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):

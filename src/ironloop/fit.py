@@ -22,7 +22,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ironloop import loop
+from ironloop import drift, loggers, loop, records
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
 from ironloop.callbacks import HOOKS, fire
@@ -43,7 +43,7 @@ from ironloop.wrap import checkpoint_activations, compile_model
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
                "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
-               "scalars.jsonl")
+               "scalars.jsonl", "run.json", "wandb", "mlflow.db")
 
 
 @dataclass
@@ -97,7 +97,8 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
         optimizer=None, scheduler=None, callbacks=None,
-        resume: bool | str | None = False, overwrite: bool = False) -> FitResult:
+        resume: bool | str | None = False, overwrite: bool = False,
+        allow_config_change: bool = False, from_config: bool = False) -> FitResult:
     """Train ``model`` on ``train_data`` and return the trained model and its results.
 
     Args:
@@ -120,9 +121,14 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         resume: True = the newest valid checkpoint in run.dir (fresh start when none);
             a path = that checkpoint.
         overwrite: delete a previous run's outputs in run.dir before starting.
+        allow_config_change: resume even when keys that change the training trajectory differ
+            from the checkpoint's config (see ``ironloop.drift``).
+        from_config: the model and data were built from model.name / data.name (what
+            ``ironloop train`` does); otherwise config.yaml names the user's classes.
     """
     cfg = as_config(config)
     started = time.time()
+    user_fns = {"loss_fn": loss_fn, "step_fn": step_fn}  # for the record: step_fn is rebound
     train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
@@ -157,6 +163,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
                            rank=world.rank, world_size=world.size)
     steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
                                                   * cfg.train.accumulation_steps))
+    _warn_batch_size(cfg, len(train_set), world)
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -164,8 +171,12 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     scheduler, cadence = resolve_scheduler(scheduler, optimizer, cfg.schedule, steps_per_epoch,
                                            total_steps)
 
+    used = records.used(raw_model, optimizer, scheduler, from_config,
+                        {"train": train_set, "val": val_set, "test": test_set}, **user_fns)
     run_dir = Path(cfg.run.dir)
-    state, source = _prepare_run_dir(run_dir, cfg, resume, overwrite, world)
+    state, source = _prepare_run_dir(run_dir, cfg, resume, overwrite, world,
+                                     records.config_record(cfg.to_dict(), used),
+                                     allow_config_change)
     tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
                           cfg.early_stop.min_delta)
     run = loop.Run(
@@ -177,11 +188,17 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels,
         callbacks=_check_callbacks(callbacks))
+    if cfg.schedule.name in drift.FINITE_SCHEDULES:
+        run.schedule_steps = total_steps
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
-        run.meter.window_start = time.perf_counter()  # not the time spent starting up
+        if run.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
+            run.schedule_steps = state.get("schedule_steps") or run.schedule_steps
 
+    if world.is_main:
+        records.write_run_json(run_dir, records.environment(device, world.size),
+                               resumed=state is not None)
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
     try:
         fire(run, "on_train_start", {"step": run.progress.step, "epoch": run.progress.epoch})
@@ -224,12 +241,20 @@ def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
     cfg = run.cfg
     # Any --resume, even one that found nothing and starts fresh, drops log lines past the
     # step it continues from, so each step and each epoch is logged exactly once.
-    run.log = RunLog(run_dir, cfg.log.tensorboard, resume_epoch=run.progress.epoch,
-                     resume_step=run.progress.step if resume else None)
+    resume_step = run.progress.step if resume else None
+    ids = (state.get("loggers") or {}) if state is not None else {}
+    run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
+                     loggers=loggers.build(cfg, run_dir, resume_step, ids))
+    if ids:  # the same external runs go on: re-send what a killed process may have lost
+        loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
+                       read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
     if state is not None:
         run.log.write("events", {"event": "resume", "step": run.progress.step,
                                  "epoch": run.progress.epoch, "from": source,
                                  "last_logged_step": run.log.last_logged_step,
+                                 # work lost to the crash: logged past the checkpoint, redone
+                                 "steps_redone": max(0, run.log.last_logged_step
+                                                     - run.progress.step),
                                  "time": time.time()})
     if not cfg.checkpoint.enabled:
         return None
@@ -310,8 +335,21 @@ def _warn_batchnorm(model: nn.Module, cfg: Config, world: World) -> None:
               f"batch of {cfg.train.batch_size * cfg.train.accumulation_steps}")
 
 
-def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World):
-    """Returns (checkpoint state, its path) to resume from, or (None, None) for a fresh run."""
+def _warn_batch_size(cfg: Config, n: int, world: World) -> None:
+    per_step = cfg.train.batch_size * world.size
+    if per_step > n and world.is_main:
+        print(f"warning: train.batch_size={cfg.train.batch_size}"
+              + (f" x {world.size} processes" if world.size > 1 else "")
+              + f" is larger than the training split ({n} samples): each epoch is a single "
+              f"optimizer step; lower train.batch_size")
+
+
+def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World,
+                     record: dict, allow_config_change: bool):
+    """Returns (checkpoint state, its path) to resume from, or (None, None) for a fresh run.
+
+    A resume whose config drifted from the checkpoint's is refused here, before anything in
+    run.dir is touched (see ``ironloop.drift``)."""
     ckpt_dir = run_dir / "checkpoints"
     state = source = None
     if resume:
@@ -328,6 +366,9 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
                     print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
             else:
                 source, state = str(found[0]), found[1]
+        if state is not None:
+            drift.check(state.get("config") or {}, cfg.to_dict(), allow_config_change,
+                        say=print if world.is_main else (lambda msg: None))
     elif world.is_main:
         if not overwrite and (has_checkpoints(ckpt_dir) or (run_dir / "metrics.jsonl").exists()):
             raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
@@ -340,8 +381,12 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
                 elif path.exists():
                     path.unlink()
     if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
+        except OSError as e:
+            raise UserError(f"run.dir {run_dir} cannot be created or written "
+                            f"({e.strerror or e}); choose a writable run.dir") from e
     barrier(world)
     return state, source
 
@@ -357,6 +402,12 @@ def _best_weights(run_dir: Path, cfg: Config) -> dict | None:
 def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult:
     """Restore the best weights, evaluate on test, write final.safetensors and results.json."""
     cfg = run.cfg
+    train_seconds = run.meter.train_seconds()
+    # max_steps ended the run mid-epoch: that epoch has no epochs.jsonl line (it stays open for
+    # a longer resume), so the final weights are validated here, for results.json.
+    mid_epoch = run.progress.offset > 0
+    has_val = run.val_data is not None and len(run.val_data) > 0
+    final_val = loop.evaluate(run, run.val_data) if mid_epoch and has_val else {}
     restored = run.best_state is not None and cfg.early_stop.patience > 0
     if restored:
         run.raw_model.load_state_dict(run.best_state)
@@ -365,7 +416,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
-        "final_val_acc": accs[-1] if accs else None,
+        "final_val_acc": final_val.get("acc", accs[-1] if accs else None),
         "best_epoch": run.tracker.best_epoch + 1 if run.tracker.best_epoch >= 0 else None,
         "monitor": {cfg.early_stop.metric: run.tracker.best},
         "test_acc": test.get("acc"), "test_loss": test.get("loss"),
@@ -373,8 +424,12 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "stopped_early": run.tracker.should_stop, "restored_best": restored,
         "precision": run.precision, "device": str(run.device),
         "seconds": sum(r.get("seconds", 0.0) for r in epochs),
+        "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
     }
+    if mid_epoch:
+        results["stopped_mid_epoch"] = {"epoch": run.progress.epoch + 1,
+                                        "val_loss": final_val.get("loss")}
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}
     if run.world.is_main:

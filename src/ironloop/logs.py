@@ -1,5 +1,6 @@
 """Run outputs: metrics.jsonl, epochs.jsonl, events.jsonl, evals.jsonl (one line per
-evaluation), scalars.jsonl (what callbacks log) and, optionally, TensorBoard.
+evaluation), scalars.jsonl (what callbacks log) and, optionally, TensorBoard, W&B and MLflow
+(loggers.py).
 
 After a resume, lines past the checkpoint are dropped first, so each step and each epoch appears
 exactly once and a curve across crashes is one line.
@@ -12,7 +13,6 @@ import os
 from pathlib import Path
 
 from ironloop.checkpoint import temp_path
-from ironloop.errors import UserError
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -41,44 +41,60 @@ def truncate_jsonl(path: Path, key: str, last: int) -> int:
     return seen
 
 
+def _last_time(path: Path) -> float | None:
+    """The "time" of a JSONL file's last complete line, or None."""
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            return json.loads(line).get("time")
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill mid-write
+    return None
+
+
 class RunLog:
-    """Appends JSON lines; each line is flushed so a crash loses at most the line being written."""
+    """Appends JSON lines; each line is flushed so a crash loses at most the line being written.
+
+    Every metrics and epochs row also goes to ``loggers`` (TensorBoard, W&B, MLflow: see
+    loggers.py), each of which warns once and drops out if it fails."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None = None,
-                 resume_epoch: int | None = None):
+                 resume_epoch: int | None = None, loggers: list | None = None):
         self.dir = run_dir
         self.last_logged_step = 0  # the furthest step the previous process logged
+        self.last_logged_time = None  # when it wrote its last metrics line
         if resume_step is not None:
+            self.last_logged_time = _last_time(run_dir / "metrics.jsonl")
             self.last_logged_step = truncate_jsonl(run_dir / "metrics.jsonl", "step", resume_step)
             truncate_jsonl(run_dir / "epochs.jsonl", "epoch", resume_epoch)
             for name in ("evals", "scalars"):
                 truncate_jsonl(run_dir / f"{name}.jsonl", "step", resume_step)
         self._files = {name: open(run_dir / f"{name}.jsonl", "a")
                        for name in ("metrics", "epochs", "events", "evals", "scalars")}
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise UserError("log.tensorboard=true needs the tensorboard package: "
-                                "pip install 'ironloop[tensorboard]' or set "
-                                "log.tensorboard=false") from e
-            # purge_step drops events past the checkpoint, like the JSONL truncation above.
-            purge = None if resume_step is None else resume_step + 1
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+        self.loggers = list(loggers or [])
+        if tensorboard and not any(lg.name == "tensorboard" for lg in self.loggers):
+            from ironloop.loggers import Guarded, TensorBoard
+
+            self.loggers.append(Guarded(TensorBoard(run_dir, resume_step)))
 
     def write(self, name: str, row: dict) -> None:
         f = self._files[name]
         f.write(json.dumps(row) + "\n")
         f.flush()
-        if self.tb is not None and name != "events":
-            step = row["step"]
-            for k, v in row.items():
-                if k not in ("step", "epoch") and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{name}/{k}", v, step)
+        if name != "events":
+            for logger in self.loggers:
+                logger.write(name, row)
+
+    def ids(self) -> dict:
+        """The external runs' ids (W&B, MLflow), for the checkpoint: a resume continues them."""
+        out: dict = {}
+        for logger in self.loggers:
+            out.update(logger.ids())
+        return out
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
-        if self.tb is not None:
-            self.tb.close()
+        for logger in self.loggers:
+            logger.close()

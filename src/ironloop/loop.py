@@ -89,6 +89,7 @@ class Run:
     step_lr: float = 0.0            # the LR the last optimizer step used
     callbacks: list = field(default_factory=list)
     last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
+    schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
 
     @property
     def finished(self) -> bool:
@@ -103,9 +104,17 @@ class Run:
 
 
 def train(run: Run) -> None:
-    """Run epochs until the configured epochs, max_steps or early stopping end the run."""
+    """Run epochs until the configured epochs, max_steps or early stopping end the run.
+
+    A run that max_steps stops mid-epoch leaves that epoch open: it checkpoints where it is,
+    and a resume with a larger max_steps finishes the same epoch in the same order."""
+    run.meter.start_clock()  # training time starts now, not while fit() was setting up
     while run.progress.epoch < run.cfg.train.epochs and not run.finished:
         train_epoch(run)
+        if run.progress.offset < run.sampler.usable:  # stopped by max_steps, mid-epoch
+            if not _saved_by_after_step(run):
+                run.save(False)
+            return
         end_epoch(run)
 
 
@@ -120,7 +129,6 @@ def train_epoch(run: Run) -> None:
     non_blocking = run.device.type == "cuda"
     bar = _progress_bar(run)
     run.model.train()
-    run.meter.start_epoch()
     micro = window = 0
     for batch in loader:
         if micro == 0:
@@ -173,7 +181,8 @@ def optimizer_step(run: Run) -> None:
     else:
         opt.step()
     run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
-    if run.scheduler is not None and run.cadence == "step":
+    if run.scheduler is not None and run.cadence == "step" and \
+            (not run.schedule_steps or run.progress.step < run.schedule_steps):
         run.scheduler.step()  # after optimizer.step, once per optimizer step
     run.progress.step += 1
     run.meter.add_step(grad_norm, clipped, skipped)
@@ -231,6 +240,13 @@ def after_step(run: Run, bar) -> None:
         run.save(improved)
 
 
+def _saved_by_after_step(run: Run) -> bool:
+    """Whether after_step checkpointed the current step (a checkpoint or evaluation step)."""
+    cfg, step = run.cfg, run.progress.step
+    every_eval = cfg.eval.every_steps if run.val_data else 0
+    return any(n and step % n == 0 for n in (cfg.checkpoint.every_steps, every_eval))
+
+
 def end_epoch(run: Run) -> None:
     """Evaluate (unless evaluations follow eval.every_steps), log the epoch, checkpoint."""
     cfg, p = run.cfg, run.progress
@@ -253,8 +269,12 @@ def end_epoch(run: Run) -> None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
     fire(run, "on_epoch_end", row)
+    saving = time.perf_counter()
+    # Validation and logging are not training time. Exclude them BEFORE the save: the
+    # checkpoint records the training time so far.
+    run.meter.exclude(saving - started)
     run.save(improved)
-    run.meter.exclude(time.perf_counter() - started)
+    run.meter.exclude(time.perf_counter() - saving)
 
 
 def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:

@@ -38,6 +38,11 @@ class Meter:
     one in-place add and an optimizer step one or two; a log window or an epoch is the
     difference between the totals now and a mark taken where it began.
 
+    Training time is a running total too (``train_seconds``), kept in the checkpoint: a resumed
+    epoch's time is the first process's training time up to the checkpoint plus the resumed
+    process's, matching its samples. Time lost to a crash (steps done after the checkpoint, then
+    redone) is counted once, for the steps that were kept; events.jsonl records the redone steps.
+
     ``reduce`` sums a tensor over ranks (all_reduce) so that, under DDP, the logged loss and
     throughput cover every rank's samples. Clip and skip counts need no reduction: every rank
     sees the same all-reduced gradients.
@@ -51,23 +56,29 @@ class Meter:
         self.skipped = torch.zeros((), dtype=dtype, device=device)   # fp16 steps skipped
         self.grad_norm = torch.zeros((), device=device)              # of the last step
         self.samples = self.steps = 0                                # host-side counts
+        self.elapsed = 0.0                        # training seconds before clock_start
+        self.clock_start = time.perf_counter()
         self.window_mark = self.epoch_mark = self._mark()
-        self.window_start = self.epoch_start = time.perf_counter()
 
     def _totals(self) -> torch.Tensor:
         return torch.stack([self.loss_sum, self.clipped, self.skipped])
 
-    def _mark(self) -> dict:
-        return {"totals": self._totals(), "samples": self.samples, "steps": self.steps}
+    def train_seconds(self) -> float:
+        """Training seconds over the whole run, every process of it."""
+        return self.elapsed + time.perf_counter() - self.clock_start
 
-    def start_epoch(self) -> None:
-        """Training time of an epoch starts here, not when the previous one was flushed."""
-        self.epoch_start = time.perf_counter()
+    def _mark(self) -> dict:
+        return {"totals": self._totals(), "samples": self.samples, "steps": self.steps,
+                "train_seconds": self.train_seconds()}
+
+    def start_clock(self) -> None:
+        """Training time runs from here (the loop's start), not from the meter's creation."""
+        self.clock_start = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
         """Keep time that was not training (validation, end-of-epoch checkpoints) out of the
-        log window's samples/s."""
-        self.window_start += seconds
+        training time and the samples/s."""
+        self.elapsed -= seconds
 
     def add_micro(self, loss: torch.Tensor, n: int) -> None:
         self.loss_sum.add_(loss.detach(), alpha=n)  # stays on the device: no sync
@@ -95,20 +106,20 @@ class Meter:
     def flush_window(self) -> dict:
         """Read the log window and start a new one. A host sync: call at log steps only."""
         (loss_sum, samples, clipped, skipped, grad_norm), steps = self._since(self.window_mark)
-        now = time.perf_counter()
+        seconds = self.train_seconds() - self.window_mark.get("train_seconds", 0.0)
         row = {"loss": loss_sum / max(samples, 1), "grad_norm": grad_norm,
                "clipped": int(clipped), "steps": steps, "skipped": int(skipped),
-               "samples_per_s": samples / max(now - self.window_start, 1e-9)}
-        self.window_mark, self.window_start = self._mark(), now
+               "samples_per_s": samples / max(seconds, 1e-9)}
+        self.window_mark = self._mark()
         return row
 
     def flush_epoch(self) -> dict:
         """Read the epoch and start a new one. A host sync, once per epoch."""
         (loss_sum, samples, clipped, skipped, _), steps = self._since(self.epoch_mark)
-        now = time.perf_counter()
+        seconds = self.train_seconds() - self.epoch_mark.get("train_seconds", 0.0)
         row = {"train_loss": loss_sum / max(samples, 1), "clipped_frac": clipped / max(steps, 1),
-               "skipped": int(skipped), "train_seconds": now - self.epoch_start,
-               "samples_per_s": samples / max(now - self.epoch_start, 1e-9)}
+               "skipped": int(skipped), "train_seconds": seconds,
+               "samples_per_s": samples / max(seconds, 1e-9)}
         self.epoch_mark = self._mark()
         return row
 
@@ -118,6 +129,7 @@ class Meter:
 
         return {"totals": self._totals().cpu().clone(), "grad_norm": self.grad_norm.cpu().clone(),
                 "samples": self.samples, "steps": self.steps,
+                "train_seconds": self.train_seconds(),
                 "window_mark": cpu(self.window_mark), "epoch_mark": cpu(self.epoch_mark)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,6 +138,8 @@ class Meter:
         self.loss_sum, self.clipped, self.skipped = (t.clone() for t in totals)
         self.grad_norm = state["grad_norm"].to(device)
         self.samples, self.steps = state["samples"], state["steps"]
+        # A checkpoint from before training time was kept: its marks carry no time either.
+        self.elapsed, self.clock_start = state.get("train_seconds", 0.0), time.perf_counter()
         for name in ("window_mark", "epoch_mark"):
             mark = state[name]
             setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})

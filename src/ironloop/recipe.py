@@ -8,10 +8,12 @@ from ironloop.fit import FitResult, fit, seed_everything
 from ironloop.models import build_model
 
 
-def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = False) -> FitResult:
+def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = False,
+                 allow_config_change: bool = False) -> FitResult:
     """What ``ironloop train`` does: data.name + model.name from the config, then fit()."""
     bundle = build_data(cfg.data)
     seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
     model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs)
     return fit(model, bundle.train, bundle.val, cfg, test_data=bundle.test,
-               num_classes=bundle.num_classes, resume=resume, overwrite=overwrite)
+               num_classes=bundle.num_classes, resume=resume, overwrite=overwrite,
+               allow_config_change=allow_config_change, from_config=True)

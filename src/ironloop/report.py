@@ -101,8 +101,9 @@ def _threshold(max_norm: Any) -> float | None:
 
 
 def _figure(nrows: int = 1, ncols: int = 1, size=SIZE, **kw):
-    from matplotlib.figure import Figure
+    from ironloop.extras import require
 
+    Figure = require("matplotlib.figure", "plots", "drawing plots").Figure
     fig = Figure(figsize=size, dpi=DPI)
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw).ravel()
 
@@ -323,6 +324,29 @@ def _resumes(run_dir: Path) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "resume"]
 
 
+def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
+    """data, model and optimizer as the run used them (config.yaml's ``used:`` block), falling
+    back to the config's names for runs recorded before that block existed."""
+    used = cfg.get("used") if isinstance(cfg.get("used"), dict) else {}
+    model, data = used.get("model") or {}, used.get("data") or {}
+    model_s = _get(cfg, "model.name")
+    if model.get("class"):
+        model_s = f"{model_s} ({model['class']}, {model.get('parameters', 0):,} parameters)" \
+            if used.get("source") == "config" else \
+            f"{model['class']} ({model.get('parameters', 0):,} parameters)"
+    data_s = _get(cfg, "data.name")
+    if data:
+        sizes = ", ".join(f"{v['size']:,} {k}" for k, v in data.items() if isinstance(v, dict))
+        kind = data_s if used.get("source") == "config" else \
+            (data.get("train") or {}).get("type", data_s)
+        data_s = f"{kind} ({sizes})"
+    rows = [("data", data_s), ("model", model_s)]
+    if used.get("optimizer"):
+        rows.append(("optimizer", used["optimizer"] + (f" + {used['scheduler']}"
+                                                        if used.get("scheduler") else "")))
+    return rows
+
+
 def summarize(run_dir: Path | str) -> str:
     """A short markdown table: names, epochs, steps, accuracies, speed, clipping, resumes, time."""
     run_dir = Path(run_dir)
@@ -333,7 +357,7 @@ def summarize(run_dir: Path | str) -> str:
     accs, speeds = _vals(epochs, "val_acc"), _vals(metrics, "samples_per_s")
     frac = clipped_fraction(metrics, _get(cfg, "clip.max_norm"))
     table = [
-        ("data", _get(cfg, "data.name")), ("model", _get(cfg, "model.name")),
+        *_used_rows(cfg),
         ("schedule", _get(cfg, "schedule.name")), ("epochs", len(epochs)),
         ("optimizer steps", _fmt(res.get("steps"), *_vals(metrics, "step")[-1:], spec=".0f")),
         ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),
@@ -344,6 +368,7 @@ def summarize(run_dir: Path | str) -> str:
         ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
         ("resumes", len(_resumes(run_dir))),
         ("total seconds", _fmt(res.get("seconds"), _span(_vals(metrics, "time")), spec=".1f")),
+        ("training seconds", _fmt(res.get("train_seconds"), spec=".1f")),
     ]
     lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table

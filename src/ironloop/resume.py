@@ -66,6 +66,8 @@ def collect_state(run) -> dict:
         "rng": rng_state(),
         "callbacks": callbacks_state(run.callbacks),
         "evaluation": run.last_eval,
+        "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
+        "loggers": run.log.ids() if run.log is not None else {},  # W&B / MLflow run ids
     }
 
 

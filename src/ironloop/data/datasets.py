@@ -61,9 +61,9 @@ def _bundle(x, y, test, val_fraction, input_shape, num_classes, stats=(None, Non
 
 def digits(cfg) -> DataBundle:
     """scikit-learn's bundled 8x8 digits: 1797 images, 10 classes, no network needed."""
-    from sklearn.datasets import load_digits
+    from ironloop.extras import require
 
-    d = load_digits()
+    d = require("sklearn.datasets", "data", "data.name=digits").load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8)
     y = torch.tensor(d.target, dtype=torch.long)
     return _bundle(x, y, None, cfg.val_fraction, (1, 8, 8), 10)
@@ -71,10 +71,11 @@ def digits(cfg) -> DataBundle:
 
 def mnist1d(cfg) -> DataBundle:
     """MNIST-1D generated offline with its standard 4000/1000 train/test split."""
-    from mnist1d.data import get_dataset_args, make_dataset
+    from ironloop.extras import require
 
+    m = require("mnist1d.data", "data", "data.name=mnist1d")
     # make_dataset reseeds python's and numpy's global RNGs; fit() seeds after building data.
-    d = make_dataset(get_dataset_args())
+    d = m.make_dataset(m.get_dataset_args())
     x = torch.tensor(d["x"], dtype=torch.float32).unsqueeze(1)  # (4000, 1, 40)
     y = torch.tensor(d["y"], dtype=torch.long)
     test = (torch.tensor(d["x_test"], dtype=torch.float32).unsqueeze(1),

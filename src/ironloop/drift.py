@@ -1,0 +1,91 @@
+"""Config drift on resume: which keys may change between a checkpoint and its resume.
+
+A resume compares the resolved config with the one stored in the checkpoint. Keys that cannot
+change the weights (``FREE``) change with a notice. Every other key is a *trajectory* key, and
+that includes every section added later (guard, eval, dist, ...) until it is listed here: a
+difference there is refused unless the user passes ``--allow-config-change``
+(``fit(..., allow_config_change=True)``).
+
+Extending a run (``train.epochs`` / ``train.max_steps``) keeps the learning-rate schedule the
+run was built with: its length and state come from the checkpoint, and past its end the LR
+holds at the value the schedule reached. The LR curve is continuous, and the steps already
+taken were trained under the schedule that is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ironloop.errors import ConfigError
+
+#: Keys, or "section." prefixes, that cannot change the weights. Edit here and nowhere else.
+FREE: tuple[str, ...] = (
+    "run.dir",           # where outputs go (a moved run directory resumes)
+    "run.device",        # device-like: same math, other hardware (bits may differ on CUDA)
+    "log.",              # what gets written, how often, and where to
+    "checkpoint.",       # when and how checkpoints are written, how many are kept
+    "data.root",         # where the files are, not which files
+    "data.download",
+    "data.num_workers",  # the batch order is a function of (seed, epoch) only
+    "data.pin_memory",
+    "fault.",            # the lab's crash knob
+)
+
+#: Trajectory keys that only set how long the run goes on.
+LENGTH: tuple[str, ...] = ("train.epochs", "train.max_steps")
+
+#: Schedules with an end; past their length the LR holds (see the module docstring).
+FINITE_SCHEDULES = ("onecycle", "cosine", "warmup_cosine")
+
+
+def is_free(key: str) -> bool:
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FREE)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"epochs": 3}} -> {"train.epochs": 3}; a dict-valued key (model.kwargs) stays
+    one value, so a changed kwarg shows as one change."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and not prefix:
+            out.update(flatten(v, f"{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint value, new value) for every key both configs have and that differs.
+    A key only one side has (a section added or removed by an upgrade) is not a change."""
+    a, b = flatten(old), flatten(new)
+    return [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k]]
+
+
+def _fmt(change: tuple[str, Any, Any]) -> str:
+    key, old, new = change
+    return f"{key}: {old!r} -> {new!r}"
+
+
+def check(old: dict, new: dict, allow: bool, say=print) -> list[tuple[str, Any, Any]]:
+    """Refuse (ConfigError) a trajectory change unless ``allow``; say what changed.
+
+    Returns the accepted trajectory changes."""
+    found = changes(old, new)
+    free = [c for c in found if is_free(c[0])]
+    bound = [c for c in found if not is_free(c[0])]
+    if bound and not allow:
+        raise ConfigError(
+            "the resumed config differs from the checkpoint's in keys that change the training "
+            f"trajectory: {'; '.join(map(_fmt, bound))}. Resume with the checkpoint's values, "
+            "or pass --allow-config-change (fit(..., allow_config_change=True)) to accept them")
+    for c in free:
+        say(f"notice: resuming with {_fmt(c)} (cannot change the weights)")
+    for c in bound:
+        if c[0] in LENGTH:
+            what = "the run's length; the LR schedule keeps the length it was built with"
+        elif c[0].startswith(("optim.", "schedule.")):
+            what = "values held in the optimizer or scheduler state keep the checkpoint's"
+        else:
+            what = "applies from the resumed step on"
+        say(f"notice: --allow-config-change: {_fmt(c)} ({what})")
+    return bound

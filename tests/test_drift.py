@@ -1,0 +1,75 @@
+"""Config drift on resume: refused trajectory changes, free keys, and extending a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ironloop
+from ironloop import drift
+from ironloop.errors import ConfigError
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+def test_free_keys_pass_with_a_notice_and_trajectory_keys_are_refused():
+    old = {"log": {"every_steps": 10}, "optim": {"lr": 1e-3}, "run": {"dir": "a", "seed": 0}}
+    said = []
+    drift.check(old, {**old, "log": {"every_steps": 1}, "run": {"dir": "b", "seed": 0}},
+                allow=False, say=said.append)
+    assert len(said) == 2 and all("cannot change the weights" in s for s in said)
+    with pytest.raises(ConfigError, match=r"optim\.lr: 0\.001 -> 0\.01.*--allow-config-change"):
+        drift.check(old, {**old, "optim": {"lr": 1e-2}}, allow=False)
+    assert drift.check(old, {**old, "optim": {"lr": 1e-2}}, allow=True, say=said.append)
+
+
+def test_a_new_section_is_a_trajectory_key_unless_listed_free():
+    assert not drift.is_free("guard.max_bad_steps") and not drift.is_free("eval.every_steps")
+    assert drift.is_free("log.wandb_project") and drift.is_free("checkpoint.keep_last")
+    assert not drift.is_free("train.max_steps") and not drift.is_free("run.seed")
+    # a key only one side has (an upgrade added a section) is not a change
+    assert drift.changes({"train": {"epochs": 1}}, {"train": {"epochs": 1}, "guard": {"x": 1}}) \
+        == []
+
+
+def lrs(run_dir) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["lr"] for r in rows]
+
+
+def test_extending_max_steps_is_refused_then_continues_the_lr_curve(tmp_path):
+    conf = cfg(tmp_path, train__epochs=4, schedule__name="cosine", schedule__eta_min=1e-4,
+               optim__lr=1e-2, checkpoint__every_steps=3)
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 9})
+    before = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"train\.max_steps: 9 -> 20"):
+        ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 20}, resume=True)
+    assert (tmp_path / "run" / "config.yaml").read_text() == before  # refused before writing
+    res = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 20}, resume=True,
+                       allow_config_change=True)
+    assert res.results["steps"] == 20
+    lr = lrs(tmp_path / "run")
+    first = lr[:9]
+    assert all(a > b for a, b in zip(first, first[1:]))  # the 9-step cosine, decaying
+    # The schedule keeps its 9-step length: past it the LR holds where the cosine ended
+    # (eta_min), with no jump and no climb back up.
+    assert lr[9:] == pytest.approx([1e-4] * 11)
+    biggest_step = max(abs(a - b) for a, b in zip(first, first[1:]))
+    assert abs(lr[9] - lr[8]) <= biggest_step
+
+
+def test_max_steps_mid_epoch_then_a_longer_resume_continues_the_same_epoch(tmp_path):
+    # 7 steps per epoch; max_steps=4 stops inside epoch 1.
+    conf = cfg(tmp_path, train__epochs=2, train__max_steps=10)
+    full = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "full")})
+    short = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 4})
+    assert not (tmp_path / "run" / "epochs.jsonl").read_text()  # epoch 1 is still open
+    assert short.results["epochs"] == 0 and short.results["stopped_mid_epoch"]["epoch"] == 1
+    model = tiny_mlp()
+    ironloop.fit(model, blobs(), None, conf, resume=True, allow_config_change=True)
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k  # same epoch, same order
+    epochs = [json.loads(x) for x in (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(1, 7)]

@@ -1,0 +1,51 @@
+"""A lean install: the base dependencies, the extras, and the error a missing extra gives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ironloop.config import DataConfig
+from ironloop.data import build_data
+from ironloop.errors import UserError
+from ironloop.report import plot_lr
+from tests.conftest import REPO
+
+tomllib = pytest.importorskip("tomllib")
+HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow")
+
+
+def test_base_dependencies_are_lean_and_all_has_every_extra():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [d.split(">")[0].split("=")[0].split("[")[0].strip().lower()
+             for d in project["dependencies"]]
+    assert sorted(names) == ["numpy", "pyyaml", "safetensors", "torch", "tqdm"]
+    extras = project["optional-dependencies"]
+    assert {"data", "plots", "tensorboard", "wandb", "mlflow", "all"} <= set(extras)
+    every = {d for name, deps in extras.items() if name != "all" for d in deps}
+    assert every == set(extras["all"])
+
+
+def test_importing_ironloop_imports_no_extra():
+    code = ("import sys, ironloop, ironloop.cli, ironloop.recipe, ironloop.report; "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_missing_extra_names_what_to_install(monkeypatch, tmp_path):
+    # None in sys.modules makes `import sklearn` raise ImportError, as if it were not installed.
+    for name in ("sklearn", "sklearn.datasets", "mnist1d", "mnist1d.data"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UserError, match=r"data\.name=digits needs the sklearn package.*"
+                                        r"pip install 'ironloop\[data\]'"):
+        build_data(DataConfig(name="digits"))
+    with pytest.raises(UserError, match=r"ironloop\[data\]"):
+        build_data(DataConfig(name="mnist1d"))
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UserError, match=r"pip install 'ironloop\[plots\]'"):
+        plot_lr({"run": [{"step": 1, "lr": 0.1}]}, tmp_path / "lr.png")
