@@ -8,7 +8,7 @@ import pytest
 
 from ironloop.checkpoint import load_verified
 from ironloop.report import read_jsonl
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 
 CORPUS = "".join(f"the {a} fox jumps over the {b} dog.\n"
                  for a in ("quick", "brown", "lazy", "red") for b in ("big", "small", "old")) * 40
@@ -40,14 +40,21 @@ def test_char_gpt_trains_from_python(corpus, tmp_path):
     assert max(lrs) > lrs[0] and lrs[-1] < max(lrs)  # warmup, then cosine decay
 
 
-def test_char_gpt_config_trains_from_the_cli(corpus, tmp_path):
+def test_char_gpt_config_trains_from_the_cli(corpus, tmp_path, monkeypatch):
+    # In-process: the CLI's own entry point, run from the repo root as the config says
+    # (a subprocess would add seconds of imports; tests/test_cli.py covers real processes).
+    from ironloop.cli import main
+
+    monkeypatch.chdir(REPO)
     run_dir = tmp_path / "cli"
-    proc = run_cli("train", "configs/char_gpt.yaml", f"data.root={corpus}",
-                   f"run.dir={run_dir}", "data.kwargs={block_size: 32}",
-                   "model.kwargs={block_size: 32, layers: 1, heads: 2, dim: 32}",
-                   "train.max_steps=30", "eval.every_steps=10", "eval.max_batches=2", "optim.lr=3e-3",
-                   "schedule.warmup_steps=3", "log.progress=off", cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    code = main(["train", "configs/char_gpt.yaml", f"data.root={corpus}", f"run.dir={run_dir}",
+                 "data.kwargs={block_size: 32}",
+                 "model.kwargs={block_size: 32, layers: 1, heads: 2, dim: 32}",
+                 "train.max_steps=30", "eval.every_steps=10", "eval.max_batches=2",
+                 "optim.lr=3e-3", "schedule.warmup_steps=3", "log.progress=off"])
+    assert code == 0
     evals = read_jsonl(run_dir / "evals.jsonl")
     assert [e["step"] for e in evals] == [10, 20, 30]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    groups = load_verified(run_dir / "checkpoints" / "last.pt")["optimizer"]["param_groups"]
+    assert all(tuple(g["betas"]) == (0.9, 0.95) for g in groups)

@@ -45,6 +45,7 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(tmp
                      overwrite=True)
 
 
+@pytest.mark.slow  # compiling takes seconds, even with aot_eager
 def test_compiled_and_uncompiled_runs_share_checkpoints(tmp_path, monkeypatch):
     # aot_eager traces forward and backward through dynamo and AOTAutograd like the default
     # backend, without inductor's C++ code generation (which takes a minute on 2 cores).

@@ -99,8 +99,8 @@ class Run:
         """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
         go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
         if self.log is not None:
-            self.log.write("scalars", {"step": self.progress.step, "epoch": self.progress.epoch
-                                       + 1, **scalars, "time": time.time()})
+            where = {"step": self.progress.step, "epoch": self.progress.epoch + 1}
+            self.log.write("scalars", {**where, **scalars, "time": time.time()})
 
 
 def train(run: Run) -> None:
