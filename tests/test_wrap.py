@@ -67,6 +67,7 @@ def test_compiled_and_uncompiled_runs_share_checkpoints(tmp_path, monkeypatch):
     assert list(state["model"]) == list(eager.model.state_dict())  # no _orig_mod. prefix
     # a compiled run's checkpoint resumes eagerly, and ends where the eager run ended
     model = net()
-    ironloop.fit(model, blobs(), None, {**conf, "run.dir": str(tmp_path / "c")}, resume=True)
+    ironloop.fit(model, blobs(), None, {**conf, "run.dir": str(tmp_path / "c")}, resume=True,
+                 allow_config_change=True)  # extending max_steps is a length change
     for k, v in eager.model.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v)

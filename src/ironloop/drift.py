@@ -29,6 +29,9 @@ FREE: tuple[str, ...] = (
     "data.num_workers",  # the batch order is a function of (seed, epoch) only
     "data.pin_memory",
     "fault.",            # the lab's crash knob
+    "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
+    "train.compile_mode",
+    "train.activation_checkpointing",  # recomputes the same forward in backward: same math
 )
 
 #: Trajectory keys that only set how long the run goes on.
