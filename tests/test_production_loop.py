@@ -118,3 +118,19 @@ def test_reference_script_crash_and_resume_is_exact(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     logged = [json.loads(x) for x in (tmp_path / "crash" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "grad_norm" in r] == list(range(1, 25))
+
+
+def test_accelerate_version_gives_the_plain_scripts_weights(tmp_path):
+    # fp32: accelerate allows one mixed_precision per process, and the lab runs bf16 in its own.
+    pytest.importorskip("accelerate")
+    accel = _load("production_loop_accelerate")
+    model = tiny_mlp(seed=0)
+    mine = copy.deepcopy(model)
+    kw = dict(epochs=2, batch_size=20, accum=3, lr=2e-3, max_lr=1e-2, max_norm=1.0,
+              ckpt_every=0, precision="fp32")
+    a = ref.train(model, (TRAIN.x, TRAIN.y), (VAL.x, VAL.y), tmp_path / "plain", **kw)
+    b = accel.train(mine, (TRAIN.x, TRAIN.y), (VAL.x, VAL.y), tmp_path / "accel", **kw)
+    wa, wb = _weights(model), _weights(mine)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r.get("grad_norm") for r in a["rows"]] == [r.get("grad_norm") for r in b["rows"]]
+    assert (tmp_path / "accel" / "last.pt").exists() and (tmp_path / "accel" / "best.pt").exists()
