@@ -423,13 +423,15 @@ def _html(data, intro, header, table, variants, said, plots, judged, reference) 
     style = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;"
              "text-align:right}td:first-child,th:first-child{text-align:left}"
-             "img{max-width:100%}table.v td{text-align:left}td.PASS{color:#060}td.FAIL{color:#b00;font-weight:bold}"
+             "img{max-width:100%}table.v td{text-align:left}td.PASS{color:#060}"
+             "td.FAIL{color:#b00;font-weight:bold}"
              "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ironloop lab: "
             f"{esc(data)}</title><style>{style}</style></head><body>"
             f"<h1>ironloop lab: {esc(data)}</h1><p>{esc(intro)}</p>"
             f"<table><tr>{head}</tr>{body}</table>"
-            f"<h2>Each step against the spec's criterion</h2><table class='v'><tr>{vhead}</tr>{vbody}"
+            f"<h2>Each step against the spec's criterion</h2>"
+            f"<table class='v'><tr>{vhead}</tr>{vbody}"
             f"</table><p><b>Step 4's accuracy:</b> {esc(drop)}</p>"
             f"<h2>What each step showed</h2><ul>{items}</ul>{ref}"
             + "".join(img(p) for p in plots.values()) + "</body></html>\n")
