@@ -102,6 +102,7 @@ def test_bf16_autocast_same_weights(tmp_path):
 def test_reference_script_crash_and_resume_is_exact(tmp_path):
     """A real process dies with os._exit(1) mid-epoch; --resume ends on the weights of an
     uninterrupted run."""
+    pytest.importorskip("sklearn")  # the script's __main__ trains on sklearn's digits
     args = ["--epochs", "2", "--ckpt-every", "5", "--precision", "fp32"]
     whole = ref.main([*args, "--out", str(tmp_path / "whole")])
     cmd = [sys.executable, str(REPO / "examples" / "production_loop.py"), *args,
