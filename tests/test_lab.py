@@ -41,13 +41,36 @@ def test_plots_are_not_empty(lab):
 
 def test_report_table_and_findings(lab):
     md = (lab / "report.md").read_text()
-    rows = [line for line in md.splitlines() if re.match(r"\| \d-", line)]
+    rows = [line for line in md.splitlines() if re.match(r"\| \d-[\w-]+ \| [\d.]+% \|", line)]
     assert len(rows) == 9
     assert "bit-identical" in md and "DIFFERENT" not in md
     assert re.search(r"(\d+) optimizer steps for \1 expected", md)
     assert "the loss is scaled by sample counts" in md and "NOT SCALED" not in md
     html = (lab / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and 'src="http' not in html
+    assert "Each step against the spec's criterion" in html and "<pre>" in html
+
+
+def test_each_step_is_judged_against_the_spec(lab):
+    md = (lab / "report.md").read_text()
+    verdicts = {m[0]: m[1:] for m in re.findall(r"^\| ([\w-]+) \| [^|]+ \| (PASS|FAIL|-) \| "
+                                                 r"([^|]+) \|$", md, re.M)}
+    steps = ["1-baseline", "2-onecycle", "3-clip", "4-accum", "5-amp", "6-checkpoint",
+             "7-crash-resume", "reference"]
+    assert list(verdicts) == steps
+    for step in steps:
+        if step != "3-clip":  # digits clips most steady-state steps; the report says why
+            assert verdicts[step][0] == "PASS", (step, verdicts[step])
+    clip = verdicts["3-clip"][1]
+    assert "steady-state steps clipped" in clip and "of all" in clip
+    if verdicts["3-clip"][0] == "FAIL":
+        assert "Why:" in clip and "Clipping at" in clip
+        assert (lab / "3b-clip-p95" / "metrics.jsonl").exists()
+    assert re.search(r"equal to the uninterrupted run's", verdicts["7-crash-resume"][1])
+    assert re.search(r"val acc (\S+) vs ironloop step 6 \1 \(equal\)", verdicts["reference"][1])
+    assert re.search(r"\*\*Step 4's accuracy:\*\* Step 4's val acc \w+ from .* optimizer steps",
+                     md)
+    assert re.search(r"The line diff \((\d+) lines", md) and "```diff" in md
 
 
 def test_each_step_did_what_it_says(lab):

@@ -22,6 +22,24 @@ def test_builtins_map_inputs_to_class_logits(name, shape):
                    for m in model.modules())
 
 
+def test_cnn1d_defaults_unchanged_and_the_recipe_variant():
+    old = build_model("cnn1d", (1, 40), 10, {})
+    convs = [m for m in old.modules() if isinstance(m, nn.Conv1d)]
+    assert [(c.kernel_size, c.stride) for c in convs] == [((3,), (2,))] * 3
+    assert [m for m in old.modules() if isinstance(m, nn.Linear)][0].in_features == 32 * 5
+    deep = build_model("cnn1d", (1, 40), 10,
+                       {"channels": 64, "strides": [1, 2, 2, 2], "kernel": 5, "hidden": 256})
+    convs = [m for m in deep.modules() if isinstance(m, nn.Conv1d)]
+    assert [c.stride for c in convs] == [(1,), (2,), (2,), (2,)] and convs[-1].out_channels == 64
+    assert deep(torch.zeros(2, 1, 40)).shape == (2, 10)  # 40 -> 40 -> 20 -> 10 -> 5
+    pooled = build_model("cnn1d", (1, 40), 10, {"channels": 64, "strides": [1, 1, 2, 2],
+                                                "global_pool": True})
+    x = torch.randn(2, 1, 40)
+    assert pooled(x).shape == (2, 10)
+    # a max over positions: the head sees 64 features, not 64 x 10
+    assert [m for m in pooled.modules() if isinstance(m, nn.Linear)][0].in_features == 64
+
+
 @pytest.fixture
 def user_module(monkeypatch):
     mod = types.ModuleType("my_models")

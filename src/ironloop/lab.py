@@ -22,6 +22,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from ironloop import lab_reference, lab_verdicts as judge
+from ironloop.checkpoint import load_verified
 from ironloop.config import Config, load_config
 from ironloop.errors import UserError
 from ironloop.recipe import train_config
@@ -33,6 +35,8 @@ MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d"
 #: Fashion-MNIST on 2 CPU cores: 8/16 channels train at ~9,500 samples/s in fp32 here, against
 #: ~3,350 for the default 32/64, which keeps the whole lab well under 10 minutes.
 MODEL_KWARGS = {"fashion-mnist": {"channels": [8, 16]}}
+#: Every lab dataset has 10 classes (chance is 10%).
+NUM_CLASSES = 10
 
 
 @dataclass
@@ -107,9 +111,11 @@ def run_lab(data: str, out: Path, root: str = "data", overwrite: bool = False) -
     variants = steps_plan(data)
     if overwrite:
         for path in [out / v.name for v in variants] + [out / "7-crash-resume.yaml",
-                                                        out / "accum-check"]:
+                                                        out / "accum-check", out / CLIP_COMPARE,
+                                                        out / "reference"]:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
     out.mkdir(parents=True, exist_ok=True)
+    extras = []
     for v in variants:
         v.run_dir = out / v.name
         print(f"[lab] {v.name}: {v.title}", flush=True)
@@ -117,11 +123,39 @@ def run_lab(data: str, out: Path, root: str = "data", overwrite: bool = False) -
             crash_and_resume(v, out, root)
         else:
             train_config(_cfg(v.overrides, v.run_dir, root))
+        if v.name == "3-clip":
+            extras += clip_comparison(v, out, root)
     variants[3].notes.update(accumulation_check(variants[3], out, root))
     variants[6].notes["bit_identical"] = _same_weights(variants[5].run_dir, variants[6].run_dir)
+    reference = None
+    if lab_reference.available():
+        print("[lab] reference: examples/production_loop.py and its Accelerate version, with "
+              "step 6's config", flush=True)
+        reference = lab_reference.run_references(
+            _cfg(variants[5].overrides, out / "reference", root), out / "reference")
     plots = draw(variants, out)
-    report = write_reports(variants, out, plots, data)
+    report = write_reports(variants, extras, out, plots, data, reference)
     return report
+
+
+CLIP_COMPARE = "3b-clip-p95"
+
+
+def clip_comparison(v: Variant, out: Path, root: str) -> list[Variant]:
+    """When step 3 clips too often in steady state, rerun it with max_norm at the steady-state
+    p95 of its pre-clip norm, so the report can show what that threshold does."""
+    stats = judge.clip_stats(v.metrics(), v.overrides["clip.max_norm"])
+    v.notes["clip"] = stats
+    if stats["steady"] < judge.CLIP_LIMIT:
+        return []
+    threshold = judge.suggested_max_norm(stats)
+    c = Variant(CLIP_COMPARE, f"Comparison: step 3 with clipping at {threshold:g}",
+                {**v.overrides, "clip.max_norm": threshold}, out / CLIP_COMPARE)
+    print(f"[lab] {c.name}: {c.title}", flush=True)
+    train_config(_cfg(c.overrides, c.run_dir, root))
+    v.notes["compare"] = {**judge.clip_stats(c.metrics(), threshold),
+                          "acc": c.epochs()[-1]["val_acc"]}
+    return [c]
 
 
 def crash_and_resume(v: Variant, out: Path, root: str) -> None:
@@ -283,9 +317,54 @@ def _fmt(value, kind: str) -> str:
     return {"pct": f"{value:.2%}", "s": f"{value:.2f}", "int": f"{value:,.0f}"}[kind]
 
 
-def write_reports(variants: list[Variant], out: Path, plots: dict[str, Path], data: str) -> Path:
+def verdicts(variants: list[Variant], rows: list[dict],
+             reference: dict | None) -> tuple[list[judge.Verdict], str]:
+    """Each step against the spec's criterion, and the sentence on step 4's accuracy."""
+    by, row = {v.name: v for v in variants}, {r["variant"]: r for r in rows}
+    acc = {k: r["final val acc"] for k, r in row.items()}
+    lrs = {k: [m["lr"] for m in by[k].metrics()] for k in ("2-onecycle", "3-clip", "4-accum")}
+    clip, crash = by["3-clip"].notes, by["7-crash-resume"].notes
+    state = load_verified(by["6-checkpoint"].run_dir / "checkpoints" / "last.pt")
+    out = [judge.baseline(acc["1-baseline"], NUM_CLASSES),
+           judge.lr_rises_then_falls(lrs["2-onecycle"]),
+           judge.clipping(clip["clip"], acc["3-clip"], acc["2-onecycle"], clip.get("compare")),
+           judge.accumulation(row["4-accum"]["optimizer steps"], by["4-accum"].notes),
+           judge.amp(row["4-accum"]["samples/s"], row["5-amp"]["samples/s"], acc["4-accum"],
+                     acc["5-amp"], by["5-amp"].overrides["train.precision"],
+                     "cuda" if torch.cuda.is_available() else "cpu", state["scaler"]),
+           judge.checkpoint_keys(state)]
+    spe, every = crash["steps_per_epoch"], by["6-checkpoint"].overrides["checkpoint.every_steps"]
+    expected = max(spe * (crash["crash_step"] // spe), every * (crash["crash_step"] // every))
+    # The resumed process drops log lines past its checkpoint, so its own first line is the
+    # first one written after the resume event.
+    resumed_at = [e for e in read_jsonl(by["7-crash-resume"].run_dir / "events.jsonl")
+                  if e.get("event") == "resume"][-1]["time"]
+    after = next((m["step"] for m in by["7-crash-resume"].metrics() if m["time"] >= resumed_at),
+                 None)
+    out.append(judge.resume(crash, after, expected,
+                            [e["val_acc"] for e in by["7-crash-resume"].epochs()],
+                            [e["val_acc"] for e in by["6-checkpoint"].epochs()]))
+    if reference is not None:
+        out.append(judge.reference(reference["plain"], reference["accel"], acc["6-checkpoint"],
+                                   reference["diff_lines"]))
+    o = by["4-accum"].overrides
+    drop = judge.accumulation_drop(acc["3-clip"], acc["4-accum"], lrs["3-clip"],
+                                   lrs["4-accum"], by["3-clip"].overrides["train.batch_size"],
+                                   o["train.batch_size"] * o["train.accumulation_steps"])
+    return out, drop
+
+
+def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
+                  plots: dict[str, Path], data: str, reference: dict | None) -> Path:
     rows = [summary_row(v) for v in variants]
     said = findings(variants, rows)
+    judged, drop = verdicts(variants, rows, reference)
+    for c in extras:
+        said[c.name] = (f"step 3 rerun with max_norm {c.overrides['clip.max_norm']:g}: val acc "
+                        f"{c.epochs()[-1]['val_acc']:.2%} (step 3: "
+                        f"{rows[2]['final val acc']:.2%}).")
+    rows = rows[:3] + [summary_row(c) for c in extras] + rows[3:]
+    shown = variants[:3] + extras + variants[3:]
     header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
               "clipped fraction"]
     table = [[r["variant"], _fmt(r["final val acc"], "pct"),
@@ -293,21 +372,34 @@ def write_reports(variants: list[Variant], out: Path, plots: dict[str, Path], da
               _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
               _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
              for r in rows]
+    vheader = ["step", "the spec's criterion", "result", "figure"]
+    vtable = [[v.step, v.criterion, v.result, v.figure] for v in judged]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     intro = (f"Dataset `{data}`, device {device}, torch {torch.__version__}. Each step keeps "
              f"everything before it and adds one thing; same seed and data throughout.")
     md = [f"# ironloop lab: {data}", "", intro, "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(cells) + " |" for cells in table]
+    md += ["", "## Each step against the spec's criterion", "",
+           "| " + " | ".join(vheader) + " |", "|" + "---|" * len(vheader)]
+    md += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in vtable]
+    md += ["", f"**Step 4's accuracy:** {drop}"]
     md += ["", "## What each step showed", ""]
-    md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in variants]
+    md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in shown]
+    if reference is not None:
+        md += ["", "## The hand-written script and its Accelerate version", "",
+               f"`examples/production_loop.py` and `examples/production_loop_accelerate.py`, "
+               f"run with step 6's config, initial weights and data order. "
+               f"{judged[-1].figure}. The line diff ({reference['diff_lines']} lines added or "
+               f"removed):", "", "```diff", reference["diff"], "```"]
     md += ["", *[f"![{name}]({name})" for name in plots]]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    (out / "report.html").write_text(_html(data, intro, header, table, variants, said, plots))
+    (out / "report.html").write_text(_html(data, intro, header, table, shown, said, plots,
+                                           (vheader, vtable, drop), reference))
     return out / "report.md"
 
 
-def _html(data, intro, header, table, variants, said, plots) -> str:
+def _html(data, intro, header, table, variants, said, plots, judged, reference) -> str:
     def img(path: Path) -> str:
         b64 = base64.b64encode(path.read_bytes()).decode()
         return f'<figure><img alt="{path.name}" src="data:image/png;base64,{b64}">' \
@@ -319,12 +411,27 @@ def _html(data, intro, header, table, variants, said, plots) -> str:
                    for row in table)
     items = "".join(f"<li><b>{esc(v.name)}</b> ({esc(v.title)}): {esc(said[v.name])}</li>"
                     for v in variants)
+    vheader, vtable, drop = judged
+    vhead = "".join(f"<th>{esc(h)}</th>" for h in vheader)
+    vbody = "".join("<tr>" + "".join(f'<td class="{esc(c)}">{esc(c)}</td>' if i == 2 else
+                                     f"<td>{esc(c)}</td>" for i, c in enumerate(row)) + "</tr>"
+                    for row in vtable)
+    ref = "" if reference is None else (
+        f"<h2>The hand-written script and its Accelerate version</h2><p>"
+        f"{esc(judged[1][-1][3])}. The line diff ({reference['diff_lines']} lines added or "
+        f"removed):</p><pre>{esc(reference['diff'])}</pre>")
     style = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;"
              "text-align:right}td:first-child,th:first-child{text-align:left}"
-             "img{max-width:100%}")
+             "img{max-width:100%}table.v td{text-align:left}td.PASS{color:#060}"
+             "td.FAIL{color:#b00;font-weight:bold}"
+             "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ironloop lab: "
             f"{esc(data)}</title><style>{style}</style></head><body>"
             f"<h1>ironloop lab: {esc(data)}</h1><p>{esc(intro)}</p>"
-            f"<table><tr>{head}</tr>{body}</table><h2>What each step showed</h2><ul>{items}</ul>"
+            f"<table><tr>{head}</tr>{body}</table>"
+            f"<h2>Each step against the spec's criterion</h2>"
+            f"<table class='v'><tr>{vhead}</tr>{vbody}"
+            f"</table><p><b>Step 4's accuracy:</b> {esc(drop)}</p>"
+            f"<h2>What each step showed</h2><ul>{items}</ul>{ref}"
             + "".join(img(p) for p in plots.values()) + "</body></html>\n")

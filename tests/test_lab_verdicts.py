@@ -1,0 +1,92 @@
+"""The lab's per-step verdicts, from hand-made log rows: each can pass and each can fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from ironloop import lab_verdicts as judge
+
+
+def test_lr_must_rise_then_fall():
+    assert judge.lr_rises_then_falls([1e-4, 1e-3, 3e-3, 2e-3, 1e-6]).passed
+    assert not judge.lr_rises_then_falls([1e-3] * 5).passed            # constant
+    assert not judge.lr_rises_then_falls([1e-4, 1e-3, 3e-3]).passed     # only rises
+    assert not judge.lr_rises_then_falls([1e-4, 3e-3, 1e-3, 2e-3, 1e-6]).passed  # bumps back up
+    assert "at step 3 of 5" in judge.lr_rises_then_falls([1e-4, 1e-3, 3e-3, 2e-3, 1e-6]).figure
+
+
+def rows(first: list[float], steady: list[float], peak_lr=3e-3):
+    lrs = [peak_lr] * (len(first) + len(steady))
+    norms = first + steady
+    return [{"step": i + 1, "epoch": 1 if i < len(first) else 2, "grad_norm": n, "lr": lr}
+            for i, (n, lr) in enumerate(zip(norms, lrs))]
+
+
+def test_clipping_is_judged_on_steady_state_only():
+    # Every first-epoch step clipped, 1 of 40 steady-state steps: passes (2.5% < 5%).
+    stats = judge.clip_stats(rows([3.0] * 10, [0.5] * 39 + [1.5]), 1.0)
+    assert stats["steady"] == pytest.approx(1 / 40) and stats["whole"] == pytest.approx(11 / 50)
+    v = judge.clipping(stats, 0.9, 0.9, None)
+    assert v.passed and "2.5% of the 40 steady-state steps" in v.figure and "22.0% of all 50" \
+        in v.figure
+
+
+def test_a_failing_clip_criterion_says_why_and_shows_the_comparison():
+    stats = judge.clip_stats(rows([0.5] * 10, [2.0] * 30 + [3.9, 0.2]), 1.0)
+    assert stats["steady"] == pytest.approx(31 / 32)
+    threshold = judge.suggested_max_norm(stats)
+    assert threshold == pytest.approx(2.0)  # the p95 of the steady norms: the 31st of 32
+    compare = {"max_norm": threshold, "steady": 0.01, "whole": 0.01, "acc": 0.95}
+    v = judge.clipping(stats, 0.95, 0.95, compare)
+    assert not v.passed
+    assert "Why:" in v.figure and "median 2.00" in v.figure and "first epoch's median was 0.50" \
+        in v.figure
+    assert "Clipping at 2 " in v.figure and "production choice" in v.figure
+    worse = judge.clipping(stats, 0.95, 0.95, {**compare, "acc": 0.90})
+    assert "production choice" not in worse.figure  # it would cost accuracy: no recommendation
+
+
+@pytest.mark.parametrize("p95, expected", [(3.93, 4.0), (0.1234, 0.13), (12.0, 12.0)])
+def test_suggested_max_norm_rounds_the_p95_up(p95, expected):
+    assert judge.suggested_max_norm({"p95": p95}) == pytest.approx(expected)
+    assert judge.suggested_max_norm({"p95": p95}) >= p95 - 1e-12
+
+
+def test_checkpoint_keys_map_ironloop_names_and_catch_a_missing_one():
+    state = {"model": {}, "optimizer": {}, "scheduler": {}, "scaler": None,
+             "progress": {"step": 60}, "rng": {}}
+    v = judge.checkpoint_keys(state)
+    assert v.passed and "step as progress.step present = 60" in v.figure
+    assert "scaler present, None" in v.figure
+    del state["rng"]
+    v = judge.checkpoint_keys(state)
+    assert not v.passed and "rng_state as rng MISSING" in v.figure
+
+
+def test_resume_needs_the_step_after_the_checkpoint_and_the_same_validation():
+    crash = {"crash_step": 30, "resumed_from": 24, "bit_identical": True}
+    assert judge.resume(crash, 25, 24, [0.4, 0.8], [0.4, 0.8]).passed
+    assert not judge.resume(crash, 31, 24, [0.4, 0.8], [0.4, 0.8]).passed  # skipped steps
+    assert not judge.resume(crash, 25, 24, [0.4, 0.7], [0.4, 0.8]).passed  # val jumped
+    assert not judge.resume({**crash, "bit_identical": False}, 25, 24, [0.4], [0.4]).passed
+
+
+def test_accumulation_and_amp_verdicts():
+    notes = {"expected_steps": 60, "full_window_diff": 3e-7, "ragged_window_diff": 1e-7}
+    assert judge.accumulation(60, notes).passed
+    assert not judge.accumulation(240, notes).passed  # stepped per micro-batch
+    assert not judge.accumulation(60, {**notes, "ragged_window_diff": 1e-2}).passed
+    assert judge.amp(5000, 6000, 0.93, 0.93, "bf16", "cpu", None).passed
+    assert not judge.amp(5000, 6000, 0.93, 0.80, "bf16", "cpu", None).passed
+    assert not judge.amp(5000, 6000, 0.93, 0.93, "fp16", "cuda", None).passed  # no scaler
+    assert "x1.20 samples/s" in judge.amp(5000, 6000, 0.93, 0.93, "bf16", "cpu", None).figure
+
+
+def test_the_accuracy_drop_sentence_is_worded_from_the_numbers():
+    lrs3 = [1e-3] * 100
+    lrs4 = [1e-3] * 50
+    s = judge.accumulation_drop(0.97, 0.93, lrs3, lrs4, 64, 128)
+    assert s.startswith("Step 4's val acc fell from 97.00% to 93.00%")
+    assert "50 optimizer steps of 128 samples instead of 100 of 64" in s
+    assert "0.050 instead of 0.100 (0.50x)" in s and "2x bigger batch" in s
+    assert s.endswith(".") and ". " not in s  # one sentence
