@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ironloop.drift import flatten
 from ironloop.errors import UserError
 from ironloop.extras import require
 
@@ -150,7 +151,7 @@ class MLflow(Logger):
         exp = self.client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
         self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
-        params = [self.entities.Param(k, str(v)[:6000]) for k, v in _flat(cfg.to_dict()).items()]
+        params = [self.entities.Param(k, str(v)[:6000]) for k, v in flatten(cfg.to_dict()).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
@@ -165,16 +166,6 @@ class MLflow(Logger):
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, "FINISHED")
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and not prefix:
-            out.update(_flat(v, f"{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def replay(logs: list[Logger], metrics: list[dict], epochs: list[dict],
