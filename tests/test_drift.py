@@ -53,11 +53,24 @@ def test_extending_max_steps_is_refused_then_continues_the_lr_curve(tmp_path):
     lr = lrs(tmp_path / "run")
     first = lr[:9]
     assert all(a > b for a, b in zip(first, first[1:]))  # the 9-step cosine, decaying
-    # The schedule keeps its 9-step length: past it the LR holds where the cosine ended
+    # The schedule keeps its 9-step length: past it the LR holds where the cosine ends
     # (eta_min), with no jump and no climb back up.
     assert lr[9:] == pytest.approx([1e-4] * 11)
     biggest_step = max(abs(a - b) for a, b in zip(first, first[1:]))
     assert abs(lr[9] - lr[8]) <= biggest_step
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_extending_a_onecycle_run_holds_the_lr_of_its_last_step(tmp_path, crash):
+    conf = cfg(tmp_path, train__epochs=3, schedule__name="onecycle", checkpoint__every_steps=3,
+               checkpoint__keep_last=5)
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 8})
+    resume = str(tmp_path / "run" / "checkpoints" / "step-00000006.pt") if crash else True
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 14}, resume=resume,
+                 allow_config_change=True)
+    lr = lrs(tmp_path / "run")
+    assert len(lr) == 14 and lr[7] < lr[6] < lr[5]  # onecycle's 8 steps, annealing
+    assert lr[8:] == [lr[7]] * 6  # then held at its last step's LR, whichever the checkpoint
 
 
 def test_max_steps_mid_epoch_then_a_longer_resume_continues_the_same_epoch(tmp_path):

@@ -8,7 +8,7 @@ difference there is refused unless the user passes ``--allow-config-change``
 
 Extending a run (``train.epochs`` / ``train.max_steps``) keeps the learning-rate schedule the
 run was built with: its length and state come from the checkpoint, and past its end the LR
-holds at the value the schedule reached. The LR curve is continuous, and the steps already
+holds at the value of the schedule's last step. The LR curve is continuous, and the steps already
 taken were trained under the schedule that is recorded.
 """
 

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         run.best_state = _best_weights(run_dir, cfg)
         if run.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
             run.schedule_steps = state.get("schedule_steps") or run.schedule_steps
+            _hold_onecycle(run)
 
     if world.is_main:
         records.write_run_json(run_dir, records.environment(device, world.size),
@@ -233,6 +235,21 @@ def _classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
     for ds in sets:
         check((ds.x[:1], ds.y))
     return step_fn, None
+
+
+def _hold_onecycle(run: loop.Run) -> None:
+    """A finished onecycle has stepped once past its end, to an extrapolated LR; a run extended
+    beyond it gets the LR of the schedule's last step back (OneCycleLR's LR is closed-form)."""
+    sched, end = run.scheduler, run.schedule_steps
+    if not isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) or run.total_steps <= end \
+            or sched.last_epoch < end:
+        return
+    sched.last_epoch = end - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "get_lr outside step": that is what is wanted here
+        lrs = sched.get_lr()
+    for group, lr in zip(run.optimizer.param_groups, lrs):
+        group["lr"] = lr
 
 
 def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):

@@ -22,6 +22,7 @@ line (``replay``). MLflow's client writes each call through, and needs no replay
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +33,11 @@ from ironloop.errors import UserError
 from ironloop.extras import require
 
 SKIP = ("step", "epoch", "time")  # the x axis and bookkeeping, not metrics
+
+
+def _failing() -> bool:
+    """True inside the ``finally`` that closes the logs while an exception leaves fit()."""
+    return sys.exc_info()[0] is not None
 
 
 def _scalars(row: dict) -> dict[str, float]:
@@ -128,7 +134,7 @@ class WandB(Logger):
         return {"wandb": self.run.id}
 
     def close(self) -> None:
-        self.run.finish()
+        self.run.finish(exit_code=1 if _failing() else 0)
 
 
 class MLflow(Logger):
@@ -165,7 +171,7 @@ class MLflow(Logger):
         return {"mlflow": self.run_id}
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED")
+        self.client.set_terminated(self.run_id, "FAILED" if _failing() else "FINISHED")
 
 
 def replay(logs: list[Logger], metrics: list[dict], epochs: list[dict],

@@ -181,11 +181,18 @@ def optimizer_step(run: Run) -> None:
     else:
         opt.step()
     run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
-    if run.scheduler is not None and run.cadence == "step" and \
-            (not run.schedule_steps or run.progress.step < run.schedule_steps):
+    if run.scheduler is not None and run.cadence == "step" and _schedule_running(run):
         run.scheduler.step()  # after optimizer.step, once per optimizer step
     run.progress.step += 1
     run.meter.add_step(grad_norm, clipped, skipped)
+
+
+def _schedule_running(run: Run) -> bool:
+    """A run longer than its finite schedule (extended on resume) holds the LR of the schedule's
+    last step: past their end, onecycle extrapolates and cosine climbs back up."""
+    if not run.schedule_steps or run.total_steps <= run.schedule_steps:
+        return True
+    return run.progress.step < run.schedule_steps - 1
 
 
 def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
