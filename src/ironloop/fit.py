@@ -30,6 +30,8 @@ from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, 
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
+from ironloop.faults import PoisonLoss, poison_sample
+from ironloop.guard import GuardHook
 from ironloop.logs import RunLog, write_atomic
 from ironloop.optim import Loss, build_optimizer, build_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
@@ -39,7 +41,7 @@ from ironloop.resume import collect_state, restore_state
 
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
-               "final.safetensors", "config.yaml", "tb", "report")
+               "final.safetensors", "config.yaml", "tb", "report", "guard.jsonl")
 
 
 @dataclass
@@ -114,6 +116,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
     val_set, _, _ = _dataset_of(val_data, "val_data")
     test_set, _, _ = _dataset_of(test_data, "test_data")
+    train_set = poison_sample(train_set, cfg.fault.nan_sample)  # a fault knob; -1 = off
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
     _check_needs_val(cfg, val_set)
@@ -156,12 +159,19 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         tracker=tracker, log=None,
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
+    if cfg.guard.enabled:
+        run.guard = GuardHook(cfg.guard, run_dir, cfg.checkpoint.enabled)
+    if cfg.fault.nan_at_step:
+        run.step_fn = PoisonLoss(run.step_fn, cfg.fault.nan_at_step)
+        run.step_fn.run = run
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
         run.meter.window_start = time.perf_counter()  # not the time spent starting up
 
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    if run.guard is not None:
+        run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
     try:
         loop.train(run)
     finally:
@@ -169,6 +179,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             manager.close()  # exit waits for an in-flight async write
         if run.log is not None:
             run.log.close()
+        if run.guard is not None:
+            run.guard.close()
     result = _finish(run, test_set, run_dir, started)
     shutdown(world)
     return result
@@ -321,6 +333,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "precision": run.precision, "device": str(run.device),
         "seconds": sum(r.get("seconds", 0.0) for r in epochs),
         "wall_seconds_this_process": time.time() - started,
+        **(run.guard.guard.totals() if run.guard is not None else {}),
     }
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}

@@ -63,6 +63,7 @@ def collect_state(run) -> dict:
         "meter": run.meter.state_dict(),
         "tracker": run.tracker.state_dict(),
         "rng": rng_state(),
+        "guard": run.guard.state_dict() if getattr(run, "guard", None) is not None else None,
     }
 
 
@@ -87,3 +88,7 @@ def restore_state(run, state: dict, source: str) -> None:
     run.meter.load_state_dict(state["meter"])
     run.tracker.load_state_dict(state["tracker"])
     set_rng_state(state["rng"])
+    guard = state.get("guard") or {}  # absent in checkpoints from before the guard
+    if getattr(run, "guard", None) is not None:
+        run.guard.load_state_dict(guard)
+    run.sampler.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
