@@ -341,7 +341,7 @@ class GuardHook:
             warn = (lambda msg: print(f"warning: {msg}")) if run.world.is_main else (lambda m: 0)
             found = latest_valid(self.run_dir / "checkpoints", warn)
             if found is not None:
-                return found[1], str(found[0])
+                return found[1], str(Path(found[0]).relative_to(self.run_dir))
         # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given.
         return _snapshot(self.snapshot), "memory snapshot"
 
