@@ -18,6 +18,7 @@ from ironloop import loop
 from ironloop.checkpoint import load_verified
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.guard import Guard, lr_scaled
+from ironloop.report import summarize
 from ironloop.cli import main
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
@@ -207,6 +208,8 @@ def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))  # one timeline
     assert {m["lr"] for m in metrics if m["step"] > 4} == {5e-3}  # constant LR x 0.5
     assert result.results["steps"] == 3 * 7  # 224 samples left: 7 windows per epoch
+    summary = summarize(run_dir)  # what `ironloop report` shows
+    assert "| rollbacks | 1 |" in summary and "| skipped samples | 32 |" in summary
 
 
 def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp_path, capsys,

@@ -239,8 +239,8 @@ class CheckpointConfig(_Section):
 class FaultConfig(_Section):
     _name = "fault"
     crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
-    nan_at_step: list = _f([], "guard knob: make the loss NaN at these optimizer steps (first "
-                               "attempt of each)")
+    nan_at_step: list = _f([], "guard knob: make the loss NaN on the first attempt at these "
+                               "optimizer steps")
     nan_sample: int = _f(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
     def validate(self) -> None:

@@ -15,7 +15,8 @@ from ironloop.errors import ConfigError
 class PoisonLoss:
     """Wraps a step function: the training loss of the FIRST attempt at each listed optimizer
     step is NaN (a transient fault). The guard skips that attempt; the retry of the same step
-    number, on the next window, is clean. Set ``run`` once the Run exists."""
+    number, on the next window, is clean. A rollback to before the step makes it a first
+    attempt again, so it fires again. Set ``run`` once the Run exists."""
 
     def __init__(self, step_fn, steps: list[int]):
         self.step_fn, self.steps, self.run = step_fn, set(steps), None
