@@ -187,19 +187,44 @@ def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, m
     assert seen == [1, 4]  # the two poisoned attempts, each skipped before counting
 
 
-def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwise(
+        tmp_path, precision):
+    model = tiny_mlp()
+    calls = []
+    # The 3rd backward through the last layer overflows, as fp16 gradients do; the loss is fine.
+    model[2].weight.register_hook(lambda g: g * math.inf if len(calls.append(1) or calls) == 3
+                                  else g)
+    result = ironloop.fit(model, *split(), cfg(tmp_path, train__epochs=1,
+                                               train__precision=precision), overwrite=True)
+    guard_lines = rows(tmp_path / "run" / "guard.jsonl")
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    if precision == "fp16":
+        assert guard_lines == [] and result.results["bad_steps"] == 0
+        assert sum(m["skipped"] for m in metrics) == 1 and len(metrics) == 8
+    else:
+        assert [(x["step"], x["reason"]) for x in guard_lines] == [(3, "nonfinite_grad")]
+        assert guard_lines[0]["nonfinite_grads"] == ["2.weight"]
+        assert result.results["bad_steps"] == 1 and len(metrics) == 7
+
+
+@pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
+def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, rollback_to):
     order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
     bad = order[32 * 4 + 5]  # in the fifth window: the newest checkpoint is step 4
     result = ironloop.fit(tiny_mlp(), *split(),
                           cfg(tmp_path, fault__nan_sample=bad, guard__max_bad_steps=1,
                               checkpoint__every_steps=2, train__epochs=3,
+                              guard__rollback_to=rollback_to,
                               optim__lr=1e-2), overwrite=True)
     run_dir = tmp_path / "run"
     bad_line, rollback = rows(run_dir / "guard.jsonl")
     assert bad_line["step"] == 5 and bad_line["inputs_nonfinite"] is True
     assert bad_line["nonfinite_input_samples"] == [bad]
     assert (rollback["event"], rollback["from_step"], rollback["to_step"]) == ("rollback", 5, 4)
-    assert "checkpoints" in rollback["source"] and rollback["lr_factor"] == 0.5
+    assert rollback["source"] == {"checkpoint": "checkpoints/last.pt",
+                                  "memory": "memory snapshot"}[rollback_to]
+    assert rollback["lr_factor"] == 0.5
     assert bad in rollback["samples_added"] and len(rollback["samples_added"]) == 32
     state = load_verified(run_dir / "checkpoints" / "last.pt")
     assert bad in state["guard"]["skip"] and state["guard"]["lr_factor"] == 0.5
