@@ -294,6 +294,7 @@ def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
     assert res.returncode == 0, res.stderr
     events = [(x["event"], x["step"]) for x in rows(reference / "guard.jsonl")]
     assert events == [("bad_step", 20), ("rollback", 20)]
+    assert bad in load_last(reference)["guard"]["skip"]
     # one kill before the rollback (the resume replays it), one after it
     kills = run_with_kills(tmp_path / "run", [17, 30], random.Random(7), extra)
     assert kills == 2

@@ -273,7 +273,10 @@ class GuardHook:
         # Keep the bad window out of the meter's running sums (they are the logged means).
         m.loss_sum.fill_(p_local)
         m.samples = p_samples
-        if run.scaler is not None:  # unscale_ ran without step/update; let the next one run
+        if run.scaler is not None:
+            # unscale_ ran without step/update; forget it so the next window may unscale, and
+            # leave the loss scale alone (a NaN loss says nothing about fp16 range). Private
+            # (a defaultdict keyed by optimizer), like loop.py's use of _found_inf_per_device.
             run.scaler._per_optimizer_states.pop(id(run.optimizer), None)
         self._report_bad(run, step, reason, loss, norm)
         if self.guard.must_stop:
