@@ -38,7 +38,7 @@ def test_order_of_operations_with_fp16_scaler_and_accumulation(tmp_path, monkeyp
     spy(torch.optim.AdamW, "step", "step")
     spy(torch.amp.GradScaler, "unscale_", "unscale")
     spy(torch.amp.GradScaler, "update", "scaler_update")
-    spy(nn.utils, "clip_grad_norm_", "clip")
+    spy(nn.utils, "clip_grads_with_norm_", "clip")  # after the guard saw the norm
     spy(lr_scheduler.OneCycleLR, "step", "scheduler")
 
     model = tiny_mlp()

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         # A mistake the user can fix: one line, exit 2, no traceback.
         print(f"ironloop: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 3: the guard stopped the run (guard.py)
     except KeyboardInterrupt:
         print("ironloop: interrupted; resume with --resume", file=sys.stderr)
         return 130

@@ -287,9 +287,40 @@ class CheckpointConfig(_Section):
 class FaultConfig(_Section):
     _name = "fault"
     crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
+    nan_at_step: list = _f([], "guard knob: make the loss NaN on the first attempt at these "
+                               "optimizer steps")
+    nan_sample: int = _f(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
     def validate(self) -> None:
         self._non_negative("crash_at_step")
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in self.nan_at_step):
+            self._bad("nan_at_step", "must be a step number >= 1 or a list of them, e.g. [10, 20]")
+        if self.nan_sample < -1:
+            self._bad("nan_sample", "must be a sample index >= 0, or -1 to disable it")
+
+
+@dataclass
+class GuardConfig(_Section):
+    _name = "guard"
+    enabled: bool = _f(True, "skip steps whose loss or grad norm is non-finite; roll back on "
+                       "repeats")
+    max_bad_steps: int = _f(3, "consecutive bad steps that trigger a rollback")
+    max_rollbacks: int = _f(3, "rollbacks allowed; the next trigger stops the run (exit code 3)")
+    lr_backoff: float = _f(0.5, "LR multiplier applied at each rollback, kept for the rest of "
+                           "the run")
+    rollback_to: str = _f("checkpoint", "checkpoint: the newest checkpoint (the run's start before "
+                          "the first); memory: a CPU copy taken at each checkpoint point",
+                          ("checkpoint", "memory"))
+    spike_factor: float = _f(0.0, "opt-in: also bad when loss or grad norm > median + factor x "
+                             "1.4826 MAD of recent good steps (0 = off; 6 is a common choice)")
+    spike_window: int = _f(100, "good steps the spike statistic looks back over")
+    spike_warmup: int = _f(100, "first optimizer steps kept out of the spike statistic")
+
+    def validate(self) -> None:
+        self._positive("max_bad_steps", "spike_window")
+        self._non_negative("max_rollbacks", "spike_factor", "spike_warmup")
+        if not 0.0 < self.lr_backoff <= 1.0:
+            self._bad("lr_backoff", "must be in (0, 1]")
 
 
 @dataclass
@@ -309,6 +340,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":
@@ -366,6 +398,8 @@ def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
         typ = next(t for t in typing.get_args(typ) if t is not type(None))
     want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
             list: "a list", dict: "a mapping"}[typ]
+    if typ is list and isinstance(value, int) and not isinstance(value, bool):
+        return [value]  # a single step for a list of steps (fault.nan_at_step=10)
     if typ is float and isinstance(value, str):
         try:
             return float(value)

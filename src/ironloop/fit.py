@@ -32,6 +32,8 @@ from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, 
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
+from ironloop.faults import PoisonLoss, poison_sample
+from ironloop.guard import GuardHook
 from ironloop.logs import RunLog, write_atomic
 from ironloop.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
@@ -44,7 +46,7 @@ from ironloop.wrap import checkpoint_activations, compile_model
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
                "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
-               "scalars.jsonl", "run.json", "wandb", "mlflow.db")
+               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl")
 
 
 @dataclass
@@ -134,6 +136,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
     test_set, _, _ = _dataset_of(test_data, "test_data")
+    train_set = poison_sample(train_set, cfg.fault.nan_sample)  # a fault knob; -1 = off
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
     _check_needs_val(cfg, val_set)
@@ -191,6 +194,11 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         callbacks=_check_callbacks(callbacks))
     if cfg.schedule.name in drift.FINITE_SCHEDULES:
         run.schedule_steps = total_steps
+    if cfg.guard.enabled:
+        run.guard = GuardHook(cfg.guard, run_dir, cfg.checkpoint.enabled)
+    if cfg.fault.nan_at_step:
+        run.step_fn = PoisonLoss(run.step_fn, cfg.fault.nan_at_step)
+        run.step_fn.run = run
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
@@ -202,6 +210,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         records.write_run_json(run_dir, records.environment(device, world.size),
                                resumed=state is not None)
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    if run.guard is not None:
+        run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
     try:
         fire(run, "on_train_start", {"step": run.progress.step, "epoch": run.progress.epoch})
         loop.train(run)
@@ -212,6 +222,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             manager.close()  # exit waits for an in-flight async write
         if run.log is not None:
             run.log.close()
+        if run.guard is not None:
+            run.guard.close()
     result = _finish(run, test_set, run_dir, started)
     shutdown(world)
     return result
@@ -443,6 +455,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "seconds": sum(r.get("seconds", 0.0) for r in epochs),
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
+        **(run.guard.guard.totals() if run.guard is not None else {}),
     }
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": run.progress.epoch + 1,

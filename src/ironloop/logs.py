@@ -66,10 +66,7 @@ class RunLog:
         self.last_logged_time = None  # when it wrote its last metrics line
         if resume_step is not None:
             self.last_logged_time = _last_time(run_dir / "metrics.jsonl")
-            self.last_logged_step = truncate_jsonl(run_dir / "metrics.jsonl", "step", resume_step)
-            truncate_jsonl(run_dir / "epochs.jsonl", "epoch", resume_epoch)
-            for name in ("evals", "scalars"):
-                truncate_jsonl(run_dir / f"{name}.jsonl", "step", resume_step)
+            self.last_logged_step = self._truncate(resume_step, resume_epoch)
         self._files = {name: open(run_dir / f"{name}.jsonl", "a")
                        for name in ("metrics", "epochs", "events", "evals", "scalars")}
         self.loggers = list(loggers or [])
@@ -85,6 +82,23 @@ class RunLog:
         if name != "events":
             for logger in self.loggers:
                 logger.write(name, row)
+
+    def rewind(self, step: int, epoch: int) -> None:
+        """Drop the JSONL lines past ``step``/``epoch`` (a guard rollback), as a resume does.
+        The external loggers only append: a redone step is logged again and the later value
+        counts there."""
+        for f in self._files.values():
+            f.close()
+        self._truncate(step, epoch)
+        self._files = {name: open(self.dir / f"{name}.jsonl", "a") for name in self._files}
+
+    def _truncate(self, step: int, epoch: int) -> int:
+        """Keep the lines up to ``step`` (``epoch`` for epochs.jsonl); returns the furthest
+        step metrics.jsonl held."""
+        for name in ("evals", "scalars"):
+            truncate_jsonl(self.dir / f"{name}.jsonl", "step", step)
+        truncate_jsonl(self.dir / "epochs.jsonl", "epoch", epoch)
+        return truncate_jsonl(self.dir / "metrics.jsonl", "step", step)
 
     def ids(self) -> dict:
         """The external runs' ids (W&B, MLflow), for the checkpoint: a resume continues them."""

@@ -9,7 +9,9 @@ ragged last window of an epoch)::
             loss = step_fn(model, batch)      # forward + loss, a mean over the micro-batch
         backward(loss * n_micro / n_window)   # exact: the window's mean gradient, ragged or not
     scaler.unscale_(optimizer)                # fp16 only; unscale BEFORE clipping
-    grad_norm = clip(parameters)              # the pre-clip norm is what gets logged
+    grad_norm = norm(gradients)               # the pre-clip norm is what gets logged
+    if the guard says bad: skip the step      # guard.py: nothing updated, not counted
+    clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # scaler.step skips the step on inf/NaN (fp16)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [crash knob] -> [log line] -> on_step_end
@@ -51,6 +53,7 @@ from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make
 from ironloop.distributed import World, sum_over_ranks
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, DataError, UserError
+from ironloop.guard import RolledBack, lr_scaled
 from ironloop.logs import RunLog
 from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
@@ -90,6 +93,7 @@ class Run:
     callbacks: list = field(default_factory=list)
     last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
+    guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
 
     @property
     def finished(self) -> bool:
@@ -110,7 +114,10 @@ def train(run: Run) -> None:
     and a resume with a larger max_steps finishes the same epoch in the same order."""
     run.meter.start_clock()  # training time starts now, not while fit() was setting up
     while run.progress.epoch < run.cfg.train.epochs and not run.finished:
-        train_epoch(run)
+        try:
+            train_epoch(run)
+        except RolledBack:
+            continue  # the guard restored an earlier state: go on from its epoch and offset
         if run.progress.offset < run.sampler.usable:  # stopped by max_steps, mid-epoch
             if not _saved_by_after_step(run):
                 run.save(False)
@@ -155,7 +162,8 @@ def train_epoch(run: Run) -> None:
         if not last:
             continue
         micro = 0
-        optimizer_step(run)
+        if not optimizer_step(run):
+            continue  # the guard skipped it: nothing to log or save
         bar.update(1)
         after_step(run, bar)
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
@@ -163,28 +171,35 @@ def train_epoch(run: Run) -> None:
     bar.close()
 
 
-def optimizer_step(run: Run) -> None:
-    """unscale -> clip -> step -> scaler update -> per-step scheduler, in that order."""
+def optimizer_step(run: Run) -> bool:
+    """unscale -> norm -> guard -> clip -> step -> scaler update -> per-step scheduler.
+    Returns False when the guard skipped the step."""
     cfg, opt, scaler = run.cfg, run.optimizer, run.scaler
     skipped = None
     if scaler is not None:
         scaler.unscale_(opt)  # clipping must see the true gradients, not the scaled ones
-    grad_norm, clipped = clip_gradients(run.raw_model.parameters(), cfg.clip.max_norm,
-                                        cfg.clip.mode)
-    if scaler is not None:
         # Read before step(): found_inf is on the device, so counting skips costs no sync.
         # (scaler.step itself syncs once to decide whether to skip: that is torch's design.)
         found = scaler._found_inf_per_device(opt)  # private, stable since torch 1.x
         skipped = torch.stack([f.to(run.device) for f in found.values()]).sum().clamp(max=1)
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
+    params = [p for p in run.raw_model.parameters() if p.grad is not None]
+    grad_norm = grad_norm_of(params)
+    # The guard looks before clipping: a NaN norm would make the clip turn every gradient NaN.
+    if run.guard is not None and run.guard.check(run, grad_norm, skipped):
+        return False  # a bad step: no update, no scheduler step, not counted (guard.py)
+    clipped = clip_to_norm(params, grad_norm, cfg.clip.max_norm, cfg.clip.mode)
+    with lr_scaled(opt, run.guard):  # the rollbacks' LR factor, on top of the schedule
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
     if run.scheduler is not None and run.cadence == "step" and _schedule_running(run):
         run.scheduler.step()  # after optimizer.step, once per optimizer step
     run.progress.step += 1
     run.meter.add_step(grad_norm, clipped, skipped)
+    return True
 
 
 def _schedule_running(run: Run) -> bool:
@@ -201,19 +216,36 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
     Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
     """
     params = [p for p in params if p.grad is not None]
+    norm = grad_norm_of(params)
+    return norm, clip_to_norm(params, norm, max_norm, mode)
+
+
+def grad_norm_of(params: list) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params`` (those with a grad), on the device."""
     if not params:
-        zero = torch.zeros(())
-        return zero, zero.bool()
+        return torch.zeros(())
+    return _total_norm([p.grad for p in params])
+
+
+def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
+    """Clip in place given the pre-clip ``norm``; returns whether clipping acted (on device).
+    Same arithmetic as ``clip_grad_norm_``, which is this norm + ``clip_grads_with_norm_``."""
+    if not params:
+        return torch.zeros((), dtype=torch.bool)
     if mode == "norm" and max_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
-        return norm, norm > max_norm
+        if hasattr(nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+            nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        else:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.detach().mul_(coef.to(p.grad.device))
+        return norm > max_norm
     grads = [p.grad for p in params]
-    norm = _total_norm(grads)
     if mode == "value" and max_norm > 0:
         clipped = torch.stack([g.detach().abs().max() for g in grads]).max() > max_norm
         nn.utils.clip_grad_value_(params, max_norm)
-        return norm, clipped
-    return norm, torch.zeros((), dtype=torch.bool, device=norm.device)
+        return clipped
+    return torch.zeros((), dtype=torch.bool, device=norm.device)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -272,6 +304,8 @@ def end_epoch(run: Run) -> None:
            "val_loss": val.get("val_loss"), "val_acc": val.get("val_acc"), "lr": lr,
            "seconds": stats["train_seconds"] + val_seconds, "val_seconds": val_seconds, **stats,
            **{k: v for k, v in val.items() if k not in ("val_loss", "val_acc")}}
+    if run.guard is not None and run.guard.guard.bad_steps:  # only once there is news
+        row.update(run.guard.guard.totals())
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
@@ -443,5 +477,8 @@ def _epoch_line(row: dict, epochs: int) -> str:
         parts.append(f"clipped {100 * row['clipped_frac']:.0f}%")
     if row.get("skipped"):
         parts.append(f"fp16-skipped {row['skipped']}")
+    for key in ("bad_steps", "rollbacks", "skipped_samples"):  # the guard's totals
+        if row.get(key):
+            parts.append(f"{key.replace('_', ' ')} {row[key]}")
     return "  ".join(parts)
 

@@ -370,6 +370,8 @@ def summarize(run_dir: Path | str) -> str:
         ("total seconds", _fmt(res.get("seconds"), _span(_vals(metrics, "time")), spec=".1f")),
         ("training seconds", _fmt(res.get("train_seconds"), spec=".1f")),
     ]
+    table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
+              ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
     lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table
               if not (k.startswith("test") and v == "n/a")]

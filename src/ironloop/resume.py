@@ -68,6 +68,7 @@ def collect_state(run) -> dict:
         "evaluation": run.last_eval,
         "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
         "loggers": run.log.ids() if run.log is not None else {},  # W&B / MLflow run ids
+        "guard": run.guard.state_dict() if getattr(run, "guard", None) is not None else None,
     }
 
 
@@ -94,3 +95,7 @@ def restore_state(run, state: dict, source: str) -> None:
     load_callbacks_state(run.callbacks, state.get("callbacks"))
     run.last_eval = state.get("evaluation") or {}
     set_rng_state(state["rng"])
+    guard = state.get("guard") or {}  # absent in checkpoints from before the guard
+    if getattr(run, "guard", None) is not None:
+        run.guard.load_state_dict(guard)
+    run.sampler.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false

@@ -74,6 +74,21 @@ class EpochSampler:
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch, self.offset = 0, 0
+        self.skip = torch.zeros(0, dtype=torch.long)  # the guard's skip list: never served
+
+    def set_skip(self, indices) -> None:
+        """Leave these samples out of every epoch from now on (the guard's skip list).
+
+        The order stays a pure function of (seed, epoch, skip list): the permutation is
+        filtered, so the samples before any skipped one keep their positions. A rollback adds
+        only samples served after the state it restores, so its offset still means the same
+        samples.
+        """
+        self.skip = torch.as_tensor(sorted(set(indices)), dtype=torch.long)
+
+    def indices(self, start: int, end: int) -> list[int]:
+        """The global sample indices at positions [start, end) of this epoch's order."""
+        return self.permutation()[start:end].tolist()
 
     @property
     def global_batch(self) -> int:
@@ -83,17 +98,20 @@ class EpochSampler:
     def usable(self) -> int:
         """Samples served per epoch: a tail smaller than the number of ranks is dropped, since
         it would leave a rank with an empty batch (and DDP waiting for its gradients)."""
-        tail = self.n % self.global_batch
-        return self.n - tail if 0 < tail < self.world_size else self.n
+        n = self.n - len(self.skip)
+        tail = n % self.global_batch
+        return n - tail if 0 < tail < self.world_size else n
 
     def set_epoch(self, epoch: int, offset: int = 0) -> None:
         self.epoch, self.offset = epoch, offset
 
     def permutation(self) -> torch.Tensor:
         if not self.shuffle:
-            return torch.arange(self.n)
-        g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, "order"))
-        return torch.randperm(self.n, generator=g)
+            perm = torch.arange(self.n)
+        else:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, "order"))
+            perm = torch.randperm(self.n, generator=g)
+        return perm[~torch.isin(perm, self.skip)] if len(self.skip) else perm
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self.permutation()
@@ -126,7 +144,7 @@ class EvalSampler(EpochSampler):
 
     @property
     def usable(self) -> int:
-        return self.n
+        return self.n - len(self.skip)
 
     def __iter__(self):
         for batch in super().__iter__():

@@ -1,0 +1,307 @@
+"""The guard: pure decisions, the skip list and LR factor, fit() integration, the CLI's exit
+code, two gloo ranks with one poisoned, and SIGKILL + --resume after a rollback."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+import ironloop
+from ironloop import loop
+from ironloop.checkpoint import load_verified
+from ironloop.data.loader import EpochSampler, TensorData
+from ironloop.guard import Guard, lr_scaled
+from ironloop.report import summarize
+from ironloop.cli import main
+from tests.conftest import REPO, blobs, cfg, tiny_mlp
+
+
+def split(n: int = 256):
+    """Train and validation sets of the same blobs (blobs' seed picks the centres)."""
+    data = blobs(n=n + 64)
+    return TensorData(data.x[:n], data.y[:n]), TensorData(data.x[n:], data.y[n:])
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- Guard: pure decisions ------------------------------------------------------------------
+
+def test_nonfinite_loss_or_grad_is_bad_and_only_bad_steps_ask_for_the_window():
+    g = Guard(max_bad_steps=3)
+    asked = []
+    window = lambda: asked.append(1) or [7, 8]  # noqa: E731
+    assert g.observe(1, 0.5, 1.0, window) is None
+    assert g.observe(2, float("nan"), 1.0, window) == "nonfinite_loss"
+    assert g.observe(2, 0.5, float("inf"), window) == "nonfinite_grad"
+    assert len(asked) == 2 and g.bad_steps == 2 and g.consecutive == 2
+    assert g.pending == [[7, 8], [7, 8]] and g.events == [[2, "nonfinite_loss"],
+                                                        [2, "nonfinite_grad"]]
+    assert g.observe(2, 0.4, 1.0, window) is None  # a good step ends the run of bad ones
+    assert g.consecutive == 0 and g.pending == [] and g.bad_steps == 2
+
+
+def test_rollback_after_max_bad_steps_then_stop_after_max_rollbacks():
+    g = Guard(max_bad_steps=2, max_rollbacks=2, lr_backoff=0.5)
+    for rollback in (1, 2):
+        g.observe(5, math.nan, 1.0, lambda: [rollback, 10])
+        assert not g.must_roll_back
+        g.observe(5, math.nan, 1.0, lambda: [rollback, 11])
+        assert g.must_roll_back and not g.must_stop
+        added = g.roll_back()
+        assert added == ([1, 10, 11] if rollback == 1 else [2])
+        assert g.lr_factor == 0.5 ** rollback and g.consecutive == 0
+    assert g.skip == [1, 2, 10, 11] and g.totals() == {"bad_steps": 4, "rollbacks": 2,
+                                                       "skipped_samples": 4}
+    g.observe(9, math.nan, 1.0)
+    g.observe(9, math.nan, 1.0)
+    assert g.must_stop  # a third trigger with max_rollbacks=2 used up
+
+
+def test_spike_detection_skips_warmup_and_never_learns_bad_values():
+    g = Guard(max_bad_steps=100, spike_factor=6, spike_window=20, spike_warmup=5)
+    for i in range(5):  # warm-up: huge values, kept out of the statistic
+        assert g.observe(i, 100.0, 100.0) is None
+    assert g.losses == []
+    rng = random.Random(0)
+    for i in range(20):
+        assert g.observe(i, 1.0 + 0.01 * rng.random(), 2.0 + 0.01 * rng.random()) is None
+    assert len(g.losses) == 20
+    assert g.observe(30, 5.0, 2.0) == "spike"          # the loss jumps
+    assert g.observe(31, 1.0, 50.0) == "spike"         # the grad norm jumps
+    assert max(g.losses) < 1.02 and max(g.norms) < 2.02  # the spikes stayed out
+    assert g.observe(32, 1.01, 2.0) is None
+
+
+def test_state_dict_round_trip_gives_the_same_decisions():
+    a = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
+    for i, v in enumerate([1.0, 1.1, 0.9, 1.0, math.nan]):
+        a.observe(i, v, 1.0, lambda: [i])
+    b = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain values only
+    assert b.state_dict() == a.state_dict()
+    for v in (9.0, math.nan, 1.0):
+        assert a.observe(7, v, 1.0) == b.observe(7, v, 1.0)
+    assert a.state_dict() == b.state_dict()
+
+
+# --- LR factor and skip list -----------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=20),  # computes from the current LR
+    lambda o: lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=10),
+    lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=30),
+])
+def test_lr_factor_composes_with_any_schedule_and_the_schedule_never_sees_it(make):
+    class Hook:
+        guard = Guard()
+
+    Hook.guard.lr_factor = 0.25
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    plain, guarded = torch.optim.SGD(w, lr=0.01), torch.optim.SGD(w, lr=0.01)
+    s_plain, s_guarded = make(plain), make(guarded)
+    for _ in range(15):
+        plain.step()
+        with lr_scaled(guarded, Hook):
+            guarded.step()
+            used = guarded.param_groups[0]["lr"]
+        assert used == pytest.approx(0.25 * plain.param_groups[0]["lr"], rel=1e-12)
+        assert guarded.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
+        s_plain.step()
+        s_guarded.step()
+    assert s_guarded.state_dict() == s_plain.state_dict()
+
+
+def test_skip_list_filters_the_permutation_and_keeps_the_prefix():
+    s = EpochSampler(100, 8, seed=3, shuffle=True)
+    s.set_epoch(2)
+    full = s.permutation().tolist()
+    late = full[50:53]  # samples served after position 50
+    s.set_skip(late)
+    perm = s.permutation().tolist()
+    assert not set(late) & set(perm) and len(perm) == 97 and s.usable == 97
+    assert perm[:50] == full[:50]  # an offset before them still means the same samples
+    assert [i for b in s for i in b] == perm  # and the batches serve exactly that order
+    again = EpochSampler(100, 8, seed=3, shuffle=True)
+    again.set_epoch(2)
+    again.set_skip(reversed(late))
+    assert again.permutation().tolist() == perm  # a pure function of (seed, epoch, skip)
+
+
+# --- fit() integration -----------------------------------------------------------------------
+
+def test_nan_at_step_is_skipped_logged_and_costs_one_window(tmp_path):
+    result = ironloop.fit(tiny_mlp(), *split(),
+                          cfg(tmp_path, fault__nan_at_step=3, train__epochs=3, optim__lr=1e-2),
+                          overwrite=True)
+    run_dir = tmp_path / "run"
+    (line,) = rows(run_dir / "guard.jsonl")
+    assert (line["step"], line["reason"], line["epoch"]) == (3, "nonfinite_loss", 1)
+    sampler = EpochSampler(256, 32, seed=0, shuffle=True)
+    assert line["samples"] == sampler.permutation()[64:96].tolist()  # the third window
+    assert line["nonfinite_grads"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert line["inputs_nonfinite"] is False
+    r = result.results
+    assert (r["bad_steps"], r["rollbacks"], r["skipped_samples"]) == (1, 0, 0)
+    assert r["steps"] == 3 * 8 - 1 and r["best_val_acc"] > 0.9
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 24))  # step 3 is logged once
+    assert all(math.isfinite(m["loss"]) for m in metrics)  # the NaN stayed out of the means
+    epochs = rows(run_dir / "epochs.jsonl")
+    assert all(e["bad_steps"] == 1 for e in epochs)
+    state = load_verified(run_dir / "checkpoints" / "last.pt")
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {23.0} and state["guard"]["bad_steps"] == 1
+
+
+def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, monkeypatch):
+    seen = []
+    original = loop.optimizer_step
+
+    def spy(run):
+        def snap():
+            return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
+                    json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
+                    run.progress.step, run.meter.steps)
+        before = snap()
+        stepped = original(run)
+        if not stepped:
+            after = snap()
+            assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+            assert before[1:] == after[1:]
+            seen.append(run.progress.step)
+        return stepped
+
+    monkeypatch.setattr(loop, "optimizer_step", spy)
+    ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                 cfg(tmp_path, fault__nan_at_step=[2, 5], schedule__name="cosine",
+                     train__epochs=1), overwrite=True)
+    assert seen == [1, 4]  # the two poisoned attempts, each skipped before counting
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwise(
+        tmp_path, precision):
+    model = tiny_mlp()
+    calls = []
+    # The 3rd backward through the last layer overflows, as fp16 gradients do; the loss is fine.
+    model[2].weight.register_hook(lambda g: g * math.inf if len(calls.append(1) or calls) == 3
+                                  else g)
+    result = ironloop.fit(model, *split(), cfg(tmp_path, train__epochs=1,
+                                               train__precision=precision), overwrite=True)
+    guard_lines = rows(tmp_path / "run" / "guard.jsonl")
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    if precision == "fp16":
+        assert guard_lines == [] and result.results["bad_steps"] == 0
+        assert sum(m["skipped"] for m in metrics) == 1 and len(metrics) == 8
+    else:
+        assert [(x["step"], x["reason"]) for x in guard_lines] == [(3, "nonfinite_grad")]
+        assert guard_lines[0]["nonfinite_grads"] == ["2.weight"]
+        assert result.results["bad_steps"] == 1 and len(metrics) == 7
+
+
+@pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
+def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, rollback_to):
+    order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
+    bad = order[32 * 4 + 5]  # in the fifth window: the newest checkpoint is step 4
+    result = ironloop.fit(tiny_mlp(), *split(),
+                          cfg(tmp_path, fault__nan_sample=bad, guard__max_bad_steps=1,
+                              checkpoint__every_steps=2, train__epochs=3,
+                              guard__rollback_to=rollback_to,
+                              optim__lr=1e-2), overwrite=True)
+    run_dir = tmp_path / "run"
+    bad_line, rollback = rows(run_dir / "guard.jsonl")
+    assert bad_line["step"] == 5 and bad_line["inputs_nonfinite"] is True
+    assert bad_line["nonfinite_input_samples"] == [bad]
+    assert (rollback["event"], rollback["from_step"], rollback["to_step"]) == ("rollback", 5, 4)
+    assert rollback["source"] == {"checkpoint": "checkpoints/last.pt",
+                                  "memory": "memory snapshot"}[rollback_to]
+    assert rollback["lr_factor"] == 0.5
+    assert bad in rollback["samples_added"] and len(rollback["samples_added"]) == 32
+    state = load_verified(run_dir / "checkpoints" / "last.pt")
+    assert bad in state["guard"]["skip"] and state["guard"]["lr_factor"] == 0.5
+    assert (result.results["rollbacks"], result.results["skipped_samples"]) == (1, 32)
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))  # one timeline
+    assert {m["lr"] for m in metrics if m["step"] > 4} == {5e-3}  # constant LR x 0.5
+    assert result.results["steps"] == 3 * 7  # 224 samples left: 7 windows per epoch
+    summary = summarize(run_dir)  # what `ironloop report` shows
+    assert "| rollbacks | 1 |" in summary and "| skipped samples | 32 |" in summary
+
+
+def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp_path, capsys,
+                                                                             monkeypatch):
+    monkeypatch.chdir(REPO)
+    run_dir = tmp_path / "run"
+    # Step 8 is poisoned on every first attempt, so the replay after the rollback is bad too.
+    code = main(["train", "configs/digits.yaml", "model.name=mlp", "train.epochs=1",
+                 "log.progress=off", "checkpoint.every_steps=5", "fault.nan_at_step=8",
+                 "guard.max_bad_steps=1", "guard.max_rollbacks=1", f"run.dir={run_dir}"])
+    assert code == 3
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert msg.startswith("ironloop: error: the guard stopped the run at step")
+    for hint in ("nonfinite_loss", "optim.lr", "bf16", "guard.jsonl", "intact"):
+        assert hint in msg
+    lines = rows(run_dir / "guard.jsonl")
+    assert [(x["event"], x["step"]) for x in lines] == [("bad_step", 8), ("rollback", 8),
+                                                        ("bad_step", 8), ("stop", 8)]
+    stop = lines[-1]
+    files = sorted((run_dir / "checkpoints").glob("*.pt"))
+    assert files, "the run wrote checkpoints before it stopped"
+    for f in files:
+        assert load_verified(f)["progress"]["step"] < stop["step"]
+
+
+# --- multi-process and SIGKILL ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_gloo_ranks_one_poisoned_roll_back_together(tmp_path):
+    from tests.test_distributed import train
+
+    order = EpochSampler(1438, 64, seed=0, shuffle=True, world_size=2).permutation().tolist()
+    bad = order[128 * 3 + 70]  # step 4's window, in rank 1's half only
+    run_dir = train(tmp_path / "ddp", "fault.nan_sample=" + str(bad), "guard.max_bad_steps=1",
+                    "checkpoint.every_steps=2", ranks=2)
+    lines = rows(run_dir / "guard.jsonl")
+    assert [x["event"] for x in lines] == ["bad_step", "rollback"]
+    assert lines[0]["step"] == 4 and lines[1]["to_step"] == 2
+    state = load_verified(run_dir / "checkpoints" / "last.pt")
+    assert bad in state["guard"]["skip"]
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
+    from tests.conftest import REPO
+    from tests.test_fault_injection import (assert_bit_exact, assert_same_tree, command,
+                                            load_last, run_with_kills)
+
+    order = EpochSampler(1438, 16, seed=0, shuffle=True).permutation().tolist()
+    bad = order[32 * 19 + 3]  # window 20: rolls back to the checkpoint at step 14
+    extra = ("train.epochs=2", "model.kwargs={hidden: [64], dropout: 0.1}",
+             f"fault.nan_sample={bad}", "guard.max_bad_steps=1")
+    reference = tmp_path / "reference"
+    res = subprocess.run(command(reference, *extra), cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    events = [(x["event"], x["step"]) for x in rows(reference / "guard.jsonl")]
+    assert events == [("bad_step", 20), ("rollback", 20)]
+    assert bad in load_last(reference)["guard"]["skip"]
+    # one kill before the rollback (the resume replays it), one after it
+    kills = run_with_kills(tmp_path / "run", [17, 30], random.Random(7), extra)
+    assert kills == 2
+    assert_bit_exact(reference, tmp_path / "run")
+    assert_same_tree(load_last(reference)["guard"], load_last(tmp_path / "run")["guard"])
+
+    def strip(path):
+        return [{k: v for k, v in r.items() if k != "time"} for r in rows(path / "guard.jsonl")]
+
+    assert strip(tmp_path / "run") == strip(reference)
