@@ -239,9 +239,35 @@ class CheckpointConfig(_Section):
 class FaultConfig(_Section):
     _name = "fault"
     crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
+    oom_at_step: int = _f(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
 
     def validate(self) -> None:
-        self._non_negative("crash_at_step")
+        self._non_negative("crash_at_step", "oom_at_step")
+
+
+@dataclass
+class ProfileConfig(_Section):
+    _name = "profile"
+    breakdown: bool = _f(True, "time data/copy/forward/backward/optimizer/checkpoint/validation")
+    sync: bool = _f(False, "CUDA: synchronize around forward and backward (exact, slower)")
+    trace: bool = _f(False, "write a torch.profiler trace of a few steps to run.dir/trace")
+    trace_steps: int = _f(3, "optimizer steps the trace records (after 1 wait + 1 warm-up)")
+
+    def validate(self) -> None:
+        self._positive("trace_steps")
+
+
+@dataclass
+class DoctorConfig(_Section):
+    _name = "doctor"
+    preflight: bool = _f(True, "run the quick doctor checks before training (doctor.json)")
+    strict: bool = _f(False, "stop before training (exit 2) when a check finds an error")
+    overfit_steps: int = _f(30, "overfit-one-batch check: optimizer steps allowed")
+    max_batches: int = _f(8, "batches the loader-speed and label checks read in the preflight")
+    memory_search: bool = _f(False, "CUDA: find the largest batch that fits by search")
+
+    def validate(self) -> None:
+        self._positive("overfit_steps", "max_batches")
 
 
 @dataclass
@@ -260,6 +286,8 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":

@@ -27,6 +27,7 @@ from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
+from ironloop.doctor.oom import out_of_memory
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
@@ -36,10 +37,11 @@ from ironloop.precision import grad_scaler, resolve_device, resolve_precision
 from ironloop.progress import Meter, Progress
 from ironloop.report import read_jsonl
 from ironloop.resume import collect_state, restore_state
+from ironloop.timing import StepTimer, table
 
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
-               "final.safetensors", "config.yaml", "tb", "report")
+               "final.safetensors", "config.yaml", "tb", "report", "trace")
 
 
 @dataclass
@@ -156,20 +158,28 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         tracker=tracker, log=None,
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
+    run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
+                          run_dir / "trace" if cfg.profile.trace and world.is_main else None,
+                          cfg.profile.trace_steps)
     if state is not None:
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
         run.meter.window_start = time.perf_counter()  # not the time spent starting up
 
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    run.save = run.timer.wrap("checkpoint", run.save)
     try:
         loop.train(run)
+    except torch.OutOfMemoryError as e:
+        raise out_of_memory(run, e) from None  # checkpoints stay as they are
     finally:
         if manager is not None:
             manager.close()  # exit waits for an in-flight async write
         if run.log is not None:
             run.log.close()
     result = _finish(run, test_set, run_dir, started)
+    if world.is_main and result.results.get("time"):
+        print(table(result.results["time"], run.timer.steps, device, run.timer.sync))
     shutdown(world)
     return result
 
@@ -321,6 +331,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "precision": run.precision, "device": str(run.device),
         "seconds": sum(r.get("seconds", 0.0) for r in epochs),
         "wall_seconds_this_process": time.time() - started,
+        "time": run.timer.finish() or None,  # seconds per part, this process (timing.PARTS)
     }
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}

@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -40,6 +40,7 @@ from ironloop.errors import ConfigError, DataError
 from ironloop.logs import RunLog
 from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
+from ironloop.timing import StepTimer
 
 StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -73,6 +74,7 @@ class Run:
     check_labels: Callable[[Any], None] | None = None
     best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
     step_lr: float = 0.0            # the LR the last optimizer step used
+    timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
     @property
     def finished(self) -> bool:
@@ -98,8 +100,10 @@ def train_epoch(run: Run) -> None:
     bar = _progress_bar(run)
     run.model.train()
     run.meter.start_epoch()
+    run.timer.start_epoch()
     micro = window = 0
     for batch in loader:
+        run.timer.mark("data")
         if micro == 0:
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             run.optimizer.zero_grad(set_to_none=True)
@@ -109,24 +113,29 @@ def train_epoch(run: Run) -> None:
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
         batch = to_device(batch, run.device, non_blocking)
+        run.timer.mark("copy")
         # DDP all-reduces on every backward; inside a window only the last one needs to.
         sync = contextlib.nullcontext() if last or not run.world.distributed \
             else run.model.no_sync()
         with sync:
             with _autocast(run):
                 loss, _ = run.step_fn(run.model, batch)
+            run.timer.mark("forward")
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
             # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
             scaled = loss * (n_micro * world / window)
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+        run.timer.mark("backward")
         run.meter.add_micro(loss, n_micro)
         micro += 1
         if not last:
             continue
         micro = 0
         optimizer_step(run)
+        run.timer.mark("optimizer")
         bar.update(1)
         after_step(run, bar)
+        run.timer.mark("other")
         if run.progress.step >= run.total_steps:
             break
     bar.close()
@@ -187,8 +196,11 @@ def after_step(run: Run, bar) -> None:
     cfg, p = run.cfg, run.progress
     if cfg.fault.crash_at_step and p.step == cfg.fault.crash_at_step:
         os._exit(1)  # the lab's fault knob: die like a preempted job, writing nothing more
+    if cfg.fault.oom_at_step and p.step == cfg.fault.oom_at_step:
+        raise torch.OutOfMemoryError(f"injected by fault.oom_at_step={p.step}")
     if p.step % cfg.log.every_steps == 0:
         row = run.meter.flush_window()  # host sync: only at log steps
+        run.timer.flush()  # reads the step timer's CUDA events: the stream is synced already
         row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": run.step_lr,
                **row, "time": time.time()}
         if run.log is not None:
@@ -202,10 +214,12 @@ def end_epoch(run: Run) -> None:
     """Validate, log the epoch, step plateau, track the best, checkpoint."""
     cfg, p = run.cfg, run.progress
     stats = run.meter.flush_epoch()  # host sync, once per epoch
+    run.timer.mark("other")
     started = time.perf_counter()
     lr = run.step_lr
     val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()} if run.val_data else {}
     val_seconds = time.perf_counter() - started
+    run.timer.mark("validation")
     improved = False
     metric = cfg.early_stop.metric
     if val:
@@ -224,6 +238,8 @@ def end_epoch(run: Run) -> None:
            "val_loss": val.get("val_loss"), "val_acc": val.get("val_acc"), "lr": lr,
            "seconds": stats["train_seconds"] + val_seconds, "val_seconds": val_seconds, **stats,
            **{k: v for k, v in val.items() if k not in ("val_loss", "val_acc")}}
+    if run.timer.enabled:
+        row["time"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))
