@@ -21,6 +21,8 @@ def _train(args) -> int:
     resume, overrides = args.resume, list(args.overrides)
     if isinstance(resume, str) and "=" in resume and not Path(resume).exists():
         resume, overrides = True, [resume, *overrides]  # `--resume key=value`: a bare --resume
+    if args.strict:
+        overrides.append("doctor.strict=true")
     cfg = load_config(args.config, overrides)
     result = train_config(cfg, resume=resume, overwrite=args.overwrite)
     if os.environ.get("RANK", "0") != "0":
@@ -28,6 +30,15 @@ def _train(args) -> int:
     r = result.results
     summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "seconds") if k in r}
     print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")
+    return 0
+
+
+def _doctor(args) -> int:
+    from ironloop.config import load_config
+    from ironloop.doctor.run import doctor_config
+
+    doctor_config(load_config(args.config, args.overrides), lr_find=args.lr_find,
+                  strict=args.strict)
     return 0
 
 
@@ -71,7 +82,20 @@ def parser() -> argparse.ArgumentParser:
                    "when there is none), or from PATH")
     t.add_argument("--overwrite", action="store_true",
                    help="delete a previous run's outputs in run.dir and start over")
+    t.add_argument("--strict", action="store_true",
+                   help="stop (exit 2) when the preflight doctor finds an error")
     t.set_defaults(func=_train)
+
+    d = sub.add_parser("doctor", help="check model, data and loader for common bugs",
+                       description="Run every doctor check on the config's model and data: "
+                       "initial loss, probabilities fed to a logits loss, overfit one batch, "
+                       "dead parameters, labels, train/val/test leakage, input-bound, memory.")
+    d.add_argument("config", help="YAML config file")
+    d.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    d.add_argument("--lr-find", action="store_true",
+                   help="also run the LR range test and write run.dir/lr_find.png")
+    d.add_argument("--strict", action="store_true", help="exit 2 when a check finds an error")
+    d.set_defaults(func=_doctor)
 
     e = sub.add_parser("export", help="write a run's weights as safetensors")
     e.add_argument("run_dir")
