@@ -106,7 +106,8 @@ def render(findings: list[Finding], verbose: bool) -> str:
     counts = {sev: sum(f.severity == sev for f in findings) for sev in ("error", "warning")}
     checks = len({f.check for f in findings})
     summary = (f"doctor: {checks} checks, {counts['error']} error(s), "
-               f"{counts['warning']} warning(s)")
+               f"{counts['warning']} warning(s)") if any(counts.values()) else \
+        f"doctor: {checks} checks passed"
     return "\n".join([f.render() for f in shown] + [summary])
 
 
