@@ -53,8 +53,12 @@ def _export(args) -> int:
 def _report(args) -> int:
     from ironloop.report import render_report
 
+    from ironloop.doctor.logs import diagnose_logs
+
     paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print("\n".join(f"wrote {p}" for p in paths))
+    for finding in diagnose_logs(Path(args.run_dir)):  # also in report.md's Diagnosis section
+        print(finding.render())
     return 0
 
 

@@ -25,7 +25,7 @@ from ironloop.precision import resolve_device
 #: Samples the quick checks read from a dataset that is not in memory.
 QUICK_CAP = 4096
 #: The overfit check trains on at most this many samples of the first batch.
-OVERFIT_BATCH = 32
+OVERFIT_BATCH = 16
 
 
 class DoctorError(UserError):
