@@ -16,6 +16,9 @@ ragged last window of an epoch)::
 
 and at the end of each epoch: validate (eval mode, inference_mode) -> epoch line -> plateau
 scheduler step with the monitored metric -> best tracking -> checkpoint.
+
+``run.timer.mark(part)`` after each piece of work charges the time since the previous mark to
+that part (data, copy, forward, backward, optimizer, other, validation; see timing.py).
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ from ironloop.errors import UserError
 from ironloop.optim import Loss
 from ironloop.precision import resolve_device
 
-#: Samples the quick checks read from a dataset that is not in memory.
-QUICK_CAP = 4096
 #: The overfit check trains on at most this many samples of the first batch.
 OVERFIT_BATCH = 16
 
@@ -54,7 +52,9 @@ def check(s: Subject, quick: bool = True) -> list[Finding]:
 
 def _check(s: Subject, quick: bool) -> list[Finding]:
     cfg = s.cfg.doctor
-    cap = QUICK_CAP if quick else None
+    # A dataset that is not in memory may decode on every read: the quick checks read at most
+    # doctor.max_batches batches' worth of samples of it.
+    cap = cfg.max_batches * s.cfg.train.batch_size if quick else None
     findings = [*data.check_labels(s, cap), *data.check_leakage(s, cap)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
