@@ -251,3 +251,21 @@ def test_memory_check_on_cuda():
                           config(run__device="cuda")))
     (f,) = [f for f in found if f.check == "memory"]
     assert "peaks at" in f.measured and "largest batch about" in f.measured
+
+
+class OomOnBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp()
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.net(x)
+
+
+def test_a_check_that_runs_out_of_memory_becomes_a_finding():
+    found = diagnose(OomOnBackward())
+    oom = [f for f in found if f.severity == "error"]
+    assert {f.check for f in oom} == {"overfit_batch", "dead_parameters", "input_bound"}
+    assert all("out of device memory" in f.measured for f in oom)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 
 import torch
@@ -98,27 +99,33 @@ def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:
 
 
 def _loader_seconds_per_batch(s: Subject, max_batches: int, budget: float) -> float:
-    """Seconds per batch for the DataLoader in the main process: fetch + collate."""
+    """Median seconds per batch for the DataLoader in the main process: fetch + collate.
+    The median, because a shared machine preempts now and then: one stall must not turn a fast
+    loader into a slow one."""
     it = iter(s.loader())
     next(it)  # the first batch pays one-off costs
-    t0, n = time.perf_counter(), 0
+    times: list[float] = []
+    start = time.perf_counter()
     for _ in range(max_batches):
+        t0 = time.perf_counter()
         try:
             next(it)
         except StopIteration:
             break
-        n += 1
-        if time.perf_counter() - t0 > budget:
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
             break
-    return (time.perf_counter() - t0) / max(n, 1)
+    return statistics.median(times) if times else 0.0
 
 
 def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> float:
-    """Seconds per optimizer step on a synthetic batch of the same shape, already in place."""
+    """Seconds per optimizer step on a synthetic batch of the same shape, already in place:
+    the median step on CPU, the mean over the steps (one sync at the end) on CUDA."""
     x = torch.randn_like(batch[0].float()).to(batch[0].dtype) \
         if batch[0].is_floating_point() else batch[0].clone()
     y = batch[1].clone()
     model, opt = s.copy()
+    cuda = s.device.type == "cuda"
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -126,17 +133,18 @@ def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> flo
         opt.step()
 
     step()  # warm-up
-    if s.device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize(s.device)
-    t0, n = time.perf_counter(), 0
-    while n < steps:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < steps and time.perf_counter() - start <= budget:
+        t0 = time.perf_counter()
         step()
-        n += 1
-        if time.perf_counter() - t0 > budget:
-            break
-    if s.device.type == "cuda":
+        times.append(time.perf_counter() - t0)
+    if cuda:
         torch.cuda.synchronize(s.device)  # host sync: to time the GPU's work
-    return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - start) / len(times)
+    return statistics.median(times)
 
 
 def check_input_bound(s: Subject, batch, max_batches: int = 8,

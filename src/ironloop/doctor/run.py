@@ -16,7 +16,7 @@ from torch import nn
 from ironloop.config import Config
 from ironloop.doctor import data_checks as data
 from ironloop.doctor import model_checks as mc
-from ironloop.doctor.findings import Finding
+from ironloop.doctor.findings import Finding, info
 from ironloop.doctor.subject import Subject
 from ironloop.errors import UserError
 from ironloop.optim import Loss
@@ -55,19 +55,38 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     # A dataset that is not in memory may decode on every read: the quick checks read at most
     # doctor.max_batches batches' worth of samples of it.
     cap = cfg.max_batches * s.cfg.train.batch_size if quick else None
-    findings = [*data.check_labels(s, cap), *data.check_leakage(s, cap)]
+    findings = [*_guard("labels", data.check_labels, s, cap),
+                *_guard("leakage", data.check_leakage, s, cap)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
     batch = s.batch()
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        return findings + [info("model", f"model checks skipped: they need (inputs, targets) "
+                                f"batches, this data gives {type(batch).__name__}")]
     small = [t[:OVERFIT_BATCH] for t in batch[:2]]
-    findings += mc.check_initial_loss(s, batch)
-    findings += mc.check_probabilities(s, batch)
-    findings += mc.check_overfit_batch(s, small, cfg.overfit_steps)
-    findings += mc.check_dead_parameters(s, batch)
-    findings += data.check_input_bound(s, batch, cfg.max_batches,
-                                       budget=0.05 if quick else 1.0)
-    findings += mc.check_memory(s, batch, search=cfg.memory_search)
+    findings += _guard("initial_loss", mc.check_initial_loss, s, batch)
+    findings += _guard("probabilities", mc.check_probabilities, s, batch)
+    findings += _guard("overfit_batch", mc.check_overfit_batch, s, small, cfg.overfit_steps)
+    findings += _guard("dead_parameters", mc.check_dead_parameters, s, batch)
+    findings += _guard("input_bound", data.check_input_bound, s, batch, cfg.max_batches,
+                       budget=0.05 if quick else 1.0)
+    findings += _guard("memory", mc.check_memory, s, batch, search=cfg.memory_search)
     return findings
+
+
+def _guard(name: str, fn, *args, **kwargs) -> list[Finding]:
+    """A check that raises becomes a finding: the doctor never stops a run by crashing (the run
+    itself then raises the real error where it happens)."""
+    try:
+        return fn(*args, **kwargs)
+    except torch.OutOfMemoryError as e:
+        return [Finding(name, "error", f"out of device memory during the {name} check "
+                        f"({str(e).splitlines()[0] if str(e) else 'OOM'})",
+                        "one training step at this batch size does not fit",
+                        "lower train.batch_size and raise train.accumulation_steps, or use "
+                        "train.precision=bf16")]
+    except Exception as e:  # noqa: BLE001 - reported, never raised
+        return [info(name, f"check skipped: it raised {type(e).__name__}: {e}")]
 
 
 class _rng_preserved:
