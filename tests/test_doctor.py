@@ -269,3 +269,29 @@ def test_a_check_that_runs_out_of_memory_becomes_a_finding():
     oom = [f for f in found if f.severity == "error"]
     assert {f.check for f in oom} == {"overfit_batch", "dead_parameters", "input_bound"}
     assert all("out of device memory" in f.measured for f in oom)
+
+
+def test_label_smoothing_moves_the_overfit_target_to_its_floor():
+    """With smoothing the loss cannot reach 0: a 10x fall towards 0 would be impossible."""
+    from ironloop.doctor.model_checks import loss_floor
+
+    s = subject(tiny_mlp(), blobs(256), None, None, config(loss__label_smoothing=0.2))
+    assert loss_floor(s) == pytest.approx(
+        -(0.8667 * torch.log(torch.tensor(0.8667)) + 2 * 0.0667 * torch.log(torch.tensor(0.0667))
+          ).item(), rel=1e-3)
+    found = check(s)
+    assert serious(found) == [], [f.render() for f in serious(found)]
+    assert any("pass" in f.measured for f in found if f.check == "overfit_batch")
+
+
+def test_preflight_is_skipped_on_a_resume_that_already_ran_it(tmp_path, capsys):
+    from ironloop.data.datasets import DataBundle
+    from ironloop.doctor.run import preflight
+
+    conf = config(run__dir=str(tmp_path))
+    bundle = DataBundle(blobs(128), blobs(32, seed=1), None, (8,), 3)
+    assert preflight(conf, tiny_mlp(), bundle) and (tmp_path / "doctor.json").exists()
+    assert preflight(conf, tiny_mlp(), bundle, resume=True) == []
+    assert capsys.readouterr().out.count("doctor: 7 checks passed") == 1
+    assert preflight(config(run__dir=str(tmp_path), doctor__preflight=False), tiny_mlp(),
+                     bundle) == []
