@@ -115,3 +115,43 @@ def test_trace_writes_a_profiler_trace(tmp_path):
                  cfg(tmp_path, train__epochs=1, profile__trace=True, profile__trace_steps=2))
     traces = list((tmp_path / "run" / "trace").glob("*.json*"))
     assert traces, "no trace file written"
+
+
+class FakeEvent:
+    """torch.cuda.Event on a fake GPU clock: record() stamps it, elapsed_time() in ms."""
+
+    gpu_now = 0.0
+    created = 0
+
+    def __init__(self, enable_timing: bool = False):
+        FakeEvent.created += 1
+        self.t = None
+
+    def record(self):
+        self.t = FakeEvent.gpu_now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1000.0
+
+
+def test_cuda_events_are_read_at_flush_and_reused(monkeypatch):
+    """The CUDA path without a GPU: marks record events, flush reads them in order."""
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    FakeEvent.created = 0
+    t = StepTimer(torch.device("cuda"))
+    assert t.events and not t.sync
+    t.start_epoch()
+    for step in range(3):
+        for part, dt in [("data", 0.5), ("copy", 0.25), ("forward", 1), ("backward", 2),
+                         ("optimizer", 1), ("other", 0.25)]:
+            FakeEvent.gpu_now += dt
+            t.mark(part)
+        assert t.epoch["forward"] == step  # this step is read only at the log step: no sync
+        t.flush()
+    row = t.end_epoch()
+    assert row["data"] == 1.5 and row["backward"] == 6 and row["other"] == 0.75
+    assert sum(row.values()) == FakeEvent.gpu_now
+    assert FakeEvent.created <= 8  # events are pooled, not one per mark forever

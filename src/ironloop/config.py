@@ -263,7 +263,7 @@ class DoctorConfig(_Section):
     preflight: bool = _f(True, "run the quick doctor checks before training (doctor.json)")
     strict: bool = _f(False, "stop before training (exit 2) when a check finds an error")
     overfit_steps: int = _f(30, "overfit-one-batch check: optimizer steps allowed")
-    max_batches: int = _f(8, "batches the loader-speed and label checks read in the preflight")
+    max_batches: int = _f(8, "preflight: batches timed, and read from data not in memory")
     memory_search: bool = _f(False, "CUDA: find the largest batch that fits by search")
 
     def validate(self) -> None:
