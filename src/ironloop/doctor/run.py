@@ -69,7 +69,7 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     findings += _guard("overfit_batch", mc.check_overfit_batch, s, small, cfg.overfit_steps)
     findings += _guard("dead_parameters", mc.check_dead_parameters, s, batch)
     findings += _guard("input_bound", data.check_input_bound, s, batch, cfg.max_batches,
-                       budget=0.05 if quick else 1.0)
+                       budget=0.05 if quick else 0.3)
     findings += _guard("memory", mc.check_memory, s, batch, search=cfg.memory_search)
     return findings
 
