@@ -269,3 +269,80 @@ def test_crash_line_from_fault_knob_when_logs_were_truncated(tmp_path, knob):
     assert_real_plot(resume)
     assert colour_px(resume, "green") > 150  # the resume line is always there
     assert (colour_px(resume, "red") > 300) == bool(knob)
+
+
+# -- diagnoses from the logs (ironloop.doctor.logs) --------------------------------------------
+
+from ironloop.doctor.logs import diagnose_logs  # noqa: E402
+
+
+def _diag_run(run: Path, epochs: list[dict], metrics: list[dict] | None = None) -> list:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"clip": {"max_norm": 1.0}}))
+    _write_jsonl(run / "epochs.jsonl", epochs)
+    steps = metrics or [{"step": s, "loss": 2.0 / s, "samples_per_s": 1000.0, "clipped": 0,
+                         "steps": 10, "grad_norm": 0.5} for s in range(10, 210, 10)]
+    _write_jsonl(run / "metrics.jsonl", steps)
+    return diagnose_logs(run)
+
+
+def _epochs(train: list[float], val: list[float], acc: list[float] | None = None) -> list[dict]:
+    acc = acc or [0.5 + 0.05 * i for i in range(len(train))]
+    return [{"epoch": i + 1, "step": 10 * (i + 1), "train_loss": t, "val_loss": v,
+             "val_acc": a} for i, (t, v, a) in enumerate(zip(train, val, acc))]
+
+
+def test_diagnosis_clean_run_is_silent(tmp_path):
+    assert diagnose_logs(make_run(tmp_path / "run")) == []
+    assert _diag_run(tmp_path / "r2", _epochs([1.0, 0.6, 0.4, 0.3], [1.0, 0.7, 0.5, 0.45])) == []
+
+
+def test_diagnosis_flat_loss(tmp_path):
+    (f,) = _diag_run(tmp_path / "r", _epochs([2.30, 2.29, 2.30, 2.29], [2.3] * 4))
+    assert f.check == "flat_loss" and "2.3000 in the first epoch" in f.measured
+    assert "--lr-find" in f.fix
+
+
+def test_diagnosis_overfitting_names_the_epoch(tmp_path):
+    found = _diag_run(tmp_path / "r", _epochs([1.0, 0.6, 0.4, 0.25, 0.15, 0.1],
+                                              [1.0, 0.7, 0.6, 0.65, 0.72, 0.8]))
+    (f,) = [f for f in found if f.check == "overfitting"]
+    assert "rises from epoch 4" in f.measured and "epoch 3" in f.measured
+    assert "early_stop.patience" in f.fix
+
+
+def test_diagnosis_high_val_acc_at_epoch_one(tmp_path):
+    found = _diag_run(tmp_path / "r", _epochs([0.5, 0.3], [0.2, 0.1], [0.97, 0.98]))
+    assert [f.check for f in found] == ["val_acc_epoch1"]
+    assert "97.0%" in found[0].measured and "leakage" in found[0].cause
+
+
+def test_diagnosis_clipping_in_steady_state(tmp_path):
+    # The first 10% of steps (warm-up) may clip; after that 8 of 10 steps per window do.
+    metrics = [{"step": s, "loss": 2.0 / s, "samples_per_s": 1000.0, "steps": 10,
+                "clipped": 10 if s <= 20 else 8, "grad_norm": 2.0} for s in range(10, 210, 10)]
+    found = _diag_run(tmp_path / "r", _epochs([1.0, 0.5], [1.0, 0.6]), metrics)
+    (f,) = found
+    assert f.check == "clipping" and f.measured.startswith("80% of steady-state steps")
+    assert "median pre-clip norm 2" in f.measured and "raise clip.max_norm" in f.fix
+    metrics = [{**m, "clipped": 10 if m["step"] <= 20 else 2} for m in metrics]
+    assert _diag_run(tmp_path / "r2", _epochs([1.0, 0.5], [1.0, 0.6]), metrics) == []
+
+
+def test_diagnosis_throughput_drop_names_the_part(tmp_path):
+    metrics = [{"step": s, "loss": 2.0 / s, "clipped": 0, "steps": 10, "grad_norm": 0.5,
+                "samples_per_s": 1000.0 if s <= 100 else 400.0} for s in range(10, 210, 10)]
+    epochs = _epochs([1.0, 0.5], [1.0, 0.6])
+    epochs[0]["time"] = {"data": 0.1, "forward": 1.0, "other": 0.1}
+    epochs[1]["time"] = {"data": 1.6, "forward": 1.0, "other": 0.1}
+    (f,) = _diag_run(tmp_path / "r", epochs, metrics)
+    assert f.check == "throughput" and "1,000 to 400 samples/s (60% lower)" in f.measured
+    assert "data grew most" in f.measured
+
+
+def test_report_md_has_a_diagnosis_section(tmp_path):
+    run = tmp_path / "r"
+    _diag_run(run, _epochs([2.30, 2.29, 2.30], [2.3] * 3))
+    report.render_report(run)
+    md = (run / "report" / "report.md").read_text()
+    assert "## Diagnosis" in md and "(flat_loss)" in md

@@ -18,7 +18,10 @@ def _train(args) -> int:
     if args.config == "help":
         print(describe())
         return 0
-    cfg = load_config(args.config, list(args.overrides))
+    overrides = list(args.overrides)
+    if args.strict:
+        overrides.append("doctor.strict=true")
+    cfg = load_config(args.config, overrides)
     result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
                           allow_config_change=args.allow_config_change)
     if os.environ.get("RANK", "0") != "0":
@@ -26,6 +29,15 @@ def _train(args) -> int:
     r = result.results
     summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "train_seconds") if k in r}
     print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")
+    return 0
+
+
+def _doctor(args) -> int:
+    from ironloop.config import load_config
+    from ironloop.doctor.run import doctor_config
+
+    doctor_config(load_config(args.config, args.overrides), lr_find=args.lr_find,
+                  strict=args.strict)
     return 0
 
 
@@ -40,8 +52,12 @@ def _export(args) -> int:
 def _report(args) -> int:
     from ironloop.report import render_report
 
+    from ironloop.doctor.logs import diagnose_logs
+
     paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print("\n".join(f"wrote {p}" for p in paths))
+    for finding in diagnose_logs(Path(args.run_dir)):  # also in report.md's Diagnosis section
+        print(finding.render())
     return 0
 
 
@@ -105,7 +121,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-config-change", action="store_true",
                    help="resume even though keys that change the training trajectory differ "
                    "from the checkpoint's config (e.g. a larger train.max_steps)")
+    t.add_argument("--strict", action="store_true",
+                   help="stop (exit 2) when the preflight doctor finds an error")
     t.set_defaults(func=_train)
+
+    d = sub.add_parser("doctor", help="check model, data and loader for common bugs",
+                       description="Run every doctor check on the config's model and data: "
+                       "initial loss, probabilities fed to a logits loss, overfit one batch, "
+                       "dead parameters, labels, train/val/test leakage, input-bound, memory.")
+    d.add_argument("config", help="YAML config file")
+    d.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    d.add_argument("--lr-find", action="store_true",
+                   help="also run the LR range test and write run.dir/lr_find.png")
+    d.add_argument("--strict", action="store_true", help="exit 2 when a check finds an error")
+    d.set_defaults(func=_doctor)
 
     e = sub.add_parser("export", help="write a run's weights as safetensors")
     e.add_argument("run_dir")

@@ -291,8 +291,10 @@ class FaultConfig(_Section):
                                "optimizer steps")
     nan_sample: int = _f(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
+    oom_at_step: int = _f(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
+
     def validate(self) -> None:
-        self._non_negative("crash_at_step")
+        self._non_negative("crash_at_step", "oom_at_step")
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in self.nan_at_step):
             self._bad("nan_at_step", "must be a step number >= 1 or a list of them, e.g. [10, 20]")
         if self.nan_sample < -1:
@@ -324,6 +326,31 @@ class GuardConfig(_Section):
 
 
 @dataclass
+class ProfileConfig(_Section):
+    _name = "profile"
+    breakdown: bool = _f(True, "time data/copy/forward/backward/optimizer/checkpoint/validation")
+    sync: bool = _f(False, "CUDA: synchronize around forward and backward (exact, slower)")
+    trace: bool = _f(False, "write a torch.profiler trace of a few steps to run.dir/trace")
+    trace_steps: int = _f(3, "optimizer steps the trace records (after 1 wait + 1 warm-up)")
+
+    def validate(self) -> None:
+        self._positive("trace_steps")
+
+
+@dataclass
+class DoctorConfig(_Section):
+    _name = "doctor"
+    preflight: bool = _f(True, "run the quick doctor checks before training (doctor.json)")
+    strict: bool = _f(False, "stop before training (exit 2) when a check finds an error")
+    overfit_steps: int = _f(30, "overfit-one-batch check: optimizer steps allowed")
+    max_batches: int = _f(8, "preflight: batches timed, and read from data not in memory")
+    memory_search: bool = _f(False, "CUDA: find the largest batch that fits by search")
+
+    def validate(self) -> None:
+        self._positive("overfit_steps", "max_batches")
+
+
+@dataclass
 class Config:
     """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
 
@@ -341,6 +368,8 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":

@@ -29,6 +29,8 @@ FREE: tuple[str, ...] = (
     "data.num_workers",  # the batch order is a function of (seed, epoch) only
     "data.pin_memory",
     "fault.",            # the lab's crash knob
+    "profile.",          # timing and traces measure the run, they do not change it
+    "doctor.",           # the preflight works on copies and restores the RNG state
     "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
     "train.compile_mode",
     "train.activation_checkpointing",  # recomputes the same forward in backward: same math

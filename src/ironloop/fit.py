@@ -29,6 +29,7 @@ from ironloop.config import Config
 from ironloop.callbacks import HOOKS, fire
 from ironloop.data.loader import EpochSampler, TensorData, derive_seed
 from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
+from ironloop.doctor.oom import out_of_memory
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
@@ -41,12 +42,13 @@ from ironloop.progress import Meter, Progress
 from ironloop.report import read_jsonl
 from ironloop.resume import collect_state, restore_state
 from ironloop.specs import import_spec
+from ironloop.timing import StepTimer, table
 from ironloop.wrap import checkpoint_activations, compile_model
 
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
                "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
-               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl")
+               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl", "trace")
 
 
 @dataclass
@@ -192,6 +194,9 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels,
         callbacks=_check_callbacks(callbacks))
+    run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
+                          run_dir / "trace" if cfg.profile.trace and world.is_main else None,
+                          cfg.profile.trace_steps)
     if cfg.schedule.name in drift.FINITE_SCHEDULES:
         run.schedule_steps = total_steps
     if cfg.guard.enabled:
@@ -210,6 +215,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         records.write_run_json(run_dir, records.environment(device, world.size),
                                resumed=state is not None)
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    run.save = run.timer.wrap("checkpoint", run.save)
     if run.guard is not None:
         run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
     try:
@@ -217,6 +223,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         loop.train(run)
         fire(run, "on_train_end", {"step": run.progress.step, "epoch": run.progress.epoch,
                                    "best": run.tracker.best})
+    except torch.OutOfMemoryError as e:
+        raise out_of_memory(run, e) from None  # checkpoints stay as they are
     finally:
         if manager is not None:
             manager.close()  # exit waits for an in-flight async write
@@ -225,6 +233,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         if run.guard is not None:
             run.guard.close()
     result = _finish(run, test_set, run_dir, started)
+    if world.is_main and result.results.get("time"):
+        print(table(result.results["time"], run.timer.steps, device, run.timer.sync))
     shutdown(world)
     return result
 
@@ -456,6 +466,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.guard.totals() if run.guard is not None else {}),
+        "time": run.timer.finish() or None,  # seconds per part, this process (timing.PARTS)
     }
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": run.progress.epoch + 1,

@@ -31,6 +31,9 @@ Callback hooks (``ironloop.callbacks``), in order over a run::
     per optimizer step:  on_step_end -> [on_eval_end] -> [on_checkpoint]
     per epoch end:       [on_eval_end] -> on_epoch_end -> [on_checkpoint]
     on_train_end
+
+``run.timer.mark(part)`` after each piece of work charges the time since the previous mark to
+that part (data, copy, forward, backward, optimizer, other, validation; see timing.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from ironloop.guard import RolledBack, lr_scaled
 from ironloop.logs import RunLog
 from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
+from ironloop.timing import StepTimer
 
 StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -94,6 +98,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
+    timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
     @property
     def finished(self) -> bool:
@@ -136,8 +141,10 @@ def train_epoch(run: Run) -> None:
     non_blocking = run.device.type == "cuda"
     bar = _progress_bar(run)
     run.model.train()
+    run.timer.start_epoch()
     micro = window = 0
     for batch in loader:
+        run.timer.mark("data")
         if micro == 0:
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             run.optimizer.zero_grad(set_to_none=True)
@@ -147,25 +154,31 @@ def train_epoch(run: Run) -> None:
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
         batch = to_device(batch, run.device, non_blocking)
+        run.timer.mark("copy")
         # DDP all-reduces on every backward; inside a window only the last one needs to.
         sync = contextlib.nullcontext() if last or not run.world.distributed \
             else run.model.no_sync()
         with sync:
             with _autocast(run):
                 loss, _ = _call_step(run, run.model, batch, "training")
+            run.timer.mark("forward")
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
             # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
             scaled = loss * (n_micro * world / window)
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+        run.timer.mark("backward")
         run.meter.add_micro(loss, n_micro)
         micro += 1
         if not last:
             continue
         micro = 0
-        if not optimizer_step(run):
+        stepped = optimizer_step(run)
+        run.timer.mark("optimizer")
+        if not stepped:
             continue  # the guard skipped it: nothing to log or save
         bar.update(1)
         after_step(run, bar)
+        run.timer.mark("other")
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
     bar.close()
@@ -258,8 +271,11 @@ def after_step(run: Run, bar) -> None:
     cfg, p = run.cfg, run.progress
     if cfg.fault.crash_at_step and p.step == cfg.fault.crash_at_step:
         os._exit(1)  # the lab's fault knob: die like a preempted job, writing nothing more
+    if cfg.fault.oom_at_step and p.step == cfg.fault.oom_at_step:
+        raise torch.OutOfMemoryError(f"injected by fault.oom_at_step={p.step}")
     if p.step % cfg.log.every_steps == 0:
         row = run.meter.flush_window()  # host sync: only at log steps
+        run.timer.flush()  # reads the step timer's CUDA events: the stream is synced already
         row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": run.step_lr,
                **row, "time": time.time()}
         if run.log is not None:
@@ -270,9 +286,11 @@ def after_step(run: Run, bar) -> None:
     fire(run, "on_step_end", row)
     evaluated = improved = False
     if cfg.eval.every_steps and p.step % cfg.eval.every_steps == 0 and run.val_data:
+        run.timer.mark("other")
         started = time.perf_counter()
         evaluated, improved = True, run_evaluation(run)[1]
         run.meter.exclude(time.perf_counter() - started)  # keep samples/s about training
+        run.timer.mark("validation")
     # Checkpoint after an evaluation too: best.pt follows evaluations, and a resume then
     # continues from the evaluated state.
     if evaluated or (cfg.checkpoint.every_steps and p.step % cfg.checkpoint.every_steps == 0):
@@ -290,6 +308,7 @@ def end_epoch(run: Run) -> None:
     """Evaluate (unless evaluations follow eval.every_steps), log the epoch, checkpoint."""
     cfg, p = run.cfg, run.progress
     stats = run.meter.flush_epoch()  # host sync, once per epoch
+    run.timer.mark("other")
     started = time.perf_counter()
     lr = run.step_lr
     improved = False
@@ -298,6 +317,7 @@ def end_epoch(run: Run) -> None:
     else:  # step-path evaluations: the epoch line repeats the latest one
         val = {k: v for k, v in run.last_eval.items() if k.startswith("val_")}
     val_seconds = time.perf_counter() - started
+    run.timer.mark("validation")
     p.epoch += 1
     p.offset = 0
     row = {"epoch": p.epoch, "step": p.step, "train_loss": stats.pop("train_loss"),
@@ -306,6 +326,8 @@ def end_epoch(run: Run) -> None:
            **{k: v for k, v in val.items() if k not in ("val_loss", "val_acc")}}
     if run.guard is not None and run.guard.guard.bad_steps:  # only once there is news
         row.update(run.guard.guard.totals())
+    if run.timer.enabled:
+        row["time"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))

@@ -408,6 +408,9 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         crashes = crashes or crash_steps(raw) or ([int(knob)] if knob > 0 else [])
         paths.append(plot_resume_curve(raw, epochs, out_dir / "resume.png", resumes, crashes))
     report = out_dir / "report.md"
-    md = [summarize(run_dir)] + [f"![{p.stem}]({p.name})\n" for p in paths]
+    from ironloop.doctor.logs import diagnose_logs, markdown
+
+    md = [summarize(run_dir), markdown(diagnose_logs(run_dir))]
+    md += [f"![{p.stem}]({p.name})\n" for p in paths]
     report.write_text("\n".join(md), encoding="utf-8")
     return paths + [report]

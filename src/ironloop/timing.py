@@ -1,0 +1,228 @@
+"""Where the time goes: a step-time breakdown the loop marks at fixed points.
+
+The loop calls ``timer.mark(part)`` right after each piece of work; the time since the previous
+mark is charged to ``part``. Because every interval is charged to exactly one part, the parts
+of an epoch add up to the epoch's time by construction, and nothing is measured twice::
+
+    for batch in loader:   mark("data")       # waiting for the DataLoader (and label checks)
+    to_device(batch)       mark("copy")       # host-to-device copy
+    step_fn(model, batch)  mark("forward")    # forward + loss
+    backward               mark("backward")
+    optimizer_step         mark("optimizer")  # unscale, clip, step, scheduler
+    log / progress bar     mark("other")      # bookkeeping; checkpoint writes are wrapped
+    validation             mark("validation")
+
+How a mark reads the clock:
+
+- **CPU**: wall time (``time.perf_counter``).
+- **CUDA** (default): a CUDA event is recorded on the current stream; the events are read once
+  per log step (``flush``), so the breakdown adds no host sync per step. An interval between two
+  events is the GPU's timeline, idle time included: time the GPU spent waiting for the next batch
+  shows up as ``data``, which is the question the breakdown answers.
+- **CUDA with profile.sync=true**: the textbook method, ``torch.cuda.synchronize()`` before and
+  after the forward and the backward, then wall time. Slower, but forward and backward are then
+  the GPU's compute time, and the table reports them against the whole step.
+
+``profile.trace=true`` also records a ``torch.profiler`` trace of a few steps into
+``run.dir/trace`` (open it in TensorBoard or https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+#: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping.
+PARTS = ("data", "copy", "forward", "backward", "optimizer", "checkpoint", "validation", "other")
+#: Parts that make up a training step (the rest is checkpoints and validation).
+STEP_PARTS = ("data", "copy", "forward", "backward", "optimizer", "other")
+
+
+class StepTimer:
+    """Charges the time between consecutive marks to named parts, per epoch and per run.
+
+    ``end_epoch()`` returns the epoch's split (seconds per part) for epochs.jsonl; time spent
+    between epochs (the end-of-epoch checkpoint, written after the epoch line) goes to the run's
+    totals only, so an epoch's parts add up to that epoch's ``seconds``.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True, sync: bool = False,
+                 trace_dir: Path | None = None, trace_steps: int = 3):
+        self.enabled = enabled
+        cuda = enabled and device.type == "cuda"
+        self.sync = cuda and sync            # textbook: synchronize around forward/backward
+        self.events = cuda and not sync      # CUDA events, read at log steps
+        self.epoch = dict.fromkeys(PARTS, 0.0)
+        self.total = dict.fromkeys(PARTS, 0.0)
+        self.steps = 0                       # optimizer steps timed, this process
+        self._last = time.perf_counter()
+        self._pending: list[tuple[str, torch.cuda.Event]] = []
+        self._prev_event = None
+        self._pool: list[torch.cuda.Event] = []
+        self.trace = Trace(trace_dir, trace_steps) if enabled and trace_dir else None
+
+    # -- marks ---------------------------------------------------------------------------------
+
+    def start_epoch(self) -> None:
+        """The epoch's clock starts here; time since the previous mark belongs to the run."""
+        if not self.enabled:
+            return
+        self.mark("other")
+        self.flush()
+        _add(self.total, self.epoch)
+        self.epoch = dict.fromkeys(PARTS, 0.0)
+
+    def mark(self, part: str) -> None:
+        """Charge the time since the previous mark to ``part``."""
+        if not self.enabled:
+            return
+        if self.events:
+            event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+            event.record()  # asynchronous: no host sync
+            self._pending.append((part, event))
+        else:
+            if self.sync and part in ("copy", "forward", "backward"):
+                # The textbook method: wait for the GPU before and after forward and backward
+                # ("copy" ends right before the forward). A host sync, on purpose.
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.epoch[part] += now - self._last
+            self._last = now
+        if part == "optimizer":
+            self.steps += 1
+            if self.trace is not None:
+                self.trace.step()
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        """``fn`` with its time charged to ``part`` (used for checkpoint writes)."""
+        def timed(*args, **kwargs):
+            self.mark("other")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mark(part)
+        return timed
+
+    def flush(self) -> None:
+        """Read the recorded CUDA events: a host sync, so call it at log steps only."""
+        if not self._pending:
+            return
+        self._pending[-1][1].synchronize()  # host sync (the log step syncs anyway)
+        for part, event in self._pending:
+            if self._prev_event is not None:
+                self.epoch[part] += self._prev_event.elapsed_time(event) / 1000.0
+                self._pool.append(self._prev_event)
+            self._prev_event = event
+        self._pending.clear()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def end_epoch(self) -> dict[str, float]:
+        """The epoch's split in seconds per part (for epochs.jsonl); starts counting the next."""
+        if not self.enabled:
+            return {}
+        self.flush()
+        row = {k: round(v, 6) for k, v in self.epoch.items()}
+        _add(self.total, self.epoch)
+        self.epoch = dict.fromkeys(PARTS, 0.0)
+        return row
+
+    def finish(self) -> dict[str, float]:
+        """The run's totals (this process), everything included; stops a running trace."""
+        if self.trace is not None:
+            self.trace.stop()
+        if not self.enabled:
+            return {}
+        self.mark("other")
+        self.flush()
+        _add(self.total, self.epoch)
+        self.epoch = dict.fromkeys(PARTS, 0.0)
+        return {k: round(v, 6) for k, v in self.total.items()}
+
+
+def _add(into: dict, more: dict) -> None:
+    for k, v in more.items():
+        into[k] += v
+
+
+class Trace:
+    """A torch.profiler trace of ``steps`` optimizer steps after one wait and one warm-up step."""
+
+    def __init__(self, out_dir: Path, steps: int):
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self.remaining = 2 + steps
+        self.prof = profile(activities=activities, record_shapes=True,
+                            schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(str(out_dir)))
+        self.prof.__enter__()
+
+    def step(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+
+
+# -- the end-of-run table ----------------------------------------------------------------------
+
+
+def table(total: dict[str, float], steps: int, device: torch.device, sync: bool) -> str:
+    """The run's time split as a text table, plus the advice its numbers call for."""
+    if not total:
+        return ""
+    whole = sum(total.values()) or 1e-12
+    how = ("wall time" if device.type != "cuda" else
+           "wall time, synchronized around forward/backward" if sync else "CUDA events")
+    lines = [f"time split ({how}; {whole:.2f} s, {steps} optimizer steps):",
+             f"  {'part':<11}{'seconds':>9}{'share':>8}{'ms/step':>10}"]
+    for part in PARTS:
+        sec = total.get(part, 0.0)
+        per = f"{1000 * sec / steps:.2f}" if steps and part in STEP_PARTS else ""
+        lines.append(f"  {part:<11}{sec:9.3f}{100 * sec / whole:7.1f}%{per:>10}")
+    step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
+    if sync and step_time:
+        gpu = total.get("forward", 0.0) + total.get("backward", 0.0)
+        lines.append(f"  GPU compute (forward + backward): {100 * gpu / step_time:.1f}% "
+                     f"of step time")
+    lines += [f"  advice: {a}" for a in advice(total)]
+    return "\n".join(lines)
+
+
+def advice(total: dict[str, float]) -> list[str]:
+    """What the numbers call for: one line per bottleneck found (empty when there is none)."""
+    step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
+    whole = sum(total.values())
+    if not step_time or not whole:
+        return []
+    share = {p: total.get(p, 0.0) / step_time for p in STEP_PARTS}
+    out = []
+    if share["data"] > 0.10:
+        out.append(f"data wait is {100 * share['data']:.0f}% of step time: raise "
+                   f"data.num_workers (e.g. 4) and keep data.pin_memory=true, or make "
+                   f"__getitem__ cheaper")
+    if share["copy"] > 0.10:
+        out.append(f"host-to-device copies are {100 * share['copy']:.0f}% of step time: keep "
+                   f"data.pin_memory=true, or keep the dataset on the device")
+    compute = share["forward"] + share["backward"]
+    if share["optimizer"] > 0.3 and share["optimizer"] > compute:
+        out.append(f"the optimizer step is {100 * share['optimizer']:.0f}% of step time, more "
+                   f"than forward + backward: use a fused or foreach optimizer "
+                   f"(torch.optim.AdamW(..., fused=True) on CUDA)")
+    if total.get("checkpoint", 0.0) / whole > 0.10:
+        out.append(f"checkpoint writes stall the run {100 * total['checkpoint'] / whole:.0f}% "
+                   f"of the time: set checkpoint.async=true, or checkpoint less often")
+    return out
