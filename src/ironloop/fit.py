@@ -35,7 +35,7 @@ from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
 from ironloop.faults import PoisonLoss, poison_sample
 from ironloop.guard import GuardHook
-from ironloop.logs import RunLog, write_atomic
+from ironloop.logs import RunLog, unwritable, write_atomic
 from ironloop.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
 from ironloop.progress import Meter, Progress
@@ -424,8 +424,7 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
         except OSError as e:
-            raise UserError(f"run.dir {run_dir} cannot be created or written "
-                            f"({e.strerror or e}); choose a writable run.dir") from e
+            raise unwritable(run_dir, e) from e
     barrier(world)
     return state, source
 

@@ -13,6 +13,13 @@ import os
 from pathlib import Path
 
 from ironloop.checkpoint import temp_path
+from ironloop.errors import UserError
+
+
+def unwritable(run_dir: Path, e: OSError) -> UserError:
+    """The one-line error for a run.dir that cannot be created or written."""
+    return UserError(f"run.dir {run_dir} cannot be created or written ({e.strerror or e}); "
+                     f"choose a writable run.dir")
 
 
 def write_atomic(path: Path, text: str) -> None:

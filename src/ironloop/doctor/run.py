@@ -131,11 +131,15 @@ def render(findings: list[Finding], verbose: bool) -> str:
 
 
 def write_json(findings: list[Finding], path: Path, seconds: float) -> None:
-    from ironloop.logs import write_atomic
+    from ironloop.logs import unwritable, write_atomic
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"seconds": round(seconds, 3),
-                                   "findings": [f.to_dict() for f in findings]}, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"seconds": round(seconds, 3),
+                                       "findings": [f.to_dict() for f in findings]},
+                                      indent=2) + "\n")
+    except OSError as e:
+        raise unwritable(path.parent, e) from e
 
 
 def stop_if_strict(findings: list[Finding], strict: bool) -> None:
