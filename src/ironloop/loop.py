@@ -117,7 +117,8 @@ def train_epoch(run: Run) -> None:
                 loss, _ = run.step_fn(run.model, batch)
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
             # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
-            scaled = loss * (n_micro * world / window)
+            scale = n_micro * world / window
+            scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
         run.meter.add_micro(loss, n_micro)
         micro += 1
