@@ -27,6 +27,7 @@ then summarised as median with min-max.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import statistics
 import sys
@@ -253,6 +254,26 @@ def _verdict(spec: str, times: dict, steps: int) -> dict:
     return out
 
 
+def _profile(spec: Spec, tmp: Path, top: int = 14) -> list[str]:
+    """Where ironloop's steady state goes: cProfile of 2 epochs, top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    with_ironloop(spec, 2, tmp)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    text = out.getvalue().replace(str(Path(torch.__file__).parent), "torch")
+    text = text.replace(str(Path(ironloop.__file__).parent), "ironloop")
+    text = re.sub(r"\S*/(site-packages|lib/python3\.\d+)/", "", text)
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return [f"{spec.name}: {spec.dataset.tensors[0].shape[0] // BATCH * 2} steps", *lines[start:]]
+
+
 def run(quick: bool) -> dict:
     torch.set_num_threads(1)
     for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero",
@@ -266,7 +287,7 @@ def run(quick: bool) -> dict:
              Spec("small_cnn", cnn, dataset(steps["small_cnn"] * BATCH, (1, 8, 8)))]
     loops = {name: fn for name, (fn, mod) in LOOPS.items() if mod is None or _installed(mod)}
     missing = [name for name, (_, mod) in LOOPS.items() if name not in loops]
-    rows, ratio = [], {}
+    rows, ratio, profile = [], {}, []
     with tempfile.TemporaryDirectory() as d:
         for spec in specs:
             n = steps[spec.name]
@@ -281,6 +302,8 @@ def run(quick: bool) -> dict:
                     ratio_vs_hand_dataloader=statistics.median(r), ratio_min=min(r),
                     ratio_max=max(r)))
             ratio[spec.name] = _verdict(spec.name, times, n)
+            if not ratio[spec.name]["met"] or not ratio[spec.name]["own overhead met"]:
+                profile += _profile(spec, Path(d) / spec.name)
     for name in missing:
         rows.append({"label": name, "median": None, "min": None, "max": None, "n": 0,
                      "status": "not installed (pip install -e '.[bench]')"})
@@ -297,6 +320,7 @@ def run(quick: bool) -> dict:
                   "than Lightning and Accelerate on both",
         "met": None if TINY else all(v["met"] for v in ratio.values()),
         "notes": "; ".join([f"{m} not installed" for m in missing]),
+        "profile": profile,
     }
 
 
