@@ -18,7 +18,6 @@ write at the end (``close``). Target: async stall <= 10% of the sync stall.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import tempfile

@@ -1,9 +1,10 @@
 """ironloop's per-step cost against a hand-written loop doing the same work.
 
 Same model, data, optimizer, clipping and batch size; both run one epoch per repetition,
-alternating (who goes first swaps every repetition), and the result gives the median samples/s
-with the min-max spread and the median of the per-repetition ratio. ironloop's figure is its epoch's training time (train_seconds in
-epochs.jsonl), so set-up is not counted against it, as it is not counted for the hand loop.
+alternating (who goes first swaps every repetition), and the result gives the median
+samples/s with the min-max spread and the median of the per-repetition ratio. ironloop's figure
+is its epoch's training time (train_seconds in epochs.jsonl), so set-up is not counted against
+it, as it is not counted for the hand loop.
 
     python benchmarks/overhead.py [--quick]
 """

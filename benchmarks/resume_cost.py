@@ -72,7 +72,8 @@ def config(run_dir: Path, batch: int, **extra) -> dict:
 
 
 def child(ckpt: str, n: int, batch: int, run_dir: str, step: int) -> None:
-    """The launched process: resume from ``ckpt``, take two steps (the second fetch marks the first step done), print the times."""
+    """The launched process: resume from ``ckpt``, take two steps (the second fetch marks the
+    first step done), print the times."""
     import ironloop
 
     data = MapStyle(n)

@@ -68,7 +68,7 @@ def _verdict(result: dict) -> str:
 
 def _rows(result: dict) -> list[str]:
     rows = result.get("results") or []
-    extras = [k for k in ("us_per_step", "ratio_vs_hand_dataloader", "startup_s")
+    extras = [k for k in ("us_per_step", "ratio_vs_hand_dataloader", "cpu_s", "startup_s")
               if any(k in r for r in rows)]
     head = ["", "median", "min", "max", "n", *extras]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

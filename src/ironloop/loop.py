@@ -162,13 +162,14 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
 
     Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
     """
+    if mode == "norm" and max_norm > 0:
+        # Skips parameters without a gradient itself (and gives 0 when none has one).
+        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
+        return norm, norm > max_norm
     params = [p for p in params if p.grad is not None]
     if not params:
         zero = torch.zeros(())
         return zero, zero.bool()
-    if mode == "norm" and max_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
-        return norm, norm > max_norm
     grads = [p.grad for p in params]
     norm = _total_norm(grads)
     if mode == "value" and max_norm > 0:

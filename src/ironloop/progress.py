@@ -35,8 +35,9 @@ class Meter:
     """What metrics.jsonl (per log window) and epochs.jsonl (per epoch) report.
 
     It keeps running totals since the start of the run, on the device, so a micro-batch costs
-    one in-place add and an optimizer step one or two; a log window or an epoch is the
-    difference between the totals now and a mark taken where it began.
+    one in-place add and an optimizer step none (the clip flags are summed when read, the fp16
+    skip flag is one add); a log window or an epoch is the difference between the totals now
+    and a mark taken where it began.
 
     ``reduce`` sums a tensor over ranks (all_reduce) so that, under DDP, the logged loss and
     throughput cover every rank's samples. Clip and skip counts need no reduction: every rank
@@ -51,10 +52,14 @@ class Meter:
         self.skipped = torch.zeros((), dtype=dtype, device=device)   # fp16 steps skipped
         self.grad_norm = torch.zeros((), device=device)              # of the last step
         self.samples = self.steps = 0                                # host-side counts
+        self._clip_flags: list[torch.Tensor] = []  # this window's per-step flags, not yet summed
         self.window_mark = self.epoch_mark = self._mark()
         self.window_start = self.epoch_start = time.perf_counter()
 
     def _totals(self) -> torch.Tensor:
+        if self._clip_flags:  # one sum per read instead of one add per step
+            self.clipped.add_(torch.stack(self._clip_flags).sum())
+            self._clip_flags.clear()
         return torch.stack([self.loss_sum, self.clipped, self.skipped])
 
     def _mark(self) -> dict:
@@ -76,7 +81,7 @@ class Meter:
     def add_step(self, grad_norm: torch.Tensor, clipped: torch.Tensor,
                  skipped: torch.Tensor | None) -> None:
         self.grad_norm = grad_norm.detach()
-        self.clipped.add_(clipped)
+        self._clip_flags.append(clipped)  # summed when the totals are next read
         if skipped is not None:
             self.skipped.add_(skipped)
         self.steps += 1
@@ -126,6 +131,7 @@ class Meter:
         self.loss_sum, self.clipped, self.skipped = (t.clone() for t in totals)
         self.grad_norm = state["grad_norm"].to(device)
         self.samples, self.steps = state["samples"], state["steps"]
+        self._clip_flags = []
         for name in ("window_mark", "epoch_mark"):
             mark = state[name]
             setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})

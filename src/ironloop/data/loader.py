@@ -45,7 +45,8 @@ class TensorData(Dataset):
 
     def __getitems__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """``indices``: a list of ints, or a 1-D index tensor (the loop's sliced path)."""
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        idx = indices if isinstance(indices, torch.Tensor) \
+            else torch.as_tensor(indices, dtype=torch.long)
         # index_select copies the same rows as x[idx], in half the time on a small batch.
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
@@ -193,7 +194,7 @@ def _sliced(dataset: TensorData, sampler: EpochSampler, pin_memory: bool):
 def batch_size_of(batch) -> int:
     """Samples in a batch: the length of its first tensor (tuple, list or dict batches)."""
     if isinstance(batch, torch.Tensor):
-        return len(batch)
+        return batch.shape[0]  # not len(): Tensor.__len__ is a Python-level call
     if isinstance(batch, dict):
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
