@@ -364,3 +364,24 @@ def test_latest_valid_all_damaged_or_none(tmp_path):
     msg = str(info.value)
     assert "last.pt" in msg and "step-00000005.pt" in msg and "--overwrite" in msg
     assert "--resume" in msg and len(warnings) == 2
+
+
+def test_async_save_reuses_its_snapshot_buffers_and_writes_each_state(tmp_path):
+    """Issue 10: the second async save copies into the first one's CPU buffers (the stall is a
+    memory copy, not an allocation), and each file still holds the state of its own step."""
+    mgr = CheckpointManager(tmp_path, keep_last=3, async_write=True)
+    state = small_state(1)
+    mgr.save(state, 1)
+    mgr.wait()
+    buffer = mgr._staging["w"]
+    state["w"].add_(100.0)  # the live tensors move on between checkpoints
+    state["progress"]["step"] = 2
+    mgr.save(state, 2)
+    assert mgr._staging["w"] is buffer  # copied into, not reallocated
+    state["w"].add_(100.0)  # and the pending write must not see this
+    mgr.close()
+    assert_same(small_state(1), {k: v for k, v in load_verified(tmp_path / "step-00000001.pt")
+                                 .items() if k in ("w", "progress")})
+    two = load_verified(tmp_path / "step-00000002.pt")
+    assert torch.equal(two["w"], small_state(1)["w"] + 100.0)
+    assert two["progress"]["step"] == 2

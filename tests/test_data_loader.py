@@ -65,3 +65,46 @@ def test_loader_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     list(make_loader(data, EpochSampler(10, 3, 0, True), num_workers=0, pin_memory=False))
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_in_memory_tensors_take_the_sliced_path_with_the_same_weights(tmp_path):
+    """A TensorDataset, a DataLoader over one and an (x, y) pair train exactly like TensorData
+    (issue 10: one index-slice per batch instead of per-sample __getitem__ + collate)."""
+    import ironloop
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ironloop.data.loader import as_tensor_data
+    from tests.conftest import blobs, cfg, tiny_mlp
+
+    d = blobs(n=100)
+    forms = {"tensordata": d, "tensordataset": TensorDataset(d.x, d.y),
+             "loader": DataLoader(TensorDataset(d.x, d.y), batch_size=32), "pair": (d.x, d.y)}
+    fast = {"train__epochs": 1, "checkpoint__enabled": False}
+    weights = {name: ironloop.fit(tiny_mlp(), data, None, cfg(tmp_path / name, **fast)).model
+               .state_dict()
+               for name, data in forms.items()}
+    for name in forms:
+        assert all(torch.equal(weights[name][k], v) for k, v in weights["tensordata"].items())
+    assert isinstance(as_tensor_data(TensorDataset(d.x, d.y)), TensorData)
+
+    class Augmented(TensorDataset):  # its own __getitem__ must run: not converted
+        pass
+
+    assert as_tensor_data(Augmented(d.x, d.y)) is None
+    assert as_tensor_data(TensorDataset(d.x, d.y, d.y)) is None
+
+
+def test_tensordataset_labels_are_checked_once_in_full_before_training(tmp_path):
+    import pytest
+    from torch.utils.data import TensorDataset
+
+    import ironloop
+    from ironloop.errors import DataError
+    from tests.conftest import blobs, cfg, tiny_mlp
+
+    d = blobs(n=100)
+    y = d.y.clone()
+    y[97] = 7  # 3 classes: one bad label in the last batch
+    with pytest.raises(DataError, match=r"labels must be class indices in \[0, 3\)"):
+        ironloop.fit(tiny_mlp(), TensorDataset(d.x, y), None, cfg(tmp_path))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step

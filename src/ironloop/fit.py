@@ -27,7 +27,7 @@ from ironloop import drift, loggers, loop, records
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
 from ironloop.callbacks import HOOKS, fire
-from ironloop.data.loader import EpochSampler, TensorData, derive_seed
+from ironloop.data.loader import EpochSampler, TensorData, as_tensor_data, derive_seed
 from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
 from ironloop.doctor.oom import out_of_memory
 from ironloop.early_stop import BestTracker
@@ -83,14 +83,19 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
 
     A DataLoader is taken apart rather than iterated: ironloop needs its own batch order to
     resume mid-epoch without replaying batches. Its dataset, collate_fn and batch size are kept.
+    In-memory (inputs, targets) tensors, however passed, become a TensorData: one index-slice
+    per batch instead of per-sample ``__getitem__`` + collate, with the same batches.
     """
     if data is None or isinstance(data, Dataset) and not isinstance(data, DataLoader):
-        return data, None, None
+        return as_tensor_data(data) or data, None, None
     if isinstance(data, DataLoader):
         if not hasattr(data.dataset, "__getitem__") or not hasattr(data.dataset, "__len__"):
             raise UserError(f"{what}: ironloop needs a map-style dataset (with __getitem__ and "
                             f"__len__) to resume mid-epoch; an IterableDataset is not supported")
         default = torch.utils.data.default_collate
+        tensors = as_tensor_data(data.dataset)
+        if tensors is not None and data.collate_fn is default:
+            return tensors, None, data.batch_size
         keep = data.collate_fn is not default and not isinstance(data.dataset, TensorData)
         return data.dataset, data.collate_fn if keep else None, data.batch_size
     if isinstance(data, (tuple, list)) and len(data) == 2:

@@ -164,7 +164,8 @@ def train_epoch(run: Run) -> None:
             run.timer.mark("forward")
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
             # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
-            scaled = loss * (n_micro * world / window)
+            scale = n_micro * world / window
+            scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
         run.timer.mark("backward")
         run.meter.add_micro(loss, n_micro)
@@ -228,6 +229,10 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
 
     Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
     """
+    if mode == "norm" and max_norm > 0:
+        # Skips parameters without a gradient itself (and gives 0 when none has one).
+        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
+        return norm, norm > max_norm
     params = [p for p in params if p.grad is not None]
     norm = grad_norm_of(params)
     return norm, clip_to_norm(params, norm, max_norm, mode)

@@ -35,8 +35,9 @@ class Meter:
     """What metrics.jsonl (per log window) and epochs.jsonl (per epoch) report.
 
     It keeps running totals since the start of the run, on the device, so a micro-batch costs
-    one in-place add and an optimizer step one or two; a log window or an epoch is the
-    difference between the totals now and a mark taken where it began.
+    one in-place add and an optimizer step none (the clip flags are summed when read, the fp16
+    skip flag is one add); a log window or an epoch is the difference between the totals now
+    and a mark taken where it began.
 
     Training time is a running total too (``train_seconds``), kept in the checkpoint: a resumed
     epoch's time is the first process's training time up to the checkpoint plus the resumed
@@ -58,9 +59,13 @@ class Meter:
         self.samples = self.steps = 0                                # host-side counts
         self.elapsed = 0.0                        # training seconds before clock_start
         self.clock_start = time.perf_counter()
+        self._clip_flags: list[torch.Tensor] = []  # this window's per-step flags, not yet summed
         self.window_mark = self.epoch_mark = self._mark()
 
     def _totals(self) -> torch.Tensor:
+        if self._clip_flags:  # one sum per read instead of one add per step
+            self.clipped.add_(torch.stack(self._clip_flags).sum())
+            self._clip_flags.clear()
         return torch.stack([self.loss_sum, self.clipped, self.skipped])
 
     def train_seconds(self) -> float:
@@ -87,7 +92,7 @@ class Meter:
     def add_step(self, grad_norm: torch.Tensor, clipped: torch.Tensor,
                  skipped: torch.Tensor | None) -> None:
         self.grad_norm = grad_norm.detach()
-        self.clipped.add_(clipped)
+        self._clip_flags.append(clipped)  # summed when the totals are next read
         if skipped is not None:
             self.skipped.add_(skipped)
         self.steps += 1
@@ -140,6 +145,7 @@ class Meter:
         self.samples, self.steps = state["samples"], state["steps"]
         # A checkpoint from before training time was kept: its marks carry no time either.
         self.elapsed, self.clock_start = state.get("train_seconds", 0.0), time.perf_counter()
+        self._clip_flags = []
         for name in ("window_mark", "epoch_mark"):
             mark = state[name]
             setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})
