@@ -79,7 +79,8 @@ def child(ckpt: str, n: int, batch: int, run_dir: str, step: int) -> None:
     data = MapStyle(n)
     called = time.time()
     ironloop.fit(model(), data, None, config(Path(run_dir), batch, **{
-        "train.max_steps": step + 2, "checkpoint.enabled": False}), resume=ckpt)
+        "train.max_steps": step + 2, "checkpoint.enabled": False}), resume=ckpt,
+        allow_config_change=True)  # a shorter run (max_steps) is the point here
     print(json.dumps({"fit_called": called, "first_step_done": MapStyle.fetches[1]}))
 
 
@@ -130,7 +131,7 @@ def run(quick: bool) -> dict:
                 ironloop.fit(model(), data, None, config(
                     Path(d) / f"warm-{rep}-{f}", batch,
                     **{"train.max_steps": positions[f] + 2, "checkpoint.enabled": False}),
-                    resume=str(ckpt))
+                    resume=str(ckpt), allow_config_change=True)  # max_steps differs
                 if rep:
                     warm[f].append(MapStyle.fetches[1] - called)
     rows = []

@@ -333,8 +333,8 @@ def test_diagnosis_throughput_drop_names_the_part(tmp_path):
     metrics = [{"step": s, "loss": 2.0 / s, "clipped": 0, "steps": 10, "grad_norm": 0.5,
                 "samples_per_s": 1000.0 if s <= 100 else 400.0} for s in range(10, 210, 10)]
     epochs = _epochs([1.0, 0.5], [1.0, 0.6])
-    epochs[0]["time"] = {"data": 0.1, "forward": 1.0, "other": 0.1}
-    epochs[1]["time"] = {"data": 1.6, "forward": 1.0, "other": 0.1}
+    epochs[0]["time_split"] = {"data": 0.1, "forward": 1.0, "other": 0.1}
+    epochs[1]["time_split"] = {"data": 1.6, "forward": 1.0, "other": 0.1}
     (f,) = _diag_run(tmp_path / "r", epochs, metrics)
     assert f.check == "throughput" and "1,000 to 400 samples/s (60% lower)" in f.measured
     assert "data grew most" in f.measured

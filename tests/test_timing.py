@@ -90,12 +90,12 @@ def test_epoch_split_adds_up_to_epoch_seconds(tmp_path, capsys):
     epochs = [json.loads(x) for x in (tmp_path / "run/epochs.jsonl").read_text().splitlines()]
     assert len(epochs) == 2
     for row in epochs:
-        assert set(row["time"]) == set(PARTS)
-        assert sum(row["time"].values()) == pytest.approx(row["seconds"], rel=0.05)
-        assert row["time"]["validation"] == pytest.approx(row["val_seconds"], rel=0.05, abs=1e-3)
-        assert row["time"]["checkpoint"] > 0  # every_steps=3 writes inside the epoch
+        assert set(row["time_split"]) == set(PARTS)
+        assert sum(row["time_split"].values()) == pytest.approx(row["seconds"], rel=0.05)
+        assert row["time_split"]["validation"] == pytest.approx(row["val_seconds"], rel=0.05, abs=1e-3)
+        assert row["time_split"]["checkpoint"] > 0  # every_steps=3 writes inside the epoch
     results = json.loads((tmp_path / "run/results.json").read_text())
-    assert set(results["time"]) == set(PARTS)
+    assert set(results["time_split"]) == set(PARTS)
     out = capsys.readouterr().out
     assert "time split (wall time" in out and "14 optimizer steps" in out
     for part in PARTS:

@@ -238,8 +238,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         if run.guard is not None:
             run.guard.close()
     result = _finish(run, test_set, run_dir, started)
-    if world.is_main and result.results.get("time"):
-        print(table(result.results["time"], run.timer.steps, device, run.timer.sync))
+    if world.is_main and result.results.get("time_split"):
+        print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
     shutdown(world)
     return result
 
@@ -470,7 +470,7 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.guard.totals() if run.guard is not None else {}),
-        "time": run.timer.finish() or None,  # seconds per part, this process (timing.PARTS)
+        "time_split": run.timer.finish() or None,  # seconds per part, this process (timing.PARTS)
     }
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": run.progress.epoch + 1,

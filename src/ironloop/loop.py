@@ -332,7 +332,7 @@ def end_epoch(run: Run) -> None:
     if run.guard is not None and run.guard.guard.bad_steps:  # only once there is news
         row.update(run.guard.guard.totals())
     if run.timer.enabled:
-        row["time"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
+        row["time_split"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.log is not None:
         run.log.write("epochs", row)
         _print(run, _epoch_line(row, cfg.train.epochs))

@@ -136,7 +136,8 @@ def throughput_drop(metrics: list[dict], epochs: list[dict]) -> list[Finding]:
 
 
 def _part_that_grew(epochs: list[dict]) -> str:
-    split = [(r["time"], _num(r.get("step"))) for r in epochs if isinstance(r.get("time"), dict)]
+    split = [(r["time_split"], _num(r.get("step"))) for r in epochs
+             if isinstance(r.get("time_split"), dict)]
     if len(split) < 2:
         return ""
     (first, _), (last, _) = split[0], split[-1]
