@@ -109,16 +109,44 @@ def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
 @pytest.fixture(scope="module")
 def single_64(tmp_path_factory) -> dict:
     """The reference: one process, batch 64 (23 steps per epoch)."""
-    return read(train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64"))
+    run_dir = train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64",
+                    "checkpoint.every_steps=10", "checkpoint.keep_last=10")
+    return {**read(run_dir), "dir": run_dir}
 
 
-def test_two_ranks_equal_one_process_with_the_global_batch(single_64, tmp_path):
-    two = read(train(tmp_path / "two", "train.batch_size=32", ranks=2))
+@pytest.fixture(scope="module")
+def ddp_2x32(tmp_path_factory) -> dict:
+    """DDP, 2 ranks x 32, checkpointing every 10 steps (resumed elsewhere on 1 rank)."""
+    run_dir = train(tmp_path_factory.mktemp("ddp") / "run", "train.batch_size=32",
+                    "checkpoint.every_steps=10", "checkpoint.keep_last=10", ranks=2)
+    return {**read(run_dir), "dir": run_dir}
+
+
+def test_two_ranks_equal_one_process_with_the_global_batch(single_64, ddp_2x32):
+    two = ddp_2x32
     assert two["results"]["steps"] == 2 * 23  # ceil(1438 / 64) per epoch
     assert_same_run(single_64, two)
     # Checkpoints (on by default) are written by rank 0 alone, from the unwrapped model.
-    ckpts = list((tmp_path / "two" / "checkpoints").glob("*.pt"))
+    ckpts = list((two["dir"] / "checkpoints").glob("*.pt"))
     assert ckpts, "rank 0 wrote no checkpoint"
+
+
+def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, tmp_path):
+    # FSDP2: each Linear sharded, then the root; the logged grad norm is the global one.
+    fsdp = read(train(tmp_path / "fsdp", "train.batch_size=32", "dist.strategy=fsdp",
+                      "checkpoint.enabled=false", ranks=2))
+    assert_same_run(single_64, fsdp)
+    assert_same_run(ddp_2x32, fsdp)
+    norms = [[json.loads(line)["grad_norm"] for line in (d / "metrics.jsonl").read_text()
+              .splitlines()] for d in (tmp_path / "fsdp", single_64["dir"])]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+
+
+def test_fsdp_with_accumulation_equals_one_process(single_64, tmp_path):
+    # 2 ranks x 16 x 2 micro-steps: no reduce-scatter (and no reshard) after the first backward.
+    fsdp = read(train(tmp_path / "fsdp", "train.batch_size=16", "train.accumulation_steps=2",
+                      "dist.strategy=fsdp", "checkpoint.enabled=false", ranks=2))
+    assert_same_run(single_64, fsdp)
 
 
 def test_two_ranks_with_accumulation_equal_one_process(single_64, tmp_path):

@@ -245,6 +245,22 @@ class FaultConfig(_Section):
 
 
 @dataclass
+class DistConfig(_Section):
+    _name = "dist"
+    strategy: str = _f("auto", "auto (ddp when world > 1) | ddp | fsdp (FSDP2, DCP checkpoints) "
+                       "| none", ("auto", "ddp", "fsdp", "none"))
+    fsdp_modules: list = _f([], "fsdp: class names of the blocks to shard one by one "
+                            "(empty = each child of a Sequential or ModuleList)")
+    timeout_s: float = _f(600.0, "seconds a collective may wait for a silent rank before the "
+                          "job fails (torch.distributed's process-group timeout)")
+
+    def validate(self) -> None:
+        self._positive("timeout_s")
+        if any(not isinstance(n, str) or not n for n in self.fsdp_modules):
+            self._bad("fsdp_modules", "must be a list of module class names, e.g. [Block]")
+
+
+@dataclass
 class Config:
     """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
 
@@ -260,6 +276,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":

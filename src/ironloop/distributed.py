@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,19 @@ class World:
         return self.size > 1
 
 
-def init_from_env(device_type: str) -> World:
-    """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any."""
+def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
+    """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any.
+
+    ``timeout_s`` bounds every collective: a rank that stops answering (stopped, hung, its node
+    gone) makes the others fail after that long instead of waiting forever.
+    """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)

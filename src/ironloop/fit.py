@@ -22,7 +22,7 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ironloop import loop
+from ironloop import loop, parallel
 from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
@@ -119,7 +119,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     _check_needs_val(cfg, val_set)
 
     device = resolve_device(cfg.run.device, _env_local_rank())
-    world = init_from_env(device.type)
+    world = init_from_env(device.type, cfg.dist.timeout_s)
     precision = resolve_precision(cfg.train.precision, device)
     seed_everything(cfg.run.seed + world.rank)
 
@@ -129,9 +129,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     if step_fn is None:
         step_fn, check_labels = _classification(cfg, model, device, loss_fn, num_classes,
                                                 (train_set, val_set, test_set))
-    if world.distributed:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+    model, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
     _warn_batchnorm(raw_model, cfg, world)
 
     sampler = EpochSampler(len(train_set), cfg.train.batch_size, cfg.run.seed, shuffle=True,
@@ -324,8 +322,9 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
     }
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}
+    weights = parallel.full_model_state(run.raw_model)  # a collective under FSDP2
     if run.world.is_main:
-        save_safetensors(run.raw_model.state_dict(), run_dir / "final.safetensors")
+        save_safetensors(weights, run_dir / "final.safetensors")
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
     return FitResult(model=run.raw_model, results=results, run_dir=run_dir)
 

@@ -20,7 +20,6 @@ scheduler step with the monitored metric -> best tracking -> checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ironloop import parallel
 from ironloop.config import Config
 from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make_loader,
                                   to_device)
@@ -109,10 +109,8 @@ def train_epoch(run: Run) -> None:
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
         batch = to_device(batch, run.device, non_blocking)
-        # DDP all-reduces on every backward; inside a window only the last one needs to.
-        sync = contextlib.nullcontext() if last or not run.world.distributed \
-            else run.model.no_sync()
-        with sync:
+        # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
+        with parallel.micro_sync(run.model, last):
             with _autocast(run):
                 loss, _ = run.step_fn(run.model, batch)
             # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
@@ -165,13 +163,15 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
     if not params:
         zero = torch.zeros(())
         return zero, zero.bool()
-    if mode == "norm" and max_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
-        return norm, norm > max_norm
     grads = [p.grad for p in params]
-    norm = _total_norm(grads)
+    # Under FSDP2 the grads are shards: the norm of the whole is a collective (full_tensor).
+    norm = parallel.full_tensor(_total_norm(grads))
+    if mode == "norm" and max_norm > 0:
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # what clip_grad_norm_ does
+        return norm, norm > max_norm
     if mode == "value" and max_norm > 0:
-        clipped = torch.stack([g.detach().abs().max() for g in grads]).max() > max_norm
+        peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])
+        clipped = peak.max() > max_norm
         nn.utils.clip_grad_value_(params, max_norm)
         return norm, clipped
     return norm, torch.zeros((), dtype=torch.bool, device=norm.device)
@@ -244,7 +244,7 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
     loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
-    sums, names, count = None, [], 0
+    sums, names, count, batches = None, [], 0, 0
     for batch in loader:
         if run.check_labels is not None:
             run.check_labels(batch)
@@ -256,9 +256,26 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
         values = torch.stack([loss.float(), *(m.float() for m in metrics.values())]) * n
         sums = values if sums is None else sums + values
         count += n
+        batches += 1
+    _pad_forwards(run, dataset, batches)
     model.train(was_training)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     return sum_over_ranks(names, sums, count, run.world)
+
+
+def _pad_forwards(run: Run, dataset, batches: int) -> None:
+    """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
+    discarded forwards on one sample until every rank has run as many."""
+    owed = parallel.extra_forwards(run.raw_model, run.world, len(dataset),
+                                   run.cfg.train.batch_size, batches)
+    if owed <= 0:
+        return
+    one = next(iter(make_loader(dataset, EvalSampler(1, 1, 0, False), num_workers=0,
+                                pin_memory=False, collate_fn=run.collate_fn)))
+    one = to_device(one, run.device, False)
+    for _ in range(owed):
+        with _autocast(run):
+            run.step_fn(run.raw_model, one)
 
 
 def classification_step(loss_fn) -> StepFn:
