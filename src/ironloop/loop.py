@@ -164,10 +164,14 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
         zero = torch.zeros(())
         return zero, zero.bool()
     grads = [p.grad for p in params]
+    sharded = parallel.is_sharded(grads[0])
+    if mode == "norm" and max_norm > 0 and not sharded:
+        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
+        return norm, norm > max_norm
     # Under FSDP2 the grads are shards: the norm of the whole is a collective (full_tensor).
     norm = parallel.full_tensor(_total_norm(grads))
     if mode == "norm" and max_norm > 0:
-        nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # what clip_grad_norm_ does
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # clip_grad_norm_'s second half
         return norm, norm > max_norm
     if mode == "value" and max_norm > 0:
         peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])

@@ -93,6 +93,12 @@ def micro_sync(model: nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) result as the whole tensor, e.g. the global grad norm; a collective."""
     from torch.distributed.tensor import DTensor
