@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,24 +32,64 @@ ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress
         "log.every_steps=5"]
 
 
-def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
-    """`ironloop train` in one process, or under torchrun with ``ranks`` processes."""
+def launch(run_dir: Path, *overrides: str, ranks: int = 1,
+           torchrun: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """Start `ironloop train` in one process, or under torchrun with ``ranks`` processes;
+    returns the process and the file its output goes to."""
     launcher = [sys.executable, "-m", "ironloop"] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-         "--standalone", "-m", "ironloop"]
+         "--standalone", *torchrun, "-m", "ironloop"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: see _stop
     with log.open("w") as out:
-        proc = subprocess.Popen([*launcher, "train", *ARGS, *overrides, f"run.dir={run_dir}"],
+        proc = subprocess.Popen([*launcher, "train", *ARGS, f"run.dir={run_dir}", *overrides],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            pytest.fail(f"{ranks} rank(s) still running after {TIMEOUT}s (a hung "
-                        f"collective?):\n{log.read_text()[-5000:]}")
+    return proc, log
+
+
+def finish(proc: subprocess.Popen, log: Path, ranks: int) -> None:
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pytest.fail(f"{ranks} rank(s) still running after {TIMEOUT}s (a hung "
+                    f"collective?):\n{log.read_text()[-5000:]}")
     assert proc.returncode == 0, f"{ranks} rank(s) failed:\n{log.read_text()[-8000:]}"
+
+
+def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
+    """`ironloop train` to the end; fails the test on a non-zero exit or a hang."""
+    finish(*launch(run_dir, *overrides, ranks=ranks), ranks=ranks)
     return run_dir
+
+
+def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the ranks torchrun started (read from their environment)."""
+    found = {}
+    for pid in map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = pid
+    return found
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
+    """Until rank 0 has logged ``step`` (log.every_steps=1)."""
+    deadline = time.monotonic() + TIMEOUT
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in
+                                    metrics.read_text().splitlines() if line.endswith("}")):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {step}:\n{log.read_text()[-5000:]}")
+        time.sleep(0.02)
+    _stop(proc)
+    pytest.fail(f"no step {step} after {TIMEOUT}s:\n{log.read_text()[-5000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -194,3 +235,50 @@ def test_eval_shards_cover_every_sample_once(n, batch_size, world):
     train_seen = sum(len(b) for r in range(world)
                      for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
     assert n - train_seen < world
+
+
+def assert_same_weights(one: dict, other: dict) -> None:
+    assert one["weights"].keys() == other["weights"].keys()
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert other["results"]["steps"] == one["results"]["steps"]
+
+
+def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_64, tmp_path):
+    # torchrun --max-restarts=1 ... --resume: one rank is SIGKILLed mid-run; torchrun stops the
+    # other, starts both again, and they resume from the newest DCP directory on their own.
+    run_dir = tmp_path / "fsdp"
+    proc, log = launch(run_dir, "train.batch_size=32", "dist.strategy=fsdp",
+                       "checkpoint.every_steps=4", "checkpoint.keep_last=20", "log.every_steps=1",
+                       "--resume", ranks=2, torchrun=("--max-restarts=1",))
+    wait_for_step(run_dir, 14, proc, log)
+    os.kill(rank_pids(proc)[1], signal.SIGKILL)
+    finish(proc, log, ranks=2)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["from"].endswith(".dcp"), events
+    elastic = read(run_dir)
+    assert_same_run({**single_64, "metric_steps": list(range(1, 47))}, elastic)
+    # The same job's sharded checkpoint of step 8, resumed on ONE process (DCP reshards 2 -> 1)
+    # with the same global batch of 64: the rest of the run matches too.
+    one = read(train(tmp_path / "one", "train.batch_size=64",
+                     "--resume", str(run_dir / "checkpoints" / "step-00000008.dcp")))
+    assert_same_weights(single_64, one)
+    # and export consolidates the shards into one safetensors file equal to final.safetensors
+    out = tmp_path / "export.safetensors"
+    from ironloop.export import export_run
+    export_run(run_dir, out, which="last")
+    for k, w in load_file(out).items():
+        torch.testing.assert_close(w, elastic["weights"][k], rtol=0, atol=0)
+
+
+def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_path):
+    # 2 ranks x 32 -> 1 x 64 and 1 x 64 -> 2 x 32: the data position is in samples of the global
+    # permutation, so with the global batch kept no sample is repeated or skipped.
+    two_to_one = read(train(tmp_path / "one", "train.batch_size=64",
+                            "--resume", str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt")))
+    assert_same_weights(single_64, two_to_one)
+    one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
+                            str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
+    assert_same_weights(single_64, one_to_two)

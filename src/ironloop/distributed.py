@@ -37,8 +37,15 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
         return World()
     owns = not dist.is_initialized()
     if owns:
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's agent keeps one store for the whole job. After an elastic restart, the
+        # previous attempt's addresses are still in it, and gloo would connect to the dead
+        # ranks' ports ("connectFullMesh failed ... Connection refused"): one prefix per attempt.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
+                                store=dist.PrefixStore(f"ironloop/attempt_{attempt}", store),
+                                rank=rank, world_size=size, timeout=timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)

@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ironloop import loop, parallel
-from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
+from ironloop.checkpoint import CheckpointManager, has_checkpoints, load_verified
+from ironloop.checkpoint import dcp as sharded
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
@@ -155,11 +156,16 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels)
     if state is not None:
+        if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
+            sharded.load_sharded(Path(source), raw_model, optimizer)
+            state = {**state, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
         run.meter.window_start = time.perf_counter()  # not the time spent starting up
 
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    if strategy == "fsdp" and cfg.checkpoint.enabled:
+        manager = _open_sharded(run, run_dir)  # every rank writes its shards
     try:
         loop.train(run)
     finally:
@@ -203,13 +209,25 @@ def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
                                  "epoch": run.progress.epoch, "from": source,
                                  "last_logged_step": run.log.last_logged_step,
                                  "time": time.time()})
-    if not cfg.checkpoint.enabled:
+    if not cfg.checkpoint.enabled or parallel.is_fsdp(run.raw_model):
         return None
     manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_write)
     for path in manager.discard_after(run.progress.step):
         print(f"notice: removed {path}: it is past the step this run resumed from")
     run.save = lambda best: manager.save(collect_state(run), run.progress.step, best=best)
+    return manager
+
+
+def _open_sharded(run: loop.Run, run_dir: Path) -> sharded.ShardedCheckpointManager:
+    """Under FSDP2: DCP directories, written by every rank, wired into ``run.save``."""
+    cfg = run.cfg
+    manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                               cfg.checkpoint.async_write)
+    for path in manager.discard_after(run.progress.step):
+        print(f"notice: removed {path}: it is past the step this run resumed from")
+    run.save = lambda best: manager.save(collect_state(run), run.raw_model, run.optimizer,
+                                         run.progress.step, best=best)
     return manager
 
 
@@ -261,13 +279,15 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
     state = source = None
     if resume:
         path = Path(resume) if isinstance(resume, (str, Path)) else None
-        if path is not None and not path.is_dir():
+        if path is not None and sharded.is_sharded(path):
+            source, state = str(path), sharded.load_extras(path)
+        elif path is not None and not path.is_dir():
             source, state = str(path), load_verified(path)
         else:
             if path is not None:  # a directory: a run.dir or its checkpoints/ folder
                 ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
-            found = latest_valid(ckpt_dir, warn)
+            found = sharded.latest_any(ckpt_dir, warn)
             if found is None:
                 if world.is_main:
                     print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
