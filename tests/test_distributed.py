@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -282,3 +283,39 @@ def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_p
     one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
                             str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
     assert_same_weights(single_64, one_to_two)
+
+
+def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
+    # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
+    # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
+    # non-zero with a one-line message naming the setting, instead of hanging forever.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        logs.append(tmp_path / f"rank{rank}.log")
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
+                 "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
+                 "checkpoint.enabled=false", "dist.timeout_s=3"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        wait_for_step(run_dir, 3, procs[0], logs[0])
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        try:
+            procs[0].wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still waits for the stopped rank after {TIMEOUT}s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = logs[0].read_text()
+    assert procs[0].returncode != 0
+    assert "dist.timeout_s" in out and "Timed out" in out, out[-3000:]

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ironloop.errors import UserError
+
+
+class CollectiveTimeout(UserError):
+    """Another rank did not answer within dist.timeout_s."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,30 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
         torch.cuda.set_device(local)
     return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size(),
                  owns_group=owns)
+
+
+def name_timeouts(fn):
+    """Turn a collective's timeout (gloo raises a RuntimeError "Timed out waiting Nms ...") into
+    a CollectiveTimeout that names ``dist.timeout_s``: the CLI prints it on one line and exits
+    non-zero, instead of a traceback from deep inside DDP or FSDP. (NCCL's watchdog aborts the
+    process itself, with its own message naming the timeout.)"""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            if not dist.is_initialized() or "timed out" not in first.lower():
+                raise
+            rank = dist.get_rank()
+            raise CollectiveTimeout(
+                f"rank {rank}: a collective waited longer than dist.timeout_s for another rank, "
+                f"which stopped responding (hung, stopped, or its node is gone); this rank gives "
+                f"up. Check the other ranks' logs; if a step or a checkpoint legitimately takes "
+                f"that long, raise dist.timeout_s. ({first[-160:]})") from e
+
+    return wrapper
 
 
 def shutdown(world: World) -> None:

@@ -27,7 +27,8 @@ from ironloop.checkpoint import CheckpointManager, has_checkpoints, load_verifie
 from ironloop.checkpoint import dcp as sharded
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
-from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
+from ironloop.distributed import (World, all_reduce_sum, barrier, init_from_env, name_timeouts,
+                                  shutdown)
 from ironloop.early_stop import BestTracker
 from ironloop.errors import ConfigError, UserError
 from ironloop.export import save_safetensors
@@ -91,6 +92,7 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
                     f"pair, not {type(data).__name__}")
 
 
+@name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
         resume: bool | str | None = False, overwrite: bool = False) -> FitResult:
