@@ -248,6 +248,7 @@ def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_6
     proc, log = launch(run_dir, "train.batch_size=16", "train.accumulation_steps=2",
                        "dist.strategy=fsdp",
                        "checkpoint.every_steps=4", "checkpoint.keep_last=20", "log.every_steps=1",
+                       "checkpoint.async=true",  # dcp.async_save; committed at the next save
                        "--resume", ranks=2, torchrun=("--max-restarts=1",))
     wait_for_step(run_dir, 14, proc, log)
     os.kill(rank_pids(proc)[1], signal.SIGKILL)
@@ -258,7 +259,8 @@ def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_6
     elastic = read(run_dir)
     assert_same_run({**single_64, "metric_steps": list(range(1, 47))}, elastic)
     # The same job's sharded checkpoint of step 8, resumed on ONE process (DCP reshards 2 -> 1)
-    # with the same global batch of 64: the rest of the run matches too.
+    # with the same global batch of 64: the rest of the run matches too. (It was written in the
+    # background while steps 9-12 ran: async_save must have snapshotted step 8's state.)
     one = read(train(tmp_path / "one", "train.batch_size=64",
                      "--resume", str(run_dir / "checkpoints" / "step-00000008.dcp")))
     assert_same_weights(single_64, one)

@@ -30,6 +30,10 @@ def resolve_strategy(cfg: Config, world: World) -> str:
     strategy = cfg.dist.strategy
     if not world.distributed:
         return "none"
+    if strategy == "none":
+        raise ConfigError(f"dist.strategy='none' on {world.size} processes would train "
+                          f"{world.size} copies that never sync; use ddp or fsdp, or launch one "
+                          f"process")
     return "ddp" if strategy == "auto" else strategy
 
 
