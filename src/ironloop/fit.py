@@ -30,7 +30,7 @@ from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.distributed import (World, all_reduce_sum, barrier, init_from_env, name_timeouts,
                                   shutdown)
 from ironloop.early_stop import BestTracker
-from ironloop.errors import ConfigError, UserError
+from ironloop.errors import CheckpointError, ConfigError, UserError
 from ironloop.export import save_safetensors
 from ironloop.logs import RunLog, write_atomic
 from ironloop.optim import Loss, build_optimizer, build_scheduler
@@ -161,6 +161,10 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
             sharded.load_sharded(Path(source), raw_model, optimizer)
             state = {**state, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
+        elif strategy == "fsdp":
+            raise CheckpointError(f"{source} is a single-file checkpoint (from ddp or one "
+                                  f"process); dist.strategy=fsdp resumes only sharded .dcp "
+                                  f"checkpoints. Resume it with dist.strategy=ddp")
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
         run.meter.window_start = time.perf_counter()  # not the time spent starting up

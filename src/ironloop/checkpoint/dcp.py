@@ -111,12 +111,10 @@ class ShardedCheckpointManager:
     or at ``close``.
     """
 
-    def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
-                 warn: Callable[[str], None] | None = None):
+    def __init__(self, directory: Path, keep_last: int, async_write: bool = False):
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_write = async_write
-        self._warn = warn or print
         self._pending: tuple[Future, Path, int, bool] | None = None
         self._group = dist.new_group(backend="gloo") if async_write and dist.is_initialized() \
             else None
@@ -130,7 +128,10 @@ class ShardedCheckpointManager:
         if _rank() != 0:
             return []
         for tmp in self.directory.glob(".*.tmp*"):
-            _rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            if tmp.is_dir():
+                _rmtree(tmp)
+            else:
+                tmp.unlink(missing_ok=True)
         newer = [p for s, p in sorted(_step_dirs(self.directory).items()) if s > step]
         for p in newer:
             _rmtree(p)
