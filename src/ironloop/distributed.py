@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,13 +47,11 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     if owns:
         timeout = timedelta(seconds=timeout_s)
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-        # torchrun's agent keeps one store for the whole job. After an elastic restart, the
-        # previous attempt's addresses are still in it, and gloo would connect to the dead
-        # ranks' ports ("connectFullMesh failed ... Connection refused"): one prefix per attempt.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0":
+            store = _fresh_store(store, rank, size, attempt, timeout)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                store=dist.PrefixStore(f"ironloop/attempt_{attempt}", store),
-                                rank=rank, world_size=size, timeout=timeout)
+                                store=store, rank=rank, world_size=size, timeout=timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
@@ -82,6 +81,26 @@ def name_timeouts(fn):
                 f"that long, raise dist.timeout_s. ({first[-160:]})") from e
 
     return wrapper
+
+
+def _fresh_store(agent_store, rank: int, size: int, attempt: str, timeout: timedelta):
+    """A new, empty TCPStore for an elastic restart, hosted by rank 0.
+
+    torchrun's agent keeps one store for the whole job, so after a restart the previous
+    attempt's addresses are still in it and gloo would connect to the dead ranks' ports
+    ("connectFullMesh failed ... Connection refused"). Rank 0 publishes the new store's address
+    in the agent's store under a key of this attempt. (Wrapping the agent's store in a
+    PrefixStore instead made gloo's destructor deadlock on the GIL at exit, about half the time.)
+    """
+    key = f"ironloop/attempt_{attempt}/store"
+    if rank == 0:
+        host = socket.gethostname()
+        fresh = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)  # they learn the port only below
+        agent_store.set(key, f"{host}:{fresh.port}")
+        return fresh
+    host, port = agent_store.get(key).decode().rsplit(":", 1)  # waits for rank 0
+    return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
 
 
 def shutdown(world: World) -> None:
