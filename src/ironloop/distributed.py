@@ -46,12 +46,14 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     owns = not dist.is_initialized()
     if owns:
         timeout = timedelta(seconds=timeout_s)
-        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        backend = "nccl" if device_type == "cuda" else "gloo"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt != "0":
-            store = _fresh_store(store, rank, size, attempt, timeout)
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                store=store, rank=rank, world_size=size, timeout=timeout)
+        if attempt == "0":
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=size,
+                                    store=_fresh_store(store, rank, size, attempt, timeout))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
