@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,24 +33,64 @@ ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress
         "log.every_steps=5"]
 
 
-def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
-    """`ironloop train` in one process, or under torchrun with ``ranks`` processes."""
+def launch(run_dir: Path, *overrides: str, ranks: int = 1,
+           torchrun: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """Start `ironloop train` in one process, or under torchrun with ``ranks`` processes;
+    returns the process and the file its output goes to."""
     launcher = [sys.executable, "-m", "ironloop"] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-         "--standalone", "-m", "ironloop"]
+         "--standalone", *torchrun, "-m", "ironloop"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = run_dir.parent / f"{run_dir.name}.log"  # a file, not a pipe: see _stop
     with log.open("w") as out:
-        proc = subprocess.Popen([*launcher, "train", *ARGS, *overrides, f"run.dir={run_dir}"],
+        proc = subprocess.Popen([*launcher, "train", *ARGS, f"run.dir={run_dir}", *overrides],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            pytest.fail(f"{ranks} rank(s) still running after {TIMEOUT}s (a hung "
-                        f"collective?):\n{log.read_text()[-5000:]}")
+    return proc, log
+
+
+def finish(proc: subprocess.Popen, log: Path, ranks: int) -> None:
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pytest.fail(f"{ranks} rank(s) still running after {TIMEOUT}s (a hung "
+                    f"collective?):\n{log.read_text()[-5000:]}")
     assert proc.returncode == 0, f"{ranks} rank(s) failed:\n{log.read_text()[-8000:]}"
+
+
+def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
+    """`ironloop train` to the end; fails the test on a non-zero exit or a hang."""
+    finish(*launch(run_dir, *overrides, ranks=ranks), ranks=ranks)
     return run_dir
+
+
+def rank_pids(proc: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the ranks torchrun started (read from their environment)."""
+    found = {}
+    for pid in map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = pid
+    return found
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
+    """Until rank 0 has logged ``step`` (log.every_steps=1)."""
+    deadline = time.monotonic() + TIMEOUT
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in
+                                    metrics.read_text().splitlines() if line.endswith("}")):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {step}:\n{log.read_text()[-5000:]}")
+        time.sleep(0.02)
+    _stop(proc)
+    pytest.fail(f"no step {step} after {TIMEOUT}s:\n{log.read_text()[-5000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -109,16 +151,37 @@ def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
 @pytest.fixture(scope="module")
 def single_64(tmp_path_factory) -> dict:
     """The reference: one process, batch 64 (23 steps per epoch)."""
-    return read(train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64"))
+    run_dir = train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64",
+                    "checkpoint.every_steps=10", "checkpoint.keep_last=10")
+    return {**read(run_dir), "dir": run_dir}
 
 
-def test_two_ranks_equal_one_process_with_the_global_batch(single_64, tmp_path):
-    two = read(train(tmp_path / "two", "train.batch_size=32", ranks=2))
+@pytest.fixture(scope="module")
+def ddp_2x32(tmp_path_factory) -> dict:
+    """DDP, 2 ranks x 32, checkpointing every 10 steps (resumed elsewhere on 1 rank)."""
+    run_dir = train(tmp_path_factory.mktemp("ddp") / "run", "train.batch_size=32",
+                    "checkpoint.every_steps=10", "checkpoint.keep_last=10", ranks=2)
+    return {**read(run_dir), "dir": run_dir}
+
+
+def test_two_ranks_equal_one_process_with_the_global_batch(single_64, ddp_2x32):
+    two = ddp_2x32
     assert two["results"]["steps"] == 2 * 23  # ceil(1438 / 64) per epoch
     assert_same_run(single_64, two)
     # Checkpoints (on by default) are written by rank 0 alone, from the unwrapped model.
-    ckpts = list((tmp_path / "two" / "checkpoints").glob("*.pt"))
+    ckpts = list((two["dir"] / "checkpoints").glob("*.pt"))
     assert ckpts, "rank 0 wrote no checkpoint"
+
+
+def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, tmp_path):
+    # FSDP2: each Linear sharded, then the root; the logged grad norm is the global one.
+    fsdp = read(train(tmp_path / "fsdp", "train.batch_size=32", "dist.strategy=fsdp",
+                      "checkpoint.enabled=false", ranks=2))
+    assert_same_run(single_64, fsdp)
+    assert_same_run(ddp_2x32, fsdp)
+    norms = [[json.loads(line)["grad_norm"] for line in (d / "metrics.jsonl").read_text()
+              .splitlines()] for d in (tmp_path / "fsdp", single_64["dir"])]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
 def test_two_ranks_with_accumulation_equal_one_process(single_64, tmp_path):
@@ -133,9 +196,11 @@ def test_sharded_validation_covers_a_tail_smaller_than_the_ranks(tmp_path):
     # 359 % (179 * 2) == 1: the training sampler's rule would drop the 359th val sample (one
     # sample cannot be split between two ranks). Validation must not: same val_acc as one
     # process, whose denominator is 359. (Training: 1438 % 358 == 6, nothing dropped.)
+    # Under FSDP2 (each forward all-gathers) rank 1, with one batch fewer, must run a discarded
+    # forward so that rank 0's last one is not left waiting.
     one = read(train(tmp_path / "one", "train.batch_size=358", "checkpoint.enabled=false"))
     two = read(train(tmp_path / "two", "train.batch_size=179", "checkpoint.enabled=false",
-                     ranks=2))
+                     "dist.strategy=fsdp", ranks=2))
     assert_same_run(one, two)
 
 
@@ -166,3 +231,91 @@ def test_eval_shards_cover_every_sample_once(n, batch_size, world):
     train_seen = sum(len(b) for r in range(world)
                      for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
     assert n - train_seen < world
+
+
+def assert_same_weights(one: dict, other: dict) -> None:
+    assert one["weights"].keys() == other["weights"].keys()
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(other["weights"][name], w, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert other["results"]["steps"] == one["results"]["steps"]
+
+
+def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_64, tmp_path):
+    # torchrun --max-restarts=1 ... --resume: one rank is SIGKILLed mid-run; torchrun stops the
+    # other, starts both again, and they resume from the newest DCP directory on their own.
+    # FSDP2 with accumulation, too: 2 ranks x 16 x 2 micro-steps = 64 per step, with no
+    # reduce-scatter (and no reshard) after the first backward of each window.
+    run_dir = tmp_path / "fsdp"
+    proc, log = launch(run_dir, "train.batch_size=16", "train.accumulation_steps=2",
+                       "dist.strategy=fsdp",
+                       "checkpoint.every_steps=4", "checkpoint.keep_last=20", "log.every_steps=1",
+                       "checkpoint.async=true",  # dcp.async_save; committed at the next save
+                       "--resume", ranks=2, torchrun=("--max-restarts=1",))
+    wait_for_step(run_dir, 14, proc, log)
+    os.kill(rank_pids(proc)[1], signal.SIGKILL)
+    finish(proc, log, ranks=2)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["from"].endswith(".dcp"), events
+    elastic = read(run_dir)
+    assert_same_run({**single_64, "metric_steps": list(range(1, 47))}, elastic)
+    # The same job's sharded checkpoint of step 8, resumed on ONE process (DCP reshards 2 -> 1)
+    # with the same global batch of 64: the rest of the run matches too. (It was written in the
+    # background while steps 9-12 ran: async_save must have snapshotted step 8's state.)
+    one = read(train(tmp_path / "one", "train.batch_size=64",
+                     "--resume", str(run_dir / "checkpoints" / "step-00000008.dcp")))
+    assert_same_weights(single_64, one)
+    # and export consolidates the shards into one safetensors file equal to final.safetensors
+    out = tmp_path / "export.safetensors"
+    from ironloop.export import export_run
+    export_run(run_dir, out, which="last")
+    for k, w in load_file(out).items():
+        torch.testing.assert_close(w, elastic["weights"][k], rtol=0, atol=0)
+
+
+def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_path):
+    # 2 ranks x 32 -> 1 x 64 and 1 x 64 -> 2 x 32: the data position is in samples of the global
+    # permutation, so with the global batch kept no sample is repeated or skipped.
+    two_to_one = read(train(tmp_path / "one", "train.batch_size=64",
+                            "--resume", str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt")))
+    assert_same_weights(single_64, two_to_one)
+    one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
+                            str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
+    assert_same_weights(single_64, one_to_two)
+
+
+def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
+    # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
+    # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
+    # non-zero with a one-line message naming the setting, instead of hanging forever.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        logs.append(tmp_path / f"rank{rank}.log")
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
+                 "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
+                 "checkpoint.enabled=false", "dist.timeout_s=3"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        wait_for_step(run_dir, 3, procs[0], logs[0])
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        try:
+            procs[0].wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still waits for the stopped rank after {TIMEOUT}s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = logs[0].read_text()
+    assert procs[0].returncode != 0
+    assert "dist.timeout_s" in out and "Timed out" in out, out[-3000:]

@@ -351,6 +351,22 @@ class DoctorConfig(_Section):
 
 
 @dataclass
+class DistConfig(_Section):
+    _name = "dist"
+    strategy: str = _f("auto", "auto (ddp when world > 1) | ddp | fsdp (FSDP2, DCP checkpoints) "
+                       "| none", ("auto", "ddp", "fsdp", "none"))
+    fsdp_modules: list = _f([], "fsdp: class names of the blocks to shard one by one "
+                            "(empty = each child of a Sequential or ModuleList)")
+    timeout_s: float = _f(600.0, "seconds a collective may wait for a silent rank before the "
+                          "job fails (torch.distributed's process-group timeout)")
+
+    def validate(self) -> None:
+        self._positive("timeout_s")
+        if any(not isinstance(n, str) or not n for n in self.fsdp_modules):
+            self._bad("fsdp_modules", "must be a list of module class names, e.g. [Block]")
+
+
+@dataclass
 class Config:
     """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
 
@@ -370,6 +386,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "Config":

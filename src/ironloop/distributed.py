@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ironloop.errors import UserError
+
+
+class CollectiveTimeout(UserError):
+    """Another rank did not answer within dist.timeout_s."""
 
 
 @dataclass(frozen=True)
@@ -25,19 +34,75 @@ class World:
         return self.size > 1
 
 
-def init_from_env(device_type: str) -> World:
-    """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any."""
+def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
+    """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any.
+
+    ``timeout_s`` bounds every collective: a rank that stops answering (stopped, hung, its node
+    gone) makes the others fail after that long instead of waiting forever.
+    """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0":
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=size,
+                                    store=_fresh_store(store, rank, size, attempt, timeout))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
     return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size(),
                  owns_group=owns)
+
+
+def name_timeouts(fn):
+    """Turn a collective's timeout (gloo raises a RuntimeError "Timed out waiting Nms ...") into
+    a CollectiveTimeout that names ``dist.timeout_s``: the CLI prints it on one line and exits
+    non-zero, instead of a traceback from deep inside DDP or FSDP. (NCCL's watchdog aborts the
+    process itself, with its own message naming the timeout.)"""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            if not dist.is_initialized() or "timed out" not in first.lower():
+                raise
+            rank = dist.get_rank()
+            raise CollectiveTimeout(
+                f"rank {rank}: a collective waited longer than dist.timeout_s for another rank, "
+                f"which stopped responding (hung, stopped, or its node is gone); this rank gives "
+                f"up. Check the other ranks' logs; if a step or a checkpoint legitimately takes "
+                f"that long, raise dist.timeout_s. ({first[-160:]})") from e
+
+    return wrapper
+
+
+def _fresh_store(agent_store, rank: int, size: int, attempt: str, timeout: timedelta):
+    """A new, empty TCPStore for an elastic restart, hosted by rank 0.
+
+    torchrun's agent keeps one store for the whole job, so after a restart the previous
+    attempt's addresses are still in it and gloo would connect to the dead ranks' ports
+    ("connectFullMesh failed ... Connection refused"). Rank 0 publishes the new store's address
+    in the agent's store under a key of this attempt. (Wrapping the agent's store in a
+    PrefixStore instead made gloo's destructor deadlock on the GIL at exit, about half the time.)
+    """
+    key = f"ironloop/attempt_{attempt}/store"
+    if rank == 0:
+        host = socket.gethostname()
+        fresh = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)  # they learn the port only below
+        agent_store.set(key, f"{host}:{fresh.port}")
+        return fresh
+    host, port = agent_store.get(key).decode().rsplit(":", 1)  # waits for rank 0
+    return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
 
 
 def shutdown(world: World) -> None:

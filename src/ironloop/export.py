@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ironloop.checkpoint import dcp as sharded
 from ironloop.checkpoint import load_verified, strip_prefixes, temp_path
 from ironloop.errors import UserError
 
@@ -25,10 +26,14 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
-    """Export best.pt or last.pt of ``run_dir`` to ``out`` as safetensors."""
+    """Export best or last of ``run_dir`` to ``out`` as safetensors: a ``.pt`` file, or a
+    sharded ``.dcp`` directory (FSDP2), whose shards are consolidated here in one process."""
     ckpt = run_dir / "checkpoints" / f"{which}.pt"
+    if not ckpt.exists() and (run_dir / "checkpoints" / f"{which}.dcp").is_dir():
+        ckpt = run_dir / "checkpoints" / f"{which}.dcp"
     if not ckpt.exists():
-        found = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) \
+        found = sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                       if p.suffix in (".pt", ".dcp") and not p.name.startswith(".")) \
             if (run_dir / "checkpoints").is_dir() else []
         raise UserError(f"no {ckpt}; " + (f"this run has {', '.join(found)}: pass --which "
                         f"{'last' if which == 'best' else 'best'}" if found else
@@ -38,5 +43,6 @@ def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = Fals
     if out.exists() and not force:
         raise UserError(f"--out {out} already exists; pass --force to replace it, or pick "
                         f"another name")
-    save_safetensors(load_verified(ckpt)["model"], out)
+    weights = sharded.consolidate_model(ckpt) if ckpt.is_dir() else load_verified(ckpt)["model"]
+    save_safetensors(weights, out)
     return out

@@ -23,15 +23,17 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ironloop import drift, loggers, loop, records
-from ironloop.checkpoint import CheckpointManager, has_checkpoints, latest_valid, load_verified
-from ironloop.config import Config
+from ironloop import drift, loggers, loop, parallel, records
 from ironloop.callbacks import HOOKS, fire
+from ironloop.checkpoint import CheckpointManager, has_checkpoints, load_verified
+from ironloop.checkpoint import dcp as sharded
+from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData, as_tensor_data, derive_seed
-from ironloop.distributed import World, all_reduce_sum, barrier, init_from_env, shutdown
+from ironloop.distributed import (World, all_reduce_sum, barrier, init_from_env, name_timeouts,
+                                  shutdown)
 from ironloop.doctor.oom import out_of_memory
 from ironloop.early_stop import BestTracker
-from ironloop.errors import ConfigError, UserError
+from ironloop.errors import CheckpointError, ConfigError, UserError
 from ironloop.export import save_safetensors
 from ironloop.faults import PoisonLoss, poison_sample
 from ironloop.guard import GuardHook
@@ -104,6 +106,7 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
                     f"pair, not {type(data).__name__}")
 
 
+@name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
         optimizer=None, scheduler=None, callbacks=None,
@@ -149,7 +152,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     _check_needs_val(cfg, val_set)
 
     device = resolve_device(cfg.run.device, _env_local_rank())
-    world = init_from_env(device.type)
+    world = init_from_env(device.type, cfg.dist.timeout_s)
     precision = resolve_precision(cfg.train.precision, device)
     seed_everything(cfg.run.seed + world.rank)
 
@@ -163,9 +166,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
                                                 (train_set, val_set, test_set))
     if cfg.train.activation_checkpointing:
         checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
-    if world.distributed:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+    model, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
     if cfg.train.compile:
         model = compile_model(model, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
@@ -210,6 +211,13 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         run.step_fn = PoisonLoss(run.step_fn, cfg.fault.nan_at_step)
         run.step_fn.run = run
     if state is not None:
+        if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
+            sharded.load_sharded(Path(source), raw_model, optimizer)
+            state = {**state, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
+        elif strategy == "fsdp":
+            raise CheckpointError(f"{source} is a single-file checkpoint (from ddp or one "
+                                  f"process); dist.strategy=fsdp resumes only sharded .dcp "
+                                  f"checkpoints. Resume it with dist.strategy=ddp")
         restore_state(run, state, source)
         run.best_state = _best_weights(run_dir, cfg)
         if run.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
@@ -220,6 +228,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         records.write_run_json(run_dir, records.environment(device, world.size),
                                resumed=state is not None)
     manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    if strategy == "fsdp" and cfg.checkpoint.enabled:
+        manager = _open_sharded(run, run_dir)  # every rank writes its shards
     run.save = run.timer.wrap("checkpoint", run.save)
     if run.guard is not None:
         run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
@@ -300,7 +310,7 @@ def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
                                  "steps_redone": max(0, run.log.last_logged_step
                                                      - run.progress.step),
                                  "time": time.time()})
-    if not cfg.checkpoint.enabled:
+    if not cfg.checkpoint.enabled or parallel.is_fsdp(run.raw_model):
         return None
     manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_write)
@@ -335,6 +345,18 @@ def _eval_subset(val_set, cfg: Config):
     if isinstance(val_set, TensorData):  # keep the one-slice batch path
         return TensorData(val_set.x[idx], val_set.y[idx])
     return torch.utils.data.Subset(val_set, idx.tolist())
+
+
+def _open_sharded(run: loop.Run, run_dir: Path) -> sharded.ShardedCheckpointManager:
+    """Under FSDP2: DCP directories, written by every rank, wired into ``run.save``."""
+    cfg = run.cfg
+    manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                               cfg.checkpoint.async_write)
+    for path in manager.discard_after(run.progress.step):
+        print(f"notice: removed {path}: it is past the step this run resumed from")
+    run.save = lambda best: manager.save(collect_state(run), run.raw_model, run.optimizer,
+                                         run.progress.step, best=best)
+    return manager
 
 
 def _env_local_rank() -> int:
@@ -398,13 +420,15 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
     state = source = None
     if resume:
         path = Path(resume) if isinstance(resume, (str, Path)) else None
-        if path is not None and not path.is_dir():
+        if path is not None and sharded.is_sharded(path):
+            source, state = str(path), sharded.load_extras(path)
+        elif path is not None and not path.is_dir():
             source, state = str(path), load_verified(path)
         else:
             if path is not None:  # a directory: a run.dir or its checkpoints/ folder
                 ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
-            found = latest_valid(ckpt_dir, warn)
+            found = sharded.latest_any(ckpt_dir, warn)
             if found is None:
                 if world.is_main:
                     print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
@@ -477,8 +501,9 @@ def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult
                                         "val_loss": final_val.get("loss")}
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}
+    weights = parallel.full_model_state(run.raw_model)  # a collective under FSDP2
     if run.world.is_main:
-        save_safetensors(run.raw_model.state_dict(), run_dir / "final.safetensors")
+        save_safetensors(weights, run_dir / "final.safetensors")
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
     return FitResult(model=run.raw_model, results=results, run_dir=run_dir)
 

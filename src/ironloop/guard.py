@@ -210,7 +210,7 @@ class GuardHook:
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.guard.logged)
             self.file = open(path, "a")
-        if not self.from_files or not resumed:
+        if (not self.from_files or not resumed) and not _sharded(run):
             self.snapshot = _snapshot(collect_state(run))
         if not self.from_files:
             inner = run.save
@@ -282,6 +282,10 @@ class GuardHook:
         if self.guard.must_stop:
             self._stop(run, step)
         if self.guard.must_roll_back:
+            if _sharded(run):  # a rollback restores file checkpoints; DCP is not wired here yet
+                self._stop(run, step, "a rollback under dist.strategy=fsdp is not supported yet: "
+                                      "resume from the newest .dcp checkpoint with --resume and "
+                                      "a lower optim.lr")
             self._roll_back(run, step)
         return True
 
@@ -343,11 +347,12 @@ class GuardHook:
         # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given.
         return _snapshot(self.snapshot), "memory snapshot"
 
-    def _stop(self, run, step: int) -> None:
+    def _stop(self, run, step: int, why: str = "") -> None:
         g = self.guard
         recent = ", ".join(f"step {s} ({r})" for s, r in g.events[-8:])
-        msg = (f"the guard stopped the run at step {step}: {g.max_bad_steps} bad step(s) in a "
-               f"row again after {g.rollbacks} rollback(s) (guard.max_rollbacks={g.max_rollbacks})"
+        why = why or (f"{g.max_bad_steps} bad step(s) in a row again after {g.rollbacks} "
+                      f"rollback(s) (guard.max_rollbacks={g.max_rollbacks})")
+        msg = (f"the guard stopped the run at step {step}: {why}"
                f"; recent bad steps: {recent}. Try a lower optim.lr, clip.max_norm=1.0, "
                f"train.precision=bf16 instead of fp16, and inspect the samples listed in "
                f"{self.run_dir / 'guard.jsonl'}; every checkpoint in "
@@ -368,6 +373,13 @@ class GuardHook:
     def _say(self, run, text: str) -> None:
         if run.world.is_main:
             tqdm.write(f"warning: guard: {text}")
+
+
+def _sharded(run) -> bool:
+    """Whether the model is sharded by FSDP2 (its parameters are DTensors)."""
+    from ironloop.parallel import is_sharded
+
+    return any(is_sharded(p) for p in run.raw_model.parameters())
 
 
 def _num(x: float):

@@ -38,7 +38,6 @@ that part (data, copy, forward, backward, optimizer, other, validation; see timi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -49,6 +48,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ironloop import parallel
 from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make_loader,
@@ -155,10 +155,8 @@ def train_epoch(run: Run) -> None:
         last = micro == accum - 1 or p.offset >= n
         batch = to_device(batch, run.device, non_blocking)
         run.timer.mark("copy")
-        # DDP all-reduces on every backward; inside a window only the last one needs to.
-        sync = contextlib.nullcontext() if last or not run.world.distributed \
-            else run.model.no_sync()
-        with sync:
+        # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
+        with parallel.micro_sync(run.model, last):
             with _autocast(run):
                 loss, _ = _call_step(run, run.model, batch, "training")
             run.timer.mark("forward")
@@ -229,20 +227,19 @@ def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, to
 
     Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
     """
-    if mode == "norm" and max_norm > 0:
-        # Skips parameters without a gradient itself (and gives 0 when none has one).
-        norm = nn.utils.clip_grad_norm_(params, max_norm)  # returns the pre-clip norm
-        return norm, norm > max_norm
     params = [p for p in params if p.grad is not None]
     norm = grad_norm_of(params)
     return norm, clip_to_norm(params, norm, max_norm, mode)
 
 
 def grad_norm_of(params: list) -> torch.Tensor:
-    """The global L2 norm of the gradients of ``params`` (those with a grad), on the device."""
+    """The global L2 norm of the gradients of ``params`` (those with a grad), on the device.
+    Under FSDP2 the grads are shards: the norm of the whole is a collective (full_tensor)."""
     if not params:
         return torch.zeros(())
-    return _total_norm([p.grad for p in params])
+    grads = [p.grad for p in params]
+    norm = _total_norm(grads)
+    return parallel.full_tensor(norm) if parallel.is_sharded(grads[0]) else norm
 
 
 def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
@@ -260,7 +257,8 @@ def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -
         return norm > max_norm
     grads = [p.grad for p in params]
     if mode == "value" and max_norm > 0:
-        clipped = torch.stack([g.detach().abs().max() for g in grads]).max() > max_norm
+        peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])
+        clipped = peak.max() > max_norm
         nn.utils.clip_grad_value_(params, max_norm)
         return clipped
     return torch.zeros((), dtype=torch.bool, device=norm.device)
@@ -383,7 +381,7 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
     loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
-    sums, names, count = None, [], 0
+    sums, names, count, batches = None, [], 0, 0
     for batch in loader:
         if run.check_labels is not None:
             run.check_labels(batch)
@@ -395,9 +393,26 @@ def evaluate(run: Run, dataset) -> dict[str, float]:
         values = torch.stack([loss.float(), *(m.float() for m in metrics.values())]) * n
         sums = values if sums is None else sums + values
         count += n
+        batches += 1
+    _pad_forwards(run, dataset, batches)
     model.train(was_training)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     return sum_over_ranks(names, sums, count, run.world)
+
+
+def _pad_forwards(run: Run, dataset, batches: int) -> None:
+    """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
+    discarded forwards on one sample until every rank has run as many."""
+    owed = parallel.extra_forwards(run.raw_model, run.world, len(dataset),
+                                   run.cfg.train.batch_size, batches)
+    if owed <= 0:
+        return
+    one = next(iter(make_loader(dataset, EvalSampler(1, 1, 0, False), num_workers=0,
+                                pin_memory=False, collate_fn=run.collate_fn)))
+    one = to_device(one, run.device, False)
+    for _ in range(owed):
+        with _autocast(run):
+            run.step_fn(run.raw_model, one)
 
 
 def classification_step(loss_fn) -> StepFn:

@@ -1,0 +1,131 @@
+"""Sharded (DCP) checkpoint directories: atomic commit, integrity, fallback, retention, export.
+
+These run in one process (DCP works without a process group); the multi-rank saves, the
+SIGKILL and the resharding resumes are in tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ironloop.checkpoint import dcp as sharded
+from ironloop.errors import CheckpointError, UserError
+from ironloop.export import export_run
+from tests.conftest import tiny_mlp
+
+
+def _trained(seed: int = 0):
+    model = tiny_mlp(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(step: int) -> dict:
+    # What collect_state returns, minus model/optimizer (the manager drops them if present).
+    return {"format_version": 1, "progress": {"step": step, "epoch": 0, "offset": step * 8},
+            "sampler": {"seed": 0, "epoch": 0, "offset": step * 8, "n": 100},
+            "extra_from_another_feature": {"count": torch.tensor(step)}}
+
+
+def _save(manager, step: int, best: bool = False, seed: int = 0):
+    model, opt = _trained(seed)
+    manager.save({**_state(step), "model": None, "optimizer": None}, model, opt, step, best)
+    return model, opt
+
+
+def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extras(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    model, opt = _save(manager, 5, best=True)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["best.dcp", "last.dcp", "step-00000005.dcp"]  # no temp directory left
+    files = {p.name for p in (tmp_path / "last.dcp").iterdir()}
+    assert {"manifest.json", ".metadata", "extras-rank0.pt"} <= files
+    # last/best are hard links: the bytes are written once
+    assert os.path.samefile(tmp_path / "last.dcp" / ".metadata",
+                            tmp_path / "step-00000005.dcp" / ".metadata")
+
+    path, state = sharded.latest_valid(tmp_path, warn=pytest.fail)
+    assert path.name == "last.dcp" and state["progress"]["step"] == 5
+    assert state["extra_from_another_feature"]["count"].item() == 5  # any extra key rides along
+    assert "model" not in state
+    fresh, fresh_opt = tiny_mlp(seed=1), None
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    sharded.load_sharded(path, fresh, fresh_opt)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    exp = opt.state_dict()["state"][0]["exp_avg"]
+    torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"], exp, rtol=0, atol=0)
+
+
+def test_damaged_or_unfinished_directories_are_skipped_and_cleaned(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    # step 3 (and last.dcp, which links the same bytes) gets a flipped bit in a shard
+    shard = next((tmp_path / "step-00000003.dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # a killed writer's temp directory and a step directory without its manifest
+    (tmp_path / ".step-00000004.dcp.tmp").mkdir()
+    (tmp_path / "step-00000009.dcp").mkdir()
+    warnings = []
+    path, state = sharded.latest_valid(tmp_path, warnings.append)
+    assert path.name == "step-00000002.dcp" and state["progress"]["step"] == 2
+    assert any("step-00000003.dcp" in w and "changed" in w for w in warnings)
+    assert any("step-00000009.dcp" in w and "manifest" in w for w in warnings)
+    removed = manager.discard_after(2)
+    assert {p.name for p in removed} == {"step-00000003.dcp", "step-00000009.dcp"}
+    assert not (tmp_path / ".step-00000004.dcp.tmp").exists()
+
+
+def test_every_directory_damaged_is_an_error_naming_them(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 1)
+    for d in ("last.dcp", "step-00000001.dcp"):
+        (tmp_path / d / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="every checkpoint.*damaged"):
+        sharded.latest_valid(tmp_path, lambda m: None)
+
+
+def test_keep_last_retention(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        _save(manager, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["last.dcp", "step-00000003.dcp", "step-00000004.dcp"]
+    zero = sharded.ShardedCheckpointManager(tmp_path / "zero", keep_last=0)
+    for step in (1, 2):
+        _save(zero, step)
+    assert sorted(p.name for p in (tmp_path / "zero").iterdir()) == ["last.dcp"]
+    assert json.loads((tmp_path / "zero" / "last.dcp" / "manifest.json").read_text())["step"] == 2
+
+
+def test_newest_of_files_and_directories_wins(tmp_path):
+    from ironloop.checkpoint import save_atomic
+
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    save_atomic(_state(7), tmp_path / "step-00000007.pt")  # e.g. resumed on one process
+    path, state = sharded.latest_any(tmp_path, pytest.fail)
+    assert path.name == "step-00000007.pt" and state["progress"]["step"] == 7
+
+
+def test_export_consolidates_a_sharded_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", keep_last=1)
+    model, _ = _save(manager, 2)
+    out = export_run(run_dir, tmp_path / "m.safetensors", which="last")
+    weights = load_file(out)
+    assert weights.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
+    with pytest.raises(UserError, match="last.dcp"):
+        export_run(run_dir, tmp_path / "b.safetensors", which="best")
