@@ -33,6 +33,19 @@ def test_a_new_section_is_a_trajectory_key_unless_listed_free():
         == []
 
 
+def test_a_new_allocation_may_change_the_per_rank_batch_but_not_the_global_one():
+    old = {"train": {"batch_size": 16, "accumulation_steps": 2}, "dist": {"strategy": "fsdp"}}
+    said = []
+    # 2 ranks x 16 x 2 = 64 samples per step, resumed on 1 rank as 64 x 1: the same trajectory
+    drift.check(old, {"train": {"batch_size": 64, "accumulation_steps": 1},
+                      "dist": {"strategy": "auto"}}, allow=False, say=said.append, worlds=(2, 1))
+    assert len(said) == 3 and sum("the same 64 samples per optimizer step" in x for x in said) == 2
+    # on the same allocation, 64 x 1 instead of 16 x 2 doubles the step: refused
+    with pytest.raises(ConfigError, match=r"train\.batch_size: 16 -> 64"):
+        drift.check(old, {"train": {"batch_size": 64, "accumulation_steps": 1}}, allow=False,
+                    worlds=(2, 2))
+
+
 def lrs(run_dir) -> list[float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))

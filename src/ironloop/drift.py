@@ -34,7 +34,12 @@ FREE: tuple[str, ...] = (
     "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
     "train.compile_mode",
     "train.activation_checkpointing",  # recomputes the same forward in backward: same math
+    "dist.",             # ddp or fsdp, how blocks are sharded, the timeout: the same math
 )
+
+#: Per-rank batch keys: free when the global window (their product times the number of ranks)
+#: is unchanged, as when a run resumes on another allocation (2 x 32 on 2 ranks -> 64 on 1).
+WINDOW: tuple[str, ...] = ("train.batch_size", "train.accumulation_steps")
 
 #: Trajectory keys that only set how long the run goes on.
 LENGTH: tuple[str, ...] = ("train.epochs", "train.max_steps")
@@ -71,20 +76,38 @@ def _fmt(change: tuple[str, Any, Any]) -> str:
     return f"{key}: {old!r} -> {new!r}"
 
 
-def check(old: dict, new: dict, allow: bool, say=print) -> list[tuple[str, Any, Any]]:
+def global_window(config: dict, world_size: int) -> int | None:
+    """Samples per optimizer step over all ranks: batch_size x accumulation_steps x ranks."""
+    train = config.get("train") or {}
+    if "batch_size" not in train or "accumulation_steps" not in train:
+        return None
+    return train["batch_size"] * train["accumulation_steps"] * world_size
+
+
+def check(old: dict, new: dict, allow: bool, say=print,
+          worlds: tuple[int, int] = (1, 1)) -> list[tuple[str, Any, Any]]:
     """Refuse (ConfigError) a trajectory change unless ``allow``; say what changed.
+    ``worlds`` is (the checkpoint's number of ranks, this run's).
 
     Returns the accepted trajectory changes."""
     found = changes(old, new)
-    free = [c for c in found if is_free(c[0])]
-    bound = [c for c in found if not is_free(c[0])]
+    window = global_window(old, worlds[0])
+    same_window = window is not None and window == global_window(new, worlds[1])
+
+    def free_key(key: str) -> bool:
+        return is_free(key) or (key in WINDOW and same_window)
+
+    free = [c for c in found if free_key(c[0])]
+    bound = [c for c in found if not free_key(c[0])]
     if bound and not allow:
         raise ConfigError(
             "the resumed config differs from the checkpoint's in keys that change the training "
             f"trajectory: {'; '.join(map(_fmt, bound))}. Resume with the checkpoint's values, "
             "or pass --allow-config-change (fit(..., allow_config_change=True)) to accept them")
     for c in free:
-        say(f"notice: resuming with {_fmt(c)} (cannot change the weights)")
+        why = (f"the same {window} samples per optimizer step over {worlds[1]} rank(s)"
+               if c[0] in WINDOW else "cannot change the weights")
+        say(f"notice: resuming with {_fmt(c)} ({why})")
     for c in bound:
         if c[0] in LENGTH:
             what = "the run's length; the LR schedule keeps the length it was built with"

@@ -436,7 +436,8 @@ def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world:
                 source, state = str(found[0]), found[1]
         if state is not None:
             drift.check(state.get("config") or {}, cfg.to_dict(), allow_config_change,
-                        say=print if world.is_main else (lambda msg: None))
+                        say=print if world.is_main else (lambda msg: None),
+                        worlds=(state.get("world_size", world.size), world.size))
     elif world.is_main:
         if not overwrite and (has_checkpoints(ckpt_dir) or (run_dir / "metrics.jsonl").exists()):
             raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "

@@ -58,6 +58,7 @@ def collect_state(run) -> dict:
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+        "world_size": run.world.size,  # the drift check compares global batches across resumes
         "progress": run.progress.state_dict(),
         "sampler": {**run.sampler.state_dict(), "epoch": run.progress.epoch,
                     "offset": run.progress.offset},
