@@ -10,26 +10,23 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import yaml
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ironloop import drift, loggers, loop, parallel, records
+from ironloop import drift, loop, parallel, records, rundir, steps
 from ironloop.callbacks import HOOKS, fire
-from ironloop.checkpoint import CheckpointManager, has_checkpoints, load_verified
 from ironloop.checkpoint import dcp as sharded
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData, as_tensor_data, derive_seed
-from ironloop.distributed import (World, all_reduce_sum, barrier, init_from_env, name_timeouts,
+from ironloop.distributed import (World, all_reduce_sum, init_from_env, name_timeouts,
                                   shutdown)
 from ironloop.doctor.oom import out_of_memory
 from ironloop.early_stop import BestTracker
@@ -37,21 +34,15 @@ from ironloop.errors import CheckpointError, ConfigError, UserError
 from ironloop.export import save_safetensors
 from ironloop.faults import PoisonLoss, poison_sample
 from ironloop.guard import GuardHook
-from ironloop.logs import RunLog, unwritable, write_atomic
+from ironloop.logs import write_atomic
 from ironloop.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.precision import grad_scaler, resolve_device, resolve_precision
 from ironloop.progress import Meter, Progress
 from ironloop.report import read_jsonl
-from ironloop.resume import collect_state, restore_state
+from ironloop.resume import restore_state
 from ironloop.specs import import_spec
 from ironloop.timing import StepTimer, table
 from ironloop.wrap import checkpoint_activations, compile_model
-
-#: Files a run writes; --overwrite removes these and nothing else.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
-               "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
-               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl", "trace")
-
 
 @dataclass
 class FitResult:
@@ -142,6 +133,49 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     cfg = as_config(config)
     started = time.time()
     user_fns = {"loss_fn": loss_fn, "step_fn": step_fn}  # for the record: step_fn is rebound
+    cfg, data = _splits(cfg, train_data, val_data, test_data)
+    device = resolve_device(cfg.run.device, _env_local_rank())
+    world = init_from_env(device.type, cfg.dist.timeout_s)
+    precision = resolve_precision(cfg.train.precision, device)
+    seed_everything(cfg.run.seed + world.rank)
+
+    run, strategy = _build_run(cfg, model.to(device), data, device, world, precision, loss_fn,
+                               step_fn, num_classes, optimizer, scheduler, callbacks)
+    run_dir = Path(cfg.run.dir)
+    used = records.used(run.raw_model, run.optimizer, run.scheduler, from_config,
+                        {"train": data.train, "val": data.val, "test": data.test}, **user_fns)
+    state, source = rundir.prepare_run_dir(run_dir, cfg, resume, overwrite, world,
+                                     records.config_record(cfg.to_dict(), used),
+                                     allow_config_change)
+    if state is not None:
+        _restore(run, state, source, strategy, run_dir)
+    if world.is_main:
+        records.write_run_json(run_dir, records.environment(device, world.size),
+                               resumed=state is not None)
+    manager = rundir.open_outputs(run, run_dir, resume, state, source) if world.is_main else None
+    if strategy == "fsdp" and cfg.checkpoint.enabled:
+        manager = rundir.open_sharded(run, run_dir)  # every rank writes its shards
+    run.save = run.timer.wrap("checkpoint", run.save)
+    if run.guard is not None:
+        run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
+    _train(run, manager)
+    result = _finish(run, data.test, run_dir, started)
+    if world.is_main and result.results.get("time_split"):
+        print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
+    shutdown(world)
+    return result
+
+
+class _Splits(NamedTuple):
+    train: Any
+    val: Any
+    test: Any
+    collate_fn: Any  # a DataLoader's own collate_fn, kept
+
+
+def _splits(cfg: Config, train_data, val_data, test_data) -> tuple[Config, _Splits]:
+    """The datasets fit() trains and evaluates on, and the config a DataLoader's batch size
+    implies."""
     train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
@@ -150,20 +184,20 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
     _check_needs_val(cfg, val_set)
+    return cfg, _Splits(train_set, val_set, test_set, collate_fn)
 
-    device = resolve_device(cfg.run.device, _env_local_rank())
-    world = init_from_env(device.type, cfg.dist.timeout_s)
-    precision = resolve_precision(cfg.train.precision, device)
-    seed_everything(cfg.run.seed + world.rank)
 
-    model = model.to(device)
-    raw_model = model
-    check_labels = None
+def _build_run(cfg: Config, model: nn.Module, data: _Splits, device, world: World, precision,
+               loss_fn, step_fn, num_classes, optimizer, scheduler, callbacks):
+    """Everything the loop needs, in memory: the step, the wrapped model, the sampler, the
+    optimizer and schedule, the guard and timer. Writes nothing to disk. Returns (run,
+    strategy)."""
+    raw_model, check_labels = model, None
     if step_fn is None and cfg.train.step_fn:
         step_fn = import_spec(cfg.train.step_fn, "train.step_fn")
     if step_fn is None:
         step_fn, check_labels = _classification(cfg, model, device, loss_fn, num_classes,
-                                                (train_set, val_set, test_set))
+                                                (data.train, data.val, data.test))
     if cfg.train.activation_checkpointing:
         checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
     model, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
@@ -171,35 +205,28 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         model = compile_model(model, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
 
-    sampler = EpochSampler(len(train_set), cfg.train.batch_size, cfg.run.seed, shuffle=True,
+    sampler = EpochSampler(len(data.train), cfg.train.batch_size, cfg.run.seed, shuffle=True,
                            rank=world.rank, world_size=world.size)
     steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
                                                   * cfg.train.accumulation_steps))
-    _warn_batch_size(cfg, len(train_set), world)
+    _warn_batch_size(cfg, len(data.train), world)
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     optimizer = resolve_optimizer(optimizer, raw_model, cfg.optim)
     scheduler, cadence = resolve_scheduler(scheduler, optimizer, cfg.schedule, steps_per_epoch,
                                            total_steps)
-
-    used = records.used(raw_model, optimizer, scheduler, from_config,
-                        {"train": train_set, "val": val_set, "test": test_set}, **user_fns)
-    run_dir = Path(cfg.run.dir)
-    state, source = _prepare_run_dir(run_dir, cfg, resume, overwrite, world,
-                                     records.config_record(cfg.to_dict(), used),
-                                     allow_config_change)
-    tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
-                          cfg.early_stop.min_delta)
     run = loop.Run(
         cfg=cfg, model=model, raw_model=raw_model, optimizer=optimizer, scheduler=scheduler,
         cadence=cadence, scaler=grad_scaler(precision, device), step_fn=step_fn,
-        train_data=train_set, val_data=val_set, collate_fn=collate_fn, sampler=sampler,
+        train_data=data.train, val_data=data.val, collate_fn=data.collate_fn, sampler=sampler,
         progress=Progress(), meter=Meter(device, reduce=lambda t: all_reduce_sum(t, world)),
-        tracker=tracker, log=None,
-        save=lambda best: None, device=device, precision=precision, world=world,
+        tracker=BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
+                            cfg.early_stop.min_delta),
+        log=None, save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels,
         callbacks=_check_callbacks(callbacks))
+    run_dir = Path(cfg.run.dir)
     run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
                           run_dir / "trace" if cfg.profile.trace and world.is_main else None,
                           cfg.profile.trace_steps)
@@ -210,29 +237,28 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     if cfg.fault.nan_at_step:
         run.step_fn = PoisonLoss(run.step_fn, cfg.fault.nan_at_step)
         run.step_fn.run = run
-    if state is not None:
-        if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
-            sharded.load_sharded(Path(source), raw_model, optimizer)
-            state = {**state, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()}
-        elif strategy == "fsdp":
-            raise CheckpointError(f"{source} is a single-file checkpoint (from ddp or one "
-                                  f"process); dist.strategy=fsdp resumes only sharded .dcp "
-                                  f"checkpoints. Resume it with dist.strategy=ddp")
-        restore_state(run, state, source)
-        run.best_state = _best_weights(run_dir, cfg)
-        if run.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
-            run.schedule_steps = state.get("schedule_steps") or run.schedule_steps
-            _hold_onecycle(run)
+    return run, strategy
 
-    if world.is_main:
-        records.write_run_json(run_dir, records.environment(device, world.size),
-                               resumed=state is not None)
-    manager = _open_outputs(run, run_dir, resume, state, source) if world.is_main else None
-    if strategy == "fsdp" and cfg.checkpoint.enabled:
-        manager = _open_sharded(run, run_dir)  # every rank writes its shards
-    run.save = run.timer.wrap("checkpoint", run.save)
-    if run.guard is not None:
-        run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
+
+def _restore(run: loop.Run, state: dict, source: str, strategy: str, run_dir: Path) -> None:
+    """Put a checkpoint back into the run: a sharded .dcp directory, or one file."""
+    if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
+        sharded.load_sharded(Path(source), run.raw_model, run.optimizer)
+        state = {**state, "model": run.raw_model.state_dict(),
+                 "optimizer": run.optimizer.state_dict()}
+    elif strategy == "fsdp":
+        raise CheckpointError(f"{source} is a single-file checkpoint (from ddp or one "
+                              f"process); dist.strategy=fsdp resumes only sharded .dcp "
+                              f"checkpoints. Resume it with dist.strategy=ddp")
+    restore_state(run, state, source)
+    run.best_state = rundir.best_weights(run_dir, run.cfg)
+    if run.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
+        run.schedule_steps = state.get("schedule_steps") or run.schedule_steps
+        _hold_onecycle(run)
+
+
+def _train(run: loop.Run, manager) -> None:
+    """The loop between the callbacks' start and end; outputs are closed whatever happens."""
     try:
         fire(run, "on_train_start", {"step": run.progress.step, "epoch": run.progress.epoch})
         loop.train(run)
@@ -247,11 +273,6 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             run.log.close()
         if run.guard is not None:
             run.guard.close()
-    result = _finish(run, test_set, run_dir, started)
-    if world.is_main and result.results.get("time_split"):
-        print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
-    shutdown(world)
-    return result
 
 
 def _classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes, datasets):
@@ -262,10 +283,10 @@ def _classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
         num_classes = _infer_num_classes(model, train_set, device)
     if loss_fn is None and ":" in cfg.loss.name:
         loss_fn = import_spec(cfg.loss.name, "loss.name")
-    step_fn = loop.classification_step(loss_fn or Loss(cfg.loss, num_classes))
+    step_fn = steps.classification_step(loss_fn or Loss(cfg.loss, num_classes))
     if not num_classes:
         return step_fn, None
-    check = loop.label_checker(num_classes)
+    check = steps.label_checker(num_classes)
     sets = [ds for ds in datasets if ds is not None]
     if not all(isinstance(ds, TensorData) for ds in sets):
         return step_fn, check  # checked batch by batch, on the host
@@ -289,42 +310,6 @@ def _hold_onecycle(run: loop.Run) -> None:
         group["lr"] = lr
 
 
-def _open_outputs(run: loop.Run, run_dir: Path, resume, state, source):
-    """Rank 0's logs (truncated to the resumed step), the resume event, and the checkpoint
-    manager wired into ``run.save``. Returns the manager, or None without checkpoints."""
-    cfg = run.cfg
-    # Any --resume, even one that found nothing and starts fresh, drops log lines past the
-    # step it continues from, so each step and each epoch is logged exactly once.
-    resume_step = run.progress.step if resume else None
-    ids = (state.get("loggers") or {}) if state is not None else {}
-    run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
-                     loggers=loggers.build(cfg, run_dir, resume_step, ids))
-    if ids:  # the same external runs go on: re-send what a killed process may have lost
-        loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
-                       read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
-    if state is not None:
-        run.log.write("events", {"event": "resume", "step": run.progress.step,
-                                 "epoch": run.progress.epoch, "from": source,
-                                 "last_logged_step": run.log.last_logged_step,
-                                 # work lost to the crash: logged past the checkpoint, redone
-                                 "steps_redone": max(0, run.log.last_logged_step
-                                                     - run.progress.step),
-                                 "time": time.time()})
-    if not cfg.checkpoint.enabled or parallel.is_fsdp(run.raw_model):
-        return None
-    manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                cfg.checkpoint.async_write)
-    for path in manager.discard_after(run.progress.step):
-        print(f"notice: removed {path}: it is past the step this run resumed from")
-    def save(best: bool) -> None:
-        manager.save(collect_state(run), run.progress.step, best=best)
-        fire(run, "on_checkpoint", {"step": run.progress.step, "epoch": run.progress.epoch,
-                                    "best": best})
-
-    run.save = save
-    return manager
-
-
 def _check_callbacks(callbacks) -> list:
     callbacks = list(callbacks or [])
     for cb in callbacks:
@@ -345,18 +330,6 @@ def _eval_subset(val_set, cfg: Config):
     if isinstance(val_set, TensorData):  # keep the one-slice batch path
         return TensorData(val_set.x[idx], val_set.y[idx])
     return torch.utils.data.Subset(val_set, idx.tolist())
-
-
-def _open_sharded(run: loop.Run, run_dir: Path) -> sharded.ShardedCheckpointManager:
-    """Under FSDP2: DCP directories, written by every rank, wired into ``run.save``."""
-    cfg = run.cfg
-    manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                               cfg.checkpoint.async_write)
-    for path in manager.discard_after(run.progress.step):
-        print(f"notice: removed {path}: it is past the step this run resumed from")
-    run.save = lambda best: manager.save(collect_state(run), run.raw_model, run.optimizer,
-                                         run.progress.step, best=best)
-    return manager
 
 
 def _env_local_rank() -> int:
@@ -408,63 +381,6 @@ def _warn_batch_size(cfg: Config, n: int, world: World) -> None:
               + (f" x {world.size} processes" if world.size > 1 else "")
               + f" is larger than the training split ({n} samples): each epoch is a single "
               f"optimizer step; lower train.batch_size")
-
-
-def _prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World,
-                     record: dict, allow_config_change: bool):
-    """Returns (checkpoint state, its path) to resume from, or (None, None) for a fresh run.
-
-    A resume whose config drifted from the checkpoint's is refused here, before anything in
-    run.dir is touched (see ``ironloop.drift``)."""
-    ckpt_dir = run_dir / "checkpoints"
-    state = source = None
-    if resume:
-        path = Path(resume) if isinstance(resume, (str, Path)) else None
-        if path is not None and sharded.is_sharded(path):
-            source, state = str(path), sharded.load_extras(path)
-        elif path is not None and not path.is_dir():
-            source, state = str(path), load_verified(path)
-        else:
-            if path is not None:  # a directory: a run.dir or its checkpoints/ folder
-                ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-            warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
-            found = sharded.latest_any(ckpt_dir, warn)
-            if found is None:
-                if world.is_main:
-                    print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
-            else:
-                source, state = str(found[0]), found[1]
-        if state is not None:
-            drift.check(state.get("config") or {}, cfg.to_dict(), allow_config_change,
-                        say=print if world.is_main else (lambda msg: None),
-                        worlds=(state.get("world_size", world.size), world.size))
-    elif world.is_main:
-        if not overwrite and (has_checkpoints(ckpt_dir) or (run_dir / "metrics.jsonl").exists()):
-            raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
-                            f"it, --overwrite to delete its outputs and start over, or choose "
-                            f"another run.dir")
-        if overwrite:  # only the files a run writes; anything else in run.dir stays
-            for path in (run_dir / n for n in RUN_OUTPUTS):
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-    if world.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
-        except OSError as e:
-            raise unwritable(run_dir, e) from e
-    barrier(world)
-    return state, source
-
-
-def _best_weights(run_dir: Path, cfg: Config) -> dict | None:
-    """After a resume, the best weights for the final restore come back from best.pt."""
-    best = run_dir / "checkpoints" / "best.pt"
-    if cfg.early_stop.patience == 0 or not best.exists():
-        return None
-    return load_verified(best)["model"]
 
 
 def _finish(run: loop.Run, test_set, run_dir: Path, started: float) -> FitResult:

@@ -55,14 +55,14 @@ from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make
                                   to_device)
 from ironloop.distributed import World, sum_over_ranks
 from ironloop.early_stop import BestTracker
-from ironloop.errors import ConfigError, DataError, UserError
+from ironloop.errors import ConfigError
+from ironloop.gradients import clip_to_norm, grad_norm_of
 from ironloop.guard import RolledBack, lr_scaled
 from ironloop.logs import RunLog
 from ironloop.precision import autocast
 from ironloop.progress import Meter, Progress
+from ironloop.steps import StepFn, describe
 from ironloop.timing import StepTimer
-
-StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 @dataclass
@@ -222,54 +222,6 @@ def _schedule_running(run: Run) -> bool:
     return run.progress.step < run.schedule_steps - 1
 
 
-def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip in place; return the PRE-clip global L2 norm and whether clipping acted.
-
-    Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
-    """
-    params = [p for p in params if p.grad is not None]
-    norm = grad_norm_of(params)
-    return norm, clip_to_norm(params, norm, max_norm, mode)
-
-
-def grad_norm_of(params: list) -> torch.Tensor:
-    """The global L2 norm of the gradients of ``params`` (those with a grad), on the device.
-    Under FSDP2 the grads are shards: the norm of the whole is a collective (full_tensor)."""
-    if not params:
-        return torch.zeros(())
-    grads = [p.grad for p in params]
-    norm = _total_norm(grads)
-    return parallel.full_tensor(norm) if parallel.is_sharded(grads[0]) else norm
-
-
-def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
-    """Clip in place given the pre-clip ``norm``; returns whether clipping acted (on device).
-    Same arithmetic as ``clip_grad_norm_``, which is this norm + ``clip_grads_with_norm_``."""
-    if not params:
-        return torch.zeros((), dtype=torch.bool)
-    if mode == "norm" and max_norm > 0:
-        if hasattr(nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
-            nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        else:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.detach().mul_(coef.to(p.grad.device))
-        return norm > max_norm
-    grads = [p.grad for p in params]
-    if mode == "value" and max_norm > 0:
-        peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])
-        clipped = peak.max() > max_norm
-        nn.utils.clip_grad_value_(params, max_norm)
-        return clipped
-    return torch.zeros((), dtype=torch.bool, device=norm.device)
-
-
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    if hasattr(nn.utils, "get_total_norm"):  # torch >= 2.6
-        return nn.utils.get_total_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-
-
 def after_step(run: Run, bar) -> None:
     cfg, p = run.cfg, run.progress
     if cfg.fault.crash_at_step and p.step == cfg.fault.crash_at_step:
@@ -415,48 +367,6 @@ def _pad_forwards(run: Run, dataset, batches: int) -> None:
             run.step_fn(run.raw_model, one)
 
 
-def classification_step(loss_fn) -> StepFn:
-    """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating."""
-
-    def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
-            return output_loss(model(**batch)), {}
-        x, y = batch[0], batch[1]
-        out = model(x)
-        if not isinstance(out, torch.Tensor):
-            return output_loss(out), {}
-        loss = loss_fn(out, y)
-        if model.training or y.is_floating_point() or out.ndim != 2:
-            return loss, {}
-        return loss, {"acc": (out.argmax(-1) == y).float().mean()}
-
-    return step
-
-
-def output_loss(out) -> torch.Tensor:
-    """The loss an HF-style output carries (``out.loss`` or ``out["loss"]``), or a one-line
-    error saying what the model returned and what the default step needs instead."""
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    raise UserError(f"the model returned {describe(out)}; the default step needs a tensor of "
-                    f"outputs, or an output carrying its loss (.loss or ['loss']). Pass a "
-                    f"step_fn (train.step_fn=module:function) that computes the loss, or a "
-                    f"loss_fn (loss.name=module:function) for the model's output")
-
-
-def describe(obj, depth: int = 0) -> str:
-    """Shapes and dtypes of a (nested) batch or output, for error messages."""
-    if isinstance(obj, torch.Tensor):
-        return f"Tensor{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
-    if depth < 2 and isinstance(obj, dict):
-        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in obj.items()) + "}"
-    if depth < 2 and isinstance(obj, (list, tuple)):
-        inner = ", ".join(describe(v, depth + 1) for v in obj)
-        return f"a {type(obj).__name__} ({inner})"
-    return "None" if obj is None else f"a {type(obj).__name__}"
-
-
 def _call_step(run: Run, model: nn.Module, batch, where: str):
     """The step function; an exception from it (the user's code, usually) keeps its traceback
     and gains one line saying where in the run it happened and on what batch."""
@@ -468,22 +378,6 @@ def _call_step(run: Run, model: nn.Module, batch, where: str):
         e.add_note(f"ironloop: raised in {where} at step {step}, epoch {p.epoch + 1}; "
                    f"batch: {describe(batch)}")
         raise
-
-
-def label_checker(num_classes: int) -> Callable[[Any], None]:
-    """Reject class labels outside [0, C) on the host, with a message instead of a CUDA assert."""
-
-    def check(batch) -> None:
-        y = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
-        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu":
-            return
-        lo, hi = int(y.min()), int(y.max())  # host tensors: no device sync
-        if lo < 0 or hi >= num_classes:
-            raise DataError(f"labels must be class indices in [0, {num_classes}), found a batch "
-                            f"with labels in [{lo}, {hi}]; fix the targets or the number of "
-                            f"classes (the model's output size)")
-
-    return check
 
 
 def _autocast(run: Run):

@@ -88,6 +88,7 @@ def is_fsdp(model: nn.Module) -> bool:
 def micro_sync(model: nn.Module, last: bool):
     """The context for one micro-batch's backward: gradients are synced over ranks only in the
     last micro-batch of an accumulation window."""
+    model = getattr(model, "_orig_mod", model)  # under train.compile, the wrapped DDP/FSDP module
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if last else model.no_sync()
     if is_fsdp(model):

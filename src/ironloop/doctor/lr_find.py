@@ -14,7 +14,7 @@ from pathlib import Path
 from ironloop.data.loader import to_device
 from ironloop.doctor.findings import Finding
 from ironloop.doctor.subject import Subject
-from ironloop.loop import clip_gradients
+from ironloop.gradients import clip_gradients
 
 METHOD = "steepest descent of the smoothed loss against log(LR)"
 

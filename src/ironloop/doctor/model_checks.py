@@ -9,7 +9,7 @@ from torch import nn
 
 from ironloop.doctor.findings import Finding, info
 from ironloop.doctor.subject import Subject
-from ironloop.loop import clip_gradients
+from ironloop.gradients import clip_gradients
 
 #: Final modules that turn logits into probabilities (or log-probabilities).
 SQUASHERS = (nn.Softmax, nn.LogSoftmax, nn.Sigmoid, nn.Softmax2d)
