@@ -39,7 +39,6 @@ def test_a_logger_whose_write_raises_warns_once_and_training_goes_on(tmp_path, m
 
 
 def test_mlflow_with_a_bad_tracking_uri_warns_and_trains(tmp_path):
-    pytest.importorskip("mlflow")
     with pytest.warns(RuntimeWarning, match="mlflow logging failed to start"):
         res = ironloop.fit(tiny_mlp(), blobs(), None,
                            cfg(tmp_path, log__mlflow=True,
@@ -93,8 +92,6 @@ def by_step(pairs) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_wandb_offline_and_mlflow_match_metrics_jsonl_across_a_sigkill(tmp_path):
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "ironloop", "train", "configs/digits.yaml", "model.name=mlp",
            f"run.dir={run_dir}", "train.epochs=2", "train.batch_size=256",

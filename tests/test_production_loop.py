@@ -3,6 +3,7 @@ same weights from the same data, order, init and config."""
 
 from __future__ import annotations
 
+import importlib
 import copy
 import importlib.util
 import json
@@ -102,7 +103,6 @@ def test_bf16_autocast_same_weights(tmp_path):
 def test_reference_script_crash_and_resume_is_exact(tmp_path):
     """A real process dies with os._exit(1) mid-epoch; --resume ends on the weights of an
     uninterrupted run."""
-    pytest.importorskip("sklearn")  # the script's __main__ trains on sklearn's digits
     args = ["--epochs", "2", "--ckpt-every", "5", "--precision", "fp32"]
     whole = ref.main([*args, "--out", str(tmp_path / "whole")])
     cmd = [sys.executable, str(REPO / "examples" / "production_loop.py"), *args,
@@ -123,7 +123,6 @@ def test_reference_script_crash_and_resume_is_exact(tmp_path):
 
 def test_accelerate_version_gives_the_plain_scripts_weights(tmp_path):
     # fp32: accelerate allows one mixed_precision per process, and the lab runs bf16 in its own.
-    pytest.importorskip("accelerate")
     accel = _load("production_loop_accelerate")
     model = tiny_mlp(seed=0)
     mine = copy.deepcopy(model)

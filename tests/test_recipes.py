@@ -27,7 +27,6 @@ def stated(name: str) -> tuple[str, float]:
 
 @pytest.mark.parametrize("name", ["digits", "mnist1d"])
 def test_recipe_meets_its_stated_accuracy(tmp_path, name):
-    pytest.importorskip({"digits": "sklearn", "mnist1d": "mnist1d"}[name])  # optional extras
     metric, figure = stated(name)
     cfg = load_config(REPO / "configs" / f"{name}.yaml",
                       [f"run.dir={tmp_path / name}", "log.progress=off",
