@@ -98,6 +98,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
+    params: list = field(default_factory=list)  # the trainable parameters, listed once
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
     @property
@@ -194,7 +195,7 @@ def optimizer_step(run: Run) -> bool:
         # (scaler.step itself syncs once to decide whether to skip: that is torch's design.)
         found = scaler._found_inf_per_device(opt)  # private, stable since torch 1.x
         skipped = torch.stack([f.to(run.device) for f in found.values()]).sum().clamp(max=1)
-    params = [p for p in run.raw_model.parameters() if p.grad is not None]
+    params = [p for p in run.params if p.grad is not None]  # no module walk per step
     grad_norm = grad_norm_of(params)
     # The guard looks before clipping: a NaN norm would make the clip turn every gradient NaN.
     if run.guard is not None and run.guard.check(run, grad_norm, skipped):

@@ -19,6 +19,8 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ironloop.config import Config
 from ironloop.distributed import World
@@ -80,8 +82,6 @@ def fsdp_blocks(model: nn.Module, names: list[str]) -> list[nn.Module]:
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
@@ -99,15 +99,11 @@ def micro_sync(model: nn.Module, last: bool):
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) result as the whole tensor, e.g. the global grad norm; a collective."""
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
