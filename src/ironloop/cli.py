@@ -27,7 +27,8 @@ def _train(args) -> int:
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run
     r = result.results
-    summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "train_seconds") if k in r}
+    summary = {k: r[k] for k in ("best_val_acc", "test_acc", "steps", "train_seconds")
+               if r.get(k) is not None}  # no test split: no test_acc, rather than null
     print(f"done: {json.dumps(summary)}  outputs in {result.run_dir}")
     return 0
 
