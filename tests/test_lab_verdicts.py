@@ -90,3 +90,6 @@ def test_the_accuracy_drop_sentence_is_worded_from_the_numbers():
     assert "50 optimizer steps of 128 samples instead of 100 of 64" in s
     assert "0.050 instead of 0.100 (0.50x)" in s and "2x bigger batch" in s
     assert s.endswith(".") and ". " not in s  # one sentence
+    held = judge.accumulation_drop(0.9999, 0.9998, lrs3, lrs4, 64, 128)
+    assert held.startswith("Step 4's val acc held at 99.98% (99.99% before) although the same")
+    assert held.endswith(".") and ". " not in held and "because" not in held
