@@ -34,6 +34,17 @@ def tiny_mlp(d: int = 8, c: int = 3, dropout: float = 0.0, seed: int = 0) -> nn.
     return nn.Sequential(*layers, nn.Linear(16, c))
 
 
+def plateau_recorder(seen: list) -> type:
+    """A ReduceLROnPlateau class that records every metric the loop steps it with."""
+
+    class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+        def step(self, metrics):  # noqa: D102 - records what the loop passes
+            seen.append(metrics)
+            super().step(metrics)
+
+    return Plateau
+
+
 def cfg(tmp_path: Path, **overrides) -> dict:
     """A fast config for fit(): dotted keys, run.dir under tmp_path."""
     base = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 32,

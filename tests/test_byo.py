@@ -10,7 +10,7 @@ from ironloop.checkpoint import load_verified
 from ironloop.config import Config
 from ironloop.errors import ConfigError, UserError
 from ironloop.report import read_jsonl
-from tests.conftest import blobs, cfg, tiny_mlp
+from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
 
 
 def _saved_optimizer(tmp_path, name="run"):
@@ -92,10 +92,7 @@ def test_user_optimizer_and_scheduler_factories_resume_bit_exact(tmp_path):
 def test_user_plateau_scheduler_steps_per_evaluation_with_the_metric(tmp_path):
     seen = []
 
-    class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
-        def step(self, metrics):  # noqa: D102 - records what the loop passes
-            seen.append(metrics)
-            super().step(metrics)
+    Plateau = plateau_recorder(seen)
 
     ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path, train__epochs=3),
                  scheduler=lambda o: Plateau(o, patience=0))

@@ -3,22 +3,18 @@
 
 from __future__ import annotations
 
-import torch
 from torch.utils.data import Dataset
 
 import ironloop
 from ironloop.checkpoint import load_verified
 from ironloop.report import read_jsonl
-from tests.conftest import blobs, cfg, tiny_mlp
+from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
 
 
 def test_every_steps_evaluates_on_the_step_path_and_plateau_follows(tmp_path):
     calls = []
 
-    class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
-        def step(self, metrics):  # noqa: D102 - records what the loop passes
-            calls.append(metrics)
-            super().step(metrics)
+    Plateau = plateau_recorder(calls)
 
     # 7 steps an epoch, 2 epochs: evaluations at steps 3, 6, 9, 12
     ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
