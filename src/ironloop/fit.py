@@ -226,8 +226,9 @@ def _build_run(cfg: Config, model: nn.Module, data: _Splits, device, world: Worl
         log=None, save=lambda best: None, device=device, precision=precision, world=world,
         steps_per_epoch=steps_per_epoch, total_steps=total_steps, check_labels=check_labels,
         callbacks=_check_callbacks(callbacks))
-    # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by now.
-    run.params = [p for p in raw_model.parameters() if p.requires_grad]
+    # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by now. All of
+    # them, not only those requiring grad: a callback may unfreeze a layer later.
+    run.params = list(raw_model.parameters())
     run_dir = Path(cfg.run.dir)
     run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
                           run_dir / "trace" if cfg.profile.trace and world.is_main else None,
