@@ -39,16 +39,14 @@ that part (data, copy, forward, backward, optimizer, other, validation; see timi
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
-from ironloop import parallel
+from ironloop import console, parallel
 from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.loader import (EpochSampler, EvalSampler, batch_size_of, make_loader,
@@ -140,7 +138,7 @@ def train_epoch(run: Run) -> None:
                          pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
     non_blocking = run.device.type == "cuda"
-    bar = _progress_bar(run)
+    bar = console.progress_bar(run)
     run.model.train()
     run.timer.start_epoch()
     micro = window = 0
@@ -286,7 +284,7 @@ def end_epoch(run: Run) -> None:
         row["time_split"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.log is not None:
         run.log.write("epochs", row)
-        _print(run, _epoch_line(row, cfg.train.epochs))
+        console.say(run, console.epoch_line(row, cfg.train.epochs))
     fire(run, "on_epoch_end", row)
     saving = time.perf_counter()
     # Validation and logging are not training time. Exclude them BEFORE the save: the
@@ -383,39 +381,3 @@ def _call_step(run: Run, model: nn.Module, batch, where: str):
 
 def _autocast(run: Run):
     return autocast(run.precision, run.device)
-
-
-def _progress_bar(run: Run):
-    mode = run.cfg.log.progress
-    show = run.world.is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
-    done = run.progress.offset // (run.sampler.global_batch * run.cfg.train.accumulation_steps)
-    # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
-    left = max(0, min(run.steps_per_epoch - done, run.total_steps - run.progress.step))
-    return tqdm(total=done + left, initial=done, disable=not show, leave=False,
-                desc=f"epoch {run.progress.epoch + 1}/{run.cfg.train.epochs}", unit="step",
-                dynamic_ncols=True)
-
-
-def _print(run: Run, line: str) -> None:
-    if run.world.is_main:
-        tqdm.write(line)
-
-
-def _epoch_line(row: dict, epochs: int) -> str:
-    parts = [f"epoch {row['epoch']}/{epochs}", f"step {row['step']}",
-             f"train_loss {row['train_loss']:.4f}"]
-    if row.get("val_loss") is not None:
-        parts.append(f"val_loss {row['val_loss']:.4f}")
-    if row.get("val_acc") is not None:
-        parts.append(f"val_acc {100 * row['val_acc']:.2f}%")
-    parts += [f"lr {row['lr']:.2e}", f"{row['seconds']:.1f}s",
-              f"{row['samples_per_s']:.0f} samples/s"]
-    if row.get("clipped_frac"):
-        parts.append(f"clipped {100 * row['clipped_frac']:.0f}%")
-    if row.get("skipped"):
-        parts.append(f"fp16-skipped {row['skipped']}")
-    for key in ("bad_steps", "rollbacks", "skipped_samples"):  # the guard's totals
-        if row.get(key):
-            parts.append(f"{key.replace('_', ' ')} {row[key]}")
-    return "  ".join(parts)
-
