@@ -9,7 +9,6 @@ No ``exec``, no ``eval``: values are parsed with ``yaml.safe_load`` and coerced 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,54 +16,13 @@ from typing import Any, Optional
 
 import yaml
 
+from ironloop.config_fields import Section, coerce, yaml_key
+from ironloop.config_fields import doc_field as _f  # short: it is on every field below
 from ironloop.errors import ConfigError
 
 
-def _f(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
-    """A field with its one-line doc, its allowed values and its YAML key (when not the name)."""
-    meta = {"doc": doc, "choices": choices, "key": key}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class _Section:
-    """Shared validation helpers; ``_name`` is the section's dotted prefix."""
-
-    _name = ""
-
-    def __post_init__(self) -> None:
-        for fl in dataclasses.fields(self):
-            choices = fl.metadata.get("choices")
-            if choices and getattr(self, fl.name) not in choices:
-                self._bad(fl.name, f"must be one of {', '.join(map(str, choices))}")
-        self.validate()
-
-    def validate(self) -> None:
-        """Range checks that the field types cannot express."""
-
-    def _bad(self, name: str, why: str) -> None:
-        value = getattr(self, name)
-        raise ConfigError(f"{self._name}.{_key(self, name)}={value!r}: {why}")
-
-    def _positive(self, *names: str) -> None:
-        for n in names:
-            if getattr(self, n) <= 0:
-                self._bad(n, "must be > 0")
-
-    def _non_negative(self, *names: str) -> None:
-        for n in names:
-            if getattr(self, n) < 0:
-                self._bad(n, "must be >= 0 (0 disables it)")
-
-
-def _key(obj: Any, name: str) -> str:
-    fl = {f.name: f for f in dataclasses.fields(obj)}[name]
-    return fl.metadata.get("key") or name
-
-
 @dataclass
-class RunConfig(_Section):
+class RunConfig(Section):
     _name = "run"
     dir: str = _f("runs/run", "output directory: config, logs, checkpoints, weights")
     seed: int = _f(0, "seeds python, numpy, torch, the data order and the loader workers")
@@ -73,7 +31,7 @@ class RunConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     _name = "data"
     name: str = _f("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic | "
                    "'module:factory' (returns (train, val[, test]) datasets)")
@@ -97,7 +55,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     _name = "model"
     name: str = _f("mlp", "built-in model (mlp, small_cnn, cnn1d) or 'module:factory'")
     kwargs: dict = _f({}, "extra keyword arguments for the model factory")
@@ -107,7 +65,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 @dataclass
-class TrainConfig(_Section):
+class TrainConfig(Section):
     _name = "train"
     epochs: int = _f(10, "passes over the training split")
     max_steps: int = _f(0, "stop after this many optimizer steps (0 = no cap)")
@@ -134,7 +92,7 @@ class TrainConfig(_Section):
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     _name = "optim"
     name: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
     lr: float = _f(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
@@ -158,7 +116,7 @@ class OptimConfig(_Section):
 
 
 @dataclass
-class ClipConfig(_Section):
+class ClipConfig(Section):
     _name = "clip"
     max_norm: float = _f(1.0, "clip threshold; 0 disables clipping (the norm is still logged)")
     mode: str = _f("norm", "clip the global grad norm, or each grad value", ("norm", "value"))
@@ -171,7 +129,7 @@ SCHEDULES = ("constant", "warmup_cosine", "onecycle", "cosine", "cosine_restarts
 
 
 @dataclass
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     _name = "schedule"
     name: str = _f("constant", "learning-rate schedule", SCHEDULES)
     warmup_steps: int = _f(0, "warmup_cosine: optimizer steps of linear warmup")
@@ -200,7 +158,7 @@ LOSSES = ("cross_entropy", "bce_logits", "mse", "huber", "kl_div")
 
 
 @dataclass
-class LossConfig(_Section):
+class LossConfig(Section):
     _name = "loss"
     name: str = _f("cross_entropy", f"loss function: {' | '.join(LOSSES)} | "
                    "'module:function' called as loss(output, target)")
@@ -219,7 +177,7 @@ class LossConfig(_Section):
 
 
 @dataclass
-class EarlyStopConfig(_Section):
+class EarlyStopConfig(Section):
     _name = "early_stop"
     patience: int = _f(0, "evaluations without improvement before stopping (0 disables)")
     min_delta: float = _f(0.0, "smallest change that counts as an improvement")
@@ -240,7 +198,7 @@ class EarlyStopConfig(_Section):
 
 
 @dataclass
-class EvalConfig(_Section):
+class EvalConfig(Section):
     _name = "eval"
     every_steps: int = _f(0, "evaluate every N optimizer steps (0 = at each epoch end)")
     max_batches: int = _f(0, "evaluate on a fixed subset of N batches of the val split "
@@ -251,7 +209,7 @@ class EvalConfig(_Section):
 
 
 @dataclass
-class LogConfig(_Section):
+class LogConfig(Section):
     _name = "log"
     every_steps: int = _f(10, "write a metrics.jsonl line every N optimizer steps")
     tensorboard: bool = _f(False, "also write TensorBoard events to run.dir/tb")
@@ -271,7 +229,7 @@ class LogConfig(_Section):
 
 
 @dataclass
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     _name = "checkpoint"
     enabled: bool = _f(True, "write checkpoints to run.dir/checkpoints")
     every_steps: int = _f(0, "also checkpoint every N optimizer steps (0 = at epoch ends only)")
@@ -284,7 +242,7 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
-class FaultConfig(_Section):
+class FaultConfig(Section):
     _name = "fault"
     crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
     nan_at_step: list = _f([], "guard knob: make the loss NaN on the first attempt at these "
@@ -302,7 +260,7 @@ class FaultConfig(_Section):
 
 
 @dataclass
-class GuardConfig(_Section):
+class GuardConfig(Section):
     _name = "guard"
     enabled: bool = _f(True, "skip steps whose loss or grad norm is non-finite; roll back on "
                        "repeats")
@@ -326,7 +284,7 @@ class GuardConfig(_Section):
 
 
 @dataclass
-class ProfileConfig(_Section):
+class ProfileConfig(Section):
     _name = "profile"
     breakdown: bool = _f(True, "time data/copy/forward/backward/optimizer/checkpoint/validation")
     sync: bool = _f(False, "CUDA: synchronize around forward and backward (exact, slower)")
@@ -338,7 +296,7 @@ class ProfileConfig(_Section):
 
 
 @dataclass
-class DoctorConfig(_Section):
+class DoctorConfig(Section):
     _name = "doctor"
     preflight: bool = _f(True, "run the quick doctor checks before training (doctor.json)")
     strict: bool = _f(False, "stop before training (exit 2) when a check finds an error")
@@ -351,7 +309,7 @@ class DoctorConfig(_Section):
 
 
 @dataclass
-class DistConfig(_Section):
+class DistConfig(Section):
     _name = "dist"
     strategy: str = _f("auto", "auto (ddp when world > 1) | ddp | fsdp (FSDP2, DCP checkpoints) "
                        "| none", ("auto", "ddp", "fsdp", "none"))
@@ -402,7 +360,7 @@ class Config:
         return cls(**{name: _build_section(SECTIONS[name], raw.get(name)) for name in SECTIONS})
 
     def to_dict(self) -> dict:
-        return {name: {_key(sec, f.name): getattr(sec, f.name) for f in dataclasses.fields(sec)}
+        return {name: {yaml_key(sec, f.name): getattr(sec, f.name) for f in dataclasses.fields(sec)}
                 for name, sec in ((n, getattr(self, n)) for n in SECTIONS)}
 
     def with_overrides(self, overrides: list[str] | dict) -> "Config":
@@ -431,35 +389,8 @@ def _build_section(cls: type, raw: Any) -> Any:
             raise ConfigError(f"unknown config key '{name}.{key}'; "
                               f"known keys in '{name}': {', '.join(by_key)}")
         fl = by_key[key]
-        kwargs[fl.name] = _coerce(f"{name}.{key}", value, hints[fl.name], fl.metadata)
+        kwargs[fl.name] = coerce(f"{name}.{key}", value, hints[fl.name], fl.metadata)
     return cls(**kwargs)
-
-
-def _coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
-    """Check ``value`` against the field type, undoing two YAML 1.1 quirks: '1e-3' is read as a
-    string (it becomes a float) and on/off are read as booleans (they become 'on'/'off')."""
-    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # Optional[X]: null allowed
-        if value is None:
-            return None
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
-    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            list: "a list", dict: "a mapping"}[typ]
-    if typ is list and isinstance(value, int) and not isinstance(value, bool):
-        return [value]  # a single step for a list of steps (fault.nan_at_step=10)
-    if typ is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if typ is str and isinstance(value, bool) and "on" in (meta.get("choices") or ()):
-        return "on" if value else "off"
-    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not ok:
-        allowed = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
-        raise ConfigError(f"{dotted}={value!r}: expected {want}{allowed}")
-    return value
 
 
 def _split(item: str) -> tuple[str, Any]:

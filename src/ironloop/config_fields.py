@@ -1,0 +1,84 @@
+"""The machinery under config.py's sections: a field with its doc, allowed values and YAML key;
+a section that validates itself on construction; and the coercion of parsed YAML to a field's
+type. Every error names the dotted key and what is allowed (a ``ConfigError``, exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any
+
+from ironloop.errors import ConfigError
+
+
+def doc_field(default: Any, doc: str, choices: tuple | None = None, key: str | None = None) -> Any:
+    """A field with its one-line doc, its allowed values and its YAML key (when not the name)."""
+    meta = {"doc": doc, "choices": choices, "key": key}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section:
+    """Shared validation helpers; ``_name`` is the section's dotted prefix."""
+
+    _name = ""
+
+    def __post_init__(self) -> None:
+        for fl in dataclasses.fields(self):
+            choices = fl.metadata.get("choices")
+            if choices and getattr(self, fl.name) not in choices:
+                self._bad(fl.name, f"must be one of {', '.join(map(str, choices))}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Range checks that the field types cannot express."""
+
+    def _bad(self, name: str, why: str) -> None:
+        value = getattr(self, name)
+        raise ConfigError(f"{self._name}.{yaml_key(self, name)}={value!r}: {why}")
+
+    def _positive(self, *names: str) -> None:
+        for n in names:
+            if getattr(self, n) <= 0:
+                self._bad(n, "must be > 0")
+
+    def _non_negative(self, *names: str) -> None:
+        for n in names:
+            if getattr(self, n) < 0:
+                self._bad(n, "must be >= 0 (0 disables it)")
+
+
+def yaml_key(obj: Any, name: str) -> str:
+    fl = {f.name: f for f in dataclasses.fields(obj)}[name]
+    return fl.metadata.get("key") or name
+
+
+def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
+    """Check ``value`` against the field type, undoing two YAML 1.1 quirks: '1e-3' is read as a
+    string (it becomes a float) and on/off are read as booleans (they become 'on'/'off')."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # Optional[X]: null allowed
+        if value is None:
+            return None
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            list: "a list", dict: "a mapping"}[typ]
+    if typ is list and isinstance(value, int) and not isinstance(value, bool):
+        return [value]  # a single step for a list of steps (fault.nan_at_step=10)
+    if typ is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if typ is str and isinstance(value, bool) and "on" in (meta.get("choices") or ()):
+        return "on" if value else "off"
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        allowed = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+        raise ConfigError(f"{dotted}={value!r}: expected {want}{allowed}")
+    return value
