@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ironloop.errors import CheckpointError
 
 from .io import LoadFailure, _fsync_dir, _load, save_atomic, write_failed
-from .manager import retention_victims
+from .manager import retention_victims, step_entries
 
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step-(\d+)\.dcp$")
@@ -91,13 +91,7 @@ def _rmtree(path: Path) -> None:
 
 
 def _step_dirs(directory: Path) -> dict[int, Path]:
-    found = {}
-    if directory.is_dir():
-        for p in directory.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir():
-                found[int(m.group(1))] = p
-    return found
+    return {s: p for s, p in step_entries(directory, _STEP_RE).items() if p.is_dir()}
 
 
 # ------------------------------------------------------------------------------------ write --

@@ -31,12 +31,14 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
-def _step_files(directory: Path) -> dict[int, Path]:
-    """step number -> path, from the file names (temp files start with '.' and never match)."""
+def step_entries(directory: Path, pattern: re.Pattern = _STEP_RE) -> dict[int, Path]:
+    """step number -> path, for the names in ``directory`` that ``pattern`` matches (its group
+    1 is the step; temp names start with '.' and never match). Sharded checkpoints pass their
+    ``step-N.dcp`` pattern."""
     found = {}
     if directory.is_dir():
         for p in directory.iterdir():
-            m = _STEP_RE.match(p.name)
+            m = pattern.match(p.name)
             if m:
                 found[int(m.group(1))] = p
     return found
@@ -103,7 +105,7 @@ class CheckpointManager:
         temp files of writers that were killed. Returns the step files deleted."""
         for tmp in self.directory.glob(".*.tmp-*"):
             _remove_quietly(tmp)
-        newer = [p for s, p in sorted(_step_files(self.directory).items()) if s > step]
+        newer = [p for s, p in sorted(step_entries(self.directory).items()) if s > step]
         for p in newer:
             _remove_quietly(p)
         return newer
@@ -151,7 +153,7 @@ class CheckpointManager:
         if targets:
             _fsync_dir(self.directory)
         # Only now, with the new checkpoint durable under every name, may old ones go.
-        steps = _step_files(self.directory)
+        steps = step_entries(self.directory)
         for victim in retention_victims(list(steps), self.keep_last):
             if victim == step:
                 continue  # a save for an older step than existing files: never delete it
@@ -202,7 +204,7 @@ def latest_valid(directory: Path, warn: Callable[[str], None]) -> tuple[Path, di
     """
     directory = Path(directory)
     last = directory / "last.pt"
-    steps = _step_files(directory)
+    steps = step_entries(directory)
     has_last = last.is_file()
     if not has_last and not steps:
         return None
@@ -237,4 +239,4 @@ def has_checkpoints(directory: Path) -> bool:
     """Whether ``directory`` holds any checkpoint (last.pt, best.pt or a step file)."""
     directory = Path(directory)
     return (directory / "last.pt").exists() or (directory / "best.pt").exists() \
-        or bool(_step_files(directory))
+        or bool(step_entries(directory))
