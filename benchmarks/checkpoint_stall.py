@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ironloop.checkpoint import CheckpointManager
+from ironloop.state.manager import CheckpointManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TINY, size, summary  # noqa: E402

@@ -31,9 +31,9 @@ from torch import nn
 import ironloop
 from ironloop.config import GuardConfig
 from ironloop.data.loader import TensorData
-from ironloop.distributed import World
-from ironloop.guard import GuardHook
-from ironloop.progress import Meter, Progress
+from ironloop.dist.world import World
+from ironloop.guard.hook import GuardHook
+from ironloop.engine.progress import Meter, Progress
 
 TARGET = 0.01  # the guard may cost at most 1% of a step
 

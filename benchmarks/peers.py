@@ -43,8 +43,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ironloop
-from ironloop.models import small_cnn
-from ironloop.optim import param_groups
+from ironloop.tools.models import small_cnn
+from ironloop.engine.optim import param_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TINY, size, summary  # noqa: E402

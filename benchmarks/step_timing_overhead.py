@@ -47,7 +47,7 @@ def _epoch(data: TensorData, device: str, breakdown: bool, run_dir: Path) -> flo
 
 def _mark_cost_us(device: torch.device, n: int = 20000, reps: int = 5) -> list[float]:
     """Microseconds per StepTimer.mark, timed directly (CUDA: one event record each)."""
-    from ironloop.timing import StepTimer
+    from ironloop.engine.timing import StepTimer
 
     out = []
     for _ in range(reps):

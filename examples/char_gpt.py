@@ -146,7 +146,7 @@ class Sample(Callback):
     def on_eval_end(self, run, metrics: dict) -> None:
         if not run.world.is_main:
             return
-        model = run.raw_model
+        model = run.model  # the user's module, not the DDP wrapper
         was_training = model.training
         model.eval()
         prompt = torch.tensor([list(self.prompt)], device=run.device)

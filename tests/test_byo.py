@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import ironloop
-from ironloop.checkpoint import load_verified
+from ironloop.state.io import load_verified
 from ironloop.config import Config
 from ironloop.errors import ConfigError, UserError
-from ironloop.report import read_jsonl
+from ironloop.outputs.readers import read_jsonl
 from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
 
 
@@ -188,7 +188,7 @@ def test_cli_loss_name_takes_a_user_function(tmp_path, monkeypatch):
 
 
 def test_bad_specs_name_the_key(tmp_path, monkeypatch):
-    from ironloop.models import build_model
+    from ironloop.tools.models import build_model
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="loss.name='nope'"):

@@ -7,7 +7,7 @@ import pytest
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.errors import UserError
-from ironloop.report import read_jsonl
+from ironloop.outputs.readers import read_jsonl
 from tests.conftest import blobs, cfg, tiny_mlp
 
 

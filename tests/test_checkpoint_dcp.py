@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ironloop.checkpoint import dcp as sharded
+from ironloop.state import dcp as sharded
 from ironloop.errors import CheckpointError, UserError
-from ironloop.export import export_run
+from ironloop.state.export import export_run
 from tests.conftest import tiny_mlp
 
 
@@ -109,7 +109,7 @@ def test_keep_last_retention(tmp_path):
 
 
 def test_newest_of_files_and_directories_wins(tmp_path):
-    from ironloop.checkpoint import save_atomic
+    from ironloop.state.io import save_atomic
 
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
     _save(manager, 3)

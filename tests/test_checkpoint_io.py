@@ -16,18 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-import ironloop.checkpoint.io as ckio
-from ironloop.checkpoint import (
-    CheckpointManager,
-    has_checkpoints,
-    latest_valid,
-    load_model_state,
-    load_verified,
-    retention_victims,
-    save_atomic,
-    state_digest,
-    strip_prefixes,
-)
+import ironloop.state.io as ckio
+from ironloop.state.manager import CheckpointManager, has_checkpoints, latest_valid, retention_victims
+from ironloop.state.io import load_model_state, load_verified, save_atomic, state_digest, strip_prefixes
 from ironloop.errors import CheckpointError, UserError
 
 

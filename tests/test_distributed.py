@@ -268,7 +268,7 @@ def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_6
     assert_same_weights(single_64, one)
     # and export consolidates the shards into one safetensors file equal to final.safetensors
     out = tmp_path / "export.safetensors"
-    from ironloop.export import export_run
+    from ironloop.state.export import export_run
     export_run(run_dir, out, which="last")
     for k, w in load_file(out).items():
         torch.testing.assert_close(w, elastic["weights"][k], rtol=0, atol=0)

@@ -17,10 +17,10 @@ from torch.utils.data import Dataset
 import ironloop
 from ironloop.config import Config
 from ironloop.data.loader import TensorData
-from ironloop.doctor.lr_find import check_lr_find
-from ironloop.doctor.oom import OutOfMemory
-from ironloop.doctor.run import DoctorError, check, subject
-from ironloop.recipe import train_config
+from ironloop.tools.doctor.lr_find import check_lr_find
+from ironloop.engine.oom import OutOfMemory
+from ironloop.tools.doctor.run import DoctorError, check, subject
+from ironloop.tools.recipe import train_config
 
 from .conftest import REPO, blobs, cfg, run_cli, tiny_mlp
 
@@ -274,7 +274,7 @@ def test_a_check_that_runs_out_of_memory_becomes_a_finding():
 
 def test_label_smoothing_moves_the_overfit_target_to_its_floor():
     """With smoothing the loss cannot reach 0: a 10x fall towards 0 would be impossible."""
-    from ironloop.doctor.model_checks import loss_floor
+    from ironloop.tools.doctor.model_checks import loss_floor
 
     s = subject(tiny_mlp(), blobs(256), None, None, config(loss__label_smoothing=0.2))
     assert loss_floor(s) == pytest.approx(
@@ -286,8 +286,8 @@ def test_label_smoothing_moves_the_overfit_target_to_its_floor():
 
 
 def test_preflight_is_skipped_on_a_resume_that_already_ran_it(tmp_path, capsys):
-    from ironloop.data.datasets import DataBundle
-    from ironloop.doctor.run import preflight
+    from ironloop.data.bundle import DataBundle
+    from ironloop.tools.doctor.run import preflight
 
     conf = config(run__dir=str(tmp_path))
     bundle = DataBundle(blobs(128), blobs(32, seed=1), None, (8,), 3)

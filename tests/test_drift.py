@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ironloop
-from ironloop import drift
+from ironloop.state import drift
 from ironloop.errors import ConfigError
 from tests.conftest import blobs, cfg, tiny_mlp
 

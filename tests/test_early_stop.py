@@ -1,6 +1,6 @@
 """BestTracker: a pure decision, no model."""
 
-from ironloop.early_stop import BestTracker
+from ironloop.engine.early_stop import BestTracker
 
 
 def test_min_mode_patience_and_min_delta():

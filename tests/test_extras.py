@@ -10,7 +10,7 @@ import pytest
 from ironloop.config import DataConfig
 from ironloop.data import build_data
 from ironloop.errors import UserError
-from ironloop.report import plot_lr
+from ironloop.tools.report import plot_lr
 from tests.conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
@@ -29,7 +29,7 @@ def test_base_dependencies_are_lean_and_all_has_every_extra():
 
 
 def test_importing_ironloop_imports_no_extra():
-    code = ("import sys, ironloop, ironloop.cli, ironloop.recipe, ironloop.report; "
+    code = ("import sys, ironloop, ironloop.cli, ironloop.tools.recipe, ironloop.tools.report; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout

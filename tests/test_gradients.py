@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ironloop.gradients import clip_gradients
+from ironloop.engine.gradients import clip_gradients
 
 
 def test_clip_returns_pre_clip_norm_and_flags():

@@ -14,11 +14,12 @@ import torch
 from torch.optim import lr_scheduler
 
 import ironloop
-from ironloop import loop
-from ironloop.checkpoint import load_verified
+from ironloop.engine import loop
+from ironloop.state.io import load_verified
 from ironloop.data.loader import EpochSampler, TensorData
-from ironloop.guard import Guard, lr_scaled
-from ironloop.report import summarize
+from ironloop.guard.decide import Guard
+from ironloop.guard.hook import lr_scaled
+from ironloop.tools.report import summarize
 from ironloop.cli import main
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ironloop import lab_verdicts as judge
+from ironloop.tools.lab import verdicts as judge
 
 
 def test_lr_must_rise_then_fall():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import ironloop
-from ironloop import loggers
+from ironloop.outputs import loggers
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 

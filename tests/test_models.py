@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ironloop.errors import ConfigError
-from ironloop.models import build_model
+from ironloop.tools.models import build_model
 
 
 @pytest.mark.parametrize("name, shape", [("mlp", (1, 8, 8)), ("small_cnn", (1, 8, 8)),

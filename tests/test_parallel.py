@@ -7,9 +7,9 @@ import pytest
 from torch import nn
 
 from ironloop.config import Config
-from ironloop.distributed import World
+from ironloop.dist.world import World
 from ironloop.errors import ConfigError
-from ironloop.parallel import fsdp_blocks, resolve_strategy
+from ironloop.dist.parallel import fsdp_blocks, resolve_strategy
 
 
 class Block(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ironloop.progress import Meter
+from ironloop.engine.progress import Meter
 
 
 def _step(meter: Meter, clipped: bool) -> None:

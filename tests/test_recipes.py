@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ironloop.config import load_config
-from ironloop.recipe import train_config
+from ironloop.tools.recipe import train_config
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 import ironloop
-from ironloop import progress
+from ironloop.engine import progress
 from ironloop.config import Config
 from ironloop.data.loader import TensorData
-from ironloop.report import summarize
+from ironloop.tools.report import summarize
 from tests.conftest import blobs, cfg, tiny_mlp
 
 

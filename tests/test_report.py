@@ -1,4 +1,4 @@
-"""Tests for ironloop.report: a fake run directory (200 steps, 5 epochs, one crash and resume)."""
+"""Tests for ironloop.tools.report: a fake run directory (200 steps, 5 epochs, one crash and resume)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ironloop import report
+from ironloop.tools import report
 from ironloop.errors import UserError
 
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY = 40, 5, 4
@@ -271,9 +271,9 @@ def test_crash_line_from_fault_knob_when_logs_were_truncated(tmp_path, knob):
     assert (colour_px(resume, "red") > 300) == bool(knob)
 
 
-# -- diagnoses from the logs (ironloop.doctor.logs) --------------------------------------------
+# -- diagnoses from the logs (ironloop.tools.doctor.logs) --------------------------------------------
 
-from ironloop.doctor.logs import diagnose_logs  # noqa: E402
+from ironloop.tools.doctor.logs import diagnose_logs  # noqa: E402
 
 
 def _diag_run(run: Path, epochs: list[dict], metrics: list[dict] | None = None) -> list:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ironloop
-from ironloop.checkpoint import io as ckpt_io
+from ironloop.state import io as ckpt_io
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
 from ironloop.errors import CheckpointError

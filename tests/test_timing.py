@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ironloop
-from ironloop import timing
-from ironloop.timing import PARTS, StepTimer, advice
+from ironloop.engine import timing
+from ironloop.engine.timing import PARTS, StepTimer, advice
 
 from .conftest import blobs, cfg, tiny_mlp
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ironloop
-from ironloop.checkpoint import load_verified
+from ironloop.state.io import load_verified
 from ironloop.errors import ConfigError
 from tests.conftest import blobs, cfg
 

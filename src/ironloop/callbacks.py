@@ -1,8 +1,9 @@
 """Callbacks: one flat base class with no-op hooks, fired at named points of the loop.
 
-Where each hook fires is listed beside the loop's order in ``loop.py``'s docstring. Every hook
-gets the run (``ironloop.loop.Run``: model, optimizer, progress, config, ...) and the metrics
-just computed, as plain Python numbers:
+Where each hook fires is listed beside the loop's order in ``engine/loop.py``'s docstring. Every
+hook gets a view of the run (``ironloop.engine.run.RunView``: ``cfg``, ``model``, ``optimizer``,
+``scheduler``, ``step``, ``epoch``, ``world``, ``device``, ``precision``, ``run_dir``,
+``last_eval`` and ``log_scalars``) and the metrics just computed, as plain Python numbers:
 
 - ``on_train_start``: ``{"step", "epoch"}`` (non-zero after a resume);
 - ``on_step_end``: the ``metrics.jsonl`` row on logging steps, else ``{"step", "epoch"}`` (the
@@ -55,7 +56,7 @@ def fire(run, hook: str, metrics: dict[str, Any]) -> None:
     for cb in run.callbacks:
         method = getattr(cb, hook, None)
         if method is not None:
-            method(run, metrics)
+            method(run.view, metrics)
 
 
 def _key(i: int, cb) -> str:

@@ -13,7 +13,7 @@ from ironloop.errors import UserError
 
 def _train(args) -> int:
     from ironloop.config import describe, load_config
-    from ironloop.recipe import train_config
+    from ironloop.tools.recipe import train_config
 
     if args.config == "help":
         print(describe())
@@ -35,7 +35,7 @@ def _train(args) -> int:
 
 def _doctor(args) -> int:
     from ironloop.config import load_config
-    from ironloop.doctor.run import doctor_config
+    from ironloop.tools.doctor.run import doctor_config
 
     doctor_config(load_config(args.config, args.overrides), lr_find=args.lr_find,
                   strict=args.strict)
@@ -43,7 +43,7 @@ def _doctor(args) -> int:
 
 
 def _export(args) -> int:
-    from ironloop.export import export_run
+    from ironloop.state.export import export_run
 
     out = export_run(Path(args.run_dir), Path(args.out), args.which, force=args.force)
     print(f"wrote {out}")
@@ -51,9 +51,9 @@ def _export(args) -> int:
 
 
 def _report(args) -> int:
-    from ironloop.report import render_report
+    from ironloop.tools.report import render_report
 
-    from ironloop.doctor.logs import diagnose_logs
+    from ironloop.tools.doctor.logs import diagnose_logs
 
     paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print("\n".join(f"wrote {p}" for p in paths))
@@ -63,7 +63,7 @@ def _report(args) -> int:
 
 
 def _lab(args) -> int:
-    from ironloop.lab import run_lab
+    from ironloop.tools.lab.run import run_lab
 
     report = run_lab(args.data, Path(args.out), root=args.root, overwrite=args.overwrite)
     print(f"lab report: {report}")
@@ -101,7 +101,7 @@ def _is_resume_path(arg: str) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    from ironloop import __version__
+    from ironloop.version import __version__
 
     p = argparse.ArgumentParser(prog="ironloop", description="A training loop you can trust "
                                 "with a 72-hour run.")

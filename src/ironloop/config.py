@@ -17,33 +17,33 @@ from typing import Any, Optional
 import yaml
 
 from ironloop.config_fields import Section, coerce, yaml_key
-from ironloop.config_fields import doc_field as _f  # short: it is on every field below
+from ironloop.config_fields import doc_field as fld  # short: it is on every field below
 from ironloop.errors import ConfigError
 
 
 @dataclass
 class RunConfig(Section):
     _name = "run"
-    dir: str = _f("runs/run", "output directory: config, logs, checkpoints, weights")
-    seed: int = _f(0, "seeds python, numpy, torch, the data order and the loader workers")
-    device: str = _f("auto", "where to train; auto picks cuda, then mps, then cpu",
+    dir: str = fld("runs/run", "output directory: config, logs, checkpoints, weights")
+    seed: int = fld(0, "seeds python, numpy, torch, the data order and the loader workers")
+    device: str = fld("auto", "where to train; auto picks cuda, then mps, then cpu",
                      ("auto", "cpu", "cuda", "mps"))
 
 
 @dataclass
 class DataConfig(Section):
     _name = "data"
-    name: str = _f("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic | "
+    name: str = fld("digits", "dataset: digits | mnist1d | fashion-mnist | synthetic | "
                    "'module:factory' (returns (train, val[, test]) datasets)")
-    root: str = _f("data", "directory holding dataset files (fashion-mnist)")
-    val_fraction: float = _f(0.2, "fraction of the training split held out for validation")
-    num_workers: int = _f(0, "DataLoader worker processes (0 = load in the main process)")
-    pin_memory: bool = _f(True, "pin host batches for faster non_blocking copies (CUDA only)")
-    download: bool = _f(False, "fetch missing fashion-mnist files and verify their MD5s")
-    num_samples: int = _f(4096, "synthetic only: number of samples")
-    input_shape: list = _f([1, 28, 28], "synthetic only: shape of one input")
-    num_classes: int = _f(10, "synthetic only: number of classes")
-    kwargs: dict = _f({}, "module:factory data only: keyword arguments, besides root=data.root")
+    root: str = fld("data", "directory holding dataset files (fashion-mnist)")
+    val_fraction: float = fld(0.2, "fraction of the training split held out for validation")
+    num_workers: int = fld(0, "DataLoader worker processes (0 = load in the main process)")
+    pin_memory: bool = fld(True, "pin host batches for faster non_blocking copies (CUDA only)")
+    download: bool = fld(False, "fetch missing fashion-mnist files and verify their MD5s")
+    num_samples: int = fld(4096, "synthetic only: number of samples")
+    input_shape: list = fld([1, 28, 28], "synthetic only: shape of one input")
+    num_classes: int = fld(10, "synthetic only: number of classes")
+    kwargs: dict = fld({}, "module:factory data only: keyword arguments, besides root=data.root")
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -57,8 +57,8 @@ class DataConfig(Section):
 @dataclass
 class ModelConfig(Section):
     _name = "model"
-    name: str = _f("mlp", "built-in model (mlp, small_cnn, cnn1d) or 'module:factory'")
-    kwargs: dict = _f({}, "extra keyword arguments for the model factory")
+    name: str = fld("mlp", "built-in model (mlp, small_cnn, cnn1d) or 'module:factory'")
+    kwargs: dict = fld({}, "extra keyword arguments for the model factory")
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -67,17 +67,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 @dataclass
 class TrainConfig(Section):
     _name = "train"
-    epochs: int = _f(10, "passes over the training split")
-    max_steps: int = _f(0, "stop after this many optimizer steps (0 = no cap)")
-    batch_size: int = _f(64, "samples per micro-batch, per process")
-    accumulation_steps: int = _f(1, "micro-batches summed into one optimizer step")
-    precision: str = _f("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
+    epochs: int = fld(10, "passes over the training split")
+    max_steps: int = fld(0, "stop after this many optimizer steps (0 = no cap)")
+    batch_size: int = fld(64, "samples per micro-batch, per process")
+    accumulation_steps: int = fld(1, "micro-batches summed into one optimizer step")
+    precision: str = fld("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
                         ("fp32", "fp16", "bf16", "auto"))
-    step_fn: str = _f("", "'module:function' step(model, batch) -> (loss, {name: tensor}); "
+    step_fn: str = fld("", "'module:function' step(model, batch) -> (loss, {name: tensor}); "
                       "empty = the (inputs, targets) step")
-    compile: bool = _f(False, "torch.compile the model for training (evaluation runs eager)")
-    compile_mode: str = _f("default", "torch.compile mode", COMPILE_MODES)
-    activation_checkpointing: list = _f([], "block class names whose forward is recomputed "
+    compile: bool = fld(False, "torch.compile the model for training (evaluation runs eager)")
+    compile_mode: str = fld("default", "torch.compile mode", COMPILE_MODES)
+    activation_checkpointing: list = fld([], "block class names whose forward is recomputed "
                                         "in backward (torch.utils.checkpoint), e.g. [Block]")
 
     def validate(self) -> None:
@@ -94,15 +94,15 @@ class TrainConfig(Section):
 @dataclass
 class OptimConfig(Section):
     _name = "optim"
-    name: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
-    lr: float = _f(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
-    weight_decay: float = _f(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
-    momentum: float = _f(0.9, "sgd momentum")
-    decay_bias_and_norm: bool = _f(False, "also decay biases and norm weights (usually wrong)")
-    betas: list = _f([0.9, 0.999], "adamw, adam: (beta1, beta2); nanoGPT uses [0.9, 0.95]")
-    eps: float = _f(1e-8, "adamw, adam: denominator epsilon")
-    fused: Optional[bool] = _f(None, "fused optimizer kernel (true, false; null = torch's default)")
-    foreach: Optional[bool] = _f(None, "multi-tensor (foreach) kernel (null = torch's default)")
+    name: str = fld("adamw", "optimizer", ("adamw", "adam", "sgd"))
+    lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
+    weight_decay: float = fld(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
+    momentum: float = fld(0.9, "sgd momentum")
+    decay_bias_and_norm: bool = fld(False, "also decay biases and norm weights (usually wrong)")
+    betas: list = fld([0.9, 0.999], "adamw, adam: (beta1, beta2); nanoGPT uses [0.9, 0.95]")
+    eps: float = fld(1e-8, "adamw, adam: denominator epsilon")
+    fused: Optional[bool] = fld(None, "fused optimizer kernel (true, false; null = torch's default)")
+    foreach: Optional[bool] = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
 
     def validate(self) -> None:
         self._positive("lr", "eps")
@@ -118,8 +118,8 @@ class OptimConfig(Section):
 @dataclass
 class ClipConfig(Section):
     _name = "clip"
-    max_norm: float = _f(1.0, "clip threshold; 0 disables clipping (the norm is still logged)")
-    mode: str = _f("norm", "clip the global grad norm, or each grad value", ("norm", "value"))
+    max_norm: float = fld(1.0, "clip threshold; 0 disables clipping (the norm is still logged)")
+    mode: str = fld("norm", "clip the global grad norm, or each grad value", ("norm", "value"))
 
     def validate(self) -> None:
         self._non_negative("max_norm")
@@ -131,16 +131,16 @@ SCHEDULES = ("constant", "warmup_cosine", "onecycle", "cosine", "cosine_restarts
 @dataclass
 class ScheduleConfig(Section):
     _name = "schedule"
-    name: str = _f("constant", "learning-rate schedule", SCHEDULES)
-    warmup_steps: int = _f(0, "warmup_cosine: optimizer steps of linear warmup")
-    warmup_start_factor: float = _f(0.01, "warmup_cosine: LR multiplier at step 0")
-    max_lr: float = _f(0.0, "onecycle: peak LR (0 = 10 x optim.lr)")
-    pct_start: float = _f(0.3, "onecycle: fraction of steps spent rising")
-    eta_min: float = _f(0.0, "cosine*: the LR at the bottom of the cosine")
-    T_0: int = _f(0, "cosine_restarts: optimizer steps in the first cycle (0 = one epoch)")
-    T_mult: int = _f(1, "cosine_restarts: cycle length multiplier")
-    factor: float = _f(0.1, "plateau: LR multiplier on a plateau")
-    patience: int = _f(2, "plateau: evaluations without improvement before cutting the LR")
+    name: str = fld("constant", "learning-rate schedule", SCHEDULES)
+    warmup_steps: int = fld(0, "warmup_cosine: optimizer steps of linear warmup")
+    warmup_start_factor: float = fld(0.01, "warmup_cosine: LR multiplier at step 0")
+    max_lr: float = fld(0.0, "onecycle: peak LR (0 = 10 x optim.lr)")
+    pct_start: float = fld(0.3, "onecycle: fraction of steps spent rising")
+    eta_min: float = fld(0.0, "cosine*: the LR at the bottom of the cosine")
+    T_0: int = fld(0, "cosine_restarts: optimizer steps in the first cycle (0 = one epoch)")
+    T_mult: int = fld(1, "cosine_restarts: cycle length multiplier")
+    factor: float = fld(0.1, "plateau: LR multiplier on a plateau")
+    patience: int = fld(2, "plateau: evaluations without improvement before cutting the LR")
 
     def validate(self) -> None:
         self._non_negative("warmup_steps", "max_lr", "eta_min", "T_0", "patience")
@@ -160,11 +160,11 @@ LOSSES = ("cross_entropy", "bce_logits", "mse", "huber", "kl_div")
 @dataclass
 class LossConfig(Section):
     _name = "loss"
-    name: str = _f("cross_entropy", f"loss function: {' | '.join(LOSSES)} | "
+    name: str = fld("cross_entropy", f"loss function: {' | '.join(LOSSES)} | "
                    "'module:function' called as loss(output, target)")
-    label_smoothing: float = _f(0.0, "cross_entropy: label smoothing in [0, 1)")
-    class_weights: list = _f([], "per-class loss weights (empty = all 1)")
-    huber_delta: float = _f(1.0, "huber: where the loss turns from quadratic to linear")
+    label_smoothing: float = fld(0.0, "cross_entropy: label smoothing in [0, 1)")
+    class_weights: list = fld([], "per-class loss weights (empty = all 1)")
+    huber_delta: float = fld(1.0, "huber: where the loss turns from quadratic to linear")
 
     def validate(self) -> None:
         if self.name not in LOSSES and ":" not in self.name:
@@ -179,10 +179,10 @@ class LossConfig(Section):
 @dataclass
 class EarlyStopConfig(Section):
     _name = "early_stop"
-    patience: int = _f(0, "evaluations without improvement before stopping (0 disables)")
-    min_delta: float = _f(0.0, "smallest change that counts as an improvement")
-    metric: str = _f("val_loss", "monitored metric: also picks best.pt and drives plateau")
-    mode: str = _f("auto", "min or max; auto = min for *loss, max otherwise",
+    patience: int = fld(0, "evaluations without improvement before stopping (0 disables)")
+    min_delta: float = fld(0.0, "smallest change that counts as an improvement")
+    metric: str = fld("val_loss", "monitored metric: also picks best.pt and drives plateau")
+    mode: str = fld("auto", "min or max; auto = min for *loss, max otherwise",
                    ("auto", "min", "max"))
 
     def validate(self) -> None:
@@ -200,8 +200,8 @@ class EarlyStopConfig(Section):
 @dataclass
 class EvalConfig(Section):
     _name = "eval"
-    every_steps: int = _f(0, "evaluate every N optimizer steps (0 = at each epoch end)")
-    max_batches: int = _f(0, "evaluate on a fixed subset of N batches of the val split "
+    every_steps: int = fld(0, "evaluate every N optimizer steps (0 = at each epoch end)")
+    max_batches: int = fld(0, "evaluate on a fixed subset of N batches of the val split "
                           "(0 = all of it)")
 
     def validate(self) -> None:
@@ -211,18 +211,18 @@ class EvalConfig(Section):
 @dataclass
 class LogConfig(Section):
     _name = "log"
-    every_steps: int = _f(10, "write a metrics.jsonl line every N optimizer steps")
-    tensorboard: bool = _f(False, "also write TensorBoard events to run.dir/tb")
-    progress: str = _f("auto", "tqdm progress bar: auto (only on a terminal), on, off",
+    every_steps: int = fld(10, "write a metrics.jsonl line every N optimizer steps")
+    tensorboard: bool = fld(False, "also write TensorBoard events to run.dir/tb")
+    progress: str = fld("auto", "tqdm progress bar: auto (only on a terminal), on, off",
                        ("auto", "on", "off"))
-    wandb: bool = _f(False, "also log to Weights & Biases (pip install 'ironloop[wandb]')")
-    wandb_project: str = _f("ironloop", "W&B project")
-    wandb_name: str = _f("", "W&B run name (empty = the name of run.dir)")
-    wandb_mode: str = _f("auto", "W&B mode; auto = WANDB_MODE or wandb's default",
+    wandb: bool = fld(False, "also log to Weights & Biases (pip install 'ironloop[wandb]')")
+    wandb_project: str = fld("ironloop", "W&B project")
+    wandb_name: str = fld("", "W&B run name (empty = the name of run.dir)")
+    wandb_mode: str = fld("auto", "W&B mode; auto = WANDB_MODE or wandb's default",
                          ("auto", "online", "offline", "disabled"))
-    mlflow: bool = _f(False, "also log to MLflow (pip install 'ironloop[mlflow]')")
-    mlflow_tracking_uri: str = _f("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
-    mlflow_experiment: str = _f("ironloop", "MLflow experiment name")
+    mlflow: bool = fld(False, "also log to MLflow (pip install 'ironloop[mlflow]')")
+    mlflow_tracking_uri: str = fld("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
+    mlflow_experiment: str = fld("ironloop", "MLflow experiment name")
 
     def validate(self) -> None:
         self._positive("every_steps")
@@ -231,10 +231,10 @@ class LogConfig(Section):
 @dataclass
 class CheckpointConfig(Section):
     _name = "checkpoint"
-    enabled: bool = _f(True, "write checkpoints to run.dir/checkpoints")
-    every_steps: int = _f(0, "also checkpoint every N optimizer steps (0 = at epoch ends only)")
-    keep_last: int = _f(3, "rolling step-N.pt files to keep (0 = only last.pt and best.pt)")
-    async_write: bool = _f(False, "write in a background thread after a CPU snapshot",
+    enabled: bool = fld(True, "write checkpoints to run.dir/checkpoints")
+    every_steps: int = fld(0, "also checkpoint every N optimizer steps (0 = at epoch ends only)")
+    keep_last: int = fld(3, "rolling step-N.pt files to keep (0 = only last.pt and best.pt)")
+    async_write: bool = fld(False, "write in a background thread after a CPU snapshot",
                            key="async")
 
     def validate(self) -> None:
@@ -244,12 +244,12 @@ class CheckpointConfig(Section):
 @dataclass
 class FaultConfig(Section):
     _name = "fault"
-    crash_at_step: int = _f(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
-    nan_at_step: list = _f([], "guard knob: make the loss NaN on the first attempt at these "
+    crash_at_step: int = fld(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
+    nan_at_step: list = fld([], "guard knob: make the loss NaN on the first attempt at these "
                                "optimizer steps")
-    nan_sample: int = _f(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
+    nan_sample: int = fld(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
-    oom_at_step: int = _f(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
+    oom_at_step: int = fld(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
 
     def validate(self) -> None:
         self._non_negative("crash_at_step", "oom_at_step")
@@ -262,19 +262,19 @@ class FaultConfig(Section):
 @dataclass
 class GuardConfig(Section):
     _name = "guard"
-    enabled: bool = _f(True, "skip steps whose loss or grad norm is non-finite; roll back on "
+    enabled: bool = fld(True, "skip steps whose loss or grad norm is non-finite; roll back on "
                        "repeats")
-    max_bad_steps: int = _f(3, "consecutive bad steps that trigger a rollback")
-    max_rollbacks: int = _f(3, "rollbacks allowed; the next trigger stops the run (exit code 3)")
-    lr_backoff: float = _f(0.5, "LR multiplier applied at each rollback, kept for the rest of "
+    max_bad_steps: int = fld(3, "consecutive bad steps that trigger a rollback")
+    max_rollbacks: int = fld(3, "rollbacks allowed; the next trigger stops the run (exit code 3)")
+    lr_backoff: float = fld(0.5, "LR multiplier applied at each rollback, kept for the rest of "
                            "the run")
-    rollback_to: str = _f("checkpoint", "checkpoint: the newest checkpoint (the run's start before "
+    rollback_to: str = fld("checkpoint", "checkpoint: the newest checkpoint (the run's start before "
                           "the first); memory: a CPU copy taken at each checkpoint point",
                           ("checkpoint", "memory"))
-    spike_factor: float = _f(0.0, "opt-in: also bad when loss or grad norm > median + factor x "
+    spike_factor: float = fld(0.0, "opt-in: also bad when loss or grad norm > median + factor x "
                              "1.4826 MAD of recent good steps (0 = off; 6 is a common choice)")
-    spike_window: int = _f(100, "good steps the spike statistic looks back over")
-    spike_warmup: int = _f(100, "first optimizer steps kept out of the spike statistic")
+    spike_window: int = fld(100, "good steps the spike statistic looks back over")
+    spike_warmup: int = fld(100, "first optimizer steps kept out of the spike statistic")
 
     def validate(self) -> None:
         self._positive("max_bad_steps", "spike_window")
@@ -286,10 +286,10 @@ class GuardConfig(Section):
 @dataclass
 class ProfileConfig(Section):
     _name = "profile"
-    breakdown: bool = _f(True, "time data/copy/forward/backward/optimizer/checkpoint/validation")
-    sync: bool = _f(False, "CUDA: synchronize around forward and backward (exact, slower)")
-    trace: bool = _f(False, "write a torch.profiler trace of a few steps to run.dir/trace")
-    trace_steps: int = _f(3, "optimizer steps the trace records (after 1 wait + 1 warm-up)")
+    breakdown: bool = fld(True, "time data/copy/forward/backward/optimizer/checkpoint/validation")
+    sync: bool = fld(False, "CUDA: synchronize around forward and backward (exact, slower)")
+    trace: bool = fld(False, "write a torch.profiler trace of a few steps to run.dir/trace")
+    trace_steps: int = fld(3, "optimizer steps the trace records (after 1 wait + 1 warm-up)")
 
     def validate(self) -> None:
         self._positive("trace_steps")
@@ -298,11 +298,11 @@ class ProfileConfig(Section):
 @dataclass
 class DoctorConfig(Section):
     _name = "doctor"
-    preflight: bool = _f(True, "run the quick doctor checks before training (doctor.json)")
-    strict: bool = _f(False, "stop before training (exit 2) when a check finds an error")
-    overfit_steps: int = _f(30, "overfit-one-batch check: optimizer steps allowed")
-    max_batches: int = _f(8, "preflight: batches timed, and read from data not in memory")
-    memory_search: bool = _f(False, "CUDA: find the largest batch that fits by search")
+    preflight: bool = fld(True, "run the quick doctor checks before training (doctor.json)")
+    strict: bool = fld(False, "stop before training (exit 2) when a check finds an error")
+    overfit_steps: int = fld(30, "overfit-one-batch check: optimizer steps allowed")
+    max_batches: int = fld(8, "preflight: batches timed, and read from data not in memory")
+    memory_search: bool = fld(False, "CUDA: find the largest batch that fits by search")
 
     def validate(self) -> None:
         self._positive("overfit_steps", "max_batches")
@@ -311,11 +311,11 @@ class DoctorConfig(Section):
 @dataclass
 class DistConfig(Section):
     _name = "dist"
-    strategy: str = _f("auto", "auto (ddp when world > 1) | ddp | fsdp (FSDP2, DCP checkpoints) "
+    strategy: str = fld("auto", "auto (ddp when world > 1) | ddp | fsdp (FSDP2, DCP checkpoints) "
                        "| none", ("auto", "ddp", "fsdp", "none"))
-    fsdp_modules: list = _f([], "fsdp: class names of the blocks to shard one by one "
+    fsdp_modules: list = fld([], "fsdp: class names of the blocks to shard one by one "
                             "(empty = each child of a Sequential or ModuleList)")
-    timeout_s: float = _f(600.0, "seconds a collective may wait for a silent rank before the "
+    timeout_s: float = fld(600.0, "seconds a collective may wait for a silent rank before the "
                           "job fails (torch.distributed's process-group timeout)")
 
     def validate(self) -> None:

@@ -8,28 +8,20 @@ only, never from val or test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ironloop.data.bundle import DataBundle
 from ironloop.data.loader import TensorData, derive_seed
+from ironloop.data.user import user_data
 from ironloop.errors import DataError
 
 #: The split is fixed, independent of run.seed, so runs with different seeds are comparable.
 SPLIT_SEED = 1234
 #: Fashion-MNIST's published training-set statistics.
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
-
-
-@dataclass
-class DataBundle:
-    train: TensorData
-    val: TensorData | None
-    test: TensorData | None
-    input_shape: tuple[int, ...]
-    num_classes: int
 
 
 def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float):
@@ -118,8 +110,6 @@ DATASETS = {"digits": digits, "mnist1d": mnist1d, "fashion-mnist": fashion_mnist
 def build_data(cfg) -> DataBundle:
     """The dataset named by ``data.name``; unknown names list the ones that exist."""
     if ":" in cfg.name:
-        from ironloop.data.user import user_data  # imports this module
-
         return user_data(cfg)
     if cfg.name not in DATASETS:
         from ironloop.errors import ConfigError

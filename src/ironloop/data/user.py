@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ironloop.data.datasets import DataBundle
+from ironloop.data.bundle import DataBundle
 from ironloop.errors import ConfigError
 from ironloop.specs import accepted, import_spec
 

@@ -1,0 +1,16 @@
+"""What a dataset factory hands the rest of ironloop: the splits, and what the model factory
+needs to know about them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class DataBundle:
+    train: Any                    # a Dataset, a DataLoader, or an in-memory TensorData
+    val: Any | None
+    test: Any | None
+    input_shape: tuple[int, ...]  # one sample's input shape, for the built-in models
+    num_classes: int | None       # None: fit() infers it from the model's output

@@ -1,0 +1,57 @@
+"""The gradient's global norm and clipping, on the device: the loop's unscale -> norm -> guard ->
+clip order needs the norm before the clip, so the two halves of ``clip_grad_norm_`` are apart.
+Under FSDP2 the gradients are shards (DTensors) and the global norm is a collective."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ironloop.dist import parallel
+
+def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip in place; return the PRE-clip global L2 norm and whether clipping acted.
+
+    Both stay on the device. ``max_norm`` 0 disables clipping but still measures the norm.
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm_of(params)
+    return norm, clip_to_norm(params, norm, max_norm, mode)
+
+
+def grad_norm_of(params: list) -> torch.Tensor:
+    """The global L2 norm of the gradients of ``params`` (those with a grad), on the device.
+    Under FSDP2 the grads are shards: the norm of the whole is a collective (full_tensor)."""
+    if not params:
+        return torch.zeros(())
+    grads = [p.grad for p in params]
+    norm = _total_norm(grads)
+    return parallel.full_tensor(norm) if parallel.is_sharded(grads[0]) else norm
+
+
+def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
+    """Clip in place given the pre-clip ``norm``; returns whether clipping acted (on device).
+    Same arithmetic as ``clip_grad_norm_``, which is this norm + ``clip_grads_with_norm_``."""
+    if not params:
+        return torch.zeros((), dtype=torch.bool)
+    if mode == "norm" and max_norm > 0:
+        if hasattr(nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+            nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        else:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.detach().mul_(coef.to(p.grad.device))
+        return norm > max_norm
+    grads = [p.grad for p in params]
+    if mode == "value" and max_norm > 0:
+        peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])
+        clipped = peak.max() > max_norm
+        nn.utils.clip_grad_value_(params, max_norm)
+        return clipped
+    return torch.zeros((), dtype=torch.bool, device=norm.device)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    if hasattr(nn.utils, "get_total_norm"):  # torch >= 2.6
+        return nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -1,0 +1,106 @@
+"""Run outputs: metrics.jsonl, epochs.jsonl, events.jsonl, evals.jsonl (one line per
+evaluation), scalars.jsonl (what callbacks log) and, optionally, TensorBoard, W&B and MLflow
+(loggers.py).
+
+After a resume, lines past the checkpoint are dropped first, so each step and each epoch appears
+exactly once and a curve across crashes is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ironloop.state.io import write_atomic
+
+
+def truncate_jsonl(path: Path, key: str, last: int) -> int:
+    """Keep only the lines whose ``key`` is <= ``last``; drop a torn final line.
+
+    Returns the largest ``key`` the file held: where the previous process got to."""
+    if not path.exists():
+        return 0
+    kept, seen = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill mid-write
+        seen = max(seen, row.get(key, 0))
+        if row.get(key, 0) <= last:
+            kept.append(line)
+    write_atomic(path, "".join(k + "\n" for k in kept))
+    return seen
+
+
+def _last_time(path: Path) -> float | None:
+    """The "time" of a JSONL file's last complete line, or None."""
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            return json.loads(line).get("time")
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill mid-write
+    return None
+
+
+class RunLog:
+    """Appends JSON lines; each line is flushed so a crash loses at most the line being written.
+
+    Every metrics and epochs row also goes to ``loggers`` (TensorBoard, W&B, MLflow: see
+    loggers.py), each of which warns once and drops out if it fails."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None = None,
+                 resume_epoch: int | None = None, loggers: list | None = None):
+        self.dir = run_dir
+        self.last_logged_step = 0  # the furthest step the previous process logged
+        self.last_logged_time = None  # when it wrote its last metrics line
+        if resume_step is not None:
+            self.last_logged_time = _last_time(run_dir / "metrics.jsonl")
+            self.last_logged_step = self._truncate(resume_step, resume_epoch)
+        self._files = {name: open(run_dir / f"{name}.jsonl", "a")
+                       for name in ("metrics", "epochs", "events", "evals", "scalars")}
+        self.loggers = list(loggers or [])
+        if tensorboard and not any(lg.name == "tensorboard" for lg in self.loggers):
+            from ironloop.outputs.loggers import Guarded, TensorBoard
+
+            self.loggers.append(Guarded(TensorBoard(run_dir, resume_step)))
+
+    def write(self, name: str, row: dict) -> None:
+        f = self._files[name]
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        if name != "events":
+            for logger in self.loggers:
+                logger.write(name, row)
+
+    def rewind(self, step: int, epoch: int) -> None:
+        """Drop the JSONL lines past ``step``/``epoch`` (a guard rollback), as a resume does.
+        The external loggers only append: a redone step is logged again and the later value
+        counts there."""
+        for f in self._files.values():
+            f.close()
+        self._truncate(step, epoch)
+        self._files = {name: open(self.dir / f"{name}.jsonl", "a") for name in self._files}
+
+    def _truncate(self, step: int, epoch: int) -> int:
+        """Keep the lines up to ``step`` (``epoch`` for epochs.jsonl); returns the furthest
+        step metrics.jsonl held."""
+        for name in ("evals", "scalars"):
+            truncate_jsonl(self.dir / f"{name}.jsonl", "step", step)
+        truncate_jsonl(self.dir / "epochs.jsonl", "epoch", epoch)
+        return truncate_jsonl(self.dir / "metrics.jsonl", "step", step)
+
+    def ids(self) -> dict:
+        """The external runs' ids (W&B, MLflow), for the checkpoint: a resume continues them."""
+        out: dict = {}
+        for logger in self.loggers:
+            out.update(logger.ids())
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        for logger in self.loggers:
+            logger.close()

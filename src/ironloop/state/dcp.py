@@ -1,0 +1,350 @@
+"""Sharded checkpoints: one ``torch.distributed.checkpoint`` (DCP) directory per save.
+
+Under FSDP2 no rank holds the whole model, so every rank writes its own shards. A checkpoint is
+a directory ``step-{N:08d}.dcp`` holding:
+
+* DCP's files (``*.distcp`` and ``.metadata``) for ``{"model", "optimizer"}``, taken with
+  ``get_state_dict`` so that they load on any number of ranks (DCP reshards on load);
+* ``extras-rank{r}.pt``: everything else ``resume.collect_state`` returns on rank r (sampler,
+  progress, meter, tracker, scheduler, any key added there later, and rank r's RNG), written with
+  ``save_atomic`` so it carries its own digest;
+* ``manifest.json``, written LAST by rank 0: the step, the world size and a blake2b digest of
+  every other file. It is the integrity marker: a directory without a matching manifest is
+  damaged and ``--resume`` falls back past it, exactly as for a damaged ``.pt`` file.
+
+The atomic-commit rules of ``io.py`` carry over to directories: everything is written into a
+hidden temp directory, fsynced, and only then renamed into place; ``last.dcp`` and ``best.dcp``
+are directories of hard links to the step directory's files (no bytes copied), swapped in by
+rename; old step directories are deleted only once the new one is durable under every name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ironloop.errors import CheckpointError
+
+from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
+from .manager import retention_victims, step_entries
+
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d+)\.dcp$")
+_SHARDED = ("model", "optimizer")  # the keys DCP holds; the rest of the state is per-rank extras
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}.dcp"
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (complete or not)."""
+    path = Path(path)
+    return path.is_dir() and (path.suffix == ".dcp" or (path / MANIFEST).exists()
+                              or (path / ".metadata").exists())
+
+
+def has_sharded(directory: Path) -> bool:
+    directory = Path(directory)
+    return directory.is_dir() and any(p.suffix == ".dcp" for p in directory.iterdir()
+                                      if not p.name.startswith("."))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _step_dirs(directory: Path) -> dict[int, Path]:
+    return {s: p for s, p in step_entries(directory, _STEP_RE).items() if p.is_dir()}
+
+
+# ------------------------------------------------------------------------------------ write --
+class ShardedCheckpointManager:
+    """The sharded twin of ``CheckpointManager``: same names (step-N, last, best), same
+    ``keep_last``, same fallback; every rank calls ``save`` (it is a collective).
+
+    With ``async_write=True`` the shards are written by ``dcp.async_save`` in the background
+    (over a process group of its own, so its collectives never interleave with training's); the
+    directory is committed (manifest, rename, links) when that write is done, at the next save
+    or at ``close``.
+    """
+
+    def __init__(self, directory: Path, keep_last: int, async_write: bool = False):
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.async_write = async_write
+        self._pending: tuple[Future, Path, int, bool] | None = None
+        self._group = dist.new_group(backend="gloo") if async_write and dist.is_initialized() \
+            else None
+        if _rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        _barrier()
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Rank 0: remove temp directories of killed writers and step directories newer than
+        ``step``; returns the step directories removed."""
+        if _rank() != 0:
+            return []
+        for tmp in self.directory.glob(".*.tmp*"):
+            if tmp.is_dir():
+                _rmtree(tmp)
+            else:
+                tmp.unlink(missing_ok=True)
+        newer = [p for s, p in sorted(_step_dirs(self.directory).items()) if s > step]
+        for p in newer:
+            _rmtree(p)
+        return newer
+
+    def save(self, state: dict, model: torch.nn.Module, optimizer, step: int,
+             best: bool = False) -> None:
+        """Write ``state`` (from ``collect_state``) for ``step``; every rank must call this."""
+        self.wait()
+        tmp = self.directory / f".{step_name(step)}.tmp"
+        if _rank() == 0:
+            _rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
+        extras = {k: v for k, v in state.items() if k not in _SHARDED}
+        msd, osd = get_state_dict(model, optimizer)
+        try:
+            save_atomic(extras, tmp / f"extras-rank{_rank()}.pt")
+            if self.async_write:
+                future = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp),
+                                        process_group=self._group)
+                self._pending = (future, tmp, step, best)
+                return
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp))
+        except OSError as e:
+            raise write_failed(tmp, e) from e
+        self._commit(tmp, step, best)
+
+    def wait(self) -> None:
+        """Finish an async write: wait for every rank's shards, then commit the directory."""
+        if self._pending is None:
+            return
+        future, tmp, step, best = self._pending
+        self._pending = None
+        future.result()  # on rank 0 this returns once .metadata is written, after every rank's
+        self._commit(tmp, step, best)
+
+    def close(self) -> None:
+        self.wait()
+
+    def _commit(self, tmp: Path, step: int, best: bool) -> None:
+        _barrier()  # every rank's extras and shards are in tmp
+        if _rank() == 0:
+            self._publish(tmp, step, best)
+        _barrier()  # no rank runs ahead to a resume point that is not on disk yet
+
+    def _publish(self, tmp: Path, step: int, best: bool) -> None:
+        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        for p in files:
+            _fsync_file(p)
+        manifest = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized()
+                    else 1, "files": {p.name: _digest(p) for p in files}}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        primary = self.directory / step_name(step)
+        _swap(tmp, primary)
+        for name in ["last.dcp"] + (["best.dcp"] if best else []):
+            _link_tree(primary, self.directory / name)
+        fsync_dir(self.directory)
+        # Only now, with the new checkpoint durable under every name, may old ones go.
+        steps = _step_dirs(self.directory)
+        for victim in retention_victims(list(steps), self.keep_last):
+            if victim != step or self.keep_last == 0:  # keep 0: last.dcp holds its links
+                _rmtree(steps[victim])
+
+
+def _swap(new: Path, target: Path) -> None:
+    """Rename directory ``new`` to ``target``, replacing any old ``target`` (rename cannot
+    replace a non-empty directory, so the old one is moved aside first, then deleted)."""
+    old = target.with_name(f".{target.name}.old.tmp")
+    _rmtree(old)
+    try:
+        if target.exists():
+            os.rename(target, old)
+        os.rename(new, target)
+    except OSError as e:
+        raise write_failed(target, e) from e
+    _rmtree(old)
+
+
+def _link_tree(primary: Path, target: Path) -> None:
+    """``target`` becomes a directory of hard links to ``primary``'s files (copies where the
+    filesystem has no hard links), swapped in by rename."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    _rmtree(tmp)
+    tmp.mkdir()
+    for p in primary.iterdir():
+        try:
+            os.link(p, tmp / p.name)
+        except OSError:
+            shutil.copy2(p, tmp / p.name)
+            _fsync_file(tmp / p.name)
+    fsync_dir(tmp)
+    _swap(tmp, target)
+
+
+# ------------------------------------------------------------------------------------- read --
+def verify(path: Path) -> int:
+    """The step of a complete, undamaged sharded checkpoint; LoadFailure otherwise."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise LoadFailure(path, "no manifest: the save never finished",
+                          f"{path} is incomplete (no {MANIFEST}); resume from another checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files, step = manifest["files"], manifest["step"]
+    except (ValueError, KeyError, TypeError):
+        raise LoadFailure(path, "unreadable manifest", f"{path}/{MANIFEST} is damaged") from None
+    for name, digest in files.items():
+        p = path / name
+        if not p.is_file() or _digest(p) != digest:
+            raise LoadFailure(path, f"{name} {'missing' if not p.is_file() else 'changed'}",
+                              f"{path} is damaged: {name} does not match its manifest digest; "
+                              "resume from another checkpoint")
+    return step
+
+
+def load_extras(path: Path) -> dict:
+    """The non-sharded state for this rank. On the world size that wrote it, each rank gets its
+    own file back (RNG and the meter's running sums are per rank). On another world size, every
+    rank gets rank 0's (the counters and the data position are the same on every rank), with
+    its own RNG where that rank existed."""
+    path = Path(path)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        verify(path)
+        written_by = json.loads((path / MANIFEST).read_text()).get("world_size")
+        own = path / f"extras-rank{_rank()}.pt"
+        if written_by == world and own.exists():
+            return load_checked(own, "cpu")
+        state = load_checked(path / "extras-rank0.pt", "cpu")
+        if _rank() != 0 and own.exists():
+            state["rng"] = load_checked(own, "cpu")["rng"]
+    except LoadFailure as e:
+        raise CheckpointError(str(e)) from None
+    return state
+
+
+def latest_valid(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """As ``manager.latest_valid``, for sharded directories: ``last.dcp``, then any newer step
+    directory, newest first; damaged ones are reported through ``warn`` and skipped."""
+    directory = Path(directory)
+    last = directory / "last.dcp"
+    candidates = [p for _, p in sorted(_step_dirs(directory).items(), reverse=True)]
+    if last.is_dir():
+        candidates.insert(0, last)
+    if not candidates:
+        return None
+    damaged, best = [], None
+    for path in candidates:
+        try:
+            step = verify(path)
+        except LoadFailure as e:
+            damaged.append(f"{path} ({e.reason})")
+            warn(f"checkpoint {path} is damaged ({e.reason}); falling back to an older one")
+            continue
+        if best is None or step > best[1]:
+            best = (path, step)
+        if path != last:
+            break  # step directories are tried newest first: the first good one is the newest
+    if best is None:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is damaged: {', '.join(damaged)}. Pass --overwrite "
+            "to start over, or --resume PATH to pick one (e.g. best.dcp) yourself.")
+    return best[0], load_extras(best[0])
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load the model and optimizer from a DCP directory into this run, resharding to however
+    many ranks (and whatever wrapping) this run has; a collective."""
+    msd, osd = get_state_dict(model, optimizer)
+    sd = {"model": msd, "optimizer": osd}
+    try:
+        dcp.load(sd, checkpoint_id=str(path))
+    except Exception as e:  # DCP raises CheckpointException, wrapping each rank's error
+        raise CheckpointError(f"{path} does not fit this model or optimizer ({str(e)[:300]}); "
+                              "check that model.name, model.kwargs and optim.name match the "
+                              "run that wrote it") from e
+    set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=sd["optimizer"])
+
+
+def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights from a DCP directory, in one process (for export)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        verify(Path(path))
+    except LoadFailure as e:
+        raise CheckpointError(str(e)) from None
+    meta = FileSystemReader(str(path)).read_metadata()
+    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    sd = {"model": model}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd["model"]
+
+
+def latest_any(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The newest valid checkpoint in ``directory``, file or sharded directory: a run may have
+    written both (an FSDP run resumed on one process continues with files)."""
+    from .manager import latest_valid as latest_file
+
+    found, errors = [], []
+    for pick in (latest_file, latest_valid):
+        try:
+            hit = pick(directory, warn)
+        except CheckpointError as e:
+            errors.append(e)
+            continue
+        if hit is not None:
+            found.append(hit)
+    if not found:
+        if errors:
+            raise errors[0]
+        return None
+    return max(found, key=lambda hit: hit[1]["progress"]["step"])

@@ -1,0 +1,48 @@
+"""Weights out of a run: safetensors, which holds tensors only and cannot run code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ironloop.state import dcp as sharded
+from ironloop.state.io import load_verified, strip_prefixes, temp_path
+from ironloop.errors import UserError
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write atomically. Tensors are cloned because safetensors refuses shared storage."""
+    tensors = {k: v.detach().to("cpu").contiguous().clone()
+               for k, v in strip_prefixes(state_dict).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    # One metadata key only: safetensors writes the metadata map in hash order, so with two
+    # keys identical weights could give different bytes (and different checksums).
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
+    """Export best or last of ``run_dir`` to ``out`` as safetensors: a ``.pt`` file, or a
+    sharded ``.dcp`` directory (FSDP2), whose shards are consolidated here in one process."""
+    ckpt = run_dir / "checkpoints" / f"{which}.pt"
+    if not ckpt.exists() and (run_dir / "checkpoints" / f"{which}.dcp").is_dir():
+        ckpt = run_dir / "checkpoints" / f"{which}.dcp"
+    if not ckpt.exists():
+        found = sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                       if p.suffix in (".pt", ".dcp") and not p.name.startswith(".")) \
+            if (run_dir / "checkpoints").is_dir() else []
+        raise UserError(f"no {ckpt}; " + (f"this run has {', '.join(found)}: pass --which "
+                        f"{'last' if which == 'best' else 'best'}" if found else
+                        "is it an ironloop run.dir with checkpoint.enabled=true?"))
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file name like model.safetensors")
+    if out.exists() and not force:
+        raise UserError(f"--out {out} already exists; pass --force to replace it, or pick "
+                        f"another name")
+    weights = sharded.consolidate_model(ckpt) if ckpt.is_dir() else load_verified(ckpt)["model"]
+    save_safetensors(weights, out)
+    return out

@@ -1,0 +1,88 @@
+"""A run's directory: prepared (refused, overwritten or resumed) and the best weights read back
+after a resume. Opening its logs and checkpoint managers is wiring: ``engine/build.py``.
+
+Rank 0 writes; every rank reads the checkpoint it resumes from.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from ironloop.config import Config
+from ironloop.dist.world import World, barrier
+from ironloop.errors import UserError
+from ironloop.state import dcp as sharded
+from ironloop.state import drift
+from ironloop.state.io import load_verified, write_atomic
+from ironloop.state.manager import has_checkpoints
+
+#: Files a run writes; --overwrite removes these and nothing else.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
+               "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
+               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl", "trace")
+
+
+def unwritable(run_dir: Path, e: OSError) -> UserError:
+    """The one-line error for a run.dir that cannot be created or written."""
+    return UserError(f"run.dir {run_dir} cannot be created or written ({e.strerror or e}); "
+                     f"choose a writable run.dir")
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World,
+                     record: dict, allow_config_change: bool):
+    """Returns (checkpoint state, its path) to resume from, or (None, None) for a fresh run.
+
+    A resume whose config drifted from the checkpoint's is refused here, before anything in
+    run.dir is touched (see ``ironloop.state.drift``)."""
+    ckpt_dir = run_dir / "checkpoints"
+    state = source = None
+    if resume:
+        path = Path(resume) if isinstance(resume, (str, Path)) else None
+        if path is not None and sharded.is_sharded(path):
+            source, state = str(path), sharded.load_extras(path)
+        elif path is not None and not path.is_dir():
+            source, state = str(path), load_verified(path)
+        else:
+            if path is not None:  # a directory: a run.dir or its checkpoints/ folder
+                ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
+            found = sharded.latest_any(ckpt_dir, warn)
+            if found is None:
+                if world.is_main:
+                    print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
+            else:
+                source, state = str(found[0]), found[1]
+        if state is not None:
+            drift.check(state.get("config") or {}, cfg.to_dict(), allow_config_change,
+                        say=print if world.is_main else (lambda msg: None),
+                        worlds=(state.get("world_size", world.size), world.size))
+    elif world.is_main:
+        if not overwrite and (has_checkpoints(ckpt_dir) or (run_dir / "metrics.jsonl").exists()):
+            raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
+                            f"it, --overwrite to delete its outputs and start over, or choose "
+                            f"another run.dir")
+        if overwrite:  # only the files a run writes; anything else in run.dir stays
+            for path in (run_dir / n for n in RUN_OUTPUTS):
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+    if world.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
+        except OSError as e:
+            raise unwritable(run_dir, e) from e
+    barrier(world)
+    return state, source
+
+
+def best_weights(run_dir: Path, cfg: Config) -> dict | None:
+    """After a resume, the best weights for the final restore come back from best.pt."""
+    best = run_dir / "checkpoints" / "best.pt"
+    if cfg.early_stop.patience == 0 or not best.exists():
+        return None
+    return load_verified(best)["model"]

@@ -1,0 +1,181 @@
+"""Checks on the data: labels, leakage between splits, and whether the loader keeps up."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+
+import torch
+
+from ironloop.data.loader import TensorData
+from ironloop.tools.doctor.findings import Finding, info
+from ironloop.tools.doctor.subject import Subject, labels_of
+
+
+def check_labels(s: Subject, cap: int | None = None) -> list[Finding]:
+    """5. Labels out of [0, C), classes that never appear, and the class balance."""
+    c = s.num_classes
+    if not c or not s.classification:
+        return []
+    out = []
+    for split, data in (("train", s.train), ("val", s.val)):
+        y = labels_of(data, cap)
+        if y is None or not len(y):
+            continue
+        bad = (y < 0) | (y >= c)
+        n_bad = int(bad.sum())  # host tensors: no device sync
+        if n_bad:
+            idx = bad.nonzero().flatten()[:5].tolist()
+            out.append(Finding("labels", "error",
+                               f"{split}: {n_bad} label(s) outside [0, {c}) (range "
+                               f"{int(y.min())}..{int(y.max())}; e.g. samples {idx})",
+                               f"the targets are not class indices 0..{c - 1}: 1-based labels, "
+                               f"or more classes than the model's {c} outputs",
+                               f"map the labels to 0..{c - 1} or give the model as many outputs "
+                               f"as there are classes"))
+            y = y[~bad]
+        counts = torch.bincount(y, minlength=c)[:c]
+        missing = (counts == 0).nonzero().flatten().tolist()
+        if missing and split == "train":
+            out.append(Finding("labels", "warning",
+                               f"train: {len(missing)} of {c} classes never appear: "
+                               f"{missing[:10]}{' ...' if len(missing) > 10 else ''}",
+                               "the model has outputs for classes it never sees (wrong "
+                               "num_classes, or a filtered/mis-split dataset)",
+                               "check the split and the number of classes"))
+        share = counts.float() / max(len(y), 1)
+        seen = share[counts > 0]
+        balance = (f"{split} class balance: {len(y)} samples, smallest class "
+                   f"{100 * float(seen.min()):.1f}%, largest {100 * float(seen.max()):.1f}%")
+        if len(seen) > 1 and float(seen.max()) > 10 * float(seen.min()) and split == "train":
+            out.append(Finding("labels", "warning", balance,
+                               "classes differ more than 10x in frequency: accuracy will "
+                               "reward predicting the common classes",
+                               "set loss.class_weights, or resample the training set"))
+        else:
+            out.append(info("labels", balance))
+    return out
+
+
+def _hashes(dataset, cap: int | None) -> list[bytes]:
+    """One 16-byte digest per sample's input (the first ``cap`` samples when not in memory)."""
+    if isinstance(dataset, TensorData):
+        x = dataset.x.detach().cpu().contiguous()
+        rows = x.reshape(len(x), -1).numpy()
+    else:
+        n = len(dataset) if cap is None else min(cap, len(dataset))
+        rows = [torch.as_tensor(dataset[i][0]).detach().cpu().contiguous().numpy()
+                for i in range(n)]
+    return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
+
+
+def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:
+    """6. Samples whose inputs appear in both train and val (or train and test)."""
+    if s.train is None:
+        return []
+    train = {}
+    for i, h in enumerate(_hashes(s.train, cap)):
+        train.setdefault(h, i)
+    out = []
+    for split, data in (("val", s.val), ("test", s.test)):
+        if data is None or not len(data):
+            continue
+        hashes = _hashes(data, cap)
+        dup = [(i, train[h]) for i, h in enumerate(hashes) if h in train]
+        if not dup:
+            out.append(info("leakage", f"train/{split}: no duplicated inputs among "
+                            f"{len(train)} x {len(hashes)} samples"))
+            continue
+        pairs = ", ".join(f"{split}[{a}]=train[{b}]" for a, b in dup[:5])
+        out.append(Finding("leakage", "error",
+                           f"{len(dup)} of {len(hashes)} {split} samples "
+                           f"({100 * len(dup) / len(hashes):.1f}%) also appear in train, e.g. "
+                           f"{pairs}",
+                           f"duplicated samples across the split: {split} scores will be "
+                           f"optimistic (the model is graded on data it trained on)",
+                           f"deduplicate before splitting, or drop these samples from {split}"))
+    return out
+
+
+def _loader_seconds_per_batch(s: Subject, max_batches: int, budget: float) -> float:
+    """Median seconds per batch for the DataLoader in the main process: fetch + collate.
+    The median, because a shared machine preempts now and then: one stall must not turn a fast
+    loader into a slow one."""
+    it = iter(s.loader())
+    next(it)  # the first batch pays one-off costs
+    times: list[float] = []
+    start = time.perf_counter()
+    for _ in range(max_batches):
+        t0 = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget:
+            break
+    return statistics.median(times) if times else 0.0
+
+
+def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> float:
+    """Seconds per optimizer step on a synthetic batch of the same shape, already in place:
+    the median step on CPU, the mean over the steps (one sync at the end) on CUDA."""
+    x = torch.randn_like(batch[0].float()).to(batch[0].dtype) \
+        if batch[0].is_floating_point() else batch[0].clone()
+    y = batch[1].clone()
+    model, opt = s.copy()
+    cuda = s.device.type == "cuda"
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        s.loss(model, (x, y))[0].backward()
+        opt.step()
+
+    step()  # warm-up
+    if cuda:
+        torch.cuda.synchronize(s.device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < steps and time.perf_counter() - start <= budget:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize(s.device)  # host sync: to time the GPU's work
+        return (time.perf_counter() - start) / len(times)
+    return statistics.median(times)
+
+
+def check_input_bound(s: Subject, batch, max_batches: int = 8,
+                      budget: float = 0.15) -> list[Finding]:
+    """7. The DataLoader's batches/s against the model's steps/s on synthetic batches.
+
+    The loader is timed in the main process (no worker start-up in the preflight); with
+    ``data.num_workers = W`` its throughput is taken as W times that, the best W workers do.
+    """
+    load = _loader_seconds_per_batch(s, max_batches, budget)
+    step = _model_seconds_per_step(s, batch, max_batches, budget)
+    workers = s.cfg.data.num_workers
+    effective = load / max(workers, 1)
+    measured = (f"DataLoader {1 / max(load, 1e-9):.0f} batches/s per process"
+                f"{f' (x{workers} workers)' if workers else ''}, model "
+                f"{1 / max(step, 1e-9):.0f} steps/s on synthetic batches")
+    if workers == 0 and load > 0.1 * step:
+        share = load / (load + step)
+        need = max(2, min(16, int(load / step * 1.5) + 1))
+        sev = "warning" if load > 0.25 * step else "info"
+        return [Finding("input_bound", sev,
+                        f"{measured}: loading would take {100 * share:.0f}% of each step",
+                        "with data.num_workers=0 the model waits while each batch is loaded "
+                        "and collated in the main process",
+                        f"set data.num_workers={need} (and data.pin_memory=true on CUDA), or "
+                        f"make __getitem__ cheaper")]
+    if effective > step:
+        need = min(32, int(load / step * 1.5) + 1)
+        return [Finding("input_bound", "warning", f"{measured}: the loader is slower",
+                        "the model waits for data: the DataLoader cannot keep up",
+                        f"raise data.num_workers to about {need}, keep data.pin_memory=true, "
+                        f"or move decoding/augmentation off the critical path")]
+    return [info("input_bound", measured)]
+

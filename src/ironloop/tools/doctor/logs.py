@@ -1,0 +1,160 @@
+"""After the run: what the logs say went wrong (``ironloop report`` prints these)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from ironloop.tools.doctor.findings import Finding
+from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+
+#: Thresholds, named so the README and the findings quote the same numbers.
+FLAT = 0.05            # train loss fell by less than 5% after epoch 1
+RISE = 0.05            # val loss 5% above its minimum, two or more epochs later
+HIGH_ACC = 0.95        # val accuracy at epoch 1
+CLIP_SHARE = 0.5       # clipped steps in steady state (after the first 10% of steps)
+SLOWDOWN = 0.7         # last quarter's samples/s below 70% of the first quarter's
+
+
+def diagnose_logs(run_dir: Path | str) -> list[Finding]:
+    """Every diagnosis that the run's metrics.jsonl and epochs.jsonl support."""
+    run_dir = Path(run_dir)
+    metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
+    epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
+    cfg = load_mapping(run_dir / "config.yaml")[0]
+    return [*non_finite_loss(metrics), *flat_loss(epochs, metrics), *overfitting(epochs),
+            *high_first_val_acc(epochs), *clipping(metrics, get_dotted(cfg, "clip.max_norm")),
+            *throughput_drop(metrics, epochs)]
+
+
+def non_finite_loss(metrics: list[dict]) -> list[Finding]:
+    for r in metrics:
+        v = r.get("loss")
+        if isinstance(v, float) and not math.isfinite(v):
+            return [Finding("nan_loss", "error", f"the training loss is {v} at step {r['step']}",
+                            "the LR is too high, or log(0)/division by zero in the loss",
+                            "lower optim.lr, keep clip.max_norm on, and run `ironloop doctor`")]
+    return []
+
+
+def flat_loss(epochs: list[dict], metrics: list[dict]) -> list[Finding]:
+    """The training loss barely moves after epoch 1 (or, within one epoch, after the first
+    logged window)."""
+    losses = [v for v in (num(r.get("train_loss")) for r in epochs) if v is not None]
+    what = "epoch"
+    if len(losses) < 2:
+        losses = [v for v in (num(r.get("loss")) for r in metrics) if v is not None]
+        what = "log window"
+        if len(losses) < 5:
+            return []
+    first, best = losses[0], min(losses[1:])
+    if first <= 0 or best < (1 - FLAT) * first:
+        return []
+    return [Finding("flat_loss", "warning",
+                    f"the training loss is flat: {first:.4f} in the first {what}, at best "
+                    f"{best:.4f} over the next {len(losses) - 1} (less than {FLAT:.0%} lower)",
+                    "the LR is too low, parameters get no gradient, or the model outputs "
+                    "probabilities to a loss that expects logits (a loss stuck at log(C))",
+                    "run `ironloop doctor CONFIG --lr-find` (dead_parameters, probabilities "
+                    "and the LR range test)")]
+
+
+def overfitting(epochs: list[dict]) -> list[Finding]:
+    """Validation loss rising for two or more epochs after its minimum while the training
+    loss keeps falling."""
+    rows = [(r["epoch"], num(r.get("train_loss")), num(r.get("val_loss"))) for r in epochs]
+    rows = [r for r in rows if r[1] is not None and r[2] is not None]
+    if len(rows) < 3:
+        return []
+    best = min(range(len(rows)), key=lambda i: rows[i][2])
+    after = rows[best + 1:]
+    if len(after) < 2 or after[-1][2] < (1 + RISE) * rows[best][2] or \
+            after[-1][1] >= rows[best][1]:
+        return []
+    start = after[0][0]
+    return [Finding("overfitting", "warning",
+                    f"validation loss rises from epoch {start} ({rows[best][2]:.4f} at epoch "
+                    f"{rows[best][0]} -> {after[-1][2]:.4f} at epoch {after[-1][0]}) while the "
+                    f"training loss falls ({rows[best][1]:.4f} -> {after[-1][1]:.4f})",
+                    f"the model memorises the training set from epoch {start} on",
+                    f"early_stop.patience=2 (keeps the best weights), more weight decay or "
+                    f"dropout, data augmentation, or train.epochs={rows[best][0]}")]
+
+
+def high_first_val_acc(epochs: list[dict]) -> list[Finding]:
+    acc = num(epochs[0].get("val_acc")) if epochs else None
+    if acc is None or acc < HIGH_ACC:
+        return []
+    return [Finding("val_acc_epoch1", "warning",
+                    f"validation accuracy is {100 * acc:.1f}% after one epoch",
+                    "validation samples that also appear in training (leakage), labels that "
+                    "leak into the inputs, or a task easier than expected",
+                    "run `ironloop doctor CONFIG` (the leakage and initial_loss checks)")]
+
+
+def clipping(metrics: list[dict], max_norm) -> list[Finding]:
+    """Share of clipped steps after the first 10% of steps (warm-up is allowed to clip)."""
+    last = max((num(r.get("step")) or 0 for r in metrics), default=0)
+    steady = [r for r in metrics if (num(r.get("step")) or 0) > 0.1 * last]
+    clipped = sum(num(r.get("clipped")) or 0 for r in steady)
+    steps = sum(num(r.get("steps")) or 0 for r in steady)
+    if steps < 10 or clipped / steps <= CLIP_SHARE:
+        return []
+    norms = [v for v in (num(r.get("grad_norm")) for r in steady) if v is not None]
+    median = statistics.median(norms) if norms else None
+    hint = f"; median pre-clip norm {median:.3g}" if median is not None else ""
+    raise_to = f" (about {1.5 * median:.2g})" if median is not None else ""
+    return [Finding("clipping", "warning",
+                    f"{100 * clipped / steps:.0f}% of steady-state steps were clipped at "
+                    f"clip.max_norm={max_norm}{hint}",
+                    "clipping on most steps rescales every update: it acts as a hidden LR "
+                    "cut, and the LR schedule no longer means what it says",
+                    f"raise clip.max_norm{raise_to} so it only catches spikes, or lower "
+                    f"optim.lr")]
+
+
+def throughput_drop(metrics: list[dict], epochs: list[dict]) -> list[Finding]:
+    """samples/s of the last quarter of the logged windows against the first quarter (the very
+    first window, which pays warm-up, is left out)."""
+    speeds = [v for v in (num(r.get("samples_per_s")) for r in metrics[1:]) if v is not None]
+    if len(speeds) < 8:
+        return []
+    q = len(speeds) // 4
+    early, late = statistics.median(speeds[:q]), statistics.median(speeds[-q:])
+    if late >= SLOWDOWN * early:
+        return []
+    grew = _part_that_grew(epochs)
+    return [Finding("throughput", "warning",
+                    f"throughput fell from {early:,.0f} to {late:,.0f} samples/s "
+                    f"({100 * (1 - late / early):.0f}% lower) between the first and the last "
+                    f"quarter of the run{grew}",
+                    "a growing Python structure (e.g. keeping loss tensors with their graphs), "
+                    "a data source that slows down, memory pressure, or other jobs on the "
+                    "machine", "compare the time split per epoch in epochs.jsonl to see which "
+                    "part grew, and keep only .item() values of what you store")]
+
+
+def _part_that_grew(epochs: list[dict]) -> str:
+    split = [(r["time_split"], num(r.get("step"))) for r in epochs
+             if isinstance(r.get("time_split"), dict)]
+    if len(split) < 2:
+        return ""
+    (first, _), (last, _) = split[0], split[-1]
+    growth = {k: (last.get(k) or 0) - (first.get(k) or 0) for k in first}
+    part = max(growth, key=growth.get)
+    if growth[part] <= 0:
+        return ""
+    return (f"; the time split says {part} grew most ({first[part]:.2f} s in the first epoch, "
+            f"{last[part]:.2f} s in the last)")
+
+
+def markdown(findings: list[Finding]) -> str:
+    """A "Diagnosis" section for report.md."""
+    if not findings:
+        return "## Diagnosis\n\nNothing in the logs calls for attention.\n"
+    lines = ["## Diagnosis", ""]
+    for f in findings:
+        lines.append(f"- **{f.severity}** ({f.check}): {f.measured}. *Likely cause:* "
+                     f"{f.cause}. *Fix:* {f.fix}.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,71 @@
+"""What the checks examine: the model, the data, the loss and the config, and helpers to get a
+batch or a throwaway copy of the model and its optimizer. Checks never touch the real model."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ironloop.config import Config
+from ironloop.data.loader import EpochSampler, TensorData, make_loader, to_device
+from ironloop.engine.optim import build_optimizer
+
+
+@dataclass
+class Subject:
+    model: nn.Module
+    cfg: Config
+    train: Any
+    val: Any = None
+    test: Any = None
+    num_classes: int | None = None
+    loss_fn: Any = None          # loss(output, target), a batch mean
+    device: torch.device = torch.device("cpu")
+    collate_fn: Any = None
+
+    def loader(self, batch_size: int | None = None, num_workers: int = 0):
+        """The training data in the run's own order (epoch 0), in the main process."""
+        sampler = EpochSampler(len(self.train), batch_size or self.cfg.train.batch_size,
+                               self.cfg.run.seed, shuffle=True)
+        return make_loader(self.train, sampler, num_workers=num_workers, pin_memory=False,
+                           collate_fn=self.collate_fn)
+
+    def batch(self, size: int | None = None):
+        """The first training batch of the run, on the device."""
+        return to_device(next(iter(self.loader(size))), self.device, False)
+
+    def copy(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A deep copy of the model in train mode and a fresh optimizer built from the config:
+        what the real run starts with, so the real run stays untouched."""
+        model = copy.deepcopy(self.model).to(self.device).train()
+        return model, build_optimizer(model, self.cfg.optim)
+
+    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, output) of ``model`` on an (inputs, targets) batch."""
+        out = model(batch[0])
+        return self.loss_fn(out, batch[1]), out
+
+    @property
+    def classification(self) -> bool:
+        return bool(self.num_classes) and self.cfg.loss.name in (
+            "cross_entropy", "bce_logits", "kl_div")
+
+
+def labels_of(dataset, cap: int | None = None) -> torch.Tensor | None:
+    """The integer labels of a dataset (the first ``cap`` samples when it is not in memory)."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, TensorData):
+        y = dataset.y
+    else:
+        n = len(dataset) if cap is None else min(cap, len(dataset))
+        ys = [dataset[i][1] for i in range(n)]
+        y = torch.as_tensor(ys) if ys and not isinstance(ys[0], torch.Tensor) else \
+            torch.stack(ys) if ys else torch.zeros(0, dtype=torch.long)
+    if y.is_floating_point() or y.ndim != 1:
+        return None
+    return y

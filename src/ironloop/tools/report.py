@@ -1,0 +1,349 @@
+"""Plots and a markdown summary of one run directory.
+
+``render_report(run_dir)`` reads ``metrics.jsonl``, ``epochs.jsonl``, ``events.jsonl``,
+``results.json`` and ``config.yaml`` and writes PNGs plus ``report.md`` to ``run_dir/report``.
+Readers are tolerant: missing keys, nulls, NaNs and a partial line left by a crash are skipped.
+matplotlib is imported lazily and figures use the object API (``matplotlib.figure.Figure``),
+which renders PNGs with Agg without switching pyplot's global backend (a notebook keeps its own).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ironloop.errors import UserError
+from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+
+DPI = 120
+SIZE = (7.0, 4.0)
+
+
+def _vals(rows: Iterable[dict], key: str) -> list[float]:
+    return [v for v in (num(r.get(key)) for r in rows) if v is not None]
+
+
+def _xy(rows: Iterable[dict], x: str, y: str) -> tuple[list[float], list[float]]:
+    pts = [(num(r.get(x)), num(r.get(y))) for r in rows]
+    pts = [(a, b) for a, b in pts if a is not None and b is not None]
+    return [a for a, _ in pts], [b for _, b in pts]
+
+
+def crash_steps(rows: Sequence[dict]) -> list[int]:
+    """The last step logged before each point where the step counter goes back (a resume)."""
+    steps = _vals(rows, "step")
+    return [int(a) for a, b in zip(steps, steps[1:]) if b <= a]
+
+
+def clipped_fraction(rows: Sequence[dict], max_norm: float | None) -> float | None:
+    """Share of optimizer steps whose pre-clip norm exceeded ``max_norm``: sum(clipped)/sum(steps)
+    over rows carrying both; else the share of logged grad_norm values above ``max_norm``; None
+    when neither is known (no counts, and clipping disabled or no norms)."""
+    clipped, steps = _xy(rows, "clipped", "steps")
+    if sum(steps) > 0:
+        return sum(clipped) / sum(steps)
+    norms, thr = _vals(rows, "grad_norm"), _threshold(max_norm)
+    return sum(v > thr for v in norms) / len(norms) if norms and thr else None
+
+
+def _threshold(max_norm: Any) -> float | None:
+    v = num(max_norm)
+    return v if v and v > 0 else None
+
+
+def _figure(nrows: int = 1, ncols: int = 1, size=SIZE, **kw):
+    from ironloop.extras import require
+
+    Figure = require("matplotlib.figure", "plots", "drawing plots").Figure
+    fig = Figure(figsize=size, dpi=DPI)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw).ravel()
+
+
+def _save(fig, out: Path | str) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    fig.clear()  # frees the artists now; the Figure was never registered with pyplot
+    return out
+
+
+def _note(ax, msg: str, ticks: bool = True) -> None:
+    ax.text(0.5, 0.5, msg, ha="center", va="center", transform=ax.transAxes, color="0.4",
+            zorder=5, bbox={"facecolor": "white", "edgecolor": "none"})
+    if not ticks:
+        ax.set_xticks([])
+        ax.set_yticks([])
+
+
+def _spans(values: Sequence[float], decades: float) -> bool:
+    return bool(values) and min(values) > 0 and max(values) / min(values) > 10**decades
+
+
+def _finish(ax, drawn: bool, empty: str, **labels) -> None:
+    if drawn:
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        ax.set_axisbelow(True)  # grid behind histogram bars too
+    else:
+        _note(ax, empty, ticks=False)
+    ax.set(**labels)
+
+
+def _per_step(runs: dict[str, list[dict]], key: str, out, log: bool, x: str = "step",
+              xlabel: str = "optimizer step", **labels) -> Path:
+    """One line per variant of ``key`` vs ``x`` (the optimizer step unless told otherwise)."""
+    fig, (ax,) = _figure()
+    ys_all: list[float] = []
+    for i, (name, rows) in enumerate(runs.items()):
+        xs, ys = _xy(continuous(rows), x, key)
+        if xs:  # line styles cycle too, so overlapping variants stay distinguishable
+            ax.plot(xs, ys, lw=1.3, label=name, ls=("-", "--", ":", "-.")[i // 10 % 4])
+            ys_all += ys
+    if log and _spans(ys_all, 2):
+        ax.set_yscale("log")
+    elif ys_all and not log:
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    _finish(ax, bool(ys_all), f"no {labels['ylabel']} recorded", xlabel=xlabel, **labels)
+    return _save(fig, out)
+
+
+def plot_loss_curves(runs: dict[str, list[dict]], out, title: str = "Training loss",
+                     x: str = "step", xlabel: str = "optimizer step") -> Path:
+    """Train loss vs optimizer step (or another x key), one line per variant; log y when it
+    spans > 2 decades. Variants with different steps per epoch compare better with x="epochs"."""
+    return _per_step(runs, "loss", out, True, x=x, xlabel=xlabel, ylabel="train loss",
+                     title=title)
+
+
+def plot_lr(runs: dict[str, list[dict]], out) -> Path:
+    return _per_step(runs, "lr", out, False, ylabel="learning rate", title="Learning rate")
+
+
+def _clip_title(rows: Sequence[dict], max_norm: float | None) -> str:
+    frac = clipped_fraction(rows, max_norm)
+    if _threshold(max_norm) is None and not frac:
+        return "clipping disabled"
+    return "clipped: " + ("n/a" if frac is None else f"{frac:.1%} of optimizer steps")
+
+
+def plot_grad_norm_hist(rows: list[dict], max_norm: float | None, out) -> Path:
+    """Histogram of logged pre-clip norms, the clip threshold, the clipped fraction in the title."""
+    import numpy as np
+
+    fig, (ax,) = _figure()
+    norms, thr = _vals(rows, "grad_norm"), _threshold(max_norm)
+    if norms:
+        bins: Any = 40
+        if _spans(norms, 1.5):
+            bins = np.logspace(math.log10(min(norms)), math.log10(max(norms)), 41)
+            ax.set_xscale("log")
+        ax.hist(norms, bins=bins, color="C0", label=f"logged steps (n={len(norms)})")
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # headroom for the legend
+        if thr is not None:
+            ax.axvline(thr, color="C3", ls="--", lw=1.5, label=f"clip threshold = {thr:g}")
+    _finish(ax, bool(norms), "no grad norm recorded", xlabel="pre-clip global grad norm",
+            ylabel="count", title=f"Gradient norm distribution ({_clip_title(rows, max_norm)})")
+    return _save(fig, out)
+
+
+def _interval_clip(row: dict, thr: float | None) -> float:
+    """Share of the steps a metrics row covers that were clipped (its own norm when uncounted)."""
+    c, n = num(row.get("clipped")), num(row.get("steps"))
+    if c is not None:
+        return min(1.0, c / n) if n else float(c > 0)
+    return float(thr is not None and (num(row.get("grad_norm")) or 0) > thr)
+
+
+def plot_grad_norm(rows: list[dict], max_norm: float | None, out) -> Path:
+    """Pre-clip norm vs step, the threshold, red dots sized by the share of steps clipped."""
+    fig, (ax,) = _figure()
+    rows, thr = continuous(rows), _threshold(max_norm)
+    xs, ys = _xy(rows, "step", "grad_norm")
+    if xs:
+        ax.plot(xs, ys, lw=1.0, color="C0", label="pre-clip grad norm")
+        hit = [(x, y, _interval_clip(r, thr)) for r in rows
+               for x, y in [(num(r.get("step")), num(r.get("grad_norm")))] if y is not None]
+        hit = [h for h in hit if h[2] > 0]
+        if hit:
+            x, y, share = zip(*hit)
+            ax.scatter(x, y, s=[4 + 20 * v for v in share], color="C3", zorder=3,
+                       label="clipped since last log (size: share)")
+        if thr is not None:
+            ax.axhline(thr, color="C3", ls="--", lw=1.2, label=f"clip threshold = {thr:g}")
+        if _spans(ys, 2):
+            ax.set_yscale("log")
+    _finish(ax, bool(xs), "no grad norm recorded", xlabel="optimizer step",
+            ylabel="pre-clip global grad norm",
+            title=f"Gradient norm ({_clip_title(rows, max_norm)})")
+    return _save(fig, out)
+
+
+def _pct(values: list[float]) -> list[float]:
+    """Accuracies as %: fractions are scaled by 100; values already above 1 are kept."""
+    return values if values and max(values) > 1 else [v * 100 for v in values]
+
+
+def plot_accuracy(epoch_rows: list[dict], out) -> Path:
+    """Left: train and val loss per epoch. Right: val accuracy (%) per epoch."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (left, right) = _figure(1, 2, size=(9.0, 4.0))
+    rows = continuous(epoch_rows, "epoch")
+    drawn = False
+    for key in ("train_loss", "val_loss"):
+        xs, ys = _xy(rows, "epoch", key)
+        if xs:
+            left.plot(xs, ys, marker="o", label=key.replace("_", " "))
+            drawn = True
+    _finish(left, drawn, "no epochs recorded", xlabel="epoch", ylabel="loss",
+            title="Loss per epoch")
+    xs, ys = _xy(rows, "epoch", "val_acc")
+    if xs:
+        right.plot(xs, _pct(ys), marker="o", color="C2")
+        right.grid(alpha=0.3)
+    else:
+        _note(right, "no validation accuracy recorded", ticks=False)
+    right.set(xlabel="epoch", ylabel="validation accuracy (%)", title="Validation accuracy")
+    for ax in (left, right):
+        if ax.get_xticks().size:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _save(fig, out)
+
+
+def plot_resume_curve(metric_rows, epoch_rows, out, resumes: Sequence[dict] = (),
+                      crash_step: int | Sequence[int] | None = None) -> Path:
+    """Train loss (top) and val acc at each epoch end (bottom) vs step, each as one trajectory,
+    with a red line at each crash step and a green dashed line at each resume step."""
+    fig, (top, bottom) = _figure(2, 1, size=(7.0, 5.5), sharex=True)
+    xs, ys = _xy(continuous(metric_rows), "step", "loss")
+    if xs:
+        top.plot(xs, ys, lw=1.2, color="C0", label="train loss")
+        top.set_yscale("log" if _spans(ys, 2) else "linear")
+    ax, ay = _xy(continuous(epoch_rows, "epoch"), "step", "val_acc")
+    if ax:
+        bottom.plot(ax, _pct(ay), marker="o", color="C2", label="val acc (epoch end)")
+    else:
+        _note(bottom, "no validation accuracy recorded")
+    crashes = [crash_step] if isinstance(crash_step, (int, float)) else list(crash_step or ())
+    for panel in (top, bottom):
+        for c in crashes:
+            panel.axvline(c, color="red", lw=1.5, label=f"crash (step {int(c)})")
+        for s in _vals(resumes, "step"):
+            panel.axvline(s, color="green", ls="--", lw=1.5, label=f"resumed from step {int(s)}")
+        panel.grid(alpha=0.3)
+    top.legend(fontsize="small")
+    top.set(ylabel="train loss", title="Crash and resume")
+    bottom.set(xlabel="optimizer step", ylabel="validation accuracy (%)")
+    return _save(fig, out)
+
+
+def _fmt(*candidates: Any, spec: str = "", pct: bool = False) -> str:
+    """The first finite number among ``candidates``, formatted; "n/a" when there is none."""
+    v = next((v for v in map(num, candidates) if v is not None), None)
+    if v is None:
+        return "n/a"
+    return f"{_pct([v])[0]:.2f}%" if pct else format(v, spec)
+
+
+def _span(times: list[float]) -> float | None:
+    """Wall-clock seconds covered by the metrics rows (their "time" is a Unix timestamp)."""
+    return max(times) - min(times) if len(times) > 1 else None
+
+
+def _resumes(run_dir: Path) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "resume"]
+
+
+def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
+    """data, model and optimizer as the run used them (config.yaml's ``used:`` block), falling
+    back to the config's names for runs recorded before that block existed."""
+    used = cfg.get("used") if isinstance(cfg.get("used"), dict) else {}
+    model, data = used.get("model") or {}, used.get("data") or {}
+    model_s = get_dotted(cfg, "model.name")
+    if model.get("class"):
+        model_s = f"{model_s} ({model['class']}, {model.get('parameters', 0):,} parameters)" \
+            if used.get("source") == "config" else \
+            f"{model['class']} ({model.get('parameters', 0):,} parameters)"
+    data_s = get_dotted(cfg, "data.name")
+    if data:
+        sizes = ", ".join(f"{v['size']:,} {k}" for k, v in data.items() if isinstance(v, dict))
+        kind = data_s if used.get("source") == "config" else \
+            (data.get("train") or {}).get("type", data_s)
+        data_s = f"{kind} ({sizes})"
+    rows = [("data", data_s), ("model", model_s)]
+    if used.get("optimizer"):
+        rows.append(("optimizer", used["optimizer"] + (f" + {used['scheduler']}"
+                                                        if used.get("scheduler") else "")))
+    return rows
+
+
+def summarize(run_dir: Path | str) -> str:
+    """A short markdown table: names, epochs, steps, accuracies, speed, clipping, resumes, time."""
+    run_dir = Path(run_dir)
+    cfg, cfg_note = load_mapping(run_dir / "config.yaml")
+    res, res_note = load_mapping(run_dir / "results.json")
+    metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
+    epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
+    accs, speeds = _vals(epochs, "val_acc"), _vals(metrics, "samples_per_s")
+    frac = clipped_fraction(metrics, get_dotted(cfg, "clip.max_norm"))
+    table = [
+        *_used_rows(cfg),
+        ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", len(epochs)),
+        ("optimizer steps", _fmt(res.get("steps"), *_vals(metrics, "step")[-1:], spec=".0f")),
+        ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),
+        ("final val acc", _fmt(*accs[-1:], pct=True)),
+        ("test acc", _fmt(res.get("test_acc"), pct=True)),
+        ("test loss", _fmt(res.get("test_loss"), spec=".4f")),
+        ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None, spec=",.0f")),
+        ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
+        ("resumes", len(_resumes(run_dir))),
+        ("total seconds", _fmt(res.get("seconds"), _span(_vals(metrics, "time")), spec=".1f")),
+        ("training seconds", _fmt(res.get("train_seconds"), spec=".1f")),
+    ]
+    table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
+              ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
+    lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table
+              if not (k.startswith("test") and v == "n/a")]
+    notes = [n for n in (cfg_note, res_note and f"{res_note}: the run did not finish") if n]
+    return "\n".join(lines + [""] + [f"> note: {n}" for n in notes]).rstrip() + "\n"
+
+
+def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Path]:
+    """Write the PNGs and report.md for one run directory; return the written paths."""
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    raw = read_jsonl(run_dir / "metrics.jsonl")
+    if not raw:
+        raise UserError(f"{run_dir} has no metrics.jsonl: is it an ironloop run directory? "
+                        "Pass the run.dir of a training run")
+    epochs, resumes = read_jsonl(run_dir / "epochs.jsonl"), _resumes(run_dir)
+    cfg = load_mapping(run_dir / "config.yaml")[0]
+    max_norm = get_dotted(cfg, "clip.max_norm")
+    metrics, name = continuous(raw), run_dir.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [
+        plot_loss_curves({name: metrics}, out_dir / "loss.png", title=f"Training loss: {name}"),
+        plot_accuracy(epochs, out_dir / "accuracy.png"),
+        plot_lr({name: metrics}, out_dir / "lr.png"),
+        plot_grad_norm(metrics, max_norm, out_dir / "grad_norm.png"),
+        plot_grad_norm_hist(metrics, max_norm, out_dir / "grad_norm_hist.png"),
+    ]
+    if resumes:
+        # The loop truncates the logs to the checkpoint on resume, but each resume event
+        # records the last step the killed process logged; older logs show step resets.
+        crashes = [e["last_logged_step"] for e in resumes
+                   if (num(e.get("last_logged_step")) or 0) > (num(e.get("step")) or 0)]
+        knob = num(get_dotted(cfg, "fault.crash_at_step")) or 0
+        crashes = crashes or crash_steps(raw) or ([int(knob)] if knob > 0 else [])
+        paths.append(plot_resume_curve(raw, epochs, out_dir / "resume.png", resumes, crashes))
+    report = out_dir / "report.md"
+    from ironloop.tools.doctor.logs import diagnose_logs, markdown
+
+    md = [summarize(run_dir), markdown(diagnose_logs(run_dir))]
+    md += [f"![{p.stem}]({p.name})\n" for p in paths]
+    report.write_text("\n".join(md), encoding="utf-8")
+    return paths + [report]
