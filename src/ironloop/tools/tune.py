@@ -1,0 +1,455 @@
+"""``ironloop tune``: measure the settings that make this run faster, and hand back a config.
+
+On the user's own model, data and step, within a time budget::
+
+    probe (3 steps: how long is a step?) -> plan the trials -> baseline
+    settings that cannot change the trajectory (state/drift.py's FREE keys), greedily, each on
+    top of the winners so far: data.num_workers -> loader extras -> pin_memory (CUDA)
+    settings that change it, on top of those: precision -> a larger micro-batch with the same
+    global batch -> the largest micro-batch that fits (CUDA)
+    train.compile last, when the budget and the run's length can repay a compile
+    -> the table, RUN_DIR/tune.json, RUN_DIR/tuned.yaml
+
+A winner must be more than ``NOISE`` faster than the config it would replace and outside the
+spread of both measurements, and it must win again against a fresh measurement of that config
+(the machine's load drifts between trials). Nothing else is applied: when nothing wins,
+tuned.yaml is the input. A trial that fails is reported and skipped. Settings that change the
+training trajectory are reported apart and applied only with ``apply_trajectory_changes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ironloop.config import Config, load_config
+from ironloop.data import TensorData, build_data
+from ironloop.engine.fit import as_config, seed_everything
+from ironloop.engine.precision import resolve_device
+from ironloop.errors import ConfigError, UserError
+from ironloop.state import drift
+from ironloop.state.rng import preserved_rng
+from ironloop.tools import tune_output
+from ironloop.tools.models import build_model
+from ironloop.tools.tune_trials import Measure, Plan, Subject, TrialFailed, run_trial
+
+#: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
+DEFAULT_BUDGET = 120.0
+#: A winner is more than this much faster (and outside the measured spreads).
+NOISE = 0.05
+#: Seconds held back for a compile trial; and the shortest run a compile can pay for itself in.
+COMPILE_RESERVE, COMPILE_MIN_RUN = 30.0, 120.0
+
+
+@dataclass
+class Row:
+    """One line of a tune table: a setting, what it changes, and how it did."""
+
+    setting: str
+    overrides: dict
+    kind: str = "free"                # "free" (tune may apply it) or "trajectory"
+    note: str = ""                    # e.g. "same trajectory up to float rounding"
+    status: str = "planned"           # ok | failed | skipped
+    reason: str = ""                  # why it failed or was skipped
+    base: dict = field(default_factory=dict)  # the chosen settings it was measured on top of
+    measure: Measure | None = None
+    ratio: float | None = None        # samples/s against the baseline
+    projected_s: float | None = None  # the whole run's training time at this speed
+    verdict: str = ""
+    recheck: dict | None = None       # the fresh pair of measurements a winner had to win
+    gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
+                                      # smaller of its two measurements' (first and recheck)
+
+    def to_dict(self) -> dict:
+        out = {"setting": self.setting, "kind": self.kind, "overrides": self.overrides,
+               "on_top_of": self.base, "status": self.status, "verdict": self.verdict}
+        if self.note:
+            out["note"] = self.note
+        if self.reason:
+            out["reason"] = self.reason
+        if self.measure is not None:
+            out.update(self.measure.to_dict(), ratio=_round(self.ratio),
+                       projected_s=_round(self.projected_s))
+        if self.recheck is not None:
+            out["recheck"] = self.recheck
+        if self.verdict in ("chosen", "winner"):
+            out["gain"] = round(self.gain, 4)
+        return out
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` found: ``chosen`` are the trajectory-free overrides in tuned.yaml;
+    ``trajectory`` the winners of the second table (in tuned.yaml only when applied)."""
+
+    baseline: Row
+    rows: list[Row]
+    chosen: dict
+    trajectory: dict
+    applied_trajectory: bool
+    speedup: float
+    config: Config                    # the tuned config
+    info: dict                        # device, cores, load, budget, the run's planned length
+    paths: dict = field(default_factory=dict)  # tune.json, tuned.yaml
+
+
+def beats(new: Measure, old: Measure, margin: float = NOISE) -> bool:
+    """Faster beyond the noise: more than ``margin`` faster, and each median outside the other
+    measurement's spread."""
+    return (new.samples_per_s > old.samples_per_s * (1 + margin)
+            and new.samples_per_s > old.spread[1] and new.spread[0] > old.samples_per_s)
+
+
+def worker_counts(current: int, cpus: int) -> list[int]:
+    """0, 1, 2, 4, ... up to the CPU count, without the current value."""
+    counts = [0, 1, *(2 ** k for k in range(1, 10) if 2 ** k <= cpus)]
+    return [c for c in counts if c != current]
+
+
+def micro_batches(batch: int, accum: int) -> list[tuple[int, int]]:
+    """(batch_size, accumulation_steps) pairs with a larger micro-batch and the same window."""
+    return [(batch * k, accum // k) for k in (2, 4, 8, 16, 32) if k <= accum and accum % k == 0]
+
+
+def planned_samples(cfg: Config, n: int) -> int:
+    """Samples the configured run trains on (one process): its epochs, or its max_steps."""
+    window = cfg.train.batch_size * cfg.train.accumulation_steps
+    per_epoch = -(-n // window)
+    steps = per_epoch * cfg.train.epochs
+    if cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    return (steps // per_epoch) * n + (steps % per_epoch) * window
+
+
+def plan_for(step_s: float, seconds: float) -> Plan:
+    """Warm-up and windows that fill about ``seconds`` at ``step_s`` seconds a step."""
+    steps = max(3, int(seconds / max(step_s, 1e-6)))
+    warmup = 3 if steps >= 30 else 1
+    repeats = 5 if steps >= 10 else 2
+    return Plan(warmup, max(1, (steps - warmup) // repeats), repeats)
+
+
+class Tuner:
+    """Runs the rows within the budget and keeps the table; decisions use the functions above."""
+
+    def __init__(self, subject: Subject, budget: float, bar):
+        self.subject, self.bar = subject, bar
+        self.started = time.perf_counter()
+        self.deadline = self.started + budget
+        self.plan = Plan(1, 1, 2)
+        self.est_s = 0.0                 # a trial's expected seconds at the baseline's speed
+        self.samples = planned_samples(subject.cfg, subject.samples)
+        self.epochs = math.ceil(self.samples / subject.samples)  # epochs the run starts
+        self.rows: list[Row] = []
+        self.baseline: Row | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def measure(self, overrides: dict, extra_s: float = 0.0) -> Measure:
+        """One trial; its deadline is its share of the budget, three times over at most."""
+        now = time.perf_counter()
+        est = self.est_s + extra_s
+        deadline = min(self.deadline, now + max(3 * est, est + 5.0))
+        return run_trial(self.subject, overrides, self.plan, deadline)
+
+    def start(self, planned_rows: int) -> Row:
+        """Probe a step's time, plan the trials, measure the baseline."""
+        try:
+            probe = run_trial(self.subject, {}, Plan(1, 1, 2), self.deadline)
+        except TrialFailed as e:
+            raise UserError(f"the config does not train as it stands ({e}); fix that first "
+                            f"(ironloop train fails the same way)") from None
+        step_s = probe.step_ms / 1000
+        # The probe also paid the process's first-fit costs (lazy imports, first allocations):
+        # a trial's own set-up is timed on the baseline instead.
+        setup = min(1.0, max(0.0, probe.seconds - 2 * step_s))
+        share = max(1.0, min(10.0, 0.85 * self.left() / (planned_rows + 3) - setup))
+        self.plan = plan_for(step_s, share)
+        self.est_s = setup + self.plan.steps * step_s
+        base = Row("baseline (the config as it is)", {})
+        self.run_row(base, {})
+        if base.status != "ok":
+            raise UserError(f"the baseline could not be measured ({base.reason})")
+        self.baseline = base
+        self.est_s = base.measure.seconds  # what a trial at the baseline's speed takes
+        return base
+
+    def run_row(self, row: Row, base: dict, extra_s: float = 0.0) -> None:
+        row.base = dict(base)
+        if row.status == "skipped":
+            pass
+        elif self.left() < self.est_s + extra_s:
+            row.status, row.reason = "skipped", (f"budget: needs ~{self.est_s + extra_s:.0f} s, "
+                                                 f"{max(0.0, self.left()):.0f} s left")
+        else:
+            self.bar.set_description(row.setting)
+            try:
+                row.measure, row.status = self.measure({**base, **row.overrides}, extra_s), "ok"
+            except TrialFailed as e:
+                row.status, row.reason = "failed", str(e)
+            self._figures(row)
+        self.bar.update(1)
+        if self.baseline is not None:  # the baseline has a line of its own
+            self.rows.append(row)
+
+    def _figures(self, row: Row) -> None:
+        if row.measure is None:
+            return
+        m, base = row.measure, self.baseline.measure if self.baseline else row.measure
+        row.ratio = m.samples_per_s / base.samples_per_s
+        row.projected_s = self.projected(m, {**row.base, **row.overrides})
+
+    def projected(self, m: Measure, overrides: dict) -> float:
+        """The configured run's training time at this speed, plus its one-off costs (the
+        warm-up's time beyond its steady steps): a compile once, and the workers' start-up at
+        every epoch (the DataLoader starts them per epoch unless they persist)."""
+        cfg = self.subject.cfg.with_overrides(overrides)
+        per_epoch = cfg.data.num_workers and not getattr(cfg.data, "persistent_workers", False)
+        starts = self.epochs if per_epoch and not cfg.train.compile else 1
+        return self.samples / m.samples_per_s + starts * m.extra_s
+
+    def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0) -> Row | None:
+        """Run the rows on top of ``current``; the fastest that beats ``best`` and wins again
+        against a fresh measurement of ``current`` is the group's winner."""
+        for row in rows:
+            self.run_row(row, current, extra_s)
+        ok = [r for r in rows if r.status == "ok"]
+        wins = [r for r in ok if beats(r.measure, best.measure)
+                and r.projected_s < best.projected_s * (1 - NOISE)]
+        for r in ok:
+            r.verdict = _verdict(r, best, r in wins)
+        if not wins:
+            return None
+        winner = max(wins, key=lambda r: r.measure.samples_per_s)
+        for r in wins:
+            if r is not winner:
+                r.verdict = "faster, but another setting was faster still"
+        winner.gain = best.projected_s / winner.projected_s
+        if not self._recheck(winner, current, extra_s):
+            winner.verdict = "faster once, not on the recheck: within the machine's noise"
+            return None
+        winner.verdict = "chosen" if winner.kind == "free" else "winner"
+        return winner
+
+    def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
+        """The load of a shared machine drifts: the winner must win a fresh pair as well, and
+        its gain is the smaller of the two pairs'."""
+        if self.left() < 2 * self.est_s + extra_s:
+            winner.recheck = {"skipped": "budget"}
+            return True
+        try:
+            again = self.measure(current)
+            challenger = self.measure({**current, **winner.overrides}, extra_s)
+        except TrialFailed as e:
+            winner.recheck = {"failed": str(e)}
+            return False
+        projected = [self.projected(again, current),
+                     self.projected(challenger, {**current, **winner.overrides})]
+        winner.recheck = {"current": round(again.samples_per_s, 3),
+                          "setting": round(challenger.samples_per_s, 3),
+                          "gain": round(projected[0] / projected[1], 4)}
+        winner.gain = min(winner.gain, projected[0] / projected[1])
+        return beats(challenger, again) and projected[1] < projected[0] * (1 - NOISE)
+
+
+def _verdict(row: Row, best: Row, wins: bool) -> str:
+    if wins:
+        return "faster"
+    ratio = row.measure.samples_per_s / best.measure.samples_per_s
+    if ratio > 1:
+        return "within noise" if row.projected_s < best.projected_s else \
+            "faster per step, but the compile does not pay for itself in this run"
+    return "slower" if ratio < 1 - NOISE else "within noise"
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+# -- what to try ----------------------------------------------------------------------------------
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def loader_rows(subject: Subject, current: dict) -> list[Row]:
+    cfg = subject.cfg.with_overrides(current)
+    data = subject.train
+    if isinstance(data, (TensorData, tuple, list)) or \
+            type(data) is torch.utils.data.TensorDataset:
+        return [Row("data.num_workers", {}, status="skipped",
+                    reason="in-memory tensors are sliced in the main process: workers only "
+                    "add copies")]
+    return [Row(f"data.num_workers={w}", {"data.num_workers": w})
+            for w in worker_counts(cfg.data.num_workers, _cpus())]
+
+
+def loader_extra_rows(subject: Subject, current: dict) -> list[Row]:
+    """Persistent workers and prefetch depth, when the config has those keys (and workers)."""
+    cfg = subject.cfg.with_overrides(current)
+    if not cfg.data.num_workers:
+        return []
+    rows = []
+    if hasattr(cfg.data, "persistent_workers") and drift.is_free("data.persistent_workers") \
+            and not cfg.data.persistent_workers:
+        rows.append(Row("data.persistent_workers=true", {"data.persistent_workers": True}))
+    if hasattr(cfg.data, "prefetch_factor") and drift.is_free("data.prefetch_factor"):
+        depth = (cfg.data.prefetch_factor or 2) * 2
+        rows.append(Row(f"data.prefetch_factor={depth}", {"data.prefetch_factor": depth}))
+    return rows
+
+
+def pin_rows(subject: Subject, device: torch.device) -> list[Row]:
+    if device.type != "cuda":
+        return []  # pinning is for host-to-GPU copies; ironloop ignores it elsewhere
+    pin = not subject.cfg.data.pin_memory
+    return [Row(f"data.pin_memory={str(pin).lower()}", {"data.pin_memory": pin})]
+
+
+def precision_rows(subject: Subject, device: torch.device) -> list[Row]:
+    current = subject.cfg.train.precision
+    if device.type == "cuda":
+        options = (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16"]
+    elif device.type == "cpu" and not _cpu_has_bf16():
+        return [Row("train.precision=bf16", {}, kind="trajectory", status="skipped",
+                    reason="this CPU has no native bf16 (AVX512-BF16 or AMX): emulated bf16 "
+                    "is slower than fp32")]
+    else:
+        options = ["bf16"]
+    return [Row(f"train.precision={p}", {"train.precision": p}, kind="trajectory",
+                note="fp16 with a GradScaler" if p == "fp16" else "autocast, no scaler")
+            for p in options if p != current]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def micro_batch_rows(subject: Subject, model_has_bn: bool) -> list[Row]:
+    train = subject.cfg.train
+    pairs = micro_batches(train.batch_size, train.accumulation_steps)
+    if not pairs:
+        return [Row("train.batch_size x k, accumulation / k", {}, kind="trajectory",
+                    status="skipped", reason=f"train.accumulation_steps="
+                    f"{train.accumulation_steps}: no accumulation to trade for a larger "
+                    f"micro-batch")]
+    note = ("BatchNorm: NOT the same trajectory (it normalises each micro-batch)" if model_has_bn
+            else "the same global batch: same trajectory up to float rounding")
+    return [Row(f"train.batch_size={b} train.accumulation_steps={a}",
+                {"train.batch_size": b, "train.accumulation_steps": a}, kind="trajectory",
+                note=note) for b, a in pairs]
+
+
+def compile_rows(subject: Subject, tuner: Tuner) -> list[Row]:
+    if subject.cfg.train.compile:
+        return []
+    row = Row("train.compile=true", {"train.compile": True})
+    base_run = tuner.baseline.projected_s
+    if base_run < COMPILE_MIN_RUN:
+        row.status, row.reason = "skipped", (f"the whole run takes ~{base_run:.0f} s: too short "
+                                             f"to repay a compile (tens of seconds)")
+    return [row]
+
+
+# -- the entry points ---------------------------------------------------------------------------
+
+
+def run_tune(subject: Subject, budget: float,
+             progress: str = "auto") -> tuple[Tuner, dict, dict]:
+    """Measure; return the tuner (its rows), the chosen free overrides and the trajectory
+    winners."""
+    if budget <= 0:
+        raise ConfigError(f"--budget={budget}: must be > 0 seconds (default {DEFAULT_BUDGET:.0f})")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("ironloop tune runs in one process: start it without torchrun")
+    device = resolve_device(subject.cfg.run.device)
+    with preserved_rng(), tune_output.progress_bar(progress, budget) as bar:
+        tuner = Tuner(subject, budget, bar)
+        tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, _cpus())) + 5)
+        current, best = {}, tuner.baseline
+        for rows in (lambda: loader_rows(subject, current),
+                     lambda: loader_extra_rows(subject, current),
+                     lambda: pin_rows(subject, device)):
+            winner = tuner.group(rows(), current, best)
+            if winner is not None:
+                current, best = {**current, **winner.overrides}, winner
+        model = subject.make_model()
+        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                     for m in model.modules())
+        trajectory = {}
+        for rows in (precision_rows(subject, device), micro_batch_rows(subject, has_bn)):
+            winner = tuner.group(rows, current, best)
+            if winner is not None:
+                trajectory.update(winner.overrides)
+        reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
+        winner = tuner.group(compile_rows(subject, tuner), current, best, extra_s=reserve)
+        if winner is not None:
+            current = {**current, **winner.overrides}
+    return tuner, current, trajectory
+
+
+def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None, *,
+         loss_fn=None, step_fn=None, num_classes: int | None = None, optimizer=None,
+         scheduler=None, budget: float = DEFAULT_BUDGET,
+         apply_trajectory_changes: bool = False) -> TuneResult:
+    """Measure faster settings for ``fit(model, train_data, config=config, ...)``.
+
+    Each trial trains a fresh copy of ``model`` for a few hundred steps (never ``model``
+    itself) with checkpoints off, in a temporary directory. Writes ``run.dir/tune.json`` and
+    ``run.dir/tuned.yaml``; ``result.config`` is the tuned Config, for ``fit(...,
+    config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
+    (``f(params)``, ``f(optimizer)``): each trial builds its own.
+    """
+    for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if isinstance(value, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+            raise UserError(f"tune: pass {name} as a factory (e.g. lambda params: "
+                            f"torch.optim.AdamW(params)), not an instance: every trial "
+                            f"trains its own copy of the model")
+    cfg = as_config(config)
+    pristine = copy.deepcopy(model)
+    subject = Subject(cfg, lambda: copy.deepcopy(pristine), train_data,
+                      {"loss_fn": loss_fn, "step_fn": step_fn, "num_classes": num_classes,
+                       "optimizer": optimizer, "scheduler": scheduler})
+    return _finish(subject, budget, apply_trajectory_changes, None, [])
+
+
+def tune_config(path: str, overrides: list[str], budget: float = DEFAULT_BUDGET,
+                apply_trajectory_changes: bool = False) -> TuneResult:
+    """What ``ironloop tune CONFIG [key=value ...]`` does: the config's data and model."""
+    cfg = load_config(path, overrides)
+    bundle = build_data(cfg.data)
+
+    def make_model():
+        seed_everything(cfg.run.seed)  # every trial starts from the same initial weights
+        return build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
+                           cfg.model.kwargs)
+
+    subject = Subject(cfg, make_model, bundle.train,
+                      {"num_classes": bundle.num_classes, "from_config": True})
+    return _finish(subject, budget, apply_trajectory_changes, Path(path), overrides)
+
+
+def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
+            overrides: list[str]) -> TuneResult:
+    tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
+    applied = {**chosen, **(trajectory if apply else {})}
+    result = TuneResult(
+        baseline=tuner.baseline, rows=tuner.rows, chosen=chosen, trajectory=trajectory,
+        applied_trajectory=apply and bool(trajectory),
+        speedup=math.prod(r.gain for r in tuner.rows if r.verdict == "chosen"),
+        config=subject.cfg.with_overrides(applied),
+        info=tune_output.context(subject, tuner, budget, path, overrides))
+    tune_output.write(result, subject.cfg, path, overrides, applied)
+    return result
