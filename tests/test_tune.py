@@ -22,6 +22,7 @@ import ironloop
 from ironloop.config import Config
 from ironloop.engine.timing import advice
 from ironloop.tools import tune as tune_mod
+from ironloop.tools import tune_rows
 from ironloop.tools.tune_output import tuned_yaml
 from ironloop.tools.tune_trials import Measure, samples_in_step, window_rates
 
@@ -45,10 +46,10 @@ def test_a_winner_must_clear_the_noise():
 
 
 def test_what_tune_tries():
-    assert tune_mod.worker_counts(0, 2) == [1, 2]
-    assert tune_mod.worker_counts(2, 16) == [0, 1, 4, 8, 16]
-    assert tune_mod.micro_batches(32, 4) == [(64, 2), (128, 1)]
-    assert tune_mod.micro_batches(32, 1) == [] and tune_mod.micro_batches(32, 3) == []
+    assert tune_rows.worker_counts(0, 2) == [1, 2]
+    assert tune_rows.worker_counts(2, 16) == [0, 1, 4, 8, 16]
+    assert tune_rows.micro_batches(32, 4) == [(64, 2), (128, 1)]
+    assert tune_rows.micro_batches(32, 1) == [] and tune_rows.micro_batches(32, 3) == []
 
 
 def test_windows_count_the_ragged_last_step_of_an_epoch():
@@ -172,8 +173,8 @@ SUBJECTS = textwrap.dedent('''
 
 
     def wide():
-        return nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                             nn.Linear(2048, 10))
+        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 10))
 
 
     def small():
@@ -195,14 +196,16 @@ def _cli_subject(tmp_path, extra: str = "") -> str:
 
 
 def _env():
+    """The package under test, and one intra-op thread (see ``one_thread``)."""
     return {"PYTHONPATH": os.pathsep.join([str(tune_mod.Path(ironloop.__file__).parents[1]),
-                                           os.environ.get("PYTHONPATH", "")])}
+                                           os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
 def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
     config = _cli_subject(tmp_path)
-    proc = run_cli("tune", config, "--budget", "20", cwd=tmp_path, env=_env())
+    proc = run_cli("tune", config, "--budget", "25", cwd=tmp_path, env=_env())
     assert proc.returncode == 0, proc.stderr
     assert "no trajectory-free setting was faster beyond the noise" in proc.stdout, proc.stdout
     assert (tmp_path / "run/tuned.yaml").read_text() == (tmp_path / config).read_text()

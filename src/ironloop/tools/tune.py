@@ -25,63 +25,29 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ironloop.config import Config, load_config
-from ironloop.data import TensorData, build_data
+from ironloop.data import build_data
 from ironloop.engine.fit import as_config, seed_everything
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
-from ironloop.state import drift
 from ironloop.state.rng import preserved_rng
 from ironloop.tools import tune_output
 from ironloop.tools.models import build_model
+from ironloop.tools.tune_rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
+                                      micro_batch_rows, pin_rows, precision_rows, worker_counts)
 from ironloop.tools.tune_trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
 DEFAULT_BUDGET = 120.0
 #: A winner is more than this much faster (and outside the measured spreads).
 NOISE = 0.05
-#: Seconds held back for a compile trial; and the shortest run a compile can pay for itself in.
-COMPILE_RESERVE, COMPILE_MIN_RUN = 30.0, 120.0
-
-
-@dataclass
-class Row:
-    """One line of a tune table: a setting, what it changes, and how it did."""
-
-    setting: str
-    overrides: dict
-    kind: str = "free"                # "free" (tune may apply it) or "trajectory"
-    note: str = ""                    # e.g. "same trajectory up to float rounding"
-    status: str = "planned"           # ok | failed | skipped
-    reason: str = ""                  # why it failed or was skipped
-    base: dict = field(default_factory=dict)  # the chosen settings it was measured on top of
-    measure: Measure | None = None
-    ratio: float | None = None        # samples/s against the baseline
-    projected_s: float | None = None  # the whole run's training time at this speed
-    verdict: str = ""
-    recheck: dict | None = None       # the fresh pair of measurements a winner had to win
-    gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
-                                      # smaller of its two measurements' (first and recheck)
-
-    def to_dict(self) -> dict:
-        out = {"setting": self.setting, "kind": self.kind, "overrides": self.overrides,
-               "on_top_of": self.base, "status": self.status, "verdict": self.verdict}
-        if self.note:
-            out["note"] = self.note
-        if self.reason:
-            out["reason"] = self.reason
-        if self.measure is not None:
-            out.update(self.measure.to_dict(), ratio=_round(self.ratio),
-                       projected_s=_round(self.projected_s))
-        if self.recheck is not None:
-            out["recheck"] = self.recheck
-        if self.verdict in ("chosen", "winner"):
-            out["gain"] = round(self.gain, 4)
-        return out
+#: Seconds held back for a compile trial, beyond a trial's usual share.
+COMPILE_RESERVE = 30.0
+#: CUDA: the largest micro-batch's peak may use at most this share of the device's memory.
+HEADROOM = 0.85
 
 
 @dataclass
@@ -105,17 +71,6 @@ def beats(new: Measure, old: Measure, margin: float = NOISE) -> bool:
     measurement's spread."""
     return (new.samples_per_s > old.samples_per_s * (1 + margin)
             and new.samples_per_s > old.spread[1] and new.spread[0] > old.samples_per_s)
-
-
-def worker_counts(current: int, cpus: int) -> list[int]:
-    """0, 1, 2, 4, ... up to the CPU count, without the current value."""
-    counts = [0, 1, *(2 ** k for k in range(1, 10) if 2 ** k <= cpus)]
-    return [c for c in counts if c != current]
-
-
-def micro_batches(batch: int, accum: int) -> list[tuple[int, int]]:
-    """(batch_size, accumulation_steps) pairs with a larger micro-batch and the same window."""
-    return [(batch * k, accum // k) for k in (2, 4, 8, 16, 32) if k <= accum and accum % k == 0]
 
 
 def planned_samples(cfg: Config, n: int) -> int:
@@ -260,6 +215,37 @@ class Tuner:
         return beats(challenger, again) and projected[1] < projected[0] * (1 - NOISE)
 
 
+    def largest_fit(self, current: dict, device: torch.device) -> Row | None:
+        """CUDA: double the micro-batch (no accumulation) until a step runs out of memory or
+        its peak passes HEADROOM of the device's memory; the last that fit is reported, never
+        applied (it changes the global batch unless accumulation is lowered to match)."""
+        if device.type != "cuda":
+            return None
+        total_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
+        batch = self.subject.cfg.with_overrides(current).train.batch_size
+        row = Row("largest micro-batch that fits", {}, kind="trajectory", status="skipped",
+                  reason=f"train.batch_size={batch} is the largest that fits with "
+                  f"{100 * (1 - HEADROOM):.0f}% of the memory free")
+        while 2 * batch <= self.subject.samples and self.left() > self.est_s:
+            batch *= 2
+            trial = {"train.batch_size": batch, "train.accumulation_steps": 1}
+            try:
+                m = run_trial(self.subject, {**current, **trial}, Plan(1, 1, 2),
+                              min(self.deadline, time.perf_counter() + 3 * self.est_s))
+            except TrialFailed:
+                break  # out of memory, most likely: the previous size is the answer
+            if m.peak_mb > HEADROOM * total_mb:
+                break
+            row = Row(f"train.batch_size={batch} train.accumulation_steps=1", trial,
+                      kind="trajectory", status="ok", measure=m, base=dict(current),
+                      note=f"the largest that fits: peak {m.peak_mb:,.0f} of {total_mb:,.0f} "
+                      f"MiB; a larger global batch unless accumulation drops to match")
+            self._figures(row)
+            row.verdict = "reported, not applied"
+        self.rows.append(row)
+        return row
+
+
 def _verdict(row: Row, best: Row, wins: bool) -> str:
     if wins:
         return "faster"
@@ -268,99 +254,6 @@ def _verdict(row: Row, best: Row, wins: bool) -> str:
         return "within noise" if row.projected_s < best.projected_s else \
             "faster per step, but the compile does not pay for itself in this run"
     return "slower" if ratio < 1 - NOISE else "within noise"
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
-
-
-# -- what to try ----------------------------------------------------------------------------------
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def loader_rows(subject: Subject, current: dict) -> list[Row]:
-    cfg = subject.cfg.with_overrides(current)
-    data = subject.train
-    if isinstance(data, (TensorData, tuple, list)) or \
-            type(data) is torch.utils.data.TensorDataset:
-        return [Row("data.num_workers", {}, status="skipped",
-                    reason="in-memory tensors are sliced in the main process: workers only "
-                    "add copies")]
-    return [Row(f"data.num_workers={w}", {"data.num_workers": w})
-            for w in worker_counts(cfg.data.num_workers, _cpus())]
-
-
-def loader_extra_rows(subject: Subject, current: dict) -> list[Row]:
-    """Persistent workers and prefetch depth, when the config has those keys (and workers)."""
-    cfg = subject.cfg.with_overrides(current)
-    if not cfg.data.num_workers:
-        return []
-    rows = []
-    if hasattr(cfg.data, "persistent_workers") and drift.is_free("data.persistent_workers") \
-            and not cfg.data.persistent_workers:
-        rows.append(Row("data.persistent_workers=true", {"data.persistent_workers": True}))
-    if hasattr(cfg.data, "prefetch_factor") and drift.is_free("data.prefetch_factor"):
-        depth = (cfg.data.prefetch_factor or 2) * 2
-        rows.append(Row(f"data.prefetch_factor={depth}", {"data.prefetch_factor": depth}))
-    return rows
-
-
-def pin_rows(subject: Subject, device: torch.device) -> list[Row]:
-    if device.type != "cuda":
-        return []  # pinning is for host-to-GPU copies; ironloop ignores it elsewhere
-    pin = not subject.cfg.data.pin_memory
-    return [Row(f"data.pin_memory={str(pin).lower()}", {"data.pin_memory": pin})]
-
-
-def precision_rows(subject: Subject, device: torch.device) -> list[Row]:
-    current = subject.cfg.train.precision
-    if device.type == "cuda":
-        options = (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16"]
-    elif device.type == "cpu" and not _cpu_has_bf16():
-        return [Row("train.precision=bf16", {}, kind="trajectory", status="skipped",
-                    reason="this CPU has no native bf16 (AVX512-BF16 or AMX): emulated bf16 "
-                    "is slower than fp32")]
-    else:
-        options = ["bf16"]
-    return [Row(f"train.precision={p}", {"train.precision": p}, kind="trajectory",
-                note="fp16 with a GradScaler" if p == "fp16" else "autocast, no scaler")
-            for p in options if p != current]
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def micro_batch_rows(subject: Subject, model_has_bn: bool) -> list[Row]:
-    train = subject.cfg.train
-    pairs = micro_batches(train.batch_size, train.accumulation_steps)
-    if not pairs:
-        return [Row("train.batch_size x k, accumulation / k", {}, kind="trajectory",
-                    status="skipped", reason=f"train.accumulation_steps="
-                    f"{train.accumulation_steps}: no accumulation to trade for a larger "
-                    f"micro-batch")]
-    note = ("BatchNorm: NOT the same trajectory (it normalises each micro-batch)" if model_has_bn
-            else "the same global batch: same trajectory up to float rounding")
-    return [Row(f"train.batch_size={b} train.accumulation_steps={a}",
-                {"train.batch_size": b, "train.accumulation_steps": a}, kind="trajectory",
-                note=note) for b, a in pairs]
-
-
-def compile_rows(subject: Subject, tuner: Tuner) -> list[Row]:
-    if subject.cfg.train.compile:
-        return []
-    row = Row("train.compile=true", {"train.compile": True})
-    base_run = tuner.baseline.projected_s
-    if base_run < COMPILE_MIN_RUN:
-        row.status, row.reason = "skipped", (f"the whole run takes ~{base_run:.0f} s: too short "
-                                             f"to repay a compile (tens of seconds)")
-    return [row]
 
 
 # -- the entry points ---------------------------------------------------------------------------
@@ -377,7 +270,7 @@ def run_tune(subject: Subject, budget: float,
     device = resolve_device(subject.cfg.run.device)
     with preserved_rng(), tune_output.progress_bar(progress, budget) as bar:
         tuner = Tuner(subject, budget, bar)
-        tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, _cpus())) + 5)
+        tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
         current, best = {}, tuner.baseline
         for rows in (lambda: loader_rows(subject, current),
                      lambda: loader_extra_rows(subject, current),
@@ -393,8 +286,9 @@ def run_tune(subject: Subject, budget: float,
             winner = tuner.group(rows, current, best)
             if winner is not None:
                 trajectory.update(winner.overrides)
+        tuner.largest_fit(current, device)
         reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
-        winner = tuner.group(compile_rows(subject, tuner), current, best, extra_s=reserve)
+        winner = tuner.group(compile_rows(subject, tuner.baseline.projected_s), current, best, extra_s=reserve)
         if winner is not None:
             current = {**current, **winner.overrides}
     return tuner, current, trajectory

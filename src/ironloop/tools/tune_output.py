@@ -143,8 +143,8 @@ def table(result) -> str:
     lines += ["", f"run time at {what} (training only): {duration(base.projected_s)} -> "
               f"{duration(tuned)} ({result.speedup:.2f}x)"]
     if not result.chosen:
-        lines.append(f"no trajectory-free setting was faster beyond the noise (more than "
-                     f"5% and outside both spreads): tuned.yaml is the input config")
+        lines.append("no trajectory-free setting was faster beyond the noise (more than "
+                     "5% and outside both spreads): tuned.yaml is the input config")
     return "\n".join(lines)
 
 
