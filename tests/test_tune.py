@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-import time
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from ironloop.tools import tune_rows
 from ironloop.tools.tune_output import tuned_yaml
 from ironloop.tools.tune_trials import Measure, samples_in_step, window_rates
 
+from examples.slow_reads import SlowReads
 from tests.conftest import run_cli
 
 
@@ -87,22 +87,6 @@ def test_data_wait_advice_names_ironloop_tune(monkeypatch):
 # -- real tunes -------------------------------------------------------------------------------
 
 
-class SlowReads(torch.utils.data.Dataset):
-    """Each read waits ``delay`` seconds, like a file on a slow disk."""
-
-    def __init__(self, n: int = 160, delay: float = 0.01):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
-        self.delay = delay
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        time.sleep(self.delay)
-        return self.x[i], self.y[i]
-
-
 def _rate(run_dir) -> float:
     """Training samples/s over the run's epochs (results.json and epochs.jsonl)."""
     epochs = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
@@ -122,7 +106,7 @@ def one_thread():
 
 @pytest.mark.slow
 def test_loader_bound_tune_picks_workers_and_the_speedup_holds(tmp_path, capsys, one_thread):
-    data = SlowReads()
+    data = SlowReads(n=160, delay=0.01)  # 10 ms a read: an effect that machine load cannot hide
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     config = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 8,
               "log.progress": "off"}

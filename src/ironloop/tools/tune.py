@@ -191,7 +191,10 @@ class Tuner:
         if not self._recheck(winner, current, extra_s):
             winner.verdict = "faster once, not on the recheck: within the machine's noise"
             return None
+        winner.won = True
         winner.verdict = "chosen" if winner.kind == "free" else "winner"
+        if winner.recheck.get("skipped"):
+            winner.verdict += " (no budget left to recheck it)"
         return winner
 
     def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
@@ -342,7 +345,7 @@ def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
     result = TuneResult(
         baseline=tuner.baseline, rows=tuner.rows, chosen=chosen, trajectory=trajectory,
         applied_trajectory=apply and bool(trajectory),
-        speedup=math.prod(r.gain for r in tuner.rows if r.verdict == "chosen"),
+        speedup=math.prod(r.gain for r in tuner.rows if r.won and r.kind == "free"),
         config=subject.cfg.with_overrides(applied),
         info=tune_output.context(subject, tuner, budget, path, overrides))
     tune_output.write(result, subject.cfg, path, overrides, applied)

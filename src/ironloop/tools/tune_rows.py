@@ -32,12 +32,14 @@ class Row:
     projected_s: float | None = None  # the whole run's training time at this speed
     verdict: str = ""
     recheck: dict | None = None       # the fresh pair of measurements a winner had to win
+    won: bool = False                 # chosen (free) or the second table's winner
     gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
                                       # smaller of its two measurements' (first and recheck)
 
     def to_dict(self) -> dict:
         out = {"setting": self.setting, "kind": self.kind, "overrides": self.overrides,
-               "on_top_of": self.base, "status": self.status, "verdict": self.verdict}
+               "on_top_of": self.base, "status": self.status, "verdict": self.verdict,
+               "won": self.won}
         if self.note:
             out["note"] = self.note
         if self.reason:
@@ -47,7 +49,7 @@ class Row:
                        projected_s=_round(self.projected_s))
         if self.recheck is not None:
             out["recheck"] = self.recheck
-        if self.verdict in ("chosen", "winner"):
+        if self.won:
             out["gain"] = round(self.gain, 4)
         return out
 
