@@ -202,7 +202,7 @@ def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
 @pytest.mark.slow
 def test_a_crashing_trial_is_reported_and_skipped(tmp_path):
     config = _cli_subject(tmp_path, extra=", kwargs: {crash: true, n: 256}")
-    proc = run_cli("tune", config, "model.name=tune_subjects:small", "--budget", "15", cwd=tmp_path,
+    proc = run_cli("tune", config, "model.name=tune_subjects:small", "--budget", "10", cwd=tmp_path,
                    env=_env())
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "run/tune.json").read_text())
