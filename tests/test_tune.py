@@ -74,6 +74,23 @@ def test_tuned_yaml_is_the_input_when_nothing_changes(tmp_path):
     assert back.data.num_workers == 2 and back.train.batch_size == 16 and back.train.epochs == 3
 
 
+def test_tune_arguments_mix_like_train_s():
+    from ironloop.cli import parser, train_argv
+
+    argv = train_argv(["--budget", "30", "c.yaml", "train.epochs=3", "--apply-trajectory-changes",
+                       "data.num_workers=1"], valued=("--budget",))
+    args = parser().parse_args(["tune", *argv])
+    assert (args.config, args.overrides, args.budget, args.apply_trajectory_changes) == \
+        ("c.yaml", ["train.epochs=3", "data.num_workers=1"], 30.0, True)
+
+
+def test_a_budget_of_zero_is_refused_with_exit_2(tmp_path):
+    (tmp_path / "c.yaml").write_text("data: {name: synthetic, num_samples: 64}\n")
+    proc = run_cli("tune", "c.yaml", "--budget", "0", cwd=tmp_path, env=_env())
+    assert proc.returncode == 2 and "--budget=0.0: must be > 0 seconds" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_data_wait_advice_names_ironloop_tune(monkeypatch):
     monkeypatch.setattr("sys.argv", ["ironloop", "train", "configs/x.yaml", "--overwrite",
                                      "train.epochs=3"])
@@ -213,3 +230,24 @@ def test_a_crashing_trial_is_reported_and_skipped(tmp_path):
     assert "failed: " in proc.stdout
     tuned = Config.from_dict(yaml.safe_load((tmp_path / "run/tuned.yaml").read_text()))
     assert tuned.model.name == "tune_subjects:small" and tuned.data.num_workers == 0
+
+
+@pytest.mark.slow
+def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsys, one_thread):
+    """Micro-batches of 4 on a tiny model: per-micro-batch overhead is most of the step, so
+    one micro-batch of 32 (the same 32 samples a step) is far faster."""
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g))
+    config = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 4,
+              "train.accumulation_steps": 8, "log.progress": "off"}
+    result = ironloop.tune(nn.Linear(8, 3), data, config, budget=15,
+                           apply_trajectory_changes=True)
+    out = capsys.readouterr().out
+    assert result.chosen == {}, out  # in-memory tensors: no worker trials, nothing else to win
+    batch, accum = result.trajectory["train.batch_size"], result.trajectory[
+        "train.accumulation_steps"]
+    assert batch > 4 and batch * accum == 32, out
+    tuned = Config.from_dict(yaml.safe_load((tmp_path / "run/tuned.yaml").read_text()))
+    assert (tuned.train.batch_size, tuned.train.accumulation_steps) == (batch, accum)
+    assert "notice: --apply-trajectory-changes: train.batch_size: 4 -> " in out
+    assert "same trajectory up to float rounding" in out

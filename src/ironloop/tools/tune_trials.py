@@ -217,6 +217,6 @@ def _clean_up(cfg: Config) -> None:
     """Free what a trial left behind before the next one is timed."""
     if cfg.train.compile:
         torch._dynamo.reset()  # compiled graphs of this trial's model copy
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()  # a full collection costs most of a second on a busy CPU: CUDA only
         torch.cuda.empty_cache()
