@@ -84,11 +84,20 @@ def test_tune_arguments_mix_like_train_s():
         ("c.yaml", ["train.epochs=3", "data.num_workers=1"], 30.0, True)
 
 
-def test_a_budget_of_zero_is_refused_with_exit_2(tmp_path):
-    (tmp_path / "c.yaml").write_text("data: {name: synthetic, num_samples: 64}\n")
-    proc = run_cli("tune", "c.yaml", "--budget", "0", cwd=tmp_path, env=_env())
-    assert proc.returncode == 2 and "--budget=0.0: must be > 0 seconds" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_a_budget_of_zero_is_refused(tmp_path):
+    with pytest.raises(ironloop.errors.ConfigError, match="--budget=0: must be > 0 seconds"):
+        ironloop.tune(nn.Linear(4, 2), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)),
+                      {"run.dir": str(tmp_path / "run")}, budget=0)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_optimizer_instance_is_refused_before_any_trial(tmp_path):
+    model = nn.Linear(4, 2)
+    with pytest.raises(ironloop.errors.UserError, match="pass optimizer as a factory"):
+        ironloop.tune(model, (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)),
+                      {"run.dir": str(tmp_path / "run")},
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not (tmp_path / "run").exists()
 
 
 def test_data_wait_advice_names_ironloop_tune(monkeypatch):

@@ -120,6 +120,9 @@ class Tuner:
         try:
             probe = run_trial(self.subject, {}, Plan(1, 1, 2), self.deadline)
         except TrialFailed as e:
+            if e.overrun:
+                raise UserError(f"--budget={self.deadline - self.started:.0f} s does not fit "
+                                f"even a 3-step probe of this run; raise --budget") from None
             raise UserError(f"the config does not train as it stands ({e}); fix that first "
                             f"(ironloop train fails the same way)") from None
         step_s = probe.step_ms / 1000

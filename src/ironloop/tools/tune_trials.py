@@ -87,7 +87,12 @@ class Measure:
 
 
 class TrialFailed(Exception):
-    """A trial that could not be measured: the message says why, in one line."""
+    """A trial that could not be measured: the message says why, in one line. ``overrun``:
+    it was stopped at its deadline rather than failing."""
+
+    def __init__(self, message: str, overrun: bool = False):
+        super().__init__(message)
+        self.overrun = overrun
 
 
 class _Overrun(Exception):
@@ -181,7 +186,7 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
     rates = window_rates(clock.stamps, plan.warmup, plan.window, n, step_samples)
     if len(rates) < min(2, plan.repeats):
         raise TrialFailed(f"ran past its share of the budget after {len(clock.stamps)} of "
-                          f"{plan.steps} steps")
+                          f"{plan.steps} steps", overrun=True)
     steps = [b - a for a, b in zip(clock.stamps[plan.warmup - 1:], clock.stamps[plan.warmup:])]
     step_s = statistics.median(steps) if steps else 0.0
     warm = clock.stamps[plan.warmup - 1] - clock.start if clock.stamps else 0.0
