@@ -198,6 +198,8 @@ class Tuner:
         winner.verdict = "chosen" if winner.kind == "free" else "winner"
         if winner.recheck.get("skipped"):
             winner.verdict += " (no budget left to recheck it)"
+        else:
+            winner.verdict += f" (recheck: {winner.recheck['gain']:.2f}x; counted {winner.gain:.2f}x)"
         return winner
 
     def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
