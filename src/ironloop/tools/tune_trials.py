@@ -176,8 +176,6 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
             split = result.results.get("time_split")
         except _Overrun:
             pass
-        except KeyboardInterrupt:
-            raise
         except Exception as e:  # OOM, a worker crash, a compile error: the trial, not the tune
             raise TrialFailed(one_line(e)) from None
         finally:
@@ -185,8 +183,9 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
     step_samples = cfg.train.batch_size * cfg.train.accumulation_steps
     rates = window_rates(clock.stamps, plan.warmup, plan.window, n, step_samples)
     if len(rates) < min(2, plan.repeats):
-        raise TrialFailed(f"ran past its share of the budget after {len(clock.stamps)} of "
-                          f"{plan.steps} steps", overrun=True)
+        raise TrialFailed(f"stopped at its time limit after {len(clock.stamps)} of {plan.steps} "
+                          f"steps: far slower than the baseline, or the budget ran out",
+                          overrun=True)
     steps = [b - a for a, b in zip(clock.stamps[plan.warmup - 1:], clock.stamps[plan.warmup:])]
     step_s = statistics.median(steps) if steps else 0.0
     warm = clock.stamps[plan.warmup - 1] - clock.start if clock.stamps else 0.0
