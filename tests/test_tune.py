@@ -8,6 +8,7 @@ cores.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import textwrap
@@ -61,6 +62,17 @@ def test_windows_count_the_ragged_last_step_of_an_epoch():
                                                              "train.batch_size": 32}), 100) == 300
     capped = Config().with_overrides({"train.max_steps": 5, "train.batch_size": 32})
     assert tune_mod.planned_samples(capped, 100) == 100 + 32
+
+
+def test_a_slow_early_step_and_the_buffer_it_fills_are_warm_up():
+    from ironloop.tools.tune_trials import Plan, settled
+
+    plan = Plan(warmup=1, window=2, repeats=4)
+    steady = [0.1] * 9
+    stamps = list(itertools.accumulate([2.0, *steady]))  # step 1: a 2 s compile
+    assert settled(stamps, 0.0, plan, depth=4) == 1 + 4  # and 4 buffered batches after it
+    assert settled(list(itertools.accumulate([0.1] * 10)), 0.0, plan, depth=4) == 1
+    assert settled(stamps, 0.0, plan, depth=8) == 1  # it would leave under two windows
 
 
 def test_tuned_yaml_is_the_input_when_nothing_changes(tmp_path):

@@ -181,6 +181,7 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
         finally:
             _clean_up(cfg)
     step_samples = cfg.train.batch_size * cfg.train.accumulation_steps
+    plan = replace(plan, warmup=settled(clock.stamps, clock.start, plan, buffered(cfg)))
     rates = window_rates(clock.stamps, plan.warmup, plan.window, n, step_samples)
     if len(rates) < min(2, plan.repeats):
         raise TrialFailed(f"stopped at its time limit after {len(clock.stamps)} of {plan.steps} "
@@ -196,11 +197,30 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
                    time_split=split)
 
 
+def settled(stamps: list[float], start: float, plan: Plan, depth: int) -> int:
+    """The warm-up to leave out: the planned steps, or more when a step in the first half was
+    far slower than the second half's (a compile, a recompile, a stall): the steps after it
+    drain the ``depth`` batches the workers buffered meanwhile, so they come for free too.
+    Never so many that fewer than two windows are left."""
+    durations = [b - a for a, b in zip([start, *stamps], stamps)]
+    half = len(durations) // 2
+    if half < 2:
+        return plan.warmup
+    typical = statistics.median(durations[half:])
+    slow = [i for i, d in enumerate(durations[:half]) if d > 5 * typical]
+    warmup = max(plan.warmup, slow[-1] + 1 + depth) if slow else plan.warmup
+    return warmup if len(stamps) - warmup >= 2 * plan.window else plan.warmup
+
+
+def buffered(cfg: Config) -> int:
+    """Batches the DataLoader's workers hold ready: ``prefetch_factor`` (2 by default) each."""
+    return cfg.data.num_workers * (getattr(cfg.data, "prefetch_factor", None) or 2)
+
+
 def loader_warmup(plan: Plan, cfg: Config) -> Plan:
-    """Workers fill ``prefetch_factor`` batches each while the first is awaited: the steps that
-    drain that buffer come for free once, so they belong to the warm-up, not to a window."""
-    depth = getattr(cfg.data, "prefetch_factor", None) or 2  # the DataLoader's default
-    return replace(plan, warmup=max(plan.warmup, 1 + cfg.data.num_workers * depth))
+    """Workers fill their buffer while the first batch is awaited: the steps that drain it
+    come for free once, so they belong to the warm-up, not to a window."""
+    return replace(plan, warmup=max(plan.warmup, 1 + buffered(cfg)))
 
 
 def one_line(e: BaseException) -> str:
