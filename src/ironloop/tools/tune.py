@@ -308,7 +308,7 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
          apply_trajectory_changes: bool = False) -> TuneResult:
     """Measure faster settings for ``fit(model, train_data, config=config, ...)``.
 
-    Each trial trains a fresh copy of ``model`` for a few hundred steps (never ``model``
+    Each trial trains a fresh copy of ``model`` for a short measured run (never ``model``
     itself) with checkpoints off, in a temporary directory. Writes ``run.dir/tune.json`` and
     ``run.dir/tuned.yaml``; ``result.config`` is the tuned Config, for ``fit(...,
     config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
@@ -320,6 +320,8 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
                             f"torch.optim.AdamW(params)), not an instance: every trial "
                             f"trains its own copy of the model")
     cfg = as_config(config)
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size:
+        cfg = cfg.with_overrides({"train.batch_size": train_data.batch_size})  # as fit() does
     pristine = copy.deepcopy(model)
     subject = Subject(cfg, lambda: copy.deepcopy(pristine), train_data,
                       {"loss_fn": loss_fn, "step_fn": step_fn, "num_classes": num_classes,
