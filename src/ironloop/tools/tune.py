@@ -255,13 +255,14 @@ class Tuner:
 
 
 def _verdict(row: Row, best: Row, wins: bool) -> str:
+    """Judged on the run's projected time, which charges a compile and the workers' start-up."""
     if wins:
         return "faster"
-    ratio = row.measure.samples_per_s / best.measure.samples_per_s
-    if ratio > 1:
-        return "within noise" if row.projected_s < best.projected_s else \
-            "faster per step, but the compile does not pay for itself in this run"
-    return "slower" if ratio < 1 - NOISE else "within noise"
+    if row.projected_s * (1 - NOISE) > best.projected_s:
+        faster_steps = row.measure.samples_per_s > best.measure.samples_per_s
+        return ("faster steps, but the compile does not pay for itself in this run"
+                if faster_steps and row.overrides.get("train.compile") else "slower")
+    return "within noise"
 
 
 # -- the entry points ---------------------------------------------------------------------------
