@@ -70,6 +70,8 @@ def main() -> None:
     print(json.dumps({
         "chosen": tuned.chosen, "tune_speedup": round(tuned.speedup, 3),
         "tune_table_ratio": {r.setting: r.ratio and round(r.ratio, 3) for r in tuned.rows},
+        "tune_rechecks": {r.setting: r.recheck for r in tuned.rows if r.recheck},
+        "tune_verdicts": {r.setting: r.verdict or r.reason for r in tuned.rows},
         "trained_speedup_median": round(statistics.median(ratios), 3),
         "trained_speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
         "samples_per_s": rates, "epochs": args.epochs, "budget_s": args.budget,
