@@ -147,6 +147,7 @@ def test_loader_slowed_by_a_sleep():
     found = diagnose(tiny_mlp(), SlowData(96, 0.01), train__batch_size=8)
     (f,) = serious(found, "input_bound")
     assert f.severity == "warning" and "data.num_workers=" in f.fix
+    assert "ironloop.tune(" in f.fix  # outside `ironloop train`: the Python call
 
 
 def test_model_too_wide_for_its_lr():

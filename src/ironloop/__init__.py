@@ -6,6 +6,7 @@
 
 from ironloop.config import Config, load_config
 from ironloop.engine.fit import FitResult, fit
+from ironloop.tools.tune import TuneResult, tune
 from ironloop.version import __version__
 
-__all__ = ["Config", "FitResult", "fit", "load_config", "__version__"]
+__all__ = ["Config", "FitResult", "TuneResult", "fit", "load_config", "tune", "__version__"]

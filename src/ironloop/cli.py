@@ -62,6 +62,14 @@ def _report(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from ironloop.tools.tune import tune_config
+
+    tune_config(args.config, args.overrides, budget=args.budget,
+                apply_trajectory_changes=args.apply_trajectory_changes)
+    return 0
+
+
 def _lab(args) -> int:
     from ironloop.tools.lab.run import run_lab
 
@@ -70,13 +78,14 @@ def _lab(args) -> int:
     return 0
 
 
-def train_argv(argv: list[str]) -> list[str]:
+def train_argv(argv: list[str], valued: tuple[str, ...] = ()) -> list[str]:
     """``train``'s arguments in argparse's order: positionals (the config, then the overrides),
     then the flags, so that overrides and flags mix in any order.
 
     ``--resume`` takes the next argument as its PATH only when it is one: not a flag, not a YAML
     config, and either without '=' or an existing path. ``--resume train.epochs=3`` is a bare
-    ``--resume`` followed by an override.
+    ``--resume`` followed by an override. A flag in ``valued`` (tune's ``--budget``) always takes
+    the next argument.
     """
     positionals, flags = [], []
     i = 0
@@ -84,6 +93,9 @@ def train_argv(argv: list[str]) -> list[str]:
         arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         if arg == "--resume" and nxt is not None and _is_resume_path(nxt):
             flags.append(f"--resume={nxt}")
+            i += 1
+        elif arg in valued and nxt is not None:
+            flags.append(f"{arg}={nxt}")
             i += 1
         elif arg == "--":
             positionals += argv[i + 1:]
@@ -149,6 +161,20 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     r.set_defaults(func=_report)
 
+    u = sub.add_parser("tune", help="measure faster settings for a config; write tuned.yaml",
+                       description="Measure the config's own run (samples/s, time split, "
+                       "memory), try the settings that cannot change the trajectory (data "
+                       "workers, pinned memory, compile) and those that do (precision, "
+                       "micro-batch), each as a short measured run within --budget, and write "
+                       "run.dir/tune.json and run.dir/tuned.yaml.")
+    u.add_argument("config", help="YAML config file")
+    u.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    u.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
+                   help="wall time for all trials together (default 120)")
+    u.add_argument("--apply-trajectory-changes", action="store_true",
+                   help="also put the winners of the trajectory-changing table into tuned.yaml")
+    u.set_defaults(func=_tune)
+
     lab = sub.add_parser("lab", help="the seven-step production-loop lab, with a report")
     lab.add_argument("--data", default="digits", help="digits, mnist1d or fashion-mnist")
     lab.add_argument("--out", default="lab-out", help="output directory")
@@ -160,8 +186,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":
-        argv = ["train", *train_argv(argv[1:])]
+    if argv and argv[0] in ("train", "tune"):  # overrides and flags in any order
+        argv = [argv[0], *train_argv(argv[1:], valued=("--budget",))]
     args = parser().parse_args(argv)
     try:
         return args.func(args)

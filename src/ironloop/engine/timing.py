@@ -29,6 +29,8 @@ How a mark reads the clock:
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -213,7 +215,8 @@ def advice(total: dict[str, float]) -> list[str]:
     if share["data"] > 0.10:
         out.append(f"data wait is {100 * share['data']:.0f}% of step time: raise "
                    f"data.num_workers (e.g. 4) and keep data.pin_memory=true, or make "
-                   f"__getitem__ cheaper")
+                   f"__getitem__ cheaper; `{tune_command()}` measures the options on this "
+                   f"run and writes a faster config")
     if share["copy"] > 0.10:
         out.append(f"host-to-device copies are {100 * share['copy']:.0f}% of step time: keep "
                    f"data.pin_memory=true, or keep the dataset on the device")
@@ -226,3 +229,16 @@ def advice(total: dict[str, float]) -> list[str]:
         out.append(f"checkpoint writes stall the run {100 * total['checkpoint'] / whole:.0f}% "
                    f"of the time: set checkpoint.async=true, or checkpoint less often")
     return out
+
+
+def tune_command(argv: list[str] | None = None) -> str:
+    """How to tune this run: ``ironloop tune`` with the config and overrides of an ``ironloop
+    train`` (or ``doctor``) command line, else the Python call."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) > 2 and argv[1] in ("train", "doctor"):
+        config = next((a for a in argv[2:] if a.endswith((".yaml", ".yml"))
+                       and not a.startswith("-")), None)
+        if config is not None:
+            overrides = [a for a in argv[2:] if "=" in a and not a.startswith("-")]
+            return shlex.join(["ironloop", "tune", config, *overrides])
+    return "ironloop.tune(model, train_data, config)"

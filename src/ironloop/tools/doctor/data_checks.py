@@ -9,6 +9,7 @@ import time
 import torch
 
 from ironloop.data.loader import TensorData
+from ironloop.engine.timing import tune_command
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import Subject, labels_of
 
@@ -170,12 +171,14 @@ def check_input_bound(s: Subject, batch, max_batches: int = 8,
                         "with data.num_workers=0 the model waits while each batch is loaded "
                         "and collated in the main process",
                         f"set data.num_workers={need} (and data.pin_memory=true on CUDA), or "
-                        f"make __getitem__ cheaper")]
+                        f"make __getitem__ cheaper; `{tune_command()}` measures which is "
+                        f"fastest")]
     if effective > step:
         need = min(32, int(load / step * 1.5) + 1)
         return [Finding("input_bound", "warning", f"{measured}: the loader is slower",
                         "the model waits for data: the DataLoader cannot keep up",
                         f"raise data.num_workers to about {need}, keep data.pin_memory=true, "
-                        f"or move decoding/augmentation off the critical path")]
+                        f"or move decoding/augmentation off the critical path; "
+                        f"`{tune_command()}` measures which is fastest")]
     return [info("input_bound", measured)]
 

@@ -1,0 +1,360 @@
+"""``ironloop tune``: measure the settings that make this run faster, and hand back a config.
+
+On the user's own model, data and step, within a time budget::
+
+    probe (3 steps: how long is a step?) -> plan the trials -> baseline
+    settings that cannot change the trajectory (state/drift.py's FREE keys), greedily, each on
+    top of the winners so far: data.num_workers -> loader extras -> pin_memory (CUDA)
+    settings that change it, on top of those: precision -> a larger micro-batch with the same
+    global batch -> the largest micro-batch that fits (CUDA)
+    train.compile last, when the budget and the run's length can repay a compile
+    -> the table, RUN_DIR/tune.json, RUN_DIR/tuned.yaml
+
+A winner must be more than ``NOISE`` faster than the config it would replace and outside the
+spread of both measurements, and it must win again against a fresh measurement of that config
+(the machine's load drifts between trials). Nothing else is applied: when nothing wins,
+tuned.yaml is the input. A trial that fails is reported and skipped. Settings that change the
+training trajectory are reported apart and applied only with ``apply_trajectory_changes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ironloop.config import Config, load_config
+from ironloop.data import build_data
+from ironloop.engine.fit import as_config, seed_everything
+from ironloop.engine.precision import resolve_device
+from ironloop.errors import ConfigError, UserError
+from ironloop.state.rng import preserved_rng
+from ironloop.tools import tune_output
+from ironloop.tools.models import build_model
+from ironloop.tools.tune_rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
+                                      micro_batch_rows, pin_rows, precision_rows, worker_counts)
+from ironloop.tools.tune_trials import Measure, Plan, Subject, TrialFailed, run_trial
+
+#: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
+DEFAULT_BUDGET = 120.0
+#: A winner is more than this much faster (and outside the measured spreads).
+NOISE = 0.05
+#: Seconds held back for a compile trial, beyond a trial's usual share.
+COMPILE_RESERVE = 30.0
+#: CUDA: the largest micro-batch's peak may use at most this share of the device's memory.
+HEADROOM = 0.85
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` found: ``chosen`` are the trajectory-free overrides in tuned.yaml;
+    ``trajectory`` the winners of the second table (in tuned.yaml only when applied)."""
+
+    baseline: Row
+    rows: list[Row]
+    chosen: dict
+    trajectory: dict
+    applied_trajectory: bool
+    speedup: float
+    config: Config                    # the tuned config
+    info: dict                        # device, cores, load, budget, the run's planned length
+    paths: dict = field(default_factory=dict)  # tune.json, tuned.yaml
+
+
+def beats(new: Measure, old: Measure, margin: float = NOISE) -> bool:
+    """Faster beyond the noise: more than ``margin`` faster, and each median outside the other
+    measurement's spread."""
+    return (new.samples_per_s > old.samples_per_s * (1 + margin)
+            and new.samples_per_s > old.spread[1] and new.spread[0] > old.samples_per_s)
+
+
+def planned_samples(cfg: Config, n: int) -> int:
+    """Samples the configured run trains on (one process): its epochs, or its max_steps."""
+    window = cfg.train.batch_size * cfg.train.accumulation_steps
+    per_epoch = -(-n // window)
+    steps = per_epoch * cfg.train.epochs
+    if cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    return (steps // per_epoch) * n + (steps % per_epoch) * window
+
+
+def plan_for(step_s: float, seconds: float) -> Plan:
+    """Warm-up and windows that fill about ``seconds`` at ``step_s`` seconds a step."""
+    steps = max(3, int(seconds / max(step_s, 1e-6)))
+    warmup = 3 if steps >= 30 else 1
+    repeats = 5 if steps >= 10 else 2
+    return Plan(warmup, max(1, (steps - warmup) // repeats), repeats)
+
+
+class Tuner:
+    """Runs the rows within the budget and keeps the table; decisions use the functions above."""
+
+    def __init__(self, subject: Subject, budget: float, bar):
+        self.subject, self.bar = subject, bar
+        self.started = time.perf_counter()
+        self.deadline = self.started + budget
+        self.plan = Plan(1, 1, 2)
+        self.est_s = 0.0                 # a trial's expected seconds at the baseline's speed
+        self.samples = planned_samples(subject.cfg, subject.samples)
+        self.epochs = math.ceil(self.samples / subject.samples)  # epochs the run starts
+        self.rows: list[Row] = []
+        self.baseline: Row | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def measure(self, overrides: dict, extra_s: float = 0.0) -> Measure:
+        """One trial; its deadline is its share of the budget, three times over at most."""
+        now = time.perf_counter()
+        est = self.est_s + extra_s
+        deadline = min(self.deadline, now + max(3 * est, est + 5.0))
+        return run_trial(self.subject, overrides, self.plan, deadline)
+
+    def start(self, planned_rows: int) -> Row:
+        """Probe a step's time, plan the trials, measure the baseline."""
+        try:
+            probe = run_trial(self.subject, {}, Plan(1, 1, 2), self.deadline)
+        except TrialFailed as e:
+            if e.overrun:
+                raise UserError(f"--budget={self.deadline - self.started:.0f} s does not fit "
+                                f"even a 3-step probe of this run; raise --budget") from None
+            raise UserError(f"the config does not train as it stands ({e}); fix that first "
+                            f"(ironloop train fails the same way)") from None
+        step_s = probe.step_ms / 1000
+        # The probe also paid the process's first-fit costs (lazy imports, first allocations):
+        # a trial's own set-up is timed on the baseline instead.
+        setup = min(1.0, max(0.0, probe.seconds - 2 * step_s))
+        share = max(1.0, min(10.0, 0.85 * self.left() / (planned_rows + 3) - setup))
+        self.plan = plan_for(step_s, share)
+        self.est_s = setup + self.plan.steps * step_s
+        base = Row("baseline (the config as it is)", {})
+        self.run_row(base, {})
+        if base.status != "ok":
+            raise UserError(f"the baseline could not be measured ({base.reason})")
+        self.baseline = base
+        self.est_s = base.measure.seconds  # what a trial at the baseline's speed takes
+        return base
+
+    def run_row(self, row: Row, base: dict, extra_s: float = 0.0) -> None:
+        row.base = dict(base)
+        if row.status == "skipped":
+            pass
+        elif self.left() < self.est_s + extra_s:
+            row.status, row.reason = "skipped", (f"budget: needs ~{self.est_s + extra_s:.0f} s, "
+                                                 f"{max(0.0, self.left()):.0f} s left")
+        else:
+            self.bar.set_description(row.setting)
+            try:
+                row.measure, row.status = self.measure({**base, **row.overrides}, extra_s), "ok"
+            except TrialFailed as e:
+                row.status, row.reason = "failed", str(e)
+            self._figures(row)
+        self.bar.update(1)
+        if self.baseline is not None:  # the baseline has a line of its own
+            self.rows.append(row)
+
+    def _figures(self, row: Row) -> None:
+        if row.measure is None:
+            return
+        m, base = row.measure, self.baseline.measure if self.baseline else row.measure
+        row.ratio = m.samples_per_s / base.samples_per_s
+        row.projected_s = self.projected(m, {**row.base, **row.overrides})
+
+    def projected(self, m: Measure, overrides: dict) -> float:
+        """The configured run's training time at this speed, plus its one-off costs (the
+        warm-up's time beyond its steady steps): a compile once, and the workers' start-up at
+        every epoch (the DataLoader starts them per epoch unless they persist)."""
+        cfg = self.subject.cfg.with_overrides(overrides)
+        per_epoch = cfg.data.num_workers and not getattr(cfg.data, "persistent_workers", False)
+        starts = self.epochs if per_epoch and not cfg.train.compile else 1
+        return self.samples / m.samples_per_s + starts * m.extra_s
+
+    def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0) -> Row | None:
+        """Run the rows on top of ``current``; the fastest that beats ``best`` and wins again
+        against a fresh measurement of ``current`` is the group's winner."""
+        for row in rows:
+            self.run_row(row, current, extra_s)
+        ok = [r for r in rows if r.status == "ok"]
+        wins = [r for r in ok if beats(r.measure, best.measure)
+                and r.projected_s < best.projected_s * (1 - NOISE)]
+        for r in ok:
+            r.verdict = _verdict(r, best, r in wins)
+        if not wins:
+            return None
+        winner = max(wins, key=lambda r: r.measure.samples_per_s)
+        for r in wins:
+            if r is not winner:
+                r.verdict = "faster, but another setting was faster still"
+        winner.gain = best.projected_s / winner.projected_s
+        if not self._recheck(winner, current, extra_s):
+            winner.verdict = "faster once, not on the recheck: within the machine's noise"
+            return None
+        winner.won = True
+        winner.verdict = "chosen" if winner.kind == "free" else "winner"
+        if winner.recheck.get("skipped"):
+            winner.verdict += " (no budget left to recheck it)"
+        else:
+            winner.verdict += f" (recheck: {winner.recheck['gain']:.2f}x; counted {winner.gain:.2f}x)"
+        return winner
+
+    def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
+        """The load of a shared machine drifts: the winner must win a fresh pair as well, and
+        its gain is the smaller of the two pairs'."""
+        if self.left() < 2 * self.est_s + extra_s:
+            winner.recheck = {"skipped": "budget"}
+            return True
+        try:
+            again = self.measure(current)
+            challenger = self.measure({**current, **winner.overrides}, extra_s)
+        except TrialFailed as e:
+            winner.recheck = {"failed": str(e)}
+            return False
+        projected = [self.projected(again, current),
+                     self.projected(challenger, {**current, **winner.overrides})]
+        winner.recheck = {"current": round(again.samples_per_s, 3),
+                          "setting": round(challenger.samples_per_s, 3),
+                          "gain": round(projected[0] / projected[1], 4)}
+        winner.gain = min(winner.gain, projected[0] / projected[1])
+        return beats(challenger, again) and projected[1] < projected[0] * (1 - NOISE)
+
+
+    def largest_fit(self, current: dict, device: torch.device) -> Row | None:
+        """CUDA: double the micro-batch (no accumulation) until a step runs out of memory or
+        its peak passes HEADROOM of the device's memory; the last that fit is reported, never
+        applied (it changes the global batch unless accumulation is lowered to match)."""
+        if device.type != "cuda":
+            return None
+        total_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
+        batch = self.subject.cfg.with_overrides(current).train.batch_size
+        row = Row("largest micro-batch that fits", {}, kind="trajectory", status="skipped",
+                  reason=f"train.batch_size={batch} is the largest that fits with "
+                  f"{100 * (1 - HEADROOM):.0f}% of the memory free")
+        while 2 * batch <= self.subject.samples and self.left() > self.est_s:
+            batch *= 2
+            trial = {"train.batch_size": batch, "train.accumulation_steps": 1}
+            try:
+                m = run_trial(self.subject, {**current, **trial}, Plan(1, 1, 2),
+                              min(self.deadline, time.perf_counter() + 3 * self.est_s))
+            except TrialFailed:
+                break  # out of memory, most likely: the previous size is the answer
+            if m.peak_mb > HEADROOM * total_mb:
+                break
+            row = Row(f"train.batch_size={batch} train.accumulation_steps=1", trial,
+                      kind="trajectory", status="ok", measure=m, base=dict(current),
+                      note=f"the largest that fits: peak {m.peak_mb:,.0f} of {total_mb:,.0f} "
+                      f"MiB; a larger global batch unless accumulation drops to match")
+            self._figures(row)
+            row.verdict = "reported, not applied"
+        self.rows.append(row)
+        return row
+
+
+def _verdict(row: Row, best: Row, wins: bool) -> str:
+    """Judged on the run's projected time, which charges a compile and the workers' start-up."""
+    if wins:
+        return "faster"
+    if row.projected_s * (1 - NOISE) > best.projected_s:
+        faster_steps = row.measure.samples_per_s > best.measure.samples_per_s
+        return ("faster steps, but the compile does not pay for itself in this run"
+                if faster_steps and row.overrides.get("train.compile") else "slower")
+    return "within noise"
+
+
+# -- the entry points ---------------------------------------------------------------------------
+
+
+def run_tune(subject: Subject, budget: float,
+             progress: str = "auto") -> tuple[Tuner, dict, dict]:
+    """Measure; return the tuner (its rows), the chosen free overrides and the trajectory
+    winners."""
+    if budget <= 0:
+        raise ConfigError(f"--budget={budget}: must be > 0 seconds (default {DEFAULT_BUDGET:.0f})")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("ironloop tune runs in one process: start it without torchrun")
+    device = resolve_device(subject.cfg.run.device)
+    with preserved_rng(), tune_output.progress_bar(progress, budget) as bar:
+        tuner = Tuner(subject, budget, bar)
+        tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
+        current, best = {}, tuner.baseline
+        for rows in (lambda: loader_rows(subject, current),
+                     lambda: loader_extra_rows(subject, current),
+                     lambda: pin_rows(subject, device)):
+            winner = tuner.group(rows(), current, best)
+            if winner is not None:
+                current, best = {**current, **winner.overrides}, winner
+        model = subject.make_model()
+        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                     for m in model.modules())
+        trajectory = {}
+        for rows in (precision_rows(subject, device), micro_batch_rows(subject, has_bn)):
+            winner = tuner.group(rows, current, best)
+            if winner is not None:
+                trajectory.update(winner.overrides)
+        tuner.largest_fit(current, device)
+        reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
+        winner = tuner.group(compile_rows(subject, tuner.baseline.projected_s), current, best, extra_s=reserve)
+        if winner is not None:
+            current = {**current, **winner.overrides}
+    return tuner, current, trajectory
+
+
+def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None, *,
+         loss_fn=None, step_fn=None, num_classes: int | None = None, optimizer=None,
+         scheduler=None, budget: float = DEFAULT_BUDGET,
+         apply_trajectory_changes: bool = False) -> TuneResult:
+    """Measure faster settings for ``fit(model, train_data, config=config, ...)``.
+
+    Each trial trains a fresh copy of ``model`` for a short measured run (never ``model``
+    itself) with checkpoints off, in a temporary directory. Writes ``run.dir/tune.json`` and
+    ``run.dir/tuned.yaml``; ``result.config`` is the tuned Config, for ``fit(...,
+    config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
+    (``f(params)``, ``f(optimizer)``): each trial builds its own.
+    """
+    for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if isinstance(value, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+            raise UserError(f"tune: pass {name} as a factory (e.g. lambda params: "
+                            f"torch.optim.AdamW(params)), not an instance: every trial "
+                            f"trains its own copy of the model")
+    cfg = as_config(config)
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size:
+        cfg = cfg.with_overrides({"train.batch_size": train_data.batch_size})  # as fit() does
+    pristine = copy.deepcopy(model)
+    subject = Subject(cfg, lambda: copy.deepcopy(pristine), train_data,
+                      {"loss_fn": loss_fn, "step_fn": step_fn, "num_classes": num_classes,
+                       "optimizer": optimizer, "scheduler": scheduler})
+    return _finish(subject, budget, apply_trajectory_changes, None, [])
+
+
+def tune_config(path: str, overrides: list[str], budget: float = DEFAULT_BUDGET,
+                apply_trajectory_changes: bool = False) -> TuneResult:
+    """What ``ironloop tune CONFIG [key=value ...]`` does: the config's data and model."""
+    cfg = load_config(path, overrides)
+    bundle = build_data(cfg.data)
+
+    def make_model():
+        seed_everything(cfg.run.seed)  # every trial starts from the same initial weights
+        return build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
+                           cfg.model.kwargs)
+
+    subject = Subject(cfg, make_model, bundle.train,
+                      {"num_classes": bundle.num_classes, "from_config": True})
+    return _finish(subject, budget, apply_trajectory_changes, Path(path), overrides)
+
+
+def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
+            overrides: list[str]) -> TuneResult:
+    tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
+    applied = {**chosen, **(trajectory if apply else {})}
+    result = TuneResult(
+        baseline=tuner.baseline, rows=tuner.rows, chosen=chosen, trajectory=trajectory,
+        applied_trajectory=apply and bool(trajectory),
+        speedup=math.prod(r.gain for r in tuner.rows if r.won and r.kind == "free"),
+        config=subject.cfg.with_overrides(applied),
+        info=tune_output.context(subject, tuner, budget, path, overrides))
+    tune_output.write(result, subject.cfg, path, overrides, applied)
+    return result
