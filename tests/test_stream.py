@@ -1,0 +1,159 @@
+"""Streams in fit(): an IterableDataset, however passed, trains and resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
+
+import ironloop
+from ironloop.errors import ConfigError, DataError
+from tests.conftest import blobs, cfg, tiny_mlp
+
+pytest.importorskip("torchdata")
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+DATA = blobs(104, seed=3)  # 104 = 6 batches of 16 and a partial one per epoch
+
+
+class Plain(IterableDataset):
+    """A user's reader without state: (seed, epoch) fix the order; each worker its share."""
+
+    def __init__(self, n: int = 104, raise_at: int = -1):
+        self.n, self.epoch, self.pos, self.raise_at = n, 0, 0, raise_at
+        self.epochs_seen: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs_seen.append(epoch)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        info = get_worker_info()
+        mine = order if info is None else order[info.id::info.num_workers]
+        while self.pos < len(mine):
+            i = int(mine[self.pos])
+            self.pos += 1
+            if i == self.raise_at:
+                raise ValueError(f"sample {i}: corrupt record")
+            yield DATA.x[i], DATA.y[i]
+        self.pos = 0
+
+
+class Reader(Plain):
+    """The same reader with torchdata's Stateful protocol: its position is its state."""
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+class Sized(Reader):
+    def __init__(self, n: int = 104, claims: int = 104):
+        super().__init__(n)
+        self.claims = claims
+
+    def __len__(self) -> int:
+        return self.claims
+
+
+def weights(result) -> dict:
+    return {k: v.clone() for k, v in result.model.state_dict().items()}
+
+
+def fit(tmp_path, data, run: str = "run", **keys):
+    conf = cfg(tmp_path, train__epochs=3, train__batch_size=16, run__dir=str(tmp_path / run),
+               **keys)
+    # Extending max_steps changes a trajectory key: allowed, the schedule is constant.
+    return ironloop.fit(tiny_mlp(), data, config=conf, resume=True, allow_config_change=True)
+
+
+def stop_and_go(tmp_path, make, stops, **keys):
+    """Train in pieces, each a new process's worth of objects, stopped by max_steps."""
+    for stop in stops:
+        result = fit(tmp_path, make(), run="pieces", train__max_steps=stop, **keys)
+    return result
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_stream_resumes_exactly_across_an_epoch_boundary(tmp_path, workers):
+    """Stops mid-epoch 1, then mid-epoch 2 (over the boundary; torchdata #1437 dropped an epoch
+    there), then runs to the end: the same weights as one uninterrupted run."""
+    n = len(Sized()) // 16  # steps per epoch
+    whole = fit(tmp_path, Sized(), data__num_workers=workers, train__max_steps=3 * n)
+    pieces = stop_and_go(tmp_path, Sized, [5, n + 4, 2 * n, 3 * n], data__num_workers=workers)
+    assert whole.results["steps"] == pieces.results["steps"] == 3 * n
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_stream_without_state_resumes_by_replay_and_says_so_once(tmp_path, capsys):
+    whole = fit(tmp_path, Plain(), train__max_steps=18)
+    capsys.readouterr()
+    pieces = stop_and_go(tmp_path, Plain, [4, 9, 18])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert text.count("reads again, and discards") == 3  # one per process (three fit calls)
+    assert "state_dict() and load_state_dict()" in text
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_stream_without_len_trains_by_max_steps_and_sets_each_epoch(tmp_path):
+    data = Plain()  # 6 full batches per epoch
+    result = fit(tmp_path, data, train__max_steps=15)
+    assert result.results["steps"] == 15
+    assert data.epochs_seen == [0, 1, 2]
+
+
+def test_stream_without_len_or_max_steps_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        fit(tmp_path, Plain())
+
+
+def test_a_passed_stateful_dataloader_keeps_its_sampler_and_state(tmp_path):
+    """A map-style StatefulDataLoader with its own shuffling: used as it is, and resumed from its
+    own state, across an epoch boundary."""
+    def make():
+        return StatefulDataLoader(TensorDataset(DATA.x, DATA.y), batch_size=16, shuffle=True, drop_last=True,
+                                  generator=torch.Generator().manual_seed(7))
+    n = len(make())
+    whole = fit(tmp_path, make(), train__max_steps=3 * n)
+    pieces = stop_and_go(tmp_path, make, [4, n + 3, 3 * n])
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+    # max_steps stopped the last piece mid-epoch: its checkpoint holds the loader's own state.
+    ckpt = torch.load(tmp_path / "pieces" / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["sampler"]["loader"]["_num_yielded"] == n
+
+
+@pytest.mark.parametrize("how", ["dataset", "dataloader", "stateful", "with_len"])
+def test_every_way_of_passing_a_stream_trains(tmp_path, how):
+    data = {"dataset": Plain(), "dataloader": DataLoader(Reader(), batch_size=16),
+            "stateful": StatefulDataLoader(Reader(), batch_size=16, drop_last=True),
+            "with_len": Sized()}[how]
+    result = fit(tmp_path, data, train__max_steps=8)
+    assert result.results["steps"] == 8
+
+
+def test_a_len_that_claims_too_much_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DataError, match="ended early.*__len__ says 300"):
+        fit(tmp_path, Sized(claims=300))
+
+
+def test_a_len_that_claims_too_little_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DataError, match="more than its __len__ of 60"):
+        fit(tmp_path, Sized(claims=60))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path, workers):
+    fit(tmp_path, Plain(), data__num_workers=workers, train__max_steps=2)
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
+    bad = int(torch.randperm(104, generator=torch.Generator().manual_seed(0))[80])
+    with pytest.raises(DataError, match=f"sample {bad}: corrupt record"):
+        fit(tmp_path, Plain(raise_at=bad), data__num_workers=workers, train__max_steps=10)
+    assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
