@@ -30,7 +30,7 @@ def command(factory: str, root: Path, run_dir: Path, *extra: str) -> list[str]:
     config = root / "stream.yaml"
     config.write_text(f"data:\n  name: tests.stream_data:{factory}\n  root: {root}\n"
                       f"model:\n  name: tests.stream_data:model\n"
-                      f"train:\n  epochs: 3\n  max_steps: {STEPS}\n")
+                      f"train:\n  epochs: 3\n  max_steps: {STEPS}\n  batch_size: 16\n")
     return [sys.executable, "-m", "ironloop", "train", str(config), "checkpoint.every_steps=4",
             "log.progress=off", f"run.dir={run_dir}", *extra, "--resume"]
 
