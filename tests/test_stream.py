@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_wor
 
 import ironloop
 from ironloop.errors import ConfigError, DataError
+from ironloop.guard.hook import GuardStop
 from tests.conftest import blobs, cfg, tiny_mlp
 
 pytest.importorskip("torchdata")
@@ -157,3 +158,37 @@ def test_a_sample_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path, w
     with pytest.raises(DataError, match=f"sample {bad}: corrupt record"):
         fit(tmp_path, Plain(raise_at=bad), data__num_workers=workers, train__max_steps=10)
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
+
+
+class Poisoned(Reader):
+    """Sample ``bad``'s input is NaN every time it is read (a corrupt record)."""
+
+    bad = int(torch.randperm(104, generator=torch.Generator().manual_seed(0))[70])
+
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield (x * float("nan") if bool((x == DATA.x[self.bad]).all()) else x), y
+
+
+def test_a_transient_bad_step_on_a_stream_is_skipped_and_the_run_reads_on(tmp_path):
+    result = fit(tmp_path, Reader(), train__max_steps=12, fault__nan_at_step=[5])
+    assert result.results["bad_steps"] == 1 and result.results["steps"] == 12
+
+
+def test_a_guard_rollback_on_a_stream_restores_the_loader_and_reads_the_same_samples(
+        tmp_path, capsys):
+    """A sample that is bad in itself: each rollback restores the loader state from the newest
+    checkpoint, so the stream serves that sample again (a stream has no skip list), until
+    guard.max_rollbacks stops the run with every checkpoint intact."""
+    with pytest.raises(GuardStop, match="after 2 rollback"):
+        fit(tmp_path, Poisoned(), train__max_steps=12, checkpoint__every_steps=2,
+            guard__max_bad_steps=1, guard__max_rollbacks=2)
+    text = capsys.readouterr().out
+    assert text.count("rolled back from step 5 to step 4") == 2
+    assert "0 samples added to the skip list" in text
+    torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_fault_nan_sample_on_a_stream_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="fault.nan_at_step instead"):
+        fit(tmp_path, Reader(), train__max_steps=4, fault__nan_sample=3)
