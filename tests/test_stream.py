@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
 import ironloop
-from ironloop.errors import ConfigError, DataError
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.hook import GuardStop
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -192,3 +192,8 @@ def test_a_guard_rollback_on_a_stream_restores_the_loader_and_reads_the_same_sam
 def test_fault_nan_sample_on_a_stream_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="fault.nan_at_step instead"):
         fit(tmp_path, Reader(), train__max_steps=4, fault__nan_sample=3)
+
+
+def test_a_stream_as_validation_data_is_refused_naming_it(tmp_path):
+    with pytest.raises(UserError, match="val_data is a stream.*streaming=False"):
+        ironloop.fit(tiny_mlp(), Reader(), Plain(), cfg(tmp_path, train__max_steps=2))

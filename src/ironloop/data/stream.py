@@ -106,6 +106,15 @@ def as_stream(data, what: str) -> Stream | None:
     return Stream(data)
 
 
+def refuse_eval_stream(data, what: str) -> None:
+    """Evaluation covers every sample once, split by index over the ranks: it needs a dataset
+    with a length and indices."""
+    if data is not None and is_stream(data):
+        raise UserError(f"{what} is a stream ({type(data).__name__}); evaluation reads a "
+                        f"map-style dataset (with __len__ and __getitem__): pass the validation "
+                        f"split as one (for Hugging Face, load it with streaming=False), or None")
+
+
 def stream_steps(stream: Stream, batch_size: int, accumulation: int, max_steps: int,
                  what: str = "train_data") -> int:
     """Optimizer steps per epoch: from the stream's length, or max_steps when it has none."""
