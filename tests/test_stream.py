@@ -197,3 +197,32 @@ def test_fault_nan_sample_on_a_stream_is_refused(tmp_path):
 def test_a_stream_as_validation_data_is_refused_naming_it(tmp_path):
     with pytest.raises(UserError, match="val_data is a stream.*streaming=False"):
         ironloop.fit(tiny_mlp(), Reader(), Plain(), cfg(tmp_path, train__max_steps=2))
+
+
+def dict_step(model, batch):
+    """A step for Hugging Face rows: a dict batch of tensors."""
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]), {}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_hugging_face_iterable_dataset_resumes_from_its_own_state(tmp_path, workers,
+                                                                    capsys):
+    """Passed to fit() as it is; HF's own state_dict (no shuffle buffer: exact) is the position,
+    restored in each worker, across an epoch boundary."""
+    datasets = pytest.importorskip("datasets")
+
+    def make():
+        rows = datasets.Dataset.from_dict({"x": DATA.x.tolist(), "y": DATA.y.tolist()})
+        return rows.to_iterable_dataset(num_shards=4).with_format("torch")
+    whole = ironloop.fit(tiny_mlp(), make(), step_fn=dict_step, config=cfg(
+        tmp_path, train__epochs=3, train__batch_size=16, train__max_steps=18,
+        data__num_workers=workers))
+    for stop in (4, 9, 18):
+        pieces = ironloop.fit(tiny_mlp(), make(), step_fn=dict_step, resume=True,
+                              allow_config_change=True, config=cfg(
+                                  tmp_path, run__dir=str(tmp_path / "pieces"), train__epochs=3,
+                                  train__batch_size=16, train__max_steps=stop,
+                                  data__num_workers=workers))
+    assert "reads again" not in capsys.readouterr().out  # its state, not a replay
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
