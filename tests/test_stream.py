@@ -14,6 +14,7 @@ from tests.conftest import blobs, cfg, tiny_mlp
 pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
+# Worker processes make a test slow (pytest -m "not slow" leaves them out; CI runs them).
 DATA = blobs(104, seed=3)  # 104 = 6 batches of 16 and a partial one per epoch
 
 
@@ -78,7 +79,7 @@ def stop_and_go(tmp_path, make, stops, **keys):
     return result
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_stateful_stream_resumes_exactly_across_an_epoch_boundary(tmp_path, workers):
     """Stops mid-epoch 1, then mid-epoch 2 (over the boundary; torchdata #1437 dropped an epoch
     there), then runs to the end: the same weights as one uninterrupted run."""
@@ -149,7 +150,7 @@ def test_a_len_that_claims_too_little_is_an_error_naming_it(tmp_path):
         fit(tmp_path, Sized(claims=60))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_sample_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path, workers):
     fit(tmp_path, Plain(), data__num_workers=workers, train__max_steps=2)
     ckpts = tmp_path / "run" / "checkpoints"
@@ -204,7 +205,7 @@ def dict_step(model, batch):
     return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]), {}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_hugging_face_iterable_dataset_resumes_from_its_own_state(tmp_path, workers,
                                                                     capsys):
     """Passed to fit() as it is; HF's own state_dict (no shuffle buffer: exact) is the position,

@@ -103,3 +103,24 @@ def test_a_damaged_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(tmp_p
     assert order[-1] in done.stderr and "Traceback" not in done.stderr
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert state["progress"]["step"] >= 4  # the shards before it trained and were saved
+
+
+def test_two_ranks_with_unequal_shares_end_each_epoch_together(tmp_path):
+    """3 tar shards over 2 ranks (wds.split_by_node): rank 0 reads two, rank 1 one. The ranks
+    agree on each window, so the epoch ends on both when rank 1's share ends (DDP would hang
+    otherwise) and rank 0's surplus is dropped with a warning."""
+    root = write_files(tmp_path / "data", "tar", n=240, shards=3)
+    run_dir = tmp_path / "run"
+    cmd = command("tars", root, run_dir, "train.max_steps=12", "train.epochs=3",
+                  "checkpoint.every_steps=0")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--standalone", "-m", "ironloop"]
+    done = subprocess.run([*launcher, *cmd[3:]], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**env(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    import json
+
+    epochs = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    # 80 samples a shard: rank 1's 80 make 5 full batches of 16, so 5 steps an epoch.
+    assert [e["step"] for e in epochs] == [5, 10]
+    assert done.stderr.count("batch(es) more than another rank's") == 2
