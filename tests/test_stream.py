@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
 import ironloop
-from ironloop.errors import ConfigError, DataError, UserError
+from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.guard.hook import GuardStop
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -99,6 +99,7 @@ def test_stream_without_state_resumes_by_replay_and_says_so_once(tmp_path, capsy
     text = out.out + out.err
     assert text.count("reads again, and discards") == 3  # one per process (three fit calls)
     assert "state_dict() and load_state_dict()" in text
+    assert "naively fast-forwarding" not in text  # torchdata's own warning, said once by ours
     for k, v in weights(whole).items():
         assert torch.equal(v, pieces.model.state_dict()[k]), k
 
@@ -227,3 +228,9 @@ def test_a_hugging_face_iterable_dataset_resumes_from_its_own_state(tmp_path, wo
     assert "reads again" not in capsys.readouterr().out  # its state, not a replay
     for k, v in weights(whole).items():
         assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_a_mid_epoch_resume_with_other_workers_is_refused_naming_the_value(tmp_path):
+    fit(tmp_path, Reader(), train__max_steps=3)
+    with pytest.raises(CheckpointError, match="resume with data.num_workers=0"):
+        fit(tmp_path, Reader(), train__max_steps=6, data__num_workers=2)
