@@ -120,8 +120,8 @@ def test_a_passed_stateful_dataloader_keeps_its_sampler_and_state(tmp_path):
     """A map-style StatefulDataLoader with its own shuffling: used as it is, and resumed from its
     own state, across an epoch boundary."""
     def make():
-        return StatefulDataLoader(TensorDataset(DATA.x, DATA.y), batch_size=16, shuffle=True, drop_last=True,
-                                  generator=torch.Generator().manual_seed(7))
+        return StatefulDataLoader(TensorDataset(DATA.x, DATA.y), batch_size=16, shuffle=True,
+                                  drop_last=True, generator=torch.Generator().manual_seed(7))
     n = len(make())
     whole = fit(tmp_path, make(), train__max_steps=3 * n)
     pieces = stop_and_go(tmp_path, make, [4, n + 3, 3 * n])

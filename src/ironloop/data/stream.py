@@ -15,7 +15,8 @@ guard use, and ``batches()`` for the epoch's batches. What it decides:
   ``dataset.set_epoch(epoch)`` and with a generator seeded from (seed, epoch): an epoch's start
   is a pure function of (seed, epoch), so a checkpoint at an epoch boundary holds no loader
   state at all, and the end-of-epoch reload that torchdata #1437 got wrong never happens.
-  A ``StatefulDataLoader`` the user passed is used as it is, every epoch, state included.
+  A ``StatefulDataLoader`` the user passed is used as it is, every epoch, its state saved
+  mid-epoch; its generator (if any) is reseeded from (seed, epoch) at each epoch's start.
 - Batches are full: the last partial batch of each worker is dropped (``drop_last``), so every
   micro-batch is ``batch_size`` samples and the loop's window arithmetic holds.
 - The epoch ends when the stream does. The loop learns it one accumulation window ahead: the
@@ -224,8 +225,9 @@ class StreamOrder:
         self.epoch, self.offset, self.end = epoch, offset, None
 
     def set_skip(self, indices) -> None:
-        """The guard's skip list names samples by index; a stream has none. Skipping is
-        therefore not applied: see the README (a rollback replays the same samples)."""
+        """The guard's skip list names samples by index; a stream has none (``indices`` gives
+        the guard nothing to list), so the list stays empty and nothing is skipped: a rollback
+        reads the same samples again (README, "Streams")."""
         self.skip = sorted(set(indices))
 
     def indices(self, start: int, end: int) -> list[int]:
