@@ -234,3 +234,20 @@ def test_a_mid_epoch_resume_with_other_workers_is_refused_naming_the_value(tmp_p
     fit(tmp_path, Reader(), train__max_steps=3)
     with pytest.raises(CheckpointError, match="resume with data.num_workers=0"):
         fit(tmp_path, Reader(), train__max_steps=6, data__num_workers=2)
+
+
+def test_a_hugging_face_shuffle_buffer_is_resumed_by_replay():
+    """HF's state_dict leaves the shuffle buffer out, so resuming from it is not exact; the
+    detection reads HF's private iterable chain, and this test notices if that changes."""
+    datasets = pytest.importorskip("datasets")
+    from ironloop.data.stream import Stream, resumes_by_replay
+
+    rows = datasets.Dataset.from_dict({"x": list(range(32))}).to_iterable_dataset(num_shards=2)
+    assert not resumes_by_replay(Stream(rows), "auto")
+    assert resumes_by_replay(Stream(rows.shuffle(seed=0, buffer_size=8)), "auto")
+    assert resumes_by_replay(Stream(rows), "replay")
+
+
+def test_stream_resume_state_needs_a_state_dict(tmp_path):
+    with pytest.raises(ConfigError, match="data.stream_resume=state: Plain has no state_dict"):
+        fit(tmp_path, Plain(), train__max_steps=2, data__stream_resume="state")
