@@ -67,14 +67,16 @@ def xy(rows):
 
 def hf(root, fmt: str = "json", buffer: int = 64, seed: int = 0, rank: int = 0,
        world_size: int = 1):
-    """A Hugging Face streaming dataset with a shuffle buffer, one disjoint share per rank."""
+    """A Hugging Face streaming dataset with a shuffle buffer (``buffer`` > 0), one disjoint
+    share per rank."""
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
     ext = "jsonl" if fmt == "json" else fmt
     files = sorted(glob.glob(f"{root}/*.{ext}"))
     ds = load_dataset(fmt, data_files=files, split="train", streaming=True)
-    ds = ds.shuffle(seed=seed, buffer_size=buffer)
+    if buffer:  # without one, HF's own state_dict is the exact position (no replay)
+        ds = ds.shuffle(seed=seed, buffer_size=buffer)
     if world_size > 1:
         ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
     return DataLoader(ds, batch_size=BATCH, collate_fn=xy), val_split()

@@ -45,6 +45,8 @@ def run_to_end(cmd: list[str], tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=env(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = Path(next(a[len("run.dir="):] for a in cmd if a.startswith("run.dir=")))
+    (run_dir / "stdout.log").write_text(done.stdout)
 
 
 def kill_at(cmd: list[str], tmp_path: Path, forward: int) -> None:
@@ -73,6 +75,8 @@ def resumed_steps(run_dir: Path) -> list[int]:
     ("hf", "jsonl", ()),
     ("hf", "parquet", ("data.kwargs={fmt: parquet}", "data.num_workers=2")),
     ("tars", "tar", ("data.num_workers=2",)),
+    # No shuffle buffer: resumed from HF's own state in each worker, not by replay.
+    ("hf", "parquet", ("data.kwargs={fmt: parquet, buffer: 0}", "data.num_workers=2")),
 ])
 def test_killed_twice_across_an_epoch_boundary_ends_bit_identical(tmp_path, factory, fmt,
                                                                    extra):
@@ -84,6 +88,8 @@ def test_killed_twice_across_an_epoch_boundary_ends_bit_identical(tmp_path, fact
     kill_at(cmd, tmp_path, 17)  # from step 16 on: past the start of epoch 3
     run_to_end(cmd, tmp_path)
     assert resumed_steps(killed) == [16, 32]
+    replayed = "reads again" in (killed / "stdout.log").read_text()
+    assert replayed == ("buffer: 0" not in " ".join(extra))
     want = safetensors.load_file(reference / "final.safetensors")
     got = safetensors.load_file(killed / "final.safetensors")
     assert want.keys() == got.keys()
