@@ -251,3 +251,11 @@ def test_a_hugging_face_shuffle_buffer_is_resumed_by_replay():
 def test_stream_resume_state_needs_a_state_dict(tmp_path):
     with pytest.raises(ConfigError, match="data.stream_resume=state: Plain has no state_dict"):
         fit(tmp_path, Plain(), train__max_steps=2, data__stream_resume="state")
+
+
+def test_without_torchdata_a_stream_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # "not installed"
+    with pytest.raises(UserError, match=r"pip install 'ironloop\[stream\]'"):
+        fit(tmp_path, Plain(), train__max_steps=2)
