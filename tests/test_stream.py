@@ -157,7 +157,8 @@ def test_a_sample_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path, w
     ckpts = tmp_path / "run" / "checkpoints"
     before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
     bad = int(torch.randperm(104, generator=torch.Generator().manual_seed(0))[80])
-    with pytest.raises(DataError, match=f"sample {bad}: corrupt record"):
+    with pytest.raises(DataError, match=f"reading batch .*: ValueError: sample {bad}: "
+                                        f"corrupt record\\. Fix"):
         fit(tmp_path, Plain(raise_at=bad), data__num_workers=workers, train__max_steps=10)
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
 

@@ -328,7 +328,7 @@ class StreamOrder:
                 raise DataError(
                     f"the training stream {self.stream} failed in epoch {self.epoch + 1} "
                     f"reading batch {n + 1} (after {n * self.batch_size} samples on this "
-                    f"process): {type(e).__name__}: {_first_line(e)}. Fix or remove that "
+                    f"process): {_describe(e)}. Fix or remove that "
                     f"shard or sample and resume with --resume; the checkpoints written so "
                     f"far are intact") from e
             if self.expected is not None and \
@@ -382,13 +382,13 @@ class _quiet_fast_forward:
         self.log.setLevel(self.level)
 
 
-def _first_line(e: BaseException) -> str:
-    """The message; for an error raised in a worker, its original last line (torch wraps it
-    as "Caught X in DataLoader worker process N" + the worker's traceback)."""
+def _describe(e: BaseException) -> str:
+    """"Type: message"; for an error raised in a worker, the worker's own last line (torch wraps
+    it as "Caught X in DataLoader worker process N" + the worker's traceback)."""
     text = [line for line in str(e).strip().splitlines() if line.strip()]
-    if not text:
-        return "(no message)"
-    return text[-1].strip() if text[0].startswith("Caught ") else text[0]
+    if text and text[0].startswith("Caught "):
+        return text[-1].strip()
+    return f"{type(e).__name__}: {text[0] if text else '(no message)'}"
 
 
 def build_order(cfg, stream: Stream, rank: int, world_size: int,
