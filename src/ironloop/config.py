@@ -44,6 +44,9 @@ class DataConfig(Section):
     input_shape: list = fld([1, 28, 28], "synthetic only: shape of one input")
     num_classes: int = fld(10, "synthetic only: number of classes")
     kwargs: dict = fld({}, "module:factory data only: keyword arguments, besides root=data.root")
+    stream_resume: str = fld("auto", "a stream's mid-epoch resume: auto (its state_dict when it "
+                             "has an exact one, else replay) | state | replay (read the epoch's "
+                             "served batches again)", ("auto", "state", "replay"))
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ironloop.data.bundle import DataBundle
+from ironloop.data.stream import as_stream, first_sample, is_stream
 from ironloop.errors import ConfigError
 from ironloop.specs import accepted, import_spec
 
 
 def user_data(cfg) -> DataBundle:
-    """Call ``factory(root=data.root, **data.kwargs)``; it returns ``(train, val[, test])``,
-    each a Dataset, a DataLoader, an (inputs, targets) pair, or None (val, test).
+    """Call ``factory(root=data.root, **data.kwargs)`` (plus ``rank`` and ``world_size`` when it
+    takes them); it returns ``(train, val[, test])``, each a Dataset, a DataLoader, an (inputs,
+    targets) pair, or None (val, test); train may be a stream (an IterableDataset, a DataLoader
+    over one, a StatefulDataLoader).
 
     The input shape offered to the model factory is read off the first training sample; the
     class count is left to ``fit`` (inferred from the model's output when it is (N, C)).
     """
     factory = import_spec(cfg.name, "data.name")
+    # A factory that takes rank and world_size gets them (torchrun's), to hand each process a
+    # disjoint share of a stream (HF: split_dataset_by_node(ds, rank, world_size)).
+    where = {"rank": int(os.environ.get("RANK", "0")),
+             "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     try:
-        out = factory(**{**accepted(factory, root=cfg.root), **cfg.kwargs})
+        out = factory(**{**accepted(factory, root=cfg.root, **where), **cfg.kwargs})
     except TypeError as e:
         raise ConfigError(f"data factory {cfg.name!r} rejected its arguments: {e}; "
                           f"check data.kwargs") from e
@@ -28,6 +37,9 @@ def user_data(cfg) -> DataBundle:
     train, val, test = (*out, None)[:3]
     if isinstance(train, (tuple, list)):  # an (inputs, targets) pair of tensors
         x = train[0][0]
+    elif is_stream(train):  # read off a copy: the stream itself stays at its start
+        sample = first_sample(as_stream(train, "train"))
+        x = sample[0] if sample else None
     else:
         sample = getattr(train, "dataset", train)[0]  # a DataLoader's dataset, or the Dataset
         x = sample[0] if isinstance(sample, (tuple, list)) else sample

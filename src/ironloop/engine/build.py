@@ -14,6 +14,7 @@ from torch import nn
 from ironloop.callbacks import HOOKS, fire
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
+from ironloop.data.stream import Stream, build_order, first_sample
 from ironloop.dist import parallel
 from ironloop.dist.world import World, all_reduce_sum
 from ironloop.dist.wrap import checkpoint_activations, compile_model
@@ -55,11 +56,14 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
         model = compile_model(model, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
 
-    sampler = EpochSampler(len(data.train), cfg.train.batch_size, cfg.run.seed, shuffle=True,
-                           rank=world.rank, world_size=world.size)
-    steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
-                                                  * cfg.train.accumulation_steps))
-    _warn_batch_size(cfg, len(data.train), world)
+    if isinstance(data.train, Stream):  # an IterableDataset: read in order (data/stream.py)
+        sampler, steps_per_epoch = build_order(cfg, data.train, world.rank, world.size, device)
+    else:
+        sampler = EpochSampler(len(data.train), cfg.train.batch_size, cfg.run.seed,
+                               shuffle=True, rank=world.rank, world_size=world.size)
+        steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
+                                                      * cfg.train.accumulation_steps))
+        _warn_batch_size(cfg, len(data.train), world)
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -116,7 +120,7 @@ def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes, 
 @torch.inference_mode()
 def infer_num_classes(model: nn.Module, dataset, device) -> int | None:
     """C from one forward of one sample in eval mode; None if the output is not (1, C)."""
-    sample = dataset[0]
+    sample = first_sample(dataset) if isinstance(dataset, Stream) else dataset[0]
     if not isinstance(sample, (tuple, list)) or len(sample) < 2:
         return None
     x, y = sample[0], sample[1]

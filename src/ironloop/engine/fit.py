@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ironloop.config import Config
 from ironloop.data.loader import TensorData, as_tensor_data, derive_seed
+from ironloop.data.stream import as_stream, refuse_eval_stream
 from ironloop.dist import parallel
 from ironloop.dist.world import init_from_env, name_timeouts, shutdown
 from ironloop.engine import build, evaluate
@@ -175,7 +176,11 @@ class _Splits(NamedTuple):
 def _splits(cfg: Config, train_data, val_data, test_data) -> tuple[Config, _Splits]:
     """The datasets fit() trains and evaluates on, and the config a DataLoader's batch size
     implies."""
-    train_set, collate_fn, loader_bs = _dataset_of(train_data, "train_data")
+    stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
+    train_set, collate_fn, loader_bs = (stream, None, stream.batch_size) if stream else \
+        _dataset_of(train_data, "train_data")
+    refuse_eval_stream(val_data, "val_data")
+    refuse_eval_stream(test_data, "test_data")
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
     test_set, _, _ = _dataset_of(test_data, "test_data")

@@ -45,6 +45,7 @@ import torch
 
 from ironloop.callbacks import fire
 from ironloop.data.loader import batch_size_of, make_loader, to_device
+from ironloop.data.stream import StreamOrder
 from ironloop.dist import parallel
 from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
@@ -76,9 +77,12 @@ def train_epoch(run: Run) -> None:
     accum, world = cfg.train.accumulation_steps, run.world.size
     n, global_batch = sampler.usable, sampler.global_batch
     sampler.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
-    loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
-                         pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
-                         collate_fn=run.collate_fn)
+    if isinstance(sampler, StreamOrder):  # a stream reads itself, from its own state
+        loader = sampler.batches()
+    else:
+        loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
+                             pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
+                             collate_fn=run.collate_fn)
     non_blocking = run.device.type == "cuda"
     bar = console.progress_bar(run)
     run.model.train()
@@ -87,6 +91,7 @@ def train_epoch(run: Run) -> None:
     for batch in loader:
         run.timer.mark("data")
         if micro == 0:
+            n = sampler.usable  # a stream learns its end a window ahead (data/stream.py)
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             run.optimizer.zero_grad(set_to_none=True)
         if run.check_labels is not None:

@@ -34,6 +34,9 @@ def poison_sample(dataset: Dataset, index: int) -> Dataset:
     """``dataset`` with sample ``index``'s input set to NaN (``index`` < 0: unchanged)."""
     if index < 0:
         return dataset
+    if not hasattr(dataset, "__len__"):  # a stream (data/stream.py): no sample has an index
+        raise ConfigError(f"fault.nan_sample={index} needs a map-style training split; this "
+                          f"one is a stream: use fault.nan_at_step instead")
     if index >= len(dataset):
         raise ConfigError(f"fault.nan_sample={index}: the training split has {len(dataset)} "
                           f"samples; pick an index below that")

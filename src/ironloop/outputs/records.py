@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ironloop.data.stream import Stream
 from ironloop.version import __version__
 
 
@@ -34,7 +35,13 @@ def _name(obj: Any) -> str | None:
 def _dataset(ds) -> dict | None:
     if ds is None:
         return None
-    return {"type": type(ds).__name__, "size": len(ds)}
+    try:
+        size = len(ds)
+    except TypeError:  # a stream (data/stream.py): its length when the dataset has one
+        size = getattr(ds, "samples", None)
+    if isinstance(ds, Stream):
+        ds = ds.dataset  # the user's IterableDataset, not ironloop's wrapper
+    return {"type": type(ds).__name__, "size": size}
 
 
 def used(model, optimizer, scheduler, from_config: bool, datasets: dict, loss_fn=None,

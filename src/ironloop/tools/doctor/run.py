@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ironloop.config import Config
+from ironloop.data.stream import is_stream
 from ironloop.engine.build import infer_num_classes
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.doctor import data_checks as data
@@ -33,6 +34,9 @@ class DoctorError(UserError):
 def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = None,
             num_classes: int | None = None, loss_fn=None, collate_fn=None) -> Subject:
     cfg = cfg or Config()
+    if is_stream(train):
+        raise UserError("the doctor reads samples by index, and the training data is a stream "
+                        "(an IterableDataset); check a map-style sample of it instead")
     device = resolve_device(cfg.run.device)
     if num_classes is None:
         num_classes = infer_num_classes(model, train, device)
@@ -129,6 +133,10 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     out = Path(cfg.run.dir) / "doctor.json"
     if not cfg.doctor.preflight or os.environ.get("RANK", "0") != "0" or \
             (resume and out.exists()):
+        return []
+    if is_stream(bundle.train):
+        print("notice: the preflight doctor reads samples by index; skipped for a stream "
+              "(an IterableDataset)")
         return []
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)

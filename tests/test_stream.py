@@ -1,0 +1,262 @@
+"""Streams in fit(): an IterableDataset, however passed, trains and resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
+
+import ironloop
+from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
+from ironloop.guard.hook import GuardStop
+from tests.conftest import blobs, cfg, tiny_mlp
+
+pytest.importorskip("torchdata")
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+# Worker processes make a test slow (pytest -m "not slow" leaves them out; CI runs them).
+DATA = blobs(104, seed=3)  # 104 = 6 batches of 16 and a partial one per epoch
+
+
+class Plain(IterableDataset):
+    """A user's reader without state: (seed, epoch) fix the order; each worker its share."""
+
+    def __init__(self, n: int = 104, raise_at: int = -1):
+        self.n, self.epoch, self.pos, self.raise_at = n, 0, 0, raise_at
+        self.epochs_seen: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs_seen.append(epoch)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        info = get_worker_info()
+        mine = order if info is None else order[info.id::info.num_workers]
+        while self.pos < len(mine):
+            i = int(mine[self.pos])
+            self.pos += 1
+            if i == self.raise_at:
+                raise ValueError(f"sample {i}: corrupt record")
+            yield DATA.x[i], DATA.y[i]
+        self.pos = 0
+
+
+class Reader(Plain):
+    """The same reader with torchdata's Stateful protocol: its position is its state."""
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+class Sized(Reader):
+    def __init__(self, n: int = 104, claims: int = 104):
+        super().__init__(n)
+        self.claims = claims
+
+    def __len__(self) -> int:
+        return self.claims
+
+
+def weights(result) -> dict:
+    return {k: v.clone() for k, v in result.model.state_dict().items()}
+
+
+def fit(tmp_path, data, run: str = "run", **keys):
+    conf = cfg(tmp_path, train__epochs=3, train__batch_size=16, run__dir=str(tmp_path / run),
+               **keys)
+    # Extending max_steps changes a trajectory key: allowed, the schedule is constant.
+    return ironloop.fit(tiny_mlp(), data, config=conf, resume=True, allow_config_change=True)
+
+
+def stop_and_go(tmp_path, make, stops, **keys):
+    """Train in pieces, each a new process's worth of objects, stopped by max_steps."""
+    for stop in stops:
+        result = fit(tmp_path, make(), run="pieces", train__max_steps=stop, **keys)
+    return result
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_stateful_stream_resumes_exactly_across_an_epoch_boundary(tmp_path, workers):
+    """Stops mid-epoch 1, then mid-epoch 2 (over the boundary; torchdata #1437 dropped an epoch
+    there), then runs to the end: the same weights as one uninterrupted run."""
+    n = len(Sized()) // 16  # steps per epoch
+    whole = fit(tmp_path, Sized(), data__num_workers=workers, train__max_steps=3 * n)
+    pieces = stop_and_go(tmp_path, Sized, [5, n + 4, 2 * n, 3 * n], data__num_workers=workers)
+    assert whole.results["steps"] == pieces.results["steps"] == 3 * n
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_stream_without_state_resumes_by_replay_and_says_so_once(tmp_path, capsys):
+    whole = fit(tmp_path, Plain(), train__max_steps=18)
+    capsys.readouterr()
+    pieces = stop_and_go(tmp_path, Plain, [4, 9, 18])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert text.count("reads again, and discards") == 3  # one per process (three fit calls)
+    assert "state_dict() and load_state_dict()" in text
+    assert "naively fast-forwarding" not in text  # torchdata's own warning, said once by ours
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_stream_without_len_trains_by_max_steps_and_sets_each_epoch(tmp_path):
+    data = Plain()  # 6 full batches per epoch
+    result = fit(tmp_path, data, train__max_steps=15)
+    assert result.results["steps"] == 15
+    assert data.epochs_seen == [0, 1, 2]
+
+
+def test_stream_without_len_or_max_steps_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        fit(tmp_path, Plain())
+
+
+def test_a_passed_stateful_dataloader_keeps_its_sampler_and_state(tmp_path):
+    """A map-style StatefulDataLoader with its own shuffling: used as it is, and resumed from its
+    own state, across an epoch boundary."""
+    def make():
+        return StatefulDataLoader(TensorDataset(DATA.x, DATA.y), batch_size=16, shuffle=True,
+                                  drop_last=True, generator=torch.Generator().manual_seed(7))
+    n = len(make())
+    whole = fit(tmp_path, make(), train__max_steps=3 * n)
+    pieces = stop_and_go(tmp_path, make, [4, n + 3, 3 * n])
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+    # max_steps stopped the last piece mid-epoch: its checkpoint holds the loader's own state.
+    ckpt = torch.load(tmp_path / "pieces" / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["sampler"]["loader"]["_num_yielded"] == n
+
+
+@pytest.mark.parametrize("how", ["dataset", "dataloader", "stateful", "with_len"])
+def test_every_way_of_passing_a_stream_trains(tmp_path, how):
+    data = {"dataset": Plain(), "dataloader": DataLoader(Reader(), batch_size=16),
+            "stateful": StatefulDataLoader(Reader(), batch_size=16, drop_last=True),
+            "with_len": Sized()}[how]
+    result = fit(tmp_path, data, train__max_steps=8)
+    assert result.results["steps"] == 8
+
+
+def test_a_len_that_claims_too_much_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DataError, match="ended early.*__len__ says 300"):
+        fit(tmp_path, Sized(claims=300))
+
+
+def test_a_len_that_claims_too_little_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DataError, match="more than its __len__ of 60"):
+        fit(tmp_path, Sized(claims=60))
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_sample_that_raises_names_itself_and_keeps_the_checkpoints(tmp_path, workers):
+    fit(tmp_path, Plain(), data__num_workers=workers, train__max_steps=2)
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
+    bad = int(torch.randperm(104, generator=torch.Generator().manual_seed(0))[80])
+    with pytest.raises(DataError, match=f"reading batch .*: ValueError: sample {bad}: "
+                                        f"corrupt record\\. Fix"):
+        fit(tmp_path, Plain(raise_at=bad), data__num_workers=workers, train__max_steps=10)
+    assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
+
+
+class Poisoned(Reader):
+    """Sample ``bad``'s input is NaN every time it is read (a corrupt record)."""
+
+    bad = int(torch.randperm(104, generator=torch.Generator().manual_seed(0))[70])
+
+    def __iter__(self):
+        for x, y in super().__iter__():
+            yield (x * float("nan") if bool((x == DATA.x[self.bad]).all()) else x), y
+
+
+def test_a_transient_bad_step_on_a_stream_is_skipped_and_the_run_reads_on(tmp_path):
+    result = fit(tmp_path, Reader(), train__max_steps=12, fault__nan_at_step=[5])
+    assert result.results["bad_steps"] == 1 and result.results["steps"] == 12
+
+
+def test_a_guard_rollback_on_a_stream_restores_the_loader_and_reads_the_same_samples(
+        tmp_path, capsys):
+    """A sample that is bad in itself: each rollback restores the loader state from the newest
+    checkpoint, so the stream serves that sample again (a stream has no skip list), until
+    guard.max_rollbacks stops the run with every checkpoint intact."""
+    with pytest.raises(GuardStop, match="after 2 rollback"):
+        fit(tmp_path, Poisoned(), train__max_steps=12, checkpoint__every_steps=2,
+            guard__max_bad_steps=1, guard__max_rollbacks=2)
+    text = capsys.readouterr().out
+    assert text.count("rolled back from step 5 to step 4") == 2
+    assert "0 samples added to the skip list" in text
+    torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_fault_nan_sample_on_a_stream_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="fault.nan_at_step instead"):
+        fit(tmp_path, Reader(), train__max_steps=4, fault__nan_sample=3)
+
+
+def test_a_stream_as_validation_data_is_refused_naming_it(tmp_path):
+    with pytest.raises(UserError, match="val_data is a stream.*streaming=False"):
+        ironloop.fit(tiny_mlp(), Reader(), Plain(), cfg(tmp_path, train__max_steps=2))
+
+
+def dict_step(model, batch):
+    """A step for Hugging Face rows: a dict batch of tensors."""
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]), {}
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_hugging_face_iterable_dataset_resumes_from_its_own_state(tmp_path, workers,
+                                                                    capsys):
+    """Passed to fit() as it is; HF's own state_dict (no shuffle buffer: exact) is the position,
+    restored in each worker, across an epoch boundary."""
+    datasets = pytest.importorskip("datasets")
+
+    def make():
+        rows = datasets.Dataset.from_dict({"x": DATA.x.tolist(), "y": DATA.y.tolist()})
+        return rows.to_iterable_dataset(num_shards=4).with_format("torch")
+    whole = ironloop.fit(tiny_mlp(), make(), step_fn=dict_step, config=cfg(
+        tmp_path, train__epochs=3, train__batch_size=16, train__max_steps=18,
+        data__num_workers=workers))
+    for stop in (4, 9, 18):
+        pieces = ironloop.fit(tiny_mlp(), make(), step_fn=dict_step, resume=True,
+                              allow_config_change=True, config=cfg(
+                                  tmp_path, run__dir=str(tmp_path / "pieces"), train__epochs=3,
+                                  train__batch_size=16, train__max_steps=stop,
+                                  data__num_workers=workers))
+    assert "reads again" not in capsys.readouterr().out  # its state, not a replay
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
+def test_a_mid_epoch_resume_with_other_workers_is_refused_naming_the_value(tmp_path):
+    fit(tmp_path, Reader(), train__max_steps=3)
+    with pytest.raises(CheckpointError, match="resume with data.num_workers=0"):
+        fit(tmp_path, Reader(), train__max_steps=6, data__num_workers=2)
+
+
+def test_a_hugging_face_shuffle_buffer_is_resumed_by_replay():
+    """HF's state_dict leaves the shuffle buffer out, so resuming from it is not exact; the
+    detection reads HF's private iterable chain, and this test notices if that changes."""
+    datasets = pytest.importorskip("datasets")
+    from ironloop.data.stream import Stream, resumes_by_replay
+
+    rows = datasets.Dataset.from_dict({"x": list(range(32))}).to_iterable_dataset(num_shards=2)
+    assert not resumes_by_replay(Stream(rows), "auto")
+    assert resumes_by_replay(Stream(rows.shuffle(seed=0, buffer_size=8)), "auto")
+    assert resumes_by_replay(Stream(rows), "replay")
+
+
+def test_stream_resume_state_needs_a_state_dict(tmp_path):
+    with pytest.raises(ConfigError, match="data.stream_resume=state: Plain has no state_dict"):
+        fit(tmp_path, Plain(), train__max_steps=2, data__stream_resume="state")
+
+
+def test_without_torchdata_a_stream_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # "not installed"
+    with pytest.raises(UserError, match=r"pip install 'ironloop\[stream\]'"):
+        fit(tmp_path, Plain(), train__max_steps=2)

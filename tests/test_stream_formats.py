@@ -1,0 +1,132 @@
+"""Real stream formats from the CLI: Hugging Face streaming datasets (json, parquet) with a
+shuffle buffer and WebDataset tar shards, SIGKILLed twice mid-run (across an epoch boundary),
+resumed, and bit-identical to an uninterrupted run. A damaged shard stops the run with exit 2
+and a message naming it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.stream_data import write_files
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchdata")
+safetensors = pytest.importorskip("safetensors.torch")
+
+STEPS = 40  # 240 samples, batches of 16: 14 or 15 steps an epoch, so the run ends in epoch 3
+
+
+def command(factory: str, root: Path, run_dir: Path, *extra: str) -> list[str]:
+    config = root / "stream.yaml"
+    config.write_text(f"data:\n  name: tests.stream_data:{factory}\n  root: {root}\n"
+                      f"model:\n  name: tests.stream_data:model\n"
+                      f"train:\n  epochs: 3\n  max_steps: {STEPS}\n  batch_size: 16\n")
+    return [sys.executable, "-m", "ironloop", "train", str(config), "checkpoint.every_steps=4",
+            "log.progress=off", f"run.dir={run_dir}", *extra, "--resume"]
+
+
+def env(tmp_path: Path, pause_at: int = 0) -> dict:
+    return {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+            "PYTHONUNBUFFERED": "1", "IRONLOOP_TEST_PAUSE_AT": str(pause_at),
+            "IRONLOOP_TEST_PAUSE_FILE": str(tmp_path / "paused")}
+
+
+def run_to_end(cmd: list[str], tmp_path: Path) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = Path(next(a[len("run.dir="):] for a in cmd if a.startswith("run.dir=")))
+    (run_dir / "stdout.log").write_text(done.stdout)
+
+
+def kill_at(cmd: list[str], tmp_path: Path, forward: int) -> None:
+    """Start the run; its ``forward``-th training forward pauses (tests.stream_data.PausingMLP),
+    and the process is SIGKILLed there, mid-step, its loader workers mid-read."""
+    marker = tmp_path / "paused"
+    marker.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env(tmp_path, forward))
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)  # waiting on the file the paused process writes
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def resumed_steps(run_dir: Path) -> list[int]:
+    import json
+
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [json.loads(x)["step"] for x in lines if json.loads(x).get("event") == "resume"]
+
+
+@pytest.mark.parametrize("factory, fmt, extra", [
+    # A shuffle buffer: HF's state leaves it out, so the resume replays the epoch (exact).
+    ("hf", "jsonl", ()),
+    # No shuffle buffer: resumed from HF's own state in each worker, not by replay.
+    ("hf", "parquet", ("data.kwargs={fmt: parquet, buffer: 0}", "data.num_workers=2")),
+    ("tars", "tar", ("data.num_workers=2",)),
+], ids=["hf-json-buffer", "hf-parquet-state-2-workers", "webdataset-2-workers"])
+def test_killed_twice_across_an_epoch_boundary_ends_bit_identical(tmp_path, factory, fmt,
+                                                                   extra):
+    root = write_files(tmp_path / "data", fmt)
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    run_to_end(command(factory, root, reference, *extra), tmp_path)
+    cmd = command(factory, root, killed, *extra)
+    kill_at(cmd, tmp_path, 18)  # in epoch 2; the newest checkpoint is step 16
+    kill_at(cmd, tmp_path, 17)  # from step 16 on: past the start of epoch 3
+    run_to_end(cmd, tmp_path)
+    assert resumed_steps(killed) == [16, 32]
+    replayed = "reads again" in (killed / "stdout.log").read_text()
+    assert replayed == ("buffer: 0" not in " ".join(extra))
+    want = safetensors.load_file(reference / "final.safetensors")
+    got = safetensors.load_file(killed / "final.safetensors")
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+def test_a_damaged_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(tmp_path):
+    order = [f"part-{s:02d}.tar" for s in range(4)]
+    random.Random(0).shuffle(order)  # tests.stream_data.Shards' order in epoch 1 (seed 0)
+    last = int(order[-1][5:7])
+    root = write_files(tmp_path / "data", "tar", corrupt=last)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(command("tars", root, run_dir), capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env(tmp_path))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert order[-1] in done.stderr and "Traceback" not in done.stderr
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["progress"]["step"] >= 4  # the shards before it trained and were saved
+
+
+def test_two_ranks_with_unequal_shares_end_each_epoch_together(tmp_path):
+    """3 tar shards over 2 ranks (wds.split_by_node): rank 0 reads two, rank 1 one. The ranks
+    agree on each window, so the epoch ends on both when rank 1's share ends (DDP would hang
+    otherwise) and rank 0's surplus is dropped with a warning."""
+    root = write_files(tmp_path / "data", "tar", n=240, shards=3)
+    run_dir = tmp_path / "run"
+    cmd = command("tars", root, run_dir, "train.max_steps=12", "train.epochs=3",
+                  "checkpoint.every_steps=0")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                "--standalone", "-m", "ironloop"]
+    done = subprocess.run([*launcher, *cmd[3:]], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**env(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    import json
+
+    epochs = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    # 80 samples a shard: rank 1's 80 make 5 full batches of 16, so 5 steps an epoch.
+    assert [e["step"] for e in epochs] == [5, 10]
+    assert done.stderr.count("batch(es) more than another rank's") == 2
