@@ -188,6 +188,24 @@ def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, m
     assert seen == [1, 4]  # the two poisoned attempts, each skipped before counting
 
 
+def test_fp16_with_a_nan_at_a_step_skips_it_and_finishes(tmp_path):
+    """The skip path must undo GradScaler's unscale_ of the bad window: without that, the next
+    window's unscale_ raises "unscale_() has already been called" and the run dies."""
+    result = ironloop.fit(tiny_mlp(), *split(), cfg(tmp_path, train__epochs=1,
+                                                    train__precision="fp16",
+                                                    fault__nan_at_step=3), overwrite=True)
+    run_dir = tmp_path / "run"
+    (line,) = rows(run_dir / "guard.jsonl")
+    assert (line["step"], line["reason"]) == (3, "nonfinite_loss")
+    assert result.results["precision"] == "fp16"
+    assert result.results["steps"] == 8 - 1 and result.results["bad_steps"] == 1
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 8))
+    assert all(math.isfinite(m["loss"]) for m in metrics) and sum(m["skipped"] for m in metrics) == 0
+    scaler = load_verified(run_dir / "checkpoints" / "last.pt")["scaler"]
+    assert scaler["scale"] == 2.0 ** 16  # a NaN loss says nothing about fp16 range: unchanged
+
+
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwise(
         tmp_path, precision):
