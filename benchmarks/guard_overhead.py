@@ -20,6 +20,7 @@ import contextlib
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +35,9 @@ from ironloop.data.loader import TensorData
 from ironloop.dist.world import World
 from ironloop.guard.hook import GuardHook
 from ironloop.engine.progress import Meter, Progress
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import summary  # noqa: E402
 
 TARGET = 0.01  # the guard may cost at most 1% of a step
 
@@ -74,11 +78,6 @@ def _check_seconds(calls: int) -> float:
     return total / calls
 
 
-def _row(label: str, values: list[float]) -> dict:
-    return {"label": label, "median": statistics.median(values), "min": min(values),
-            "max": max(values), "n": len(values)}
-
-
 def run(quick: bool) -> dict:
     reps, samples, calls = (3, 4096, 2000) if quick else (9, 16384, 20000)
     g = torch.Generator().manual_seed(0)
@@ -98,10 +97,11 @@ def run(quick: bool) -> dict:
         "name": "guard_overhead",
         "description": "guard.enabled on vs off: a 784-512-512-10 MLP at batch 64 on CPU; "
                        "ratio = the guard's per-step check time / the median step time",
-        "results": [_row("guard off: samples/s", off), _row("guard on: samples/s", on),
-                     _row("on/off samples/s, paired", paired),
-                     _row("step time (ms), guard off", [s * 1e3 for s in step_s]),
-                     _row("guard check per step (us)", [s * 1e6 for s in check_s])],
+        "results": [summary("guard off", off, "samples/s"),
+                    summary("guard on", on, "samples/s"),
+                    summary("guard on/off samples/s, paired", paired, "x"),
+                    summary("step time, guard off", [s * 1e3 for s in step_s], "ms"),
+                    summary("guard check per step", [s * 1e6 for s in check_s], "us")],
         "ratio": fraction,
         "target": TARGET,
         "met": fraction <= TARGET,

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from torch import nn
 
 import ironloop
 from ironloop.data.loader import TensorData
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import summary  # noqa: E402
 
 NAME = "step_timing_overhead"
 TARGET = 0.99  # on/off samples/s: at most 1% slower
@@ -61,11 +65,6 @@ def _mark_cost_us(device: torch.device, n: int = 20000, reps: int = 5) -> list[f
     return out
 
 
-def _row(label: str, values: list[float]) -> dict:
-    return {"label": label, "median": statistics.median(values), "min": min(values),
-            "max": max(values), "n": len(values)}
-
-
 def run(quick: bool = False, device: str | None = None) -> dict:
     """Paired on/off repetitions; returns a JSON-serialisable result."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,8 +89,9 @@ def run(quick: bool = False, device: str | None = None) -> dict:
         "name": NAME,
         "description": "training samples/s with profile.breakdown on vs off (128-256-256-10 "
                        f"MLP, batch 64, {samples} samples, one epoch per repetition, {device})",
-        "results": [_row("breakdown on (samples/s)", on), _row("breakdown off (samples/s)", off),
-                    _row("on/off ratio", ratios), _row("one mark (us)", marks)],
+        "results": [summary("breakdown on", on, "samples/s"),
+                    summary("breakdown off", off, "samples/s"),
+                    summary("on/off ratio", ratios, "x"), summary("one mark", marks, "us")],
         # The paired end-to-end ratio cannot resolve 1% on a shared machine (its spread is tens
         # of %), so the verdict uses the bottom-up cost: marks per step x the cost of one mark.
         "ratio": 1 / (1 + estimate), "target": TARGET, "met": 1 / (1 + estimate) >= TARGET,

@@ -17,6 +17,7 @@ from ironloop.state import dcp as sharded
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state.export import export_run
 from tests.conftest import tiny_mlp
+from tests.test_checkpoint_io import Renames
 
 
 def _trained(seed: int = 0):
@@ -62,6 +63,15 @@ def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extra
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     exp = opt.state_dict()["state"][0]["exp_avg"]
     torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"], exp, rtol=0, atol=0)
+
+
+def test_the_checkpoint_directory_is_fsynced_after_the_renames(tmp_path, monkeypatch):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    _save(manager, 4)
+    renames = Renames(monkeypatch, tmp_path)
+    _save(manager, 5, best=True)  # replaces last.dcp: the old one is moved aside first
+    assert {"step-00000005.dcp", "last.dcp", "best.dcp"} <= set(renames.renamed)
+    assert renames.unsynced() == []
 
 
 def test_damaged_or_unfinished_directories_are_skipped_and_cleaned(tmp_path):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import stat
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +84,43 @@ class FullDisk:
         self._f.close()
 
 
+class Renames:
+    """Records, in order, every rename under ``root`` (os.replace, os.rename) and every fsync of
+    a directory descriptor, to check that a rename is made durable by an fsync of the directory
+    that holds the new name: until then a power cut can bring back the old entry, or none."""
+
+    def __init__(self, monkeypatch, root: Path):
+        self.root, self.events = Path(root), []
+        real_fsync = os.fsync
+
+        def fsync(fd):
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                self.events.append(("fsync_dir", (info.st_dev, info.st_ino)))
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        for name in ("replace", "rename"):
+            monkeypatch.setattr(os, name, self._recording(getattr(os, name)))
+
+    def _recording(self, real):
+        def rename(src, dst, *args, **kwargs):
+            real(src, dst, *args, **kwargs)
+            if Path(dst).resolve().is_relative_to(self.root.resolve()):
+                parent = os.stat(Path(dst).parent)  # now: a temp directory may move later
+                self.events.append(("rename", (Path(dst), (parent.st_dev, parent.st_ino))))
+        return rename
+
+    @property
+    def renamed(self) -> list[str]:
+        return [what[0].name for kind, what in self.events if kind == "rename"]
+
+    def unsynced(self) -> list[str]:
+        """The renamed names with no fsync of their directory after the rename."""
+        return [what[0].name for i, (kind, what) in enumerate(self.events)
+                if kind == "rename" and ("fsync_dir", what[1]) not in self.events[i + 1:]]
+
+
 # ---------------------------------------------------------------------------------- io.py --
 def test_round_trip_and_plain_torch_load(tmp_path):
     state, path = train_state(), tmp_path / "ckpt.pt"
@@ -114,6 +153,13 @@ def test_digest_survives_save_and_catches_a_flipped_byte(tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch|damaged") as info:
         load_verified(path)
     assert str(path) in str(info.value)
+
+
+def test_the_checkpoint_directory_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    renames = Renames(monkeypatch, tmp_path)
+    save_atomic(train_state(), tmp_path / "ckpt.pt")
+    assert renames.renamed == ["ckpt.pt"]
+    assert renames.unsynced() == []
 
 
 @pytest.mark.parametrize("cut", ["zero", "ten", "half"])
@@ -258,6 +304,17 @@ def test_manager_rolls_links_and_keeps_best(tmp_path):
     assert_same(torch.zeros(3), load_verified(d / "step-00000005.pt")["w"])
     assert_same(torch.zeros(3), load_verified(d / "last.pt")["w"])
     assert_same(small_state(4)["w"], load_verified(d / "step-00000004.pt")["w"])
+
+
+@pytest.mark.parametrize("keep_last", [0, 2])
+def test_the_manager_fsyncs_the_directory_after_every_rename(tmp_path, monkeypatch, keep_last):
+    mgr = CheckpointManager(tmp_path, keep_last=keep_last)
+    renames = Renames(monkeypatch, tmp_path)
+    mgr.save(small_state(1), 1, best=True)
+    names = ["last.pt", "best.pt"] if keep_last == 0 else ["step-00000001.pt", "last.pt",
+                                                            "best.pt"]
+    assert renames.renamed == names
+    assert renames.unsynced() == []
 
 
 def test_manager_never_deletes_the_file_it_just_wrote(tmp_path):

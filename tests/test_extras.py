@@ -13,12 +13,19 @@ from ironloop.errors import UserError
 from ironloop.tools.report import plot_lr
 from tests.conftest import REPO
 
-tomllib = pytest.importorskip("tomllib")
 HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow")
 
 
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI, in the test extra
+        import tomli as tomllib
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
 def test_base_dependencies_are_lean_and_all_has_every_extra():
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = _pyproject()["project"]
     names = [d.split(">")[0].split("=")[0].split("[")[0].strip().lower()
              for d in project["dependencies"]]
     assert sorted(names) == ["numpy", "pyyaml", "safetensors", "torch", "tqdm"]

@@ -32,7 +32,9 @@ ARGS = ["configs/digits.yaml", "model.name=mlp",
         f"train.epochs={EPOCHS}", "train.batch_size=16", "train.accumulation_steps=2",
         "checkpoint.every_steps=7", "checkpoint.keep_last=2", "log.every_steps=1",
         "log.progress=off", "schedule.name=onecycle", "early_stop.metric=val_acc"]
-KILLS = {"plain": 0, "workers+async": 0, "mid-write": 0}
+#: The SIGKILLs each test must land on its own; together at least the 20 the issue asks for.
+#: Each test checks its own share, so the total holds whatever runs, alone or in any order.
+MIN_KILLS = {"plain": 10, "workers+async": 5, "mid-write": 5}
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:
@@ -134,8 +136,8 @@ def reference(tmp_path_factory) -> Path:
 def test_sigkill_at_random_points_then_resume_is_bit_exact(reference, tmp_path):
     rng = random.Random(1234)
     targets = sorted(rng.sample(range(3, TOTAL - 5), 12))
-    KILLS["plain"] = run_with_kills(tmp_path / "run", targets, rng)
-    assert KILLS["plain"] >= 10
+    kills = run_with_kills(tmp_path / "run", targets, rng)
+    assert kills >= MIN_KILLS["plain"]
     assert_bit_exact(reference, tmp_path / "run")
     # every resume from a checkpoint left a note, at a checkpoint step (every 7, or an epoch end)
     events = curve(tmp_path / "run", "events.jsonl", ("event", "step", "last_logged_step"))
@@ -147,9 +149,9 @@ def test_sigkill_at_random_points_then_resume_is_bit_exact(reference, tmp_path):
 def test_sigkill_with_loader_workers_and_async_checkpoints_is_bit_exact(reference, tmp_path):
     rng = random.Random(99)
     targets = sorted(rng.sample(range(3, TOTAL - 5), 7))
-    KILLS["workers+async"] = run_with_kills(tmp_path / "run", targets, rng,
-                                            extra=("data.num_workers=2", "checkpoint.async=true"))
-    assert KILLS["workers+async"] >= 5
+    kills = run_with_kills(tmp_path / "run", targets, rng,
+                           extra=("data.num_workers=2", "checkpoint.async=true"))
+    assert kills >= MIN_KILLS["workers+async"]
     assert_bit_exact(reference, tmp_path / "run")
 
 
@@ -168,17 +170,9 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write(reference, tmp_path):
             caught_mid_write += bool(temp_files(run_dir))  # still there: the write was cut
         else:
             assert proc.returncode == 0
-    KILLS["mid-write"] = kills
+    assert kills >= MIN_KILLS["mid-write"]
     assert caught_mid_write >= 3, "too few kills landed inside a checkpoint write"
     finish(subprocess.Popen(command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True))
     assert not temp_files(run_dir), "temp files of killed writers must be cleaned up"
     assert_bit_exact(reference, run_dir)
-
-
-def test_total_kills_across_the_suite():
-    """The issue asks for at least 20 SIGKILLs in total; the tests above record theirs."""
-    if not all(KILLS.values()):
-        pytest.fail(f"run the whole module: kills so far {KILLS}")
-    print(f"SIGKILLs: {KILLS}, total {sum(KILLS.values())}")
-    assert sum(KILLS.values()) >= 20, KILLS

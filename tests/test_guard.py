@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,6 +190,25 @@ def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, m
     assert seen == [1, 4]  # the two poisoned attempts, each skipped before counting
 
 
+def test_fp16_with_a_nan_at_a_step_skips_it_and_finishes(tmp_path):
+    """The skip path must undo GradScaler's unscale_ of the bad window: without that, the next
+    window's unscale_ raises "unscale_() has already been called" and the run dies."""
+    result = ironloop.fit(tiny_mlp(), *split(), cfg(tmp_path, train__epochs=1,
+                                                    train__precision="fp16",
+                                                    fault__nan_at_step=3), overwrite=True)
+    run_dir = tmp_path / "run"
+    (line,) = rows(run_dir / "guard.jsonl")
+    assert (line["step"], line["reason"]) == (3, "nonfinite_loss")
+    assert result.results["precision"] == "fp16"
+    assert result.results["steps"] == 8 - 1 and result.results["bad_steps"] == 1
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 8))
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert sum(m["skipped"] for m in metrics) == 0  # the guard's skip, not GradScaler's
+    scaler = load_verified(run_dir / "checkpoints" / "last.pt")["scaler"]
+    assert scaler["scale"] == 2.0 ** 16  # a NaN loss says nothing about fp16 range: unchanged
+
+
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwise(
         tmp_path, precision):
@@ -277,6 +298,71 @@ def test_two_gloo_ranks_one_poisoned_roll_back_together(tmp_path):
     state = load_verified(run_dir / "checkpoints" / "last.pt")
     assert bad in state["guard"]["skip"]
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+ONE_RANK_NAN_LOSS = """
+import hashlib, json, os, sys
+import torch
+from torch import nn
+import ironloop
+from tests.conftest import blobs, tiny_mlp
+
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+calls = 0
+
+
+def step(model, batch):
+    global calls
+    x, y = batch
+    loss = nn.functional.cross_entropy(model(x), y)
+    if model.training:
+        calls += 1
+        if rank == 1 and calls == 3:
+            # Step 3's loss VALUE is NaN on rank 1 only. The NaN is a constant outside the
+            # graph, so the gradients (and DDP's average of them) stay finite on both ranks.
+            loss = loss + torch.tensor(float("nan"))
+    return loss, {}
+
+
+res = ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                   {"run.dir": out + "/run", "train.epochs": 1, "train.batch_size": 16,
+                    "log.every_steps": 100, "log.progress": "off", "checkpoint.keep_last": 0,
+                    "dist.timeout_s": 30}, step_fn=step)
+weights = b"".join(v.numpy().tobytes() for v in res.model.state_dict().values())
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump({"steps": res.results["steps"], "bad_steps": res.results["bad_steps"],
+               "weights": hashlib.sha256(weights).hexdigest()}, f)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_guard_verdict_agrees_when_only_one_rank_sees_a_nan_loss(tmp_path):
+    """A rank's local view cannot decide alone: rank 1 alone sees a NaN loss (its gradients are
+    finite, so DDP's gradient average carries nothing bad to rank 0). Both ranks must skip
+    the step, or rank 0 steps while rank 1 does not and their weights part."""
+    from tests.test_distributed import TIMEOUT, _stop
+
+    script = tmp_path / "ironloop_one_rank_nan.py"  # "ironloop" in the name: _stop finds it
+    script.write_text(ONE_RANK_NAN_LOSS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    log = tmp_path / "ranks.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                                 "--nproc_per_node=2", "--standalone", str(script),
+                                 str(tmp_path)], cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pytest.fail(f"the ranks hung (collectives out of step?):\n{log.read_text()[-5000:]}")
+    assert proc.returncode == 0, log.read_text()[-8000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same steps, the same skip, the same weights
+    assert (ranks[0]["steps"], ranks[0]["bad_steps"]) == (256 // 32 - 1, 1)
+    (line,) = rows(tmp_path / "run" / "guard.jsonl")  # by rank 0, whose own loss was fine
+    assert (line["step"], line["reason"], line["nonfinite_grads"]) == (3, "nonfinite_loss", [])
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from torch import nn
 from torch.optim import lr_scheduler
 
 import ironloop
+from ironloop.data.loader import EpochSampler
+from ironloop.engine import evaluate as evaluate_module
 from ironloop.errors import ConfigError, DataError
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -63,50 +65,69 @@ def test_order_of_operations_with_fp16_scaler_and_accumulation(tmp_path, monkeyp
     assert seq == window * 2  # 96 samples / (16 x 3) = 2 optimizer steps
 
 
-# --- exact accumulation -------------------------------------------------------------------
+# --- exact accumulation: ironloop against a hand-written loop -------------------------------
 
-def _final_weights(tmp_path, name, **over):
+def _optimizer(name: str):
+    """One torch optimizer, built the same way for fit() (as a factory) and the hand loop."""
+    def make(params):
+        params = list(params)
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return make
+
+
+def _hand_loop(data, optim: str, epochs: int, window: int, micro: int | None = None) -> dict:
+    """Plain torch, no ironloop arithmetic: windows of ``window`` samples in EpochSampler's
+    order (the order is ironloop's contract; the sums are what is checked), cross-entropy,
+    clip at 1.0, step. ``micro`` splits each window into micro-batches weighted 1/N, the
+    classic accumulation bug that gets a ragged last window wrong."""
     model = tiny_mlp()
-    conf = cfg(tmp_path / name, **{"train__epochs": 3, "optim__name": "sgd", "optim__lr": 0.1,
-                                   **over})
-    ironloop.fit(model, blobs(n=200), None, conf)
+    opt = _optimizer(optim)(model.parameters())
+    for epoch in range(epochs):
+        sampler = EpochSampler(len(data), 1, seed=0, shuffle=True)
+        sampler.set_epoch(epoch)
+        order = sampler.permutation()
+        for start in range(0, len(data), window):
+            idx = order[start:start + window]
+            opt.zero_grad()
+            if micro is None:  # one forward over the whole window: its exact mean gradient
+                nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+            else:
+                for part in idx.split(micro):
+                    loss = nn.functional.cross_entropy(model(data.x[part]), data.y[part])
+                    (loss / (window // micro)).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return model.state_dict()
+
+
+def _ironloop_accumulated(tmp_path, optim: str) -> dict:
+    model = tiny_mlp()
+    ironloop.fit(model, blobs(n=200), None,
+                 cfg(tmp_path, train__epochs=3, train__batch_size=16,
+                     train__accumulation_steps=4),
+                 optimizer=_optimizer(optim))
     return model.state_dict()
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_accumulation_matches_big_batch_including_ragged_window(tmp_path, optim):
+def test_accumulation_matches_a_hand_written_big_batch_loop_including_ragged_window(tmp_path,
+                                                                                    optim):
     # 200 samples: windows of 64 end with a ragged window of 8 samples in every epoch.
-    big = _final_weights(tmp_path, "big", train__batch_size=64, optim__name=optim)
-    acc = _final_weights(tmp_path, "acc", train__batch_size=16, train__accumulation_steps=4,
-                         optim__name=optim)
+    mine = _ironloop_accumulated(tmp_path, optim)
+    big = _hand_loop(blobs(n=200), optim, epochs=3, window=64)
+    start = tiny_mlp().state_dict()
+    assert any(not torch.allclose(big[k], start[k], atol=1e-2) for k in big)  # it trained
     for k in big:
-        torch.testing.assert_close(acc[k], big[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine[k], big[k], rtol=1e-5, atol=1e-6)
 
 
-def test_naive_one_over_n_weighting_would_fail_this_check(tmp_path):
-    """The equivalence above is sensitive: 1/N weighting of a ragged window differs."""
-    data = blobs(n=200)
-    big = _final_weights(tmp_path, "big", train__batch_size=64)
-    model = tiny_mlp()
-    opt = torch.optim.SGD([{"params": [p for p in model.parameters() if p.ndim >= 2],
-                            "weight_decay": 0.01},
-                           {"params": [p for p in model.parameters() if p.ndim < 2],
-                            "weight_decay": 0.0}], lr=0.1)
-    from ironloop.data.loader import EpochSampler
-
-    sampler = EpochSampler(200, 16, seed=0, shuffle=True)
-    for epoch in range(3):
-        sampler.set_epoch(epoch)
-        batches = list(sampler)
-        for w in range(0, len(batches), 4):
-            opt.zero_grad()
-            for idx in batches[w:w + 4]:
-                x, y = data.__getitems__(idx)
-                (nn.functional.cross_entropy(model(x), y) / 4).backward()  # the classic bug
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-    diffs = [float((model.state_dict()[k] - big[k]).abs().max()) for k in big]
-    assert max(diffs) > 1e-4
+def test_accumulation_is_not_the_naive_one_over_n_weighting(tmp_path):
+    """The check above is sensitive: 1/N weighting of the ragged window lands elsewhere."""
+    mine = _ironloop_accumulated(tmp_path, "sgd")
+    naive = _hand_loop(blobs(n=200), "sgd", epochs=3, window=64, micro=16)
+    assert max(float((mine[k] - naive[k]).abs().max()) for k in mine) > 1e-4
 
 
 def test_optimizer_steps_per_epoch_count_windows(tmp_path):
@@ -118,7 +139,7 @@ def test_optimizer_steps_per_epoch_count_windows(tmp_path):
 
 # --- validation ---------------------------------------------------------------------------
 
-def test_validation_is_deterministic_in_eval_mode_and_train_mode_returns(tmp_path):
+def test_validation_runs_in_eval_mode_and_matches_a_hand_computed_loss(tmp_path):
     model = tiny_mlp(dropout=0.5)
     seen_modes = []
 
@@ -129,14 +150,80 @@ def test_validation_is_deterministic_in_eval_mode_and_train_mode_returns(tmp_pat
 
     val = blobs(n=64, seed=1)
     ironloop.fit(model, blobs(n=64), val, cfg(tmp_path, train__epochs=1), step_fn=step)
-    assert model.training, "fit must leave the model in train mode"
-    assert seen_modes[:2] == [True, True] and seen_modes[-1] is False
+    assert model.training, "a model handed over in train mode comes back in train mode"
+    assert seen_modes == [True, True, False, False]  # 2 training batches, then 2 val batches
     logged = read(tmp_path / "run" / "epochs.jsonl")[0]["val_loss"]
-    model.eval()
     with torch.no_grad():
-        manual = [float(nn.functional.cross_entropy(model(val.x), val.y)) for _ in range(3)]
-    assert manual[0] == manual[1] == manual[2]
-    assert logged == pytest.approx(manual[0], rel=1e-5)
+        model.eval()
+        by_hand = float(nn.functional.cross_entropy(model(val.x), val.y))
+        model.train()
+        torch.manual_seed(0)
+        with_dropout = float(nn.functional.cross_entropy(model(val.x), val.y))
+    assert logged == pytest.approx(by_hand, rel=1e-5)
+    assert abs(with_dropout - by_hand) > 1e-3  # train mode would have logged another loss
+
+
+def _mode_recorder(seen: list):
+    """A step that records (model.training, evaluation?) for every call."""
+    def step(m, batch):
+        seen.append((m.training, torch.is_inference_mode_enabled()))
+        return nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+    return step
+
+
+def test_a_model_handed_over_in_eval_mode_trains_in_train_mode_and_comes_back_in_eval_mode(
+        tmp_path):
+    model = tiny_mlp(dropout=0.5).eval()
+    seen = []
+    res = ironloop.fit(model, blobs(n=64), blobs(n=32, seed=1), cfg(tmp_path, train__epochs=2),
+                       step_fn=_mode_recorder(seen))
+    training = [mode for mode, evaluating in seen if not evaluating]
+    evaluating = [mode for mode, evaluating in seen if evaluating]
+    assert training == [True] * 4 and evaluating == [False] * 2  # 2 epochs of 2 + 1 batches
+    assert res.model is model
+    assert not any(m.training for m in model.modules()), "handed over in eval, returned in eval"
+
+
+def test_the_mode_comes_back_when_a_training_step_raises(tmp_path):
+    model = tiny_mlp(dropout=0.5).eval()
+    calls = []
+
+    def step(m, batch):
+        calls.append(m.training)
+        if len(calls) == 2:
+            raise RuntimeError("the user's step failed")
+        return nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        ironloop.fit(model, blobs(n=64), None, cfg(tmp_path), step_fn=step)
+    assert calls == [True, True]
+    assert not any(m.training for m in model.modules()), "the finally gives eval mode back"
+
+
+def test_evaluation_gives_the_mode_back_when_its_step_raises(tmp_path, monkeypatch):
+    """evaluate() itself restores the mode it found (train, mid-run) in a finally; the
+    run's own finally would hide that, so its mode is read as the exception leaves it."""
+    modes_at_exit = []
+    real = evaluate_module.evaluate
+
+    def watched(run, dataset):
+        try:
+            return real(run, dataset)
+        finally:
+            modes_at_exit.append([m.training for m in run.raw_model.modules()])
+
+    monkeypatch.setattr(evaluate_module, "evaluate", watched)
+
+    def step(m, batch):
+        if not m.training:
+            raise ValueError("evaluation failed")
+        return nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+
+    model = tiny_mlp(dropout=0.5)
+    with pytest.raises(ValueError, match="evaluation failed"):
+        ironloop.fit(model, blobs(n=64), blobs(n=32, seed=1), cfg(tmp_path), step_fn=step)
+    assert len(modes_at_exit) == 1 and all(modes_at_exit[0])
+    assert model.training
 
 
 def test_early_stopping_restores_best_weights(tmp_path):
@@ -287,10 +374,23 @@ def test_labels_checked_per_batch_for_plain_datasets(tmp_path):
         ironloop.fit(tiny_mlp(), Plain(), None, cfg(tmp_path))
 
 
-def test_dataloader_input_keeps_its_dataset_and_batch_size(tmp_path):
-    loader = torch.utils.data.DataLoader(blobs(n=100), batch_size=25, shuffle=True)
-    res = ironloop.fit(tiny_mlp(), loader, None, cfg(tmp_path, train__epochs=1))
-    assert res.results["steps"] == 4
+@pytest.mark.parametrize("plain", [False, True], ids=["tensors", "plain-dataset"])
+def test_the_passed_dataloaders_batch_size_is_used(tmp_path, plain):
+    # 100 samples at the loader's 10: 10 steps an epoch; train.batch_size=32 would give 4, and
+    # the default 64 would give 2.
+    data = blobs(n=100)
+    if plain:  # a Dataset ironloop cannot slice: batches come from the loader's collate_fn
+        data = [(data.x[i], data.y[i]) for i in range(len(data))]
+    loader = torch.utils.data.DataLoader(data, batch_size=10, shuffle=True)
+    sizes = []
+
+    def step(m, batch):
+        sizes.append(len(batch[1]))
+        return nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+
+    res = ironloop.fit(tiny_mlp(), loader, None, cfg(tmp_path, train__epochs=1), step_fn=step)
+    assert res.results["steps"] == 10
+    assert sizes == [10] * 10
 
 
 def test_tensorboard_events_are_written(tmp_path):

@@ -45,10 +45,18 @@ def run_evaluation(run) -> tuple[dict[str, float], bool]:
 
 @torch.inference_mode()
 def evaluate(run, dataset) -> dict[str, float]:
-    """Mean loss and metrics over a dataset, in eval mode; restores the previous mode."""
+    """Mean loss and metrics over a dataset, in eval mode; restores the previous mode, also
+    when the step raises."""
+    was_training = run.raw_model.training
+    run.raw_model.eval()
+    try:
+        return _evaluate(run, dataset)
+    finally:
+        run.raw_model.train(was_training)
+
+
+def _evaluate(run, dataset) -> dict[str, float]:
     model = run.raw_model
-    was_training = model.training
-    model.eval()
     # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's
     # backward, and evaluation has none.
     sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
@@ -70,7 +78,6 @@ def evaluate(run, dataset) -> dict[str, float]:
         count += n
         batches += 1
     _pad_forwards(run, dataset, batches)
-    model.train(was_training)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     return sum_over_ranks(names, sums, count, run.world)
 

@@ -58,7 +58,18 @@ def train(run: Run) -> None:
     """Run epochs until the configured epochs, max_steps or early stopping end the run.
 
     A run that max_steps stops mid-epoch leaves that epoch open: it checkpoints where it is,
-    and a resume with a larger max_steps finishes the same epoch in the same order."""
+    and a resume with a larger max_steps finishes the same epoch in the same order.
+
+    Every epoch trains in train mode; the model then goes back to the mode it was handed over
+    in (a model passed in eval mode comes back in eval mode), also when the run raises."""
+    handed_over_training = run.raw_model.training
+    try:
+        _epochs(run)
+    finally:
+        run.model.train(handed_over_training)
+
+
+def _epochs(run: Run) -> None:
     run.meter.start_clock()  # training time starts now, not while fit() was setting up
     while run.progress.epoch < run.cfg.train.epochs and not run.finished:
         try:
