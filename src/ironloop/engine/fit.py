@@ -6,6 +6,7 @@ classes (BestTracker, EpochSampler, build_scheduler) and the loop itself lives i
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from ironloop.dist import parallel
 from ironloop.dist.world import init_from_env, name_timeouts, shutdown
 from ironloop.engine import build, evaluate
 from ironloop.engine.oom import out_of_memory
+from ironloop.engine.preempt import Preemption
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
@@ -37,7 +39,7 @@ from ironloop.guard.faults import poison_sample
 from ironloop.outputs import records
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded
-from ironloop.state import rundir
+from ironloop.state import lock, rundir
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.resume import restore_state
@@ -96,6 +98,19 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
                     f"pair, not {type(data).__name__}")
 
 
+def _holding_run_dir(fn):
+    """fit() holds run.dir's lock from its start to its end (rank 0 under torchrun), so nothing
+    in run.dir is read, written or deleted while another process owns it (state/lock.py)."""
+
+    @functools.wraps(fn)
+    def wrapper(model, train_data, val_data=None, config=None, **kwargs):
+        with lock.hold(Path(as_config(config).run.dir), os.environ.get("RANK", "0") == "0"):
+            return fn(model, train_data, val_data, config, **kwargs)
+
+    return wrapper
+
+
+@_holding_run_dir
 @name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
@@ -157,7 +172,9 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     build.wire_save(run, manager)
     if run.guard is not None:
         run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
-    _train(run, manager)
+    run.preempt = Preemption(world.distributed)
+    with run.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
+        _train(run, manager)
     result = _finish(run, data.test, run_dir, started)
     if world.is_main and result.results.get("time_split"):
         print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
