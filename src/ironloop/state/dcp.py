@@ -32,10 +32,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ironloop.errors import CheckpointError
-from ironloop.state.dcp_safe import SafePlanner, SafeReader, UnsafeMetadata, read_metadata
+from ironloop.state.dcp_safe import (SafePlanner, SafeReader, UnsafeMetadata, read_metadata,
+                                    refused_item)
 
 from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
@@ -319,15 +321,14 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     many ranks (and whatever wrapping) this run has; a collective."""
     msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optimizer": osd}
-    planner = SafePlanner()
     try:
         check_metadata(Path(path))  # its digests were verified with the extras
-        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=planner)
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner())
     except LoadFailure as e:
         raise CheckpointError(str(e)) from None
-    except Exception as e:  # DCP raises CheckpointException, wrapping each rank's error
-        if planner.refused:
-            raise CheckpointError(f"refused to load {path}: its item {planner.refused} is a "
+    except (Exception, CheckpointException) as e:  # the latter wraps each rank's error
+        if refused_item(e):
+            raise CheckpointError(f"refused to load {path}: its item {refused_item(e)} is a "
                                   "pickle that would run code; ironloop loads only tensors and "
                                   "plain values. Resume from another checkpoint") from None
         raise CheckpointError(f"{path} does not fit this model or optimizer ({str(e)[:300]}); "
@@ -350,7 +351,12 @@ def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
              for k, m in meta.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     sd = {"model": model}
-    dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+        what = f"its item {refused_item(e)} is a pickle that would run code" if refused_item(e) \
+            else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        raise CheckpointError(f"refused to load {path}: {what}") from None
     return sd["model"]
 
 

@@ -46,6 +46,20 @@ class UnsafeMetadata(pickle.UnpicklingError):
     """``.metadata`` names something DCP never writes there."""
 
 
+class UnsafeItem(pickle.UnpicklingError):
+    """A non-tensor item in the shards is a pickle that ``weights_only`` refuses."""
+
+
+def refused_item(error: BaseException) -> str | None:
+    """The item an ``UnsafeItem`` named, from DCP's CheckpointException (which collects each
+    rank's exception in ``failures``), or None."""
+    for failure in getattr(error, "failures", {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, UnsafeItem):
+            return str(exc)
+    return None
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
@@ -84,14 +98,11 @@ class SafeReader(FileSystemReader):
 class SafePlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor items with ``weights_only=True``."""
 
-    refused: str | None = None  # the item refused, for the caller's message (DCP wraps errors)
-
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
-            self.refused = read_item.dest_index.fqn
-            raise
+            raise UnsafeItem(read_item.dest_index.fqn) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
