@@ -32,7 +32,7 @@ from ironloop.engine.preempt import Preemption
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import CheckpointError, ConfigError, UserError
+from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.engine import loop
 from ironloop.callbacks import fire
 from ironloop.guard.faults import poison_sample
@@ -196,6 +196,9 @@ def _splits(cfg: Config, train_data, val_data, test_data) -> tuple[Config, _Spli
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
     test_set, _, _ = _dataset_of(test_data, "test_data")
+    if len(train_set) == 0:
+        raise DataError("the training split is empty (0 samples): check the dataset's path, "
+                        "filter or split (data.val_fraction); there is nothing to train on")
     train_set = poison_sample(train_set, cfg.fault.nan_sample)  # a fault knob; -1 = off
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
