@@ -28,7 +28,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 N_VAL = 359  # digits: 1438 train / 359 val
-TIMEOUT = 120  # seconds per run; each takes ~3-6 s on 2 cores
+TIMEOUT = 600  # seconds per run, a limit only: ~3-6 s on 2 idle cores, 10x that at load 15+
 ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
         "log.every_steps=5"]
 
@@ -289,6 +289,8 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
     # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
     # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
     # non-zero with a one-line message naming the setting, instead of hanging forever.
+    # Rank 1 also starts 2 x dist.timeout_s late: joining the group has its own, generous
+    # timeout (RENDEZVOUS_TIMEOUT_S), so a slow start is not a hang.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -300,8 +302,9 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
                "MASTER_PORT": str(port)}
         logs.append(tmp_path / f"rank{rank}.log")
         with logs[-1].open("w") as out:
+            late = ["sh", "-c", 'sleep 6 && exec "$0" "$@"'] if rank == 1 else []
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
+                [*late, sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
                  "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
                  "checkpoint.enabled=false", "dist.timeout_s=3"],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from ironloop.config import Config
 from ironloop.data.loader import TensorData, as_tensor_data, derive_seed
 from ironloop.dist import parallel
-from ironloop.dist.world import init_from_env, name_timeouts, shutdown
+from ironloop.dist.world import collective_timeout, init_from_env, name_timeouts, shutdown
 from ironloop.engine import build, evaluate
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.preempt import Preemption
@@ -172,7 +172,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     build.wire_save(run, manager)
     if run.guard is not None:
         run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
-    run.preempt = Preemption(world.distributed)
+    run.preempt = Preemption(world.distributed, cfg.dist.timeout_s)
+    collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
     with run.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
         _train(run, manager)
     result = _finish(run, data.test, run_dir, started)

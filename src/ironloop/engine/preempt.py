@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,12 @@ DUPLICATE_S = 2.0  # a repeat of the signal within this long is the same request
 class Preemption:
     """Signal handlers (installed while the loop runs) and the per-step stop decision."""
 
-    def __init__(self, distributed: bool):
+    def __init__(self, distributed: bool, timeout_s: float = 600.0):
         self.signum: int | None = None
         self._first_at = 0.0
         self._previous: dict = {}
-        self._group = dist.new_group(backend="gloo") if distributed else None
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
+            if distributed else None
         self._pending = None  # (work, flag) of the all-reduce sent at the previous step
 
     def __enter__(self) -> "Preemption":
