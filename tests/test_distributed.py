@@ -283,6 +283,16 @@ def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_p
     one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
                             str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
     assert_same_weights(single_64, one_to_two)
+    # Every rank's meter is in the checkpoint: the epoch that the resume split (epoch 2, steps
+    # 24-46; the checkpoint is at step 30) logs the uninterrupted run's train_loss. 2 -> 1:
+    # rank 0 takes both ranks' sums; equal up to fp32 rounding of the batch means (32 vs 64
+    # samples). 2 -> 2: each rank its own sums; equal up to the order of float64 additions.
+    two_to_two = read(train(tmp_path / "same", "train.batch_size=32", "--resume",
+                            str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt"), ranks=2))
+    uninterrupted = ddp_2x32["epochs"][1]["train_loss"]
+    assert [r["epoch"] for r in two_to_one["epochs"]] == [2]
+    assert two_to_one["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-5)
+    assert two_to_two["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-12)
 
 
 def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):

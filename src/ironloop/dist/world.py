@@ -135,6 +135,15 @@ def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     return t
 
 
+def gather_objects(obj, world: World) -> list:
+    """``obj`` from every rank, in rank order (a collective; ``[obj]`` in one process)."""
+    if not world.distributed:
+        return [obj]
+    gathered: list = [None] * world.size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
