@@ -75,3 +75,17 @@ def test_a_full_disk_while_logging_stops_with_the_last_complete_line(tmp_path):
     assert text.endswith("\n") and os.path.getsize(run_dir / "metrics.jsonl") <= limit
     steps = [json.loads(line)["step"] for line in text.splitlines()]  # every line complete
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > 10
+
+
+def test_the_preflight_doctor_names_samples_with_non_finite_inputs():
+    from ironloop.tools.doctor.run import check, subject
+
+    train = blobs(n=64)
+    train.x[7, 2] = float("nan")
+    train.x[40, 0] = float("inf")
+    findings = check(subject(tiny_mlp(), train, blobs(n=16, seed=1), num_classes=3))
+    bad = [f for f in findings if f.check == "finite_inputs"]
+    assert len(bad) == 1 and bad[0].severity == "error", findings
+    assert "train: 2 sample(s)" in bad[0].render() and "[7, 40]" in bad[0].render()
+    clean = check(subject(tiny_mlp(), blobs(n=64), blobs(n=16, seed=1), num_classes=3))
+    assert not [f for f in clean if f.check == "finite_inputs"]
