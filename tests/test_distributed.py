@@ -28,7 +28,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 N_VAL = 359  # digits: 1438 train / 359 val
-TIMEOUT = 120  # seconds per run; each takes ~3-6 s on 2 cores
+TIMEOUT = 600  # seconds per run, a limit only: ~3-6 s on 2 idle cores, 10x that at load 15+
 ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
         "log.every_steps=5"]
 
@@ -283,12 +283,24 @@ def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_p
     one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
                             str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
     assert_same_weights(single_64, one_to_two)
+    # Every rank's meter is in the checkpoint: the epoch that the resume split (epoch 2, steps
+    # 24-46; the checkpoint is at step 30) logs the uninterrupted run's train_loss. 2 -> 1:
+    # rank 0 takes both ranks' sums; equal up to fp32 rounding of the batch means (32 vs 64
+    # samples). 2 -> 2: each rank its own sums; equal up to the order of float64 additions.
+    two_to_two = read(train(tmp_path / "same", "train.batch_size=32", "--resume",
+                            str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt"), ranks=2))
+    uninterrupted = ddp_2x32["epochs"][1]["train_loss"]
+    assert [r["epoch"] for r in two_to_one["epochs"]] == [2]
+    assert two_to_one["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-5)
+    assert two_to_two["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-12)
 
 
 def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
     # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
     # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
     # non-zero with a one-line message naming the setting, instead of hanging forever.
+    # Rank 1 also starts 2 x dist.timeout_s late: joining the group has its own, generous
+    # timeout (RENDEZVOUS_TIMEOUT_S), so a slow start is not a hang.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -300,8 +312,9 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
                "MASTER_PORT": str(port)}
         logs.append(tmp_path / f"rank{rank}.log")
         with logs[-1].open("w") as out:
+            late = ["sh", "-c", 'sleep 6 && exec "$0" "$@"'] if rank == 1 else []
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
+                [*late, sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
                  "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
                  "checkpoint.enabled=false", "dist.timeout_s=3"],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))

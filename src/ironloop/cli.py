@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ironloop.errors import UserError
+from ironloop.errors import Preempted, UserError
 
 
 def _train(args) -> int:
@@ -195,10 +195,28 @@ def main(argv: list[str] | None = None) -> int:
         # A mistake the user can fix: one line, exit 2, no traceback.
         print(f"ironloop: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 3: the guard stopped the run (guard.py)
+    except Preempted as e:  # a signal stopped the run after a checkpoint: not an error
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+            print(f"ironloop: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("ironloop: interrupted; resume with --resume", file=sys.stderr)
         return 130
 
 
+def entry() -> None:
+    """The ``ironloop`` command and ``python -m ironloop``: ``main()``, then leave with its exit
+    code without the interpreter's teardown. That teardown took 5-25 s after a finished run on a
+    busy machine (garbage-collecting torch's and the datasets' objects) and, under torchrun, now
+    and then aborted a finished rank in gloo's and the TCPStore's C++ destructors ("terminate
+    called without an active exception", exit -6). fit() has closed every output (logs, loggers,
+    checkpoint writers) and destroyed its process group by then, so nothing is left to flush but
+    what Python buffers; a preempted run must leave within the scheduler's grace period."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -6,6 +6,7 @@ type. Every error names the dotted key and what is allowed (a ``ConfigError``, e
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import field
@@ -70,9 +71,12 @@ def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
         return [value]  # a single step for a list of steps (fault.nan_at_step=10)
     if typ is float and isinstance(value, str):
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        # nan passes every "> 0" check (all comparisons with nan are false); inf is never meant
+        raise ConfigError(f"{dotted}={value!r}: must be a finite number")
     if typ is str and isinstance(value, bool) and "on" in (meta.get("choices") or ()):
         return "on" if value else "off"
     ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))

@@ -20,3 +20,19 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, damaged, unsafe or does not fit the model."""
+
+
+class Preempted(Exception):
+    """A signal (SIGTERM, SIGINT, SIGUSR1) stopped the run at the end of an optimizer step, after
+    a checkpoint of that step was written. Not a mistake: the CLI prints the message on one line
+    and exits with ``EXIT_CODE``, so that a job script can tell "saved, requeue me" apart from a
+    failure."""
+
+    EXIT_CODE = 75  # EX_TEMPFAIL in sysexits.h: a temporary failure, try again later
+    exit_code = EXIT_CODE
+
+    def __init__(self, signal_name: str, step: int, saved: bool):
+        what = "with a checkpoint of it; resume with --resume" if saved else \
+            "without a checkpoint (checkpoint.enabled=false)"
+        super().__init__(f"preempted by {signal_name}: stopped after step {step}, {what}")
+        self.signal_name, self.step, self.saved = signal_name, step, saved

@@ -14,6 +14,9 @@ import torch.distributed as dist
 from ironloop.errors import UserError
 
 
+RENDEZVOUS_TIMEOUT_S = 900.0  # seconds every rank may take to join the process group
+
+
 class CollectiveTimeout(UserError):
     """Another rank did not answer within dist.timeout_s."""
 
@@ -37,28 +40,41 @@ class World:
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any.
 
-    ``timeout_s`` bounds every collective: a rank that stops answering (stopped, hung, its node
-    gone) makes the others fail after that long instead of waiting forever.
+    ``timeout_s`` bounds every collective of the training loop (``collective_timeout``): a rank
+    that stops answering (stopped, hung, its node gone) makes the others fail after that long
+    instead of waiting forever. Joining the group and the setup before the loop wait up to
+    ``RENDEZVOUS_TIMEOUT_S`` (or ``timeout_s`` when longer) for the other ranks.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
     if owns:
-        timeout = timedelta(seconds=timeout_s)
+        # Joining and setting up get their own, generous timeout: ranks start seconds to minutes
+        # apart (imports on a busy node, a slow filesystem) and rank 0 alone prepares run.dir,
+        # which says nothing about a hung collective. The loop sets dist.timeout_s
+        # (collective_timeout below).
+        joining = timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
         backend = "nccl" if device_type == "cuda" else "gloo"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if attempt == "0":
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=joining)
         else:
-            store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=size,
-                                    store=_fresh_store(store, rank, size, attempt, timeout))
+            store, rank, size = next(dist.rendezvous("env://", timeout=joining))
+            dist.init_process_group(backend=backend, timeout=joining, rank=rank, world_size=size,
+                                    store=_fresh_store(store, rank, size, attempt, joining))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
     return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size(),
                  owns_group=owns)
+
+
+def collective_timeout(world: World, timeout_s: float) -> None:
+    """Every collective from here on (the training loop) gives up after ``timeout_s``."""
+    if world.owns_group and dist.is_initialized():
+        # private in torch, but the one way to change a live group's timeout (gloo and NCCL)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
 def name_timeouts(fn):
@@ -117,6 +133,15 @@ def all_reduce_sum(t: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def gather_objects(obj, world: World) -> list:
+    """``obj`` from every rank, in rank order (a collective; ``[obj]`` in one process)."""
+    if not world.distributed:
+        return [obj]
+    gathered: list = [None] * world.size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def barrier(world: World) -> None:

@@ -16,7 +16,7 @@ from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.data.stream import Stream, build_order, first_sample
 from ironloop.dist import parallel
-from ironloop.dist.world import World, all_reduce_sum
+from ironloop.dist.world import World, all_reduce_sum, gather_objects
 from ironloop.dist.wrap import checkpoint_activations, compile_model
 from ironloop.engine import steps
 from ironloop.engine.early_stop import BestTracker
@@ -209,6 +209,9 @@ def wire_save(run: Run, manager) -> None:
     All of it is charged to the 'checkpoint' part of the time split."""
 
     def save(best: bool) -> None:
+        if run.world.distributed:  # a collective: save runs on every rank at the same step
+            own = {k: v for k, v in run.meter.state_dict().items() if k != "ranks"}
+            run.meter.ranks = gather_objects(own, run.world)
         if isinstance(manager, sharded.ShardedCheckpointManager):
             manager.save(collect_state(run), run.raw_model, run.optimizer, run.progress.step,
                          best=best)

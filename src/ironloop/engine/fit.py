@@ -6,6 +6,7 @@ classes (BestTracker, EpochSampler, build_scheduler) and the loop itself lives i
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,20 +26,21 @@ from ironloop.config import Config
 from ironloop.data.loader import TensorData, as_tensor_data, derive_seed
 from ironloop.data.stream import as_stream, refuse_eval_stream
 from ironloop.dist import parallel
-from ironloop.dist.world import init_from_env, name_timeouts, shutdown
+from ironloop.dist.world import collective_timeout, init_from_env, name_timeouts, shutdown
 from ironloop.engine import build, evaluate
 from ironloop.engine.oom import out_of_memory
+from ironloop.engine.preempt import Preemption
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import CheckpointError, ConfigError, UserError
+from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.engine import loop
 from ironloop.callbacks import fire
 from ironloop.guard.faults import poison_sample
 from ironloop.outputs import records
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded
-from ironloop.state import rundir
+from ironloop.state import lock, rundir
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.resume import restore_state
@@ -97,6 +99,19 @@ def _dataset_of(data: Dataset | DataLoader | None, what: str):
                     f"pair, not {type(data).__name__}")
 
 
+def _holding_run_dir(fn):
+    """fit() holds run.dir's lock from its start to its end (rank 0 under torchrun), so nothing
+    in run.dir is read, written or deleted while another process owns it (state/lock.py)."""
+
+    @functools.wraps(fn)
+    def wrapper(model, train_data, val_data=None, config=None, **kwargs):
+        with lock.hold(Path(as_config(config).run.dir), os.environ.get("RANK", "0") == "0"):
+            return fn(model, train_data, val_data, config, **kwargs)
+
+    return wrapper
+
+
+@_holding_run_dir
 @name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
@@ -158,7 +173,10 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     build.wire_save(run, manager)
     if run.guard is not None:
         run.guard.start(run, state is not None, bool(resume), manager and manager.wait)
-    _train(run, manager)
+    run.preempt = Preemption(world.distributed, cfg.dist.timeout_s)
+    collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
+    with run.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
+        _train(run, manager)
     result = _finish(run, data.test, run_dir, started)
     if world.is_main and result.results.get("time_split"):
         print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
@@ -184,6 +202,9 @@ def _splits(cfg: Config, train_data, val_data, test_data) -> tuple[Config, _Spli
     val_set, _, _ = _dataset_of(val_data, "val_data")
     val_set = _eval_subset(val_set, cfg)
     test_set, _, _ = _dataset_of(test_data, "test_data")
+    if len(train_set) == 0:
+        raise DataError("the training split is empty (0 samples): check the dataset's path, "
+                        "filter or split (data.val_fraction); there is nothing to train on")
     train_set = poison_sample(train_set, cfg.fault.nan_sample)  # a fault knob; -1 = off
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})

@@ -15,7 +15,8 @@ ragged last window of an epoch)::
     optimizer.step(); scaler.update()         # scaler.step skips the step on inf/NaN (fp16)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [crash knob] -> [log line] -> on_step_end
-    -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint -> [finished?]
+    -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
+    -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
 
 and at the end of each epoch: [evaluate, when eval.every_steps is 0] -> epoch line ->
 on_epoch_end -> checkpoint -> on_checkpoint.
@@ -135,6 +136,8 @@ def train_epoch(run: Run) -> None:
         bar.update(1)
         after_step(run, bar)
         run.timer.mark("other")
+        if run.preempt is not None and run.preempt.should_stop():  # a bool, no device sync
+            _preempted(run)  # saves this step and raises Preempted
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
     bar.close()
@@ -214,6 +217,21 @@ def _saved_by_after_step(run: Run) -> bool:
     cfg, step = run.cfg, run.progress.step
     every_eval = cfg.eval.every_steps if run.val_data else 0
     return any(n and step % n == 0 for n in (cfg.checkpoint.every_steps, every_eval))
+
+
+def _preempted(run: Run) -> None:
+    """A signal asked the run to stop (engine/preempt.py): checkpoint this step unless
+    after_step just did, say so in events.jsonl, and end the run with Preempted."""
+    run.preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
+    saved = run.cfg.checkpoint.enabled
+    if saved and not _saved_by_after_step(run):
+        run.save(False)
+    stop = run.preempt.stopped(run.progress.step, saved)
+    if run.log is not None:
+        run.log.write("events", {"event": "preempted", "signal": stop.signal_name,
+                                 "step": run.progress.step, "epoch": run.progress.epoch,
+                                 "saved": saved, "time": time.time()})
+    raise stop
 
 
 def end_epoch(run: Run) -> None:

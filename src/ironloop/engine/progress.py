@@ -61,6 +61,9 @@ class Meter:
         self.clock_start = time.perf_counter()
         self._clip_flags: list[torch.Tensor] = []  # this window's per-step flags, not yet summed
         self.window_mark = self.epoch_mark = self._mark()
+        # Every rank's state_dict at the last checkpoint (gathered by engine/build.py's save):
+        # rank 0 writes the checkpoint, and the logged sums are over all ranks' samples.
+        self.ranks: list[dict] = []
 
     def _totals(self) -> torch.Tensor:
         if self._clip_flags:  # one sum per read instead of one add per step
@@ -132,10 +135,14 @@ class Meter:
         def cpu(mark: dict) -> dict:
             return {**mark, "totals": mark["totals"].cpu().clone()}
 
-        return {"totals": self._totals().cpu().clone(), "grad_norm": self.grad_norm.cpu().clone(),
-                "samples": self.samples, "steps": self.steps,
-                "train_seconds": self.train_seconds(),
-                "window_mark": cpu(self.window_mark), "epoch_mark": cpu(self.epoch_mark)}
+        state = {"totals": self._totals().cpu().clone(),  # host sync: at checkpoints only
+                 "grad_norm": self.grad_norm.cpu().clone(),
+                 "samples": self.samples, "steps": self.steps,
+                 "train_seconds": self.train_seconds(),
+                 "window_mark": cpu(self.window_mark), "epoch_mark": cpu(self.epoch_mark)}
+        if self.ranks:  # under DDP/FSDP: every rank's own sums, gathered by the save
+            state["ranks"] = self.ranks
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         device, dtype = self.loss_sum.device, self.loss_sum.dtype

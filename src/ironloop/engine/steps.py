@@ -22,12 +22,32 @@ def classification_step(loss_fn) -> StepFn:
         out = model(x)
         if not isinstance(out, torch.Tensor):
             return output_loss(out), {}
-        loss = loss_fn(out, y)
+        try:
+            loss = loss_fn(out, y)
+        except (RuntimeError, ValueError) as e:
+            if not _is_shape_error(e):
+                raise
+            raise misfit(out, y, e) from None
         if model.training or y.is_floating_point() or out.ndim != 2:
             return loss, {}
         return loss, {"acc": (out.argmax(-1) == y).float().mean()}
 
     return step
+
+
+def _is_shape_error(e: Exception) -> bool:
+    text = str(e).lower()
+    return any(w in text for w in ("size", "shape", "dimension", "expected input",
+                                   "expected target"))
+
+
+def misfit(out: torch.Tensor, y: torch.Tensor, e: Exception) -> UserError:
+    """The one-line error for a model output whose shape does not fit the loss."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return UserError(f"the model's output {describe(out)} does not fit the loss for targets "
+                     f"{describe(y)} ({first}); make the model's last layer output what the loss "
+                     f"takes (cross_entropy: [batch, classes] scores for [batch] class indices), "
+                     f"or set loss.name / pass a loss_fn or step_fn")
 
 
 def output_loss(out) -> torch.Tensor:

@@ -9,9 +9,17 @@ exactly once and a curve across crashes is one line.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+from ironloop.errors import UserError
 from ironloop.state.io import write_atomic
+
+
+def _append(path: Path):
+    """A JSONL file opened for appending, unbuffered: each ``write`` goes straight to the file,
+    so a failed one leaves nothing buffered for ``close`` to fail on again."""
+    return open(path, "ab", buffering=0)
 
 
 def truncate_jsonl(path: Path, key: str, last: int) -> int:
@@ -59,7 +67,7 @@ class RunLog:
         if resume_step is not None:
             self.last_logged_time = _last_time(run_dir / "metrics.jsonl")
             self.last_logged_step = self._truncate(resume_step, resume_epoch)
-        self._files = {name: open(run_dir / f"{name}.jsonl", "a")
+        self._files = {name: _append(run_dir / f"{name}.jsonl")
                        for name in ("metrics", "epochs", "events", "evals", "scalars")}
         self.loggers = list(loggers or [])
         if tensorboard and not any(lg.name == "tensorboard" for lg in self.loggers):
@@ -69,8 +77,17 @@ class RunLog:
 
     def write(self, name: str, row: dict) -> None:
         f = self._files[name]
-        f.write(json.dumps(row) + "\n")
-        f.flush()
+        data = memoryview((json.dumps(row) + "\n").encode())
+        size = os.fstat(f.fileno()).st_size  # where this line starts
+        try:
+            while data:  # an unbuffered write may take part of the line
+                data = data[f.write(data):]
+        except OSError as e:  # a full disk or quota: cut the torn line, stop like a checkpoint
+            os.ftruncate(f.fileno(), size)
+            raise UserError(f"could not write {self.dir / (name + '.jsonl')}: "
+                            f"{e.strerror or e}. The logs end at their last complete line and "
+                            f"the checkpoints are intact; free disk space (or point run.dir at "
+                            f"a disk with room), then --resume") from None
         if name != "events":
             for logger in self.loggers:
                 logger.write(name, row)
@@ -82,7 +99,7 @@ class RunLog:
         for f in self._files.values():
             f.close()
         self._truncate(step, epoch)
-        self._files = {name: open(self.dir / f"{name}.jsonl", "a") for name in self._files}
+        self._files = {name: _append(self.dir / f"{name}.jsonl") for name in self._files}
 
     def _truncate(self, step: int, epoch: int) -> int:
         """Keep the lines up to ``step`` (``epoch`` for epochs.jsonl); returns the furthest

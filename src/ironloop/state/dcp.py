@@ -32,9 +32,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ironloop.errors import CheckpointError
+from ironloop.state.dcp_safe import (SafePlanner, SafeReader, UnsafeMetadata, read_metadata,
+                                    refused_item)
 
 from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
@@ -243,7 +246,24 @@ def verify(path: Path) -> int:
             raise LoadFailure(path, f"{name} {'missing' if not p.is_file() else 'changed'}",
                               f"{path} is damaged: {name} does not match its manifest digest; "
                               "resume from another checkpoint")
+    check_metadata(path)
     return step
+
+
+def check_metadata(path: Path) -> None:
+    """Refuse (LoadFailure) a ``.metadata`` that names anything but DCP's own metadata classes:
+    checked before DCP reads it, since DCP's own reader would unpickle anything."""
+    try:
+        read_metadata(path)
+    except UnsafeMetadata as e:
+        raise LoadFailure(path, "unsafe .metadata",
+                          f"refused to load {path}: its .metadata names {e}, which DCP never "
+                          "writes there (a pickle that would run code); ironloop loads only "
+                          "DCP's own metadata classes. Resume from another checkpoint") from None
+    except Exception as e:  # truncated, not a pickle at all, ...
+        raise LoadFailure(path, "unreadable .metadata",
+                          f"{path}/.metadata is damaged ({type(e).__name__}); resume from "
+                          "another checkpoint") from None
 
 
 def load_extras(path: Path) -> dict:
@@ -302,8 +322,15 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     msd, osd = get_state_dict(model, optimizer)
     sd = {"model": msd, "optimizer": osd}
     try:
-        dcp.load(sd, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises CheckpointException, wrapping each rank's error
+        check_metadata(Path(path))  # its digests were verified with the extras
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    except LoadFailure as e:
+        raise CheckpointError(str(e)) from None
+    except (Exception, CheckpointException) as e:  # the latter wraps each rank's error
+        if refused_item(e):
+            raise CheckpointError(f"refused to load {path}: its item {refused_item(e)} is a "
+                                  "pickle that would run code; ironloop loads only tensors and "
+                                  "plain values. Resume from another checkpoint") from None
         raise CheckpointError(f"{path} does not fit this model or optimizer ({str(e)[:300]}); "
                               "check that model.name, model.kwargs and optim.name match the "
                               "run that wrote it") from e
@@ -313,19 +340,23 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
 
 def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's weights from a DCP directory, in one process (for export)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
         verify(Path(path))
     except LoadFailure as e:
         raise CheckpointError(str(e)) from None
-    meta = FileSystemReader(str(path)).read_metadata()
+    meta = read_metadata(Path(path))  # verify() has refused an unsafe one
     model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     sd = {"model": model}
-    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+        what = f"its item {refused_item(e)} is a pickle that would run code" if refused_item(e) \
+            else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        raise CheckpointError(f"refused to load {path}: {what}") from None
     return sd["model"]
 
 

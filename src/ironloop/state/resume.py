@@ -58,7 +58,7 @@ def restore_state(run, state: dict, source: str) -> None:
         raise CheckpointError(f"{source} does not fit this run's optimizer, schedule or data "
                               f"({e}); resume with the config it was written with") from e
     run.progress.load_state_dict(state["progress"])
-    run.meter.load_state_dict(state["meter"])
+    run.meter.load_state_dict(rank_meter(state["meter"], run.world.rank, run.world.size))
     run.tracker.load_state_dict(state["tracker"])
     load_callbacks_state(run.callbacks, state.get("callbacks"))
     run.last_eval = state.get("evaluation") or {}
@@ -67,3 +67,32 @@ def restore_state(run, state: dict, source: str) -> None:
     if getattr(run, "guard", None) is not None:
         run.guard.load_state_dict(guard)
     run.sampler.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
+
+
+def rank_meter(meter: dict, rank: int, size: int) -> dict:
+    """This rank's meter state from a checkpoint's, so that the logged means (sums over every
+    rank's samples, see engine/progress.py) continue as if the run had not stopped.
+
+    On the world size that wrote it, each rank gets its own sums back. On another, rank 0 gets
+    the sums of every rank that wrote it and the others start from zero: the sums over ranks,
+    and so the logged losses, are the same up to the order of the additions. Counts that every
+    rank shares (steps, clipped and skipped steps, the training time) come from rank 0.
+    """
+    ranks = meter.get("ranks")
+    if not ranks:  # one process wrote it, or an ironloop from before per-rank meters
+        return meter
+    if len(ranks) == size:
+        return ranks[rank]
+
+    def loss_and_samples(get, into: dict) -> None:  # element 0 of totals: the loss sum
+        totals = get(ranks[0])["totals"].clone()
+        totals[0] = sum(get(r)["totals"][0] for r in ranks) if rank == 0 else 0.0
+        into["totals"] = totals
+        into["samples"] = sum(get(r)["samples"] for r in ranks) if rank == 0 else 0
+
+    merged = {**ranks[0]}
+    loss_and_samples(lambda r: r, merged)
+    for mark in ("window_mark", "epoch_mark"):
+        merged[mark] = {**ranks[0][mark]}
+        loss_and_samples(lambda r, mark=mark: r[mark], merged[mark])
+    return merged

@@ -17,6 +17,7 @@ from ironloop.errors import UserError
 from ironloop.state import dcp as sharded
 from ironloop.state import drift
 from ironloop.state.io import load_verified, write_atomic
+from ironloop.state.lock import LOCK_NAME, written_by_ironloop
 from ironloop.state.manager import has_checkpoints
 
 #: Files a run writes; --overwrite removes these and nothing else.
@@ -29,6 +30,19 @@ def unwritable(run_dir: Path, e: OSError) -> UserError:
     """The one-line error for a run.dir that cannot be created or written."""
     return UserError(f"run.dir {run_dir} cannot be created or written ({e.strerror or e}); "
                      f"choose a writable run.dir")
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """A run that would write into run.dir must not clobber files another program wrote there
+    under the names a run uses (config.yaml, metrics.jsonl, ...). ironloop's own runs leave their
+    lock file in run.dir (state/lock.py); without it, those names are someone else's."""
+    if written_by_ironloop(run_dir):
+        return
+    theirs = [n for n in RUN_OUTPUTS if (run_dir / n).exists()]
+    if theirs:
+        raise UserError(f"run.dir {run_dir} holds {', '.join(theirs)}, which ironloop did not "
+                        f"write (no {LOCK_NAME}) and no checkpoint; a run would overwrite them. "
+                        f"Choose another run.dir, or pass --overwrite to replace them")
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: World,
@@ -52,6 +66,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
             found = sharded.latest_any(ckpt_dir, warn)
             if found is None:
                 if world.is_main:
+                    refuse_foreign(run_dir)
                     print(f"notice: no checkpoint in {ckpt_dir}; starting a fresh run")
             else:
                 source, state = str(found[0]), found[1]
@@ -64,6 +79,8 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
             raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
                             f"it, --overwrite to delete its outputs and start over, or choose "
                             f"another run.dir")
+        if not overwrite:
+            refuse_foreign(run_dir)
         if overwrite:  # only the files a run writes; anything else in run.dir stays
             for path in (run_dir / n for n in RUN_OUTPUTS):
                 if path.is_dir():

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from ironloop.config import Config
 from ironloop.data import build_data
 from ironloop.tools.doctor.run import preflight
 from ironloop.engine.fit import FitResult, fit, seed_everything
+from ironloop.state import lock
 from ironloop.tools.models import build_model
 
 
@@ -15,7 +19,9 @@ def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = Fals
     bundle = build_data(cfg.data)
     seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
     model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs)
-    preflight(cfg, model, bundle, resume=resume)  # the doctor's quick checks; --strict stops
-    return fit(model, bundle.train, bundle.val, cfg, test_data=bundle.test,
-               num_classes=bundle.num_classes, resume=resume, overwrite=overwrite,
-               allow_config_change=allow_config_change, from_config=True)
+    # run.dir's lock before the preflight writes doctor.json there (fit() takes it again)
+    with lock.hold(Path(cfg.run.dir), os.environ.get("RANK", "0") == "0"):
+        preflight(cfg, model, bundle, resume=resume)  # the doctor's quick checks; --strict stops
+        return fit(model, bundle.train, bundle.val, cfg, test_data=bundle.test,
+                   num_classes=bundle.num_classes, resume=resume, overwrite=overwrite,
+                   allow_config_change=allow_config_change, from_config=True)

@@ -59,6 +59,38 @@ def check_labels(s: Subject, cap: int | None = None) -> list[Finding]:
     return out
 
 
+def _inputs(dataset, cap: int | None) -> torch.Tensor | None:
+    """The float inputs of a dataset, one row per sample (the first ``cap`` when not in
+    memory), or None when they are not float tensors of one shape."""
+    if isinstance(dataset, TensorData):
+        x = dataset.x
+    else:
+        n = len(dataset) if cap is None else min(cap, len(dataset))
+        xs = [dataset[i][0] for i in range(n)]
+        if not xs or not all(isinstance(t, torch.Tensor) and t.shape == xs[0].shape for t in xs):
+            return None
+        x = torch.stack(xs)
+    return x.reshape(len(x), -1) if x.is_floating_point() and len(x) else None
+
+
+def check_finite_inputs(s: Subject, cap: int | None = None) -> list[Finding]:
+    """Samples whose inputs hold NaN or inf: named by index, before they poison a step."""
+    out = []
+    for split, data in (("train", s.train), ("val", s.val), ("test", s.test)):
+        x = _inputs(data, cap) if data is not None else None
+        if x is None:
+            continue
+        bad = (~torch.isfinite(x.cpu())).any(1).nonzero().flatten()  # host copy: no sync
+        if len(bad):
+            out.append(Finding("finite_inputs", "error",
+                               f"{split}: {len(bad)} sample(s) with NaN or inf inputs, e.g. "
+                               f"samples {bad[:5].tolist()}",
+                               "a non-finite input makes the loss and the gradients NaN at the "
+                               "step that draws it (the guard would skip those steps)",
+                               "clean or drop those samples (or impute the missing values)"))
+    return out
+
+
 def _hashes(dataset, cap: int | None) -> list[bytes]:
     """One 16-byte digest per sample's input (the first ``cap`` samples when not in memory)."""
     if isinstance(dataset, TensorData):

@@ -60,6 +60,7 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     # doctor.max_batches batches' worth of samples of it.
     cap = cfg.max_batches * s.cfg.train.batch_size if quick else None
     findings = [*_guard("labels", data.check_labels, s, cap),
+                *_guard("finite_inputs", data.check_finite_inputs, s, cap),
                 *_guard("leakage", data.check_leakage, s, cap)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels

@@ -1,0 +1,169 @@
+"""Preemption (engine/preempt.py): SIGTERM, SIGINT or SIGUSR1 finish the optimizer step, write a
+checkpoint of it and exit 75; the resume redoes no step. A second signal while that checkpoint
+is written kills at once and leaves the previous one intact. Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ironloop.errors import Preempted
+from ironloop.state.io import load_verified
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 300  # seconds; each run takes a few on an idle machine, far more at load 15
+ARGS = ["configs/digits.yaml", "model.name=mlp", "log.progress=off", "log.every_steps=1",
+        "doctor.preflight=false", "checkpoint.every_steps=1000"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def start(argv: list[str], log: Path, torchrun: int = 0) -> subprocess.Popen:
+    launcher = [sys.executable, "-m", "ironloop"] if not torchrun else \
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
+         "--standalone", "-m", "ironloop"]
+    with log.open("w") as out:
+        return subprocess.Popen([*launcher, *argv], cwd=REPO, env=ENV, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if line.endswith("}")]
+
+
+def wait_for(what, proc: subprocess.Popen, log: Path, why: str) -> None:
+    """Until ``what()`` is true (files are polled, never a fixed sleep)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not what():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {why}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {why} after {TIMEOUT}s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.01)
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def ckpt_step(path: Path) -> int:
+    return torch.load(path, weights_only=True)["progress"]["step"]
+
+
+def signal_and_time(proc: subprocess.Popen, sig: int) -> float:
+    """Seconds from the signal to the process's exit (reported, never asserted on)."""
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    proc.wait(timeout=TIMEOUT)
+    return time.monotonic() - sent
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_the_step_it_reached_and_the_resume_redoes_none(tmp_path, sig):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    argv = ["train", *ARGS, "train.epochs=20", f"run.dir={run_dir}"]
+    proc = start(argv, log)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 5, proc, log, "step 5")
+    seconds = signal_and_time(proc, sig)
+    print(f"{sig.name}: {seconds:.2f} s from the signal to the exit")
+    out = log.read_text()
+    assert proc.returncode == Preempted.EXIT_CODE == 75, out[-3000:]
+    said = [line for line in out.splitlines() if line.startswith("ironloop:")]
+    assert len(said) == 1 and f"preempted by {sig.name}" in said[0], out[-3000:]
+    assert "Traceback" not in out
+    stop = events(run_dir)[-1]
+    assert stop["event"] == "preempted" and stop["signal"] == sig.name and stop["saved"]
+    step = stop["step"]
+    assert step >= 5 and logged_steps(run_dir)[-1] == step  # finished the step it was in
+    assert ckpt_step(run_dir / "checkpoints" / "last.pt") == step  # and saved exactly that one
+    if sig != signal.SIGTERM:
+        return
+    resumed = start([*argv, "--resume"], tmp_path / "resume.log")
+    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    resume = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert resume == [{**resume[0], "step": step, "last_logged_step": step, "steps_redone": 0}]
+    assert logged_steps(run_dir) == list(range(1, 20 * 23 + 1))  # each step logged once
+
+
+SLOW_SAVE = """
+import signal, sys, time
+from pathlib import Path
+from ironloop.state import manager
+from ironloop.cli import main
+
+saving = Path(sys.argv[1])
+real = manager.save_atomic
+
+def slow_save(state, path):
+    # The preemption's own save (the only time the loop sets SIGINT to the kernel's default)
+    # hangs, as a huge checkpoint on a slow disk would.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
+        saving.touch()
+        while True:
+            time.sleep(0.01)
+    real(state, path)
+
+manager.save_atomic = slow_save
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_second_signal_while_saving_exits_at_once_and_keeps_the_previous_checkpoint(
+        tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    script, saving = tmp_path / "slow_save.py", tmp_path / "saving"
+    script.write_text(SLOW_SAVE)
+    argv = ["train", *ARGS, "train.epochs=20", f"run.dir={run_dir}"]  # saves at epoch ends
+    proc = subprocess.Popen([sys.executable, str(script), str(saving), *argv],
+                            cwd=REPO, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    last = run_dir / "checkpoints" / "last.pt"
+    wait_for(lambda: last.exists() and len(logged_steps(run_dir)) >= 25, proc, log,
+             "epoch 1's checkpoint")
+    proc.send_signal(signal.SIGINT)
+    wait_for(saving.exists, proc, log, "the preemption's save")
+    before = last.read_bytes()  # no other save can run now: the loop is inside its last one
+    seconds = signal_and_time(proc, signal.SIGINT)
+    print(f"second SIGINT while saving: {seconds:.2f} s to the exit")
+    assert proc.returncode == -signal.SIGINT, log.read_text()[-3000:]  # the kernel's default
+    assert last.read_bytes() == before  # the previous checkpoint, intact and loadable
+    step = load_verified(last)["progress"]["step"]
+    assert step % 23 == 0 and step < logged_steps(run_dir)[-1]  # an epoch end's, not the new
+    assert "Traceback" not in log.read_text()
+
+
+def test_torchrun_ranks_agree_on_the_step_save_together_and_resume_it(tmp_path):
+    # SIGTERM to torchrun, as Kubernetes and SLURM send it: torchrun forwards it to both ranks,
+    # which receive it at different points of a step; they must stop after the same step.
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    argv = ["train", *ARGS, "train.epochs=20", "train.batch_size=32", f"run.dir={run_dir}"]
+    proc = start(argv, log, torchrun=2)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 5, proc, log, "step 5")
+    seconds = signal_and_time(proc, signal.SIGTERM)
+    print(f"torchrun, 2 ranks: {seconds:.2f} s from SIGTERM to the exit")
+    out = log.read_text()
+    assert "preempted by SIGTERM" in out, out[-4000:]
+    stop = events(run_dir)[-1]
+    assert stop["event"] == "preempted", out[-4000:]
+    assert ckpt_step(run_dir / "checkpoints" / "last.pt") == stop["step"]
+    ranks_out = [line for line in out.splitlines() if "ironloop" in line and "rror" in line]
+    assert not ranks_out, out[-4000:]
+    resumed = start([*argv, "--resume", "train.max_steps=" + str(stop["step"] + 2),
+                     "--allow-config-change"], tmp_path / "resume.log", torchrun=2)
+    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resume.log").read_text()[-4000:]
+    resume = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert resume[0]["step"] == stop["step"] and resume[0]["steps_redone"] == 0
+    assert logged_steps(run_dir) == list(range(1, stop["step"] + 3))
