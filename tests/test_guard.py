@@ -165,23 +165,28 @@ def test_nan_at_step_is_skipped_logged_and_costs_one_window(tmp_path):
 
 def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, monkeypatch):
     seen = []
-    original = loop.optimizer_step
+    step, after = loop.optimizer_step, loop.after_step
 
-    def spy(run):
-        def snap():
-            return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
-                    json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
-                    run.progress.step, run.meter.steps)
-        before = snap()
-        stepped = original(run)
-        if not stepped:
-            after = snap()
-            assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
-            assert before[1:] == after[1:]
+    def snap(run):
+        return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
+                json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
+                run.progress.step, run.meter.steps)
+
+    def spy_step(run):
+        seen.append((snap(run), run.guard.guard.bad_steps))
+        step(run)
+
+    def spy_after(run, bar):
+        after(run, bar)  # log.every_steps=1: every step settles here
+        before, bad = seen.pop()
+        if run.guard.guard.bad_steps > bad:  # this attempt was bad: nothing may have changed
+            now = snap(run)
+            assert all(torch.equal(before[0][k], now[0][k]) for k in before[0])
+            assert before[1:] == now[1:]
             seen.append(run.progress.step)
-        return stepped
 
-    monkeypatch.setattr(loop, "optimizer_step", spy)
+    monkeypatch.setattr(loop, "optimizer_step", spy_step)
+    monkeypatch.setattr(loop, "after_step", spy_after)
     ironloop.fit(tiny_mlp(), blobs(n=256), None,
                  cfg(tmp_path, fault__nan_at_step=[2, 5], schedule__name="cosine",
                      train__epochs=1), overwrite=True)
