@@ -311,3 +311,55 @@ def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
         return [{k: v for k, v in r.items() if k != "time"} for r in rows(path / "guard.jsonl")]
 
     assert strip(tmp_path / "run") == strip(reference)
+
+
+# --- the lagged verdict (issue 20) -------------------------------------------------------------
+
+def poisoned_calls(calls: set[int]):
+    """A step whose n-th training call (1-based) returns a NaN loss, whatever the step count:
+    unlike fault.nan_at_step it does not make every step a settle point."""
+    count = [0]
+
+    def step(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if model.training:
+            count[0] += 1
+            if count[0] in calls:
+                loss = loss * float("nan")
+        return loss, {}
+
+    return step
+
+
+@pytest.mark.parametrize("schedule,max_bad", [("constant", 3), ("cosine", 3), ("constant", 2)])
+def test_verdicts_settled_at_log_steps_match_verdicts_settled_every_step(tmp_path, schedule,
+                                                                          max_bad):
+    """Bad steps found 1 step late (log every step) or up to 4 steps late (log every 5): the
+    same events with the same step numbers, the same step count and schedule position, and with
+    a constant LR the same weights bit for bit (a schedule runs ahead between a bad step and its
+    settle, by design: engine/settle.py)."""
+    results = {}
+    for every in (1, 5):
+        out = tmp_path / str(every)
+        result = ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                              cfg(out, log__every_steps=every, train__epochs=2, optim__lr=1e-2,
+                                  schedule__name=schedule, guard__max_bad_steps=max_bad,
+                                  checkpoint__every_steps=2),
+                              step_fn=poisoned_calls({3, 7, 8}), overwrite=True)
+        events = [(x["step"], x.get("reason"), x.get("consecutive", x.get("to_step")))
+                  for x in rows(out / "run" / "guard.jsonl")]
+        state = load_verified(out / "run" / "checkpoints" / "last.pt")
+        results[every] = (result, events, state)
+    (r1, e1, s1), (r5, e5, s5) = results[1], results[5]
+    bad = [(3, "nonfinite_loss", 1), (6, "nonfinite_loss", 1), (6, "nonfinite_loss", 2)]
+    if max_bad == 2:  # the second bad step in a row rolls back to the checkpoint at step 4
+        bad.append((6, None, 4))
+    assert e1 == e5 == bad
+    assert r1.results["steps"] == r5.results["steps"] == (16 - 3 if max_bad == 3 else 14 - 3)
+    assert s1["progress"] == s5["progress"] and s1["guard"] == s5["guard"]
+    if schedule == "cosine":
+        assert s1["scheduler"]["last_epoch"] == s5["scheduler"]["last_epoch"] == 13
+    else:
+        assert all(torch.equal(s1["model"][k], s5["model"][k]) for k in s1["model"])
+        assert s1["meter"]["samples"] == s5["meter"]["samples"]
