@@ -45,7 +45,8 @@ import time
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import batch_size_of, make_loader, to_device
+from ironloop.data.loader import batch_size_of, make_loader
+from ironloop.data.prefetch import prefetch
 from ironloop.dist import parallel
 from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
@@ -81,24 +82,22 @@ def train_epoch(run: Run) -> None:
     loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
                          pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
-    non_blocking = run.device.type == "cuda"
     bar = console.progress_bar(run)
     run.model.train()
     run.timer.start_epoch()
     run.lag_mark = mark(run)
     micro = window = 0
-    for batch in loader:
+    # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
+    # label check runs on each host batch first, before it can become a CUDA assert.
+    for batch in prefetch(loader, run.device, run.check_labels):
         run.timer.mark("data")
         if micro == 0:
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             run.optimizer.zero_grad(set_to_none=True)
-        if run.check_labels is not None:
-            run.check_labels(batch)  # on the host copy, before it can become a CUDA assert
         n_micro = batch_size_of(batch)
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
-        batch = to_device(batch, run.device, non_blocking)
-        run.timer.mark("copy")
+        run.timer.mark("copy")  # near 0: the copy ran while the previous step computed
         # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
         with parallel.micro_sync(run.model, last):
             with autocast_for(run):
