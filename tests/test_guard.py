@@ -363,3 +363,32 @@ def test_verdicts_settled_at_log_steps_match_verdicts_settled_every_step(tmp_pat
     else:
         assert all(torch.equal(s1["model"][k], s5["model"][k]) for k in s1["model"])
         assert s1["meter"]["samples"] == s5["meter"]["samples"]
+
+
+def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
+    """verdict.py computes the spike test on the device; its decisions and its statistics match
+    the pure Guard's, step by step, on a noisy series with spikes and NaNs."""
+    from types import SimpleNamespace
+
+    from ironloop.guard.verdict import Verdict
+
+    world = SimpleNamespace(distributed=False)
+    pure = Guard(max_bad_steps=100, spike_factor=4, spike_window=6, spike_warmup=3)
+    device = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    rng = random.Random(1)
+    zero = torch.zeros((), dtype=torch.float64)
+    for i in range(60):
+        loss, norm = 1 + 0.1 * rng.random(), 2 + 0.1 * rng.random()
+        if i % 11 == 10:
+            loss *= 5
+        if i % 17 == 16:
+            norm = math.nan
+        ok = device.judge(torch.tensor(loss, dtype=torch.float64), zero,
+                          torch.tensor(norm), 1, None, world)
+        assert bool(ok) == (pure.observe(i, loss, norm) is None), i
+    stats = device.state_dict()
+    assert stats["good"] == pure.good
+    assert stats["losses"] == pytest.approx(pure.losses, rel=1e-6)
+    again = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    again.load_state_dict(stats)
+    assert again.state_dict() == stats
