@@ -34,6 +34,8 @@ def prefetch(batches: Iterable, device: torch.device,
             return _END
         if check is not None:
             check(batch)
+        if device.type == "cpu":
+            return batch  # loaders yield host tensors: nothing to move
         if stream is None:
             return to_device(batch, device, False)
         with torch.cuda.stream(stream):  # pinned memory + non_blocking: an async copy

@@ -134,7 +134,8 @@ class Loss:
                               f"has {num_classes} classes; give one weight per class")
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        output = output.float()  # losses in fp32 even under autocast
+        if output.dtype in (torch.float16, torch.bfloat16):
+            output = output.float()  # losses in fp32 even under autocast
         weights = None if self.weights is None else self.weights.to(output.device)
         if self.name == "cross_entropy":
             per = nn.functional.cross_entropy(output, target, weight=weights, reduction="none",

@@ -196,7 +196,7 @@ class GuardHook:
         A bad window's loss leaves the meter's running total on the device (a ``where``), so
         the logged means never see it; what else a bad step undoes waits for ``settle``.
         """
-        m, norm = run.meter, grad_norm.detach()
+        m, norm = run.meter, grad_norm  # a norm of gradients: no autograd graph to detach
         total, before = m.loss_sum, self._before
         ok = self.verdict.judge(total, before, norm, run.progress.offset - self.offsets[-1],
                                 skipped, run.world)

@@ -112,7 +112,7 @@ def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor) -> N
     alone, and left as it was on a guard-bad step (a NaN loss says nothing about fp16 range),
     which is what skipping ``scaler.update()`` did before.
     """
-    bad = (~ok).float()
+    bad = torch.where(ok, 0.0, 1.0)  # found_inf is a float32 flag, 1.0 = skip
     if scaler is None:
         optimizer.found_inf = bad
         try:
