@@ -137,7 +137,7 @@ class GuardHook:
         self.always = isinstance(run.step_fn, PoisonLoss) or any(
             getattr(type(cb), "on_step_end", Callback.on_step_end) is not Callback.on_step_end
             for cb in run.callbacks)
-        self._ensure_verdict(run)
+        self.prepare(run)
         self.rebase(run)
         if run.world.is_main:
             path = self.run_dir / "guard.jsonl"
@@ -147,7 +147,8 @@ class GuardHook:
         if (not self.from_files or not resumed) and not _sharded(run):
             self.snapshot = snapshot(collect_state(run))
 
-    def _ensure_verdict(self, run) -> None:
+    def prepare(self, run) -> None:
+        """Build the device half (the verdict and its spike statistics) on the run's device."""
         if self.verdict is None:
             c, m = self.cfg, run.meter
             self.verdict = Verdict(m.loss_sum.device, m.loss_sum.dtype, c.spike_factor,
