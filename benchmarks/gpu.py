@@ -178,8 +178,9 @@ def resume_exact(tmp: Path) -> dict:
         g = torch.Generator().manual_seed(0)
         data = (torch.randn(64 * 20, 3, 32, 32, generator=g),
                 torch.randint(0, 10, (64 * 20,), generator=g))
+        # A constant LR: a schedule built for 1 epoch and extended to 2 is not the 2-epoch one.
         keys = {"run.device": "cuda", "train.batch_size": 64, "log.progress": "off",
-                "train.precision": "bf16"}
+                "train.precision": "bf16", "schedule.name": "constant"}
         whole = ironloop.fit(cnn(), data, None, {**keys, "run.dir": str(tmp / "a"),
                                                  "train.epochs": 2}, overwrite=True)
         ironloop.fit(cnn(), data, None, {**keys, "run.dir": str(tmp / "b"), "train.epochs": 1},
