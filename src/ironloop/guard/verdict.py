@@ -94,7 +94,9 @@ class Verdict:
         return {"good": good, "losses": losses, "norms": norms}
 
     def load_state_dict(self, state: dict) -> None:
-        losses, norms = state.get("losses", []), state.get("norms", [])
+        # The newest spike_window entries, oldest first, as the pure Guard keeps them.
+        losses = state.get("losses", [])[-self.window:]
+        norms = state.get("norms", [])[-self.window:]
         n = len(losses)
         self.ring.zero_()
         if n:
