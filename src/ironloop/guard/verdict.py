@@ -25,9 +25,11 @@ from ironloop.dist.world import all_reduce_sum
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step`` honours an on-device ``found_inf`` (torch's fused kernels)."""
+    """Whether ``optimizer.step`` honours an on-device ``found_inf`` (torch's fused kernels).
+    The param groups decide, not ``defaults``: a resumed optimizer takes its groups' ``fused``
+    from the checkpoint (a run begun non-fused stays non-fused, and exact)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)
-                and optimizer.defaults.get("fused"))
+                and all(g.get("fused") for g in optimizer.param_groups))
 
 
 class Verdict:
