@@ -104,8 +104,9 @@ def lr_scaled(optimizer: torch.optim.Optimizer, hook: "GuardHook | None"):
 
 
 class GuardHook:
-    """The wiring: reads the step's values from the device, keeps bad values out of the logged
-    means, writes guard.jsonl (rank 0), rolls back, stops. ``run.guard`` in the loop."""
+    """The wiring: judges each step on the device (``check``), applies the verdict there
+    (``step``), and at settle points reads it (``settle``): writes guard.jsonl (rank 0), keeps
+    bad steps out of the meter, rolls back, stops. ``run.guard`` in the loop."""
 
     def __init__(self, cfg, run_dir: Path, checkpoints: bool):
         self.cfg = cfg
