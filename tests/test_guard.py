@@ -167,23 +167,28 @@ def test_nan_at_step_is_skipped_logged_and_costs_one_window(tmp_path):
 
 def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, monkeypatch):
     seen = []
-    original = loop.optimizer_step
+    step, after = loop.optimizer_step, loop.after_step
 
-    def spy(run):
-        def snap():
-            return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
-                    json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
-                    run.progress.step, run.meter.steps)
-        before = snap()
-        stepped = original(run)
-        if not stepped:
-            after = snap()
-            assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
-            assert before[1:] == after[1:]
+    def snap(run):
+        return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
+                json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
+                run.progress.step, run.meter.steps)
+
+    def spy_step(run):
+        seen.append((snap(run), run.guard.guard.bad_steps))
+        step(run)
+
+    def spy_after(run, bar):
+        after(run, bar)  # log.every_steps=1: every step settles here
+        before, bad = seen.pop()
+        if run.guard.guard.bad_steps > bad:  # this attempt was bad: nothing may have changed
+            now = snap(run)
+            assert all(torch.equal(before[0][k], now[0][k]) for k in before[0])
+            assert before[1:] == now[1:]
             seen.append(run.progress.step)
-        return stepped
 
-    monkeypatch.setattr(loop, "optimizer_step", spy)
+    monkeypatch.setattr(loop, "optimizer_step", spy_step)
+    monkeypatch.setattr(loop, "after_step", spy_after)
     ironloop.fit(tiny_mlp(), blobs(n=256), None,
                  cfg(tmp_path, fault__nan_at_step=[2, 5], schedule__name="cosine",
                      train__epochs=1), overwrite=True)
@@ -392,3 +397,84 @@ def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
         return [{k: v for k, v in r.items() if k != "time"} for r in rows(path / "guard.jsonl")]
 
     assert strip(tmp_path / "run") == strip(reference)
+
+
+# --- the lagged verdict (issue 20) -------------------------------------------------------------
+
+def poisoned_calls(calls: set[int]):
+    """A step whose n-th training call (1-based) returns a NaN loss, whatever the step count:
+    unlike fault.nan_at_step it does not make every step a settle point."""
+    count = [0]
+
+    def step(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if model.training:
+            count[0] += 1
+            if count[0] in calls:
+                loss = loss * float("nan")
+        return loss, {}
+
+    return step
+
+
+@pytest.mark.parametrize("schedule,max_bad", [("constant", 3), ("cosine", 3), ("constant", 2)])
+def test_verdicts_settled_at_log_steps_match_verdicts_settled_every_step(tmp_path, schedule,
+                                                                          max_bad):
+    """Bad steps found 1 step late (log every step) or up to 4 steps late (log every 5): the
+    same events with the same step numbers, the same step count and schedule position, and with
+    a constant LR the same weights bit for bit (a schedule runs ahead between a bad step and its
+    settle, by design: engine/settle.py)."""
+    results = {}
+    for every in (1, 5):
+        out = tmp_path / str(every)
+        result = ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                              cfg(out, log__every_steps=every, train__epochs=2, optim__lr=1e-2,
+                                  schedule__name=schedule, guard__max_bad_steps=max_bad,
+                                  checkpoint__every_steps=2),
+                              step_fn=poisoned_calls({3, 7, 8}), overwrite=True)
+        events = [(x["step"], x.get("reason"), x.get("consecutive", x.get("to_step")))
+                  for x in rows(out / "run" / "guard.jsonl")]
+        state = load_verified(out / "run" / "checkpoints" / "last.pt")
+        results[every] = (result, events, state)
+    (r1, e1, s1), (r5, e5, s5) = results[1], results[5]
+    bad = [(3, "nonfinite_loss", 1), (6, "nonfinite_loss", 1), (6, "nonfinite_loss", 2)]
+    if max_bad == 2:  # the second bad step in a row rolls back to the checkpoint at step 4
+        bad.append((6, None, 4))
+    assert e1 == e5 == bad
+    assert r1.results["steps"] == r5.results["steps"] == (16 - 3 if max_bad == 3 else 14 - 3)
+    assert s1["progress"] == s5["progress"] and s1["guard"] == s5["guard"]
+    if schedule == "cosine":
+        assert s1["scheduler"]["last_epoch"] == s5["scheduler"]["last_epoch"] == 13
+    else:
+        assert all(torch.equal(s1["model"][k], s5["model"][k]) for k in s1["model"])
+        assert s1["meter"]["samples"] == s5["meter"]["samples"]
+
+
+def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
+    """verdict.py computes the spike test on the device; its decisions and its statistics match
+    the pure Guard's, step by step, on a noisy series with spikes and NaNs."""
+    from types import SimpleNamespace
+
+    from ironloop.guard.verdict import Verdict
+
+    world = SimpleNamespace(distributed=False)
+    pure = Guard(max_bad_steps=100, spike_factor=4, spike_window=6, spike_warmup=3)
+    device = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    rng = random.Random(1)
+    zero = torch.zeros((), dtype=torch.float64)
+    for i in range(60):
+        loss, norm = 1 + 0.1 * rng.random(), 2 + 0.1 * rng.random()
+        if i % 11 == 10:
+            loss *= 5
+        if i % 17 == 16:
+            norm = math.nan
+        ok = device.judge(torch.tensor(loss, dtype=torch.float64), zero,
+                          torch.tensor(norm), 1, None, world)
+        assert bool(ok) == (pure.observe(i, loss, norm) is None), i
+    stats = device.state_dict()
+    assert stats["good"] == pure.good
+    assert stats["losses"] == pytest.approx(pure.losses, rel=1e-6)
+    again = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    again.load_state_dict(stats)
+    assert again.state_dict() == stats

@@ -10,10 +10,11 @@ ragged last window of an epoch)::
         backward(loss * n_micro / n_window)   # exact: the window's mean gradient, ragged or not
     scaler.unscale_(optimizer)                # fp16 only; unscale BEFORE clipping
     grad_norm = norm(gradients)               # the pre-clip norm is what gets logged
-    if the guard says bad: skip the step      # guard.py: nothing updated, not counted
+    ok = guard verdict, on the device         # guard/hook.py: no host read
     clip(parameters, grad_norm)
-    optimizer.step(); scaler.update()         # scaler.step skips the step on inf/NaN (fp16)
+    optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
+    [settle, when due]                        # engine/settle.py: the guard's lagged read
     [crash knob] -> [log line] -> on_step_end
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
     -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
@@ -45,12 +46,14 @@ import time
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import batch_size_of, make_loader, to_device
+from ironloop.data.loader import batch_size_of, make_loader
+from ironloop.data.prefetch import prefetch
 from ironloop.data.stream import StreamOrder
 from ironloop.dist import parallel
 from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.run import Run
+from ironloop.engine.settle import due, mark, settle, step_schedule
 from ironloop.guard.hook import RolledBack, lr_scaled
 from ironloop.outputs import console
 
@@ -95,24 +98,23 @@ def train_epoch(run: Run) -> None:
         loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
                              pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
                              collate_fn=run.collate_fn)
-    non_blocking = run.device.type == "cuda"
     bar = console.progress_bar(run)
     run.model.train()
     run.timer.start_epoch()
+    run.lag_mark = mark(run)
     micro = window = 0
-    for batch in loader:
+    # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
+    # label check runs on each host batch first, before it can become a CUDA assert.
+    for batch in prefetch(loader, run.device, run.check_labels):
         run.timer.mark("data")
         if micro == 0:
             n = sampler.usable  # a stream learns its end a window ahead (data/stream.py)
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             run.optimizer.zero_grad(set_to_none=True)
-        if run.check_labels is not None:
-            run.check_labels(batch)  # on the host copy, before it can become a CUDA assert
         n_micro = batch_size_of(batch)
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
-        batch = to_device(batch, run.device, non_blocking)
-        run.timer.mark("copy")
+        run.timer.mark("copy")  # near 0: the copy ran while the previous step computed
         # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
         with parallel.micro_sync(run.model, last):
             with autocast_for(run):
@@ -129,10 +131,8 @@ def train_epoch(run: Run) -> None:
         if not last:
             continue
         micro = 0
-        stepped = optimizer_step(run)
+        optimizer_step(run)
         run.timer.mark("optimizer")
-        if not stepped:
-            continue  # the guard skipped it: nothing to log or save
         bar.update(1)
         after_step(run, bar)
         run.timer.mark("other")
@@ -140,50 +140,46 @@ def train_epoch(run: Run) -> None:
             _preempted(run)  # saves this step and raises Preempted
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
+    settle(run)  # the epoch's last verdicts, before its line and its checkpoint
     bar.close()
 
 
-def optimizer_step(run: Run) -> bool:
-    """unscale -> norm -> guard -> clip -> step -> scaler update -> per-step scheduler.
-    Returns False when the guard skipped the step."""
+def optimizer_step(run: Run) -> None:
+    """unscale -> norm -> guard verdict -> clip -> step -> scaler update -> per-step scheduler.
+    The step is counted as good; the guard's verdict stays on the device, a bad step changes
+    nothing there, and ``settle`` takes it back from the counters later (engine/settle.py)."""
     cfg, opt, scaler = run.cfg, run.optimizer, run.scaler
     skipped = None
     if scaler is not None:
         scaler.unscale_(opt)  # clipping must see the true gradients, not the scaled ones
         # Read before step(): found_inf is on the device, so counting skips costs no sync.
-        # (scaler.step itself syncs once to decide whether to skip: that is torch's design.)
         found = scaler._found_inf_per_device(opt)  # private, stable since torch 1.x
         skipped = torch.stack([f.to(run.device) for f in found.values()]).sum().clamp(max=1)
     params = [p for p in run.params if p.grad is not None]  # no module walk per step
     grad_norm = grad_norm_of(params)
     # The guard looks before clipping: a NaN norm would make the clip turn every gradient NaN.
-    if run.guard is not None and run.guard.check(run, grad_norm, skipped):
-        return False  # a bad step: no update, no scheduler step, not counted (guard.py)
+    ok = None if run.guard is None else run.guard.check(run, grad_norm, skipped)
+    if ok is not None and cfg.clip.mode == "norm" and cfg.clip.max_norm > 0:
+        grad_norm = torch.where(ok, grad_norm, 0.0)  # a bad step is not clipped (nor logged)
     clipped = clip_to_norm(params, grad_norm, cfg.clip.max_norm, cfg.clip.mode)
     with lr_scaled(opt, run.guard):  # the rollbacks' LR factor, on top of the schedule
-        if scaler is not None:
+        if run.guard is not None:
+            run.guard.step(run, ok)  # skipped on the device when ok is false (guard/hook.py)
+        elif scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
         run.step_lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
-    if run.scheduler is not None and run.cadence == "step" and _schedule_running(run):
-        run.scheduler.step()  # after optimizer.step, once per optimizer step
+    step_schedule(run)  # after optimizer.step, once per optimizer step
     run.progress.step += 1
-    run.meter.add_step(grad_norm, clipped, skipped)
-    return True
-
-
-def _schedule_running(run: Run) -> bool:
-    """A run longer than its finite schedule (extended on resume) holds the LR of the schedule's
-    last step: past their end, onecycle extrapolates and cosine climbs back up."""
-    if not run.schedule_steps or run.total_steps <= run.schedule_steps:
-        return True
-    return run.progress.step < run.schedule_steps - 1
+    run.meter.add_step(grad_norm, clipped, skipped, ok)
 
 
 def after_step(run: Run, bar) -> None:
     cfg, p = run.cfg, run.progress
+    if run.guard is not None and due(run) and settle(run):
+        return  # the guard found this step bad: it never happened, nothing to log or save
     if cfg.fault.crash_at_step and p.step == cfg.fault.crash_at_step:
         os._exit(1)  # the lab's fault knob: die like a preempted job, writing nothing more
     if cfg.fault.oom_at_step and p.step == cfg.fault.oom_at_step:
@@ -224,7 +220,10 @@ def _preempted(run: Run) -> None:
     after_step just did, say so in events.jsonl, and end the run with Preempted."""
     run.preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
     saved = run.cfg.checkpoint.enabled
-    if saved and not _saved_by_after_step(run):
+    # A checkpoint holds settled counters: read the guard's pending verdicts first (a host
+    # read, once, on the way out). A bad latest step was taken back: save even if after_step did.
+    taken_back = run.guard is not None and settle(run)
+    if saved and (taken_back or not _saved_by_after_step(run)):
         run.save(False)
     stop = run.preempt.stopped(run.progress.step, saved)
     if run.log is not None:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
+from ironloop.dist.parallel import is_sharded
 from ironloop.errors import ConfigError, UserError
 
 
@@ -28,10 +29,24 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm)
     # None = let torch pick its default kernel; passing fused=None is not the same on every torch.
     kernels = {k: v for k, v in (("fused", cfg.fused), ("foreach", cfg.foreach)) if v is not None}
+    if not kernels and _fused_fits(model):
+        # Fused when neither key is set: the guard can then skip a bad step inside the kernel
+        # (found_inf) without reading its verdict on the host (guard/verdict.py).
+        kernels = {"fused": True}
     if cfg.name in ("adamw", "adam"):
         cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
         return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernels)
+
+
+def _fused_fits(model: nn.Module) -> bool:
+    """Whether torch has fused Adam/AdamW/SGD kernels for these parameters: floating point,
+    plain tensors (not FSDP2's DTensor shards) on a device with the kernels."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # private
+
+    devices = _get_fused_kernels_supported_devices()
+    return all(p.is_floating_point() and not is_sharded(p) and p.device.type in devices
+               for p in model.parameters() if p.requires_grad)
 
 
 def resolve_optimizer(given, model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -119,7 +134,8 @@ class Loss:
                               f"has {num_classes} classes; give one weight per class")
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        output = output.float()  # losses in fp32 even under autocast
+        if output.dtype in (torch.float16, torch.bfloat16):
+            output = output.float()  # losses in fp32 even under autocast
         weights = None if self.weights is None else self.weights.to(output.device)
         if self.name == "cross_entropy":
             per = nn.functional.cross_entropy(output, target, weight=weights, reduction="none",

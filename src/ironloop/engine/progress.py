@@ -60,6 +60,7 @@ class Meter:
         self.elapsed = 0.0                        # training seconds before clock_start
         self.clock_start = time.perf_counter()
         self._clip_flags: list[torch.Tensor] = []  # this window's per-step flags, not yet summed
+        self._oks: list[torch.Tensor] = []         # the guard's verdicts for those steps
         self.window_mark = self.epoch_mark = self._mark()
         # Every rank's state_dict at the last checkpoint (gathered by engine/build.py's save):
         # rank 0 writes the checkpoint, and the logged sums are over all ranks' samples.
@@ -67,8 +68,12 @@ class Meter:
 
     def _totals(self) -> torch.Tensor:
         if self._clip_flags:  # one sum per read instead of one add per step
-            self.clipped.add_(torch.stack(self._clip_flags).sum())
+            flags = torch.stack(self._clip_flags)
+            if self._oks:
+                flags = flags & torch.stack(self._oks)
+            self.clipped.add_(flags.sum())
             self._clip_flags.clear()
+            self._oks.clear()
         return torch.stack([self.loss_sum, self.clipped, self.skipped])
 
     def train_seconds(self) -> float:
@@ -89,16 +94,27 @@ class Meter:
         self.elapsed -= seconds
 
     def add_micro(self, loss: torch.Tensor, n: int) -> None:
-        self.loss_sum.add_(loss.detach(), alpha=n)  # stays on the device: no sync
+        # Out of place, on the device (no sync): the guard keeps the total from before a
+        # window by reference and puts it back when the window turns out bad.
+        self.loss_sum = self.loss_sum.add(loss.detach(), alpha=n)
         self.samples += n
 
     def add_step(self, grad_norm: torch.Tensor, clipped: torch.Tensor,
-                 skipped: torch.Tensor | None) -> None:
+                 skipped: torch.Tensor | None, ok: torch.Tensor | None = None) -> None:
+        """One optimizer step. ``ok``: the guard's device verdict; a bad step's clip and
+        fp16-skip flags are masked on the device, its counts taken back by ``forget``."""
         self.grad_norm = grad_norm.detach()
         self._clip_flags.append(clipped)  # summed when the totals are next read
+        if ok is not None:
+            self._oks.append(ok)  # a bad step's flag is masked then, not per step
         if skipped is not None:
-            self.skipped.add_(skipped)
+            self.skipped.add_(skipped if ok is None else skipped * ok)
         self.steps += 1
+
+    def forget(self, samples: int, steps: int) -> None:
+        """Take back the counts of steps the guard found bad after the fact."""
+        self.samples -= samples
+        self.steps -= steps
 
     def _since(self, mark: dict) -> tuple[list[float], int, int]:
         """(loss_sum over all ranks, samples over all ranks, clipped, skipped, grad_norm),
@@ -152,7 +168,7 @@ class Meter:
         self.samples, self.steps = state["samples"], state["steps"]
         # A checkpoint from before training time was kept: its marks carry no time either.
         self.elapsed, self.clock_start = state.get("train_seconds", 0.0), time.perf_counter()
-        self._clip_flags = []
+        self._clip_flags, self._oks = [], []
         for name in ("window_mark", "epoch_mark"):
             mark = state[name]
             setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})

@@ -56,6 +56,7 @@ class Run:
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
     preempt: Any = None             # engine.preempt.Preemption while the loop runs
+    lag_mark: Any = None            # engine/settle.py: step and schedule at the last settle
     params: list = field(default_factory=list)  # the model's parameters, listed once
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 

@@ -5,7 +5,8 @@ mark is charged to ``part``. Because every interval is charged to exactly one pa
 of an epoch add up to the epoch's time by construction, and nothing is measured twice::
 
     for batch in loader:   mark("data")       # waiting for the DataLoader (and label checks)
-    to_device(batch)       mark("copy")       # host-to-device copy
+    (the copy)             mark("copy")       # host-to-device copy; ~0: data/prefetch.py
+                                              # issues it one batch ahead, during "data"
     step_fn(model, batch)  mark("forward")    # forward + loss
     backward               mark("backward")
     optimizer_step         mark("optimizer")  # unscale, clip, step, scheduler

@@ -52,21 +52,31 @@ class Guard:
 
     def observe(self, step: int, loss: float, grad_norm: float,
                 window: Callable[[], list[int]] = list) -> str | None:
-        """Record one step; returns its bad reason or None. ``window()`` (the step's sample
-        indices) is called on bad steps only."""
+        """Classify and record one step; returns its bad reason or None. ``window()`` (the
+        step's sample indices) is called on bad steps only. The reference for the device
+        verdict (``verdict.py``), which classifies on the device and records through
+        ``record_good``/``record_bad`` when the hook settles."""
         reason = self.classify(loss, grad_norm)
         if reason is None:
-            self.consecutive, self.pending = 0, []
-            self.good += 1
-            if self.spike_factor > 0 and self.good > self.spike_warmup:
-                self.losses = (self.losses + [loss])[-self.spike_window:]
-                self.norms = (self.norms + [grad_norm])[-self.spike_window:]
-            return None
+            self.record_good(loss, grad_norm)
+        else:
+            self.record_bad(step, reason, window())
+        return reason
+
+    def record_good(self, loss: float = math.nan, grad_norm: float = math.nan) -> None:
+        """A good step ends any run of bad ones (and feeds the host spike window, when the host
+        classifies; the hook keeps that window on the device instead)."""
+        self.consecutive, self.pending = 0, []
+        self.good += 1
+        if self.spike_factor > 0 and self.good > self.spike_warmup and math.isfinite(loss):
+            self.losses = (self.losses + [loss])[-self.spike_window:]
+            self.norms = (self.norms + [grad_norm])[-self.spike_window:]
+
+    def record_bad(self, step: int, reason: str, window: list[int]) -> None:
         self.consecutive += 1
         self.bad_steps += 1
-        self.pending.append(list(window()))
+        self.pending.append(list(window))
         self.events = (self.events + [[step, reason]])[-MAX_EVENTS:]
-        return reason
 
     @property
     def must_roll_back(self) -> bool:

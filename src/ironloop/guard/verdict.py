@@ -1,0 +1,139 @@
+"""The guard's per-step verdict, computed on the device and applied without reading it.
+
+``Verdict.judge`` turns the step's running loss total and grad norm into ``ok``, a 0-dim bool
+tensor on the device, in a handful of kernels and no host read:
+
+    ok = isfinite(loss total + grad norm)             # non-finite loss or norm (one add, one test)
+         [& not GradScaler's own overflow skip]       # fp16: finite loss, inf grads stay its skip
+         [& not a spike]                              # opt-in: robust z-score, statistics here
+
+``masked_step`` applies it: an optimizer that takes ``found_inf`` (torch's fused Adam, AdamW,
+SGD, Adagrad) skips the update inside its own kernel when ``found_inf`` is 1, step count and
+moments untouched, exactly as GradScaler skips an fp16 overflow. Any other optimizer cannot skip
+on the device, so for it the verdict is read before ``step()`` (one marked host sync per step).
+
+The spike test keeps its running statistics here as device tensors (a ring of the last
+``spike_window`` good steps' window losses and grad norms) and computes the same
+``median + factor * max(1.4826 * MAD, 1% of the median, 1e-12)`` as the pure ``Guard``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ironloop.dist.world import all_reduce_sum
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` honours an on-device ``found_inf`` (torch's fused kernels).
+    The param groups decide, not ``defaults``: a resumed optimizer takes its groups' ``fused``
+    from the checkpoint (a run begun non-fused stays non-fused, and exact)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)
+                and all(g.get("fused") for g in optimizer.param_groups))
+
+
+class Verdict:
+    """The device half of the guard: judges each step and keeps the spike statistics."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, spike_factor: float = 0.0,
+                 spike_window: int = 100, spike_warmup: int = 100):
+        self.factor, self.window, self.warmup = spike_factor, spike_window, spike_warmup
+        self.device, self.dtype = device, dtype
+        # Spike statistics: ring[0] losses, ring[1] norms; filled = entries written so far.
+        self.ring = torch.zeros(2, spike_window, dtype=dtype, device=device)
+        self.filled = torch.zeros((), dtype=torch.long, device=device)
+        self.good = torch.zeros((), dtype=torch.long, device=device)  # good steps seen
+
+    def judge(self, total: torch.Tensor, before: torch.Tensor, norm: torch.Tensor,
+              samples: int, found: torch.Tensor | None, world) -> torch.Tensor:
+        """``ok`` for one step (device bool, no host read). ``total``: the meter's running loss
+        total after this window; ``before``: it before the window; ``samples``: the window's
+        samples over all ranks; ``found``: GradScaler's overflow flag (fp16) or None."""
+        if self.factor == 0 and found is None and not world.distributed:
+            return torch.isfinite(total + norm)  # the default: two kernels
+        window_sum = total - before
+        if world.distributed:  # every rank must reach the same verdict: judge the sums
+            window_sum = all_reduce_sum(window_sum, world)
+        loss_ok = torch.isfinite(window_sum)
+        norm_ok = torch.isfinite(norm)
+        if found is not None:  # finite loss, inf grads: GradScaler's skip, not ours
+            norm_ok = norm_ok | (found > 0)
+        ok = loss_ok & norm_ok
+        if self.factor > 0:
+            ok = ok & ~self._spike(window_sum / max(samples, 1), norm, ok)
+        return ok
+
+    def _spike(self, loss: torch.Tensor, norm: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """Whether (loss, norm) spikes over the ring; records them when the step is good."""
+        values = torch.stack([loss, norm.to(self.dtype)])
+        n = self.window
+        lo, hi = (n - 1) // 2, n // 2  # statistics.median: the mean of the middle two
+        med = self.ring.sort(dim=1).values
+        med = (med[:, lo] + med[:, hi]) / 2
+        dev = (self.ring - med[:, None]).abs().sort(dim=1).values
+        sigma = torch.maximum(1.4826 * ((dev[:, lo] + dev[:, hi]) / 2), 0.01 * med.abs())
+        sigma = sigma.clamp(min=1e-12)
+        spike = (self.filled >= n) & (values > med + self.factor * sigma).any()
+        good = ok & ~spike
+        self.good = self.good + good
+        take = good & (self.good > self.warmup)  # warm-up steps stay out of the statistic
+        slot = self.filled % n
+        current = self.ring.index_select(1, slot.reshape(1)).squeeze(1)
+        self.ring.index_copy_(1, slot.reshape(1), torch.where(take, values, current)[:, None])
+        self.filled = self.filled + take
+        return spike
+
+    # ---------------------------------------------------------------- state (host reads) ----
+    def state_dict(self) -> dict:
+        """The spike statistics as the pure Guard keeps them: ``good`` and the window, oldest
+        first (a host read: called at checkpoints and rollbacks only)."""
+        filled, good = (int(v) for v in torch.stack([self.filled, self.good]).tolist())  # sync
+        n = min(filled, self.window)
+        order = torch.roll(self.ring, -(filled % self.window), dims=1) if filled >= self.window \
+            else self.ring
+        losses, norms = order[:, -n:].tolist() if filled >= self.window \
+            else order[:, :n].tolist()  # host sync, not per step
+        return {"good": good, "losses": losses, "norms": norms}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The newest spike_window entries, oldest first, as the pure Guard keeps them.
+        losses = state.get("losses", [])[-self.window:]
+        norms = state.get("norms", [])[-self.window:]
+        n = len(losses)
+        self.ring.zero_()
+        if n:
+            self.ring[:, :n] = torch.tensor([losses, norms], dtype=self.dtype)
+        self.filled = torch.tensor(n, dtype=torch.long, device=self.device)
+        self.good = torch.tensor(state.get("good", 0), dtype=torch.long, device=self.device)
+
+
+def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor) -> None:
+    """``optimizer.step()`` (and ``scaler.update()``) that changes nothing when ``ok`` is false,
+    decided in the optimizer's kernel: no host read. Needs ``takes_found_inf(optimizer)``.
+
+    fp16: GradScaler's own overflow flag and the guard's verdict are merged into the one
+    ``found_inf`` the fused kernel reads; the loss scale is then updated from GradScaler's flag
+    alone, and left as it was on a guard-bad step (a NaN loss says nothing about fp16 range),
+    which is what skipping ``scaler.update()`` did before.
+    """
+    bad = torch.where(ok, 0.0, 1.0)  # found_inf is a float32 flag, 1.0 = skip
+    if scaler is None:
+        optimizer.found_inf = bad
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    found = scaler._found_inf_per_device(optimizer)  # private, stable since torch 1.x
+    overflow = torch.stack([f.to(bad.device) for f in found.values()]).sum().clamp(max=1)
+    optimizer.grad_scale = None  # unscale_ already ran: the grads are true gradients
+    optimizer.found_inf = torch.maximum(bad, overflow)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+    # GradScaler's private scale and growth tracker: keep them on a guard-bad step.
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    scaler.update()
+    scaler._scale.copy_(torch.where(ok, scaler._scale, scale))
+    scaler._growth_tracker.copy_(torch.where(ok, scaler._growth_tracker, tracker))

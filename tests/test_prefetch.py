@@ -1,0 +1,68 @@
+"""data/prefetch.py: the next batch is loaded (and on CUDA copied) while the current one trains;
+the batches, their order and the training results are those of the plain loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ironloop
+from ironloop.data.loader import to_device
+from ironloop.data.prefetch import prefetch
+from ironloop.engine import loop
+from ironloop.state.io import load_verified
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+def test_batches_come_out_unchanged_in_order_one_loaded_ahead():
+    made, checked = [], []
+    batches = [(torch.randn(4, 3), torch.arange(4) + i) for i in range(5)]
+
+    def source():
+        for i, b in enumerate(batches):
+            made.append(i)
+            yield b
+
+    seen = []
+    for i, b in enumerate(prefetch(source(), torch.device("cpu"), checked.append)):
+        assert b[0] is batches[i][0] and b[1] is batches[i][1]  # the same tensors, no copy
+        assert made == list(range(min(i + 2, 5)))  # batch i+1 was loaded before i is handed out
+        seen.append(i)
+    assert seen == list(range(5)) and [c[1][0].item() for c in checked] == list(range(5))
+
+
+def test_empty_loader_and_nested_batches():
+    assert list(prefetch(iter([]), torch.device("cpu"))) == []
+    nested = [{"x": torch.ones(2), "meta": [torch.zeros(1), "name"]}]
+    out = list(prefetch(nested, torch.device("cpu")))
+    assert out[0]["x"] is nested[0]["x"] and out[0]["meta"][1] == "name"
+
+
+def test_training_with_the_look_ahead_equals_training_without(tmp_path, monkeypatch):
+    def run(name):
+        ironloop.fit(tiny_mlp(dropout=0.1), blobs(n=200), None,
+                     cfg(tmp_path / name, train__epochs=2, train__accumulation_steps=2,
+                         train__batch_size=16), overwrite=True)
+        return load_verified(tmp_path / name / "run" / "checkpoints" / "last.pt")
+
+    ahead = run("ahead")
+
+    def plain(batches, device, check=None):  # the loop as it was: check, copy, train
+        for b in batches:
+            if check is not None:
+                check(b)
+            yield to_device(b, device, False)
+
+    monkeypatch.setattr(loop, "prefetch", plain)
+    without = run("plain")
+    assert all(torch.equal(ahead["model"][k], without["model"][k]) for k in ahead["model"])
+    assert ahead["progress"] == without["progress"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a side stream")
+def test_cuda_batches_arrive_on_the_device_equal_to_the_host_ones():
+    host = [(torch.randn(64, 8).pin_memory(), torch.arange(64).pin_memory()) for _ in range(4)]
+    dev = torch.device("cuda")
+    for h, d in zip(host, prefetch(host, dev)):
+        assert d[0].device.type == "cuda" and torch.equal(d[0].cpu(), h[0])
+        assert torch.equal(d[1].cpu(), h[1])
