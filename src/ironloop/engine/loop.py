@@ -44,7 +44,7 @@ import time
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import batch_size_of, make_loader, to_device
+from ironloop.data.loader import batch_size_of, to_device
 from ironloop.dist import parallel
 from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
@@ -76,9 +76,7 @@ def train_epoch(run: Run) -> None:
     accum, world = cfg.train.accumulation_steps, run.world.size
     n, global_batch = sampler.usable, sampler.global_batch
     sampler.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
-    loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
-                         pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
-                         collate_fn=run.collate_fn)
+    loader = run.loader  # one DataLoader for the run: its workers persist across epochs
     non_blocking = run.device.type == "cuda"
     bar = console.progress_bar(run)
     run.model.train()

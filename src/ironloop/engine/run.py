@@ -56,6 +56,7 @@ class Run:
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
     params: list = field(default_factory=list)  # the model's parameters, listed once
+    loader: Any = None              # data.loader.EpochLoader: the training batches, every epoch
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
     @functools.cached_property
