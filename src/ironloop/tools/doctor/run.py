@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ironloop.config import Config
+from ironloop.data.inputs import map_style
 from ironloop.engine.build import infer_num_classes
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.doctor import data_checks as data
@@ -34,6 +35,10 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
             num_classes: int | None = None, loss_fn=None, collate_fn=None) -> Subject:
     cfg = cfg or Config()
     device = resolve_device(cfg.run.device)
+    # What fit() would train on: a DataLoader (a CLI factory may return one) is taken apart.
+    train, loader_collate = map_style(train, "train")[:2]
+    val, test = map_style(val, "val").dataset, map_style(test, "test").dataset
+    collate_fn = collate_fn or loader_collate
     if num_classes is None:
         num_classes = infer_num_classes(model, train, device)
     loss_fn = loss_fn or Loss(cfg.loss, num_classes)
