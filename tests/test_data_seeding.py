@@ -1,6 +1,7 @@
 """Random augmentation inside __getitem__ is a pure function of (seed, epoch, index): the same
 whatever the number of workers, and exact across a SIGKILL and a resume with another
-data.num_workers."""
+data.num_workers (from the CLI, through a factory's DataLoader with a weighted sampler, with
+the preflight doctor on)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ class Augmented(torch.utils.data.Dataset):
 
 
 def data(root=None):
-    return Augmented(480, 0), Augmented(64, 1)
+    """A DataLoader with a weighted sampler: its draw must be exact on resume too."""
+    train = Augmented(480, 0)
+    weights = torch.where(train.y == 1, 3.0, 1.0)
+    sampler = torch.utils.data.WeightedRandomSampler(weights, len(train))
+    return torch.utils.data.DataLoader(train, batch_size=16, sampler=sampler), Augmented(64, 1)
 
 
 def model(input_shape=None, num_classes=None):
@@ -95,7 +100,7 @@ def _train(tmp_path: Path, run_dir: Path, workers: int, kill_at: int | None = No
     cmd = [sys.executable, "-m", "ironloop", "train", "c.yaml", "data.name=augmented:data",
            "model.name=augmented:model", "train.epochs=2", "train.batch_size=16",
            "checkpoint.every_steps=4", "log.every_steps=1", "log.progress=off",
-           "data.val_fraction=0", "doctor.preflight=false", f"data.num_workers={workers}",
+           f"data.num_workers={workers}",
            f"run.dir={run_dir}", "--resume"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(tmp_path)])}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
