@@ -254,7 +254,10 @@ class EpochLoader:
     def __iter__(self):
         if self._loader is not None:
             return iter(self._loader)
-        made = make_loader(self.dataset, self.sampler, persistent=True, **self.options)
+        # Unseeded samples draw from their worker's stream: workers that persisted would carry
+        # it across epochs, and an epoch would no longer be reproducible on its own.
+        persist = self.options.get("seed_samples", True)
+        made = make_loader(self.dataset, self.sampler, persistent=persist, **self.options)
         if isinstance(made, DataLoader):
             self._loader = made
             return iter(made)
