@@ -172,3 +172,42 @@ def test_the_preflight_doctor_takes_dataloaders_from_a_factory(tmp_path):
     s = subject(tiny_mlp(), loader, DataLoader(Indexed(8)), None, Config())
     findings = check(s)
     assert s.num_classes == 3 and findings
+
+
+FACTORY = '''
+import datasets
+import torch
+from torch import nn
+
+
+def data(root=None):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    train = datasets.Dataset.from_dict({"x": x[:64].tolist(), "y": y[:64].tolist()})
+    return train, (x[64:], y[64:])  # an HF Dataset, and an (inputs, targets) pair
+
+
+def model(input_shape=None, num_classes=None):
+    return nn.Linear(8, 2)
+
+
+def step(model, batch):
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+    out = model(x)
+    return nn.functional.cross_entropy(out, y), {"acc": (out.argmax(1) == y).float().mean()}
+'''
+
+
+def test_a_cli_factory_may_return_an_hf_dataset_and_a_tensor_pair(tmp_path, monkeypatch):
+    from ironloop.cli import main
+    from ironloop.outputs.readers import read_jsonl
+
+    (tmp_path / "hf_factory.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)  # only the CWD makes it importable
+    (tmp_path / "c.yaml").write_text("log: {progress: 'off'}\n")
+    assert main(["train", "c.yaml", "data.name=hf_factory:data", "model.name=hf_factory:model",
+                 "train.step_fn=hf_factory:step", "train.epochs=2", "train.batch_size=16",
+                 "run.dir=r"]) == 0
+    evals = read_jsonl(tmp_path / "r" / "evals.jsonl")
+    assert len(evals) == 2 and evals[-1]["val_loss"] > 0
