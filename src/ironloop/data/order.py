@@ -78,7 +78,7 @@ class KeyedOrder:
 
     def __init__(self, n: int, seed: int, shuffle: bool):
         self.n, self.seed, self.shuffle = n, seed, shuffle
-        self._cached: tuple | None = None  # (epoch, skip, the skips' sorted raw positions)
+        self._cached: tuple | None = None  # ((seed, epoch), skip, its sorted raw positions)
 
     def permutation(self, epoch: int) -> Permutation:
         return Permutation(self.n, [derive_seed(self.seed, epoch, "order", r)
@@ -99,8 +99,8 @@ class KeyedOrder:
         return self.permutation(epoch)(positions) if self.shuffle else positions
 
     def _skipped_positions(self, epoch: int, skip: torch.Tensor) -> torch.Tensor:
-        cached = self._cached
-        if cached is None or cached[0] != epoch or not torch.equal(cached[1], skip):
+        cached, key = self._cached, (self.seed, epoch)  # a resume may set another seed
+        if cached is None or cached[0] != key or not torch.equal(cached[1], skip):
             raw = self.permutation(epoch).inverse(skip.clone()) if self.shuffle else skip
-            self._cached = cached = (epoch, skip, raw.sort().values)
+            self._cached = cached = (key, skip, raw.sort().values)
         return cached[2]
