@@ -30,7 +30,7 @@ from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import CheckpointError, ConfigError, UserError
+from ironloop.errors import CheckpointError, ConfigError
 from ironloop.engine import loop
 from ironloop.callbacks import fire
 from ironloop.guard.faults import poison_sample
