@@ -115,9 +115,10 @@ def test_a_stateful_or_set_epoch_sampler_resumes_mid_epoch_and_across_epochs():
 
         whole = _epochs(fresh(), [(0, 0), (1, 0), (2, 0)])
         assert whole[0] != whole[1] != whole[2]
-        for epoch, offset in [(1, 8), (2, 0)]:  # mid-epoch, and at an epoch boundary
+        # Mid-epoch (the epoch is drawn), and at an epoch boundary (the next one is not yet).
+        for epoch, offset, drawn in [(1, 8, True), (2, 0, False)]:
             a = fresh()
-            _epochs(a, [(e, 0) for e in range(epoch)] + [(epoch, 0)])
+            _epochs(a, [(e, 0) for e in range(epoch + drawn)])
             a.set_epoch(epoch, offset)
             state = a.state_dict()
             b = fresh()  # a resumed process
