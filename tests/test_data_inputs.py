@@ -213,3 +213,24 @@ def test_a_cli_factory_may_return_an_hf_dataset_and_a_tensor_pair(tmp_path, monk
                  "run.dir=r"]) == 0
     evals = read_jsonl(tmp_path / "r" / "evals.jsonl")
     assert len(evals) == 2 and evals[-1]["val_loss"] > 0
+
+
+def test_which_order_each_torch_sampler_gets():
+    from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler,
+                                  SubsetRandomSampler)
+
+    from ironloop.data.order import KeyedOrder
+    from ironloop.data.samplers import DrawnOrder
+
+    ds = Indexed(10)
+    for sampler, shuffle in [(SequentialSampler(ds), False), (RandomSampler(ds), True),
+                             (DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False), False),
+                             (DistributedSampler(ds, num_replicas=2, rank=1), True)]:
+        order, warning = order_of(sampler, 10, seed=0)
+        assert isinstance(order, KeyedOrder) and order.shuffle is shuffle and warning is None
+    for sampler in (RandomSampler(ds, replacement=True), SubsetRandomSampler([1, 3, 5])):
+        order, warning = order_of(sampler, 10, seed=0)
+        assert isinstance(order, DrawnOrder) and order.how == "generator" and warning is None
+        assert torch.equal(order.indices(4, torch.zeros(0, dtype=torch.long), 0, 3),
+                           order_of(sampler, 10, seed=0)[0].indices(
+                               4, torch.zeros(0, dtype=torch.long), 0, 3))
