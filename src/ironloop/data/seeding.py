@@ -63,7 +63,8 @@ class _kept_generators:
     """Put python's, numpy's and torch's CPU generator states back on exit."""
 
     def __enter__(self):
-        self.states = (random.getstate(), np.random.get_state(), torch.default_generator.get_state())
+        self.states = (random.getstate(), np.random.get_state(),
+                       torch.default_generator.get_state())
 
     def __exit__(self, *exc):
         random.setstate(self.states[0])
