@@ -78,7 +78,8 @@ def test_in_memory_tensors_take_the_sliced_path_with_the_same_weights(tmp_path):
 
     d = blobs(n=100)
     forms = {"tensordata": d, "tensordataset": TensorDataset(d.x, d.y),
-             "loader": DataLoader(TensorDataset(d.x, d.y), batch_size=32), "pair": (d.x, d.y)}
+             "loader": DataLoader(TensorDataset(d.x, d.y), batch_size=32, shuffle=True),
+             "pair": (d.x, d.y)}
     fast = {"train__epochs": 1, "checkpoint__enabled": False}
     weights = {name: ironloop.fit(tiny_mlp(), data, None, cfg(tmp_path / name, **fast)).model
                .state_dict()

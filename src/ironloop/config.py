@@ -38,6 +38,8 @@ class DataConfig(Section):
     root: str = fld("data", "directory holding dataset files (fashion-mnist)")
     val_fraction: float = fld(0.2, "fraction of the training split held out for validation")
     num_workers: int = fld(0, "DataLoader worker processes (0 = load in the main process)")
+    seed_samples: bool = fld(True, "seed python, numpy and torch from (seed, epoch, index) before "
+                             "each __getitem__: augmentation exact under resume and num_workers")
     pin_memory: bool = fld(True, "pin host batches for faster non_blocking copies (CUDA only)")
     download: bool = fld(False, "fetch missing fashion-mnist files and verify their MD5s")
     num_samples: int = fld(4096, "synthetic only: number of samples")

@@ -10,7 +10,6 @@ in the same optimizer steps.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterator
 
@@ -18,11 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-
-def derive_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any parts (unlike hash(), the same in every process)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+from ironloop.data.order import KeyedOrder
+from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
 
 
 class TensorData(Dataset):
@@ -77,26 +73,34 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-class EpochSampler:
-    """A batch sampler: the permutation of epoch e is a pure function of (seed, e).
+#: Positions computed per pass of the order: enough to amortise its per-call cost over many
+#: small batches, small enough (512 KB of int64) to keep the order's memory O(1) in N.
+CHUNK = 1 << 16
 
+
+class EpochSampler:
+    """A batch sampler: the order of epoch e is a pure function of (seed, e).
+
+    The order comes from ``order`` (``data/order.py``'s keyed permutation by default, or a
+    passed DataLoader's sampler, ``data/samplers.py``), computed a chunk at a time, never whole.
     Samples are counted globally across ``world_size`` ranks: one global batch is
-    ``batch_size * world_size`` consecutive samples of the permutation, split evenly between ranks.
+    ``batch_size * world_size`` consecutive samples of the order, split evenly between ranks.
     ``offset`` is how many samples of the epoch were already consumed.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, order=None):
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.order = order if order is not None else KeyedOrder(n, seed, shuffle)
         self.epoch, self.offset = 0, 0
         self.skip = torch.zeros(0, dtype=torch.long)  # the guard's skip list: never served
 
     def set_skip(self, indices) -> None:
         """Leave these samples out of every epoch from now on (the guard's skip list).
 
-        The order stays a pure function of (seed, epoch, skip list): the permutation is
-        filtered, so the samples before any skipped one keep their positions. A rollback adds
+        The order stays a pure function of (seed, epoch, skip list): the skipped samples are
+        taken out, so the samples before any skipped one keep their positions. A rollback adds
         only samples served after the state it restores, so its offset still means the same
         samples.
         """
@@ -104,7 +108,12 @@ class EpochSampler:
 
     def indices(self, start: int, end: int) -> list[int]:
         """The global sample indices at positions [start, end) of this epoch's order."""
-        return self.permutation()[start:end].tolist()
+        return self.order.indices(self.epoch, self.skip, start, end).tolist()
+
+    def permutation(self) -> torch.Tensor:
+        """The whole epoch's order, for small datasets and tests: O(N), unlike the batches."""
+        return self.order.indices(self.epoch, self.skip, 0, self.order.size(self.epoch,
+                                                                             self.skip))
 
     @property
     def global_batch(self) -> int:
@@ -114,28 +123,23 @@ class EpochSampler:
     def usable(self) -> int:
         """Samples served per epoch: a tail smaller than the number of ranks is dropped, since
         it would leave a rank with an empty batch (and DDP waiting for its gradients)."""
-        n = self.n - len(self.skip)
+        n = self.order.size(self.epoch, self.skip)
         tail = n % self.global_batch
         return n - tail if 0 < tail < self.world_size else n
 
     def set_epoch(self, epoch: int, offset: int = 0) -> None:
         self.epoch, self.offset = epoch, offset
 
-    def permutation(self) -> torch.Tensor:
-        if not self.shuffle:
-            perm = torch.arange(self.n)
-        else:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, "order"))
-            perm = torch.randperm(self.n, generator=g)
-        return perm[~torch.isin(perm, self.skip)] if len(self.skip) else perm
-
     def index_batches(self) -> Iterator[torch.Tensor]:
-        """This rank's batches as index tensors: slices of the permutation, no copy to lists."""
-        perm = self.permutation()
-        for start in range(self.offset, self.usable, self.global_batch):
-            chunk = perm[start:min(start + self.global_batch, self.usable)]
-            yield torch.tensor_split(chunk, self.world_size)[self.rank] \
-                if self.world_size > 1 else chunk
+        """This rank's batches as index tensors, a chunk of the order at a time."""
+        end, size = self.usable, self.global_batch
+        chunk = max(1, CHUNK // size) * size  # whole global batches
+        for first in range(self.offset, end, chunk):
+            idx = self.order.indices(self.epoch, self.skip, first, min(first + chunk, end))
+            for start in range(0, len(idx), size):
+                batch = idx[start:start + size]
+                yield torch.tensor_split(batch, self.world_size)[self.rank] \
+                    if self.world_size > 1 else batch
 
     def __iter__(self) -> Iterator[list[int]]:
         for idx in self.index_batches():
@@ -145,13 +149,18 @@ class EpochSampler:
         return max(0, -(-(self.usable - self.offset) // self.global_batch))
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset, "n": self.n}
+        order = self.order.state_dict() if hasattr(self.order, "state_dict") else {}
+        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset, "n": self.n,
+                "order": order}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n:
             raise ValueError(f"the checkpoint was taken on a dataset of {state['n']} samples, "
                              f"this one has {self.n}")
         self.seed, self.epoch, self.offset = state["seed"], state["epoch"], state["offset"]
+        self.order.seed = self.seed
+        if hasattr(self.order, "load_state_dict"):
+            self.order.load_state_dict(state.get("order") or {})
 
 
 class EvalSampler(EpochSampler):
@@ -183,22 +192,80 @@ class EvalSampler(EpochSampler):
 
 
 def make_loader(dataset: Dataset, sampler: EpochSampler, *, num_workers: int, pin_memory: bool,
-                collate_fn=None):
-    """The epoch's batches: index slices of a TensorData in this process, else one DataLoader
-    per epoch, with its own generator seeded from (seed, epoch).
+                collate_fn=None, seed_samples: bool = True, persistent: bool = False):
+    """The batches of the sampler's epoch from its offset: index slices of a TensorData in this
+    process, else a DataLoader, with its own generator.
+
+    ``seed_samples``: each sample is loaded right after seeding python, numpy and torch from
+    (seed, epoch, index) (``data/seeding.py``), so random augmentation is the same whatever the
+    worker, the number of workers or the resume point. A TensorData holds no randomness and is
+    not wrapped. ``persistent``: the DataLoader is meant to be iterated once per epoch, and its
+    workers stay up between epochs (the sampler lives in this process, so each ``iter()`` reads
+    its current epoch and offset).
 
     The generator matters: creating a DataLoader iterator draws a base seed for its workers, and
     without a generator of its own that draw comes from the global torch RNG, which would then
     differ between an uninterrupted run and a resumed one.
     """
+    batches = sampler
     if collate_fn is None and isinstance(dataset, TensorData):
         if num_workers == 0:
             return _sliced(dataset, sampler, pin_memory)
         collate_fn = _already_collated
-    gen = torch.Generator().manual_seed(derive_seed(sampler.seed, sampler.epoch, "loader"))
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+    elif seed_samples:
+        dataset, batches = SeededDataset(dataset, sampler.seed), KeyedBatches(sampler)
+    epoch = "every epoch" if persistent else sampler.epoch
+    gen = torch.Generator().manual_seed(derive_seed(sampler.seed, epoch, "loader"))
+    workers = num_workers > 0
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       pin_memory=pin_memory, collate_fn=collate_fn, generator=gen,
-                      worker_init_fn=_seed_worker if num_workers > 0 else None)
+                      worker_init_fn=_seed_worker if workers else None,
+                      persistent_workers=persistent and workers)
+
+
+class KeyedBatches:
+    """The sampler's batches as (epoch, index) keys, for a SeededDataset: the epoch travels
+    with each index, so workers that persist across epochs seed every sample right."""
+
+    def __init__(self, sampler: EpochSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.sampler.epoch
+        for idx in self.sampler.index_batches():
+            yield [(epoch, i) for i in idx.tolist()]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class EpochLoader:
+    """The training batches of every epoch from one DataLoader, so that worker processes start
+    once per run instead of once per epoch (starting them costs a fork, an import of the
+    dataset's modules and a refill of the prefetch queue). ``iter()`` gives the batches of the
+    sampler's current epoch from its offset; a DataLoader iterator left unfinished (max_steps,
+    a guard rollback) is reset by the next ``iter()``, which drops the batches it prefetched.
+    """
+
+    def __init__(self, dataset, sampler: EpochSampler, **options):
+        self.dataset, self.sampler, self.options = dataset, sampler, options
+        self._loader: DataLoader | None = None
+
+    def __iter__(self):
+        if self._loader is not None:
+            return iter(self._loader)
+        # Unseeded samples draw from their worker's stream: workers that persisted would carry
+        # it across epochs, and an epoch would no longer be reproducible on its own.
+        persist = self.options.get("seed_samples", True)
+        made = make_loader(self.dataset, self.sampler, persistent=persist, **self.options)
+        if isinstance(made, DataLoader):
+            self._loader = made
+            return iter(made)
+        return made  # a TensorData sliced in this process: a generator, built per epoch
+
+    def close(self) -> None:
+        """Let the workers go (they exit when their iterator is collected)."""
+        self._loader = None
 
 
 def _sliced(dataset: TensorData, sampler: EpochSampler, pin_memory: bool):

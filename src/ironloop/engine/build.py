@@ -13,7 +13,8 @@ from torch import nn
 
 from ironloop.callbacks import HOOKS, fire
 from ironloop.config import Config
-from ironloop.data.loader import EpochSampler, TensorData
+from ironloop.data.loader import EpochLoader, EpochSampler, TensorData
+from ironloop.data.samplers import order_of
 from ironloop.data.stream import Stream, build_order, first_sample
 from ironloop.dist import parallel
 from ironloop.dist.world import World, all_reduce_sum, gather_objects
@@ -59,8 +60,11 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     if isinstance(data.train, Stream):  # an IterableDataset: read in order (data/stream.py)
         sampler, steps_per_epoch = build_order(cfg, data.train, world.rank, world.size, device)
     else:
+        order, warning = order_of(data.sampler, len(data.train), cfg.run.seed)
+        if warning and world.is_main:
+            print(warning)
         sampler = EpochSampler(len(data.train), cfg.train.batch_size, cfg.run.seed,
-                               shuffle=True, rank=world.rank, world_size=world.size)
+                               shuffle=True, rank=world.rank, world_size=world.size, order=order)
         steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
                                                       * cfg.train.accumulation_steps))
         _warn_batch_size(cfg, len(data.train), world)
@@ -83,6 +87,9 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by now. All of
     # them, not only those requiring grad: a callback may unfreeze a layer later.
     run.params = list(raw_model.parameters())
+    run.loader = EpochLoader(data.train, sampler, num_workers=cfg.data.num_workers,
+                             pin_memory=cfg.data.pin_memory and device.type == "cuda",
+                             collate_fn=data.collate_fn, seed_samples=cfg.data.seed_samples)
     run_dir = Path(cfg.run.dir)
     run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
                           run_dir / "trace" if cfg.profile.trace and world.is_main else None,

@@ -63,7 +63,7 @@ def _evaluate(run, dataset) -> dict[str, float]:
                           shuffle=False, rank=run.world.rank, world_size=run.world.size)
     loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
-                         collate_fn=run.collate_fn)
+                         collate_fn=run.collate_fn, seed_samples=run.cfg.data.seed_samples)
     sums, names, count, batches = None, [], 0, 0
     for batch in loader:
         if run.check_labels is not None:

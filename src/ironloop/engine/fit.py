@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from ironloop.config import Config
-from ironloop.data.loader import TensorData, as_tensor_data, derive_seed
+from ironloop.data.inputs import map_style
+from ironloop.data.loader import TensorData, derive_seed
 from ironloop.data.stream import as_stream, refuse_eval_stream
 from ironloop.dist import parallel
 from ironloop.dist.world import collective_timeout, init_from_env, name_timeouts, shutdown
@@ -33,7 +33,7 @@ from ironloop.engine.preempt import Preemption
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
+from ironloop.errors import CheckpointError, ConfigError, DataError
 from ironloop.engine import loop
 from ironloop.callbacks import fire
 from ironloop.guard.faults import poison_sample
@@ -73,32 +73,6 @@ def as_config(config: Config | dict | None) -> Config:
                       f"not {type(config).__name__}")
 
 
-def _dataset_of(data: Dataset | DataLoader | None, what: str):
-    """(dataset, collate_fn, batch_size) from a Dataset or a DataLoader.
-
-    A DataLoader is taken apart rather than iterated: ironloop needs its own batch order to
-    resume mid-epoch without replaying batches. Its dataset, collate_fn and batch size are kept.
-    In-memory (inputs, targets) tensors, however passed, become a TensorData: one index-slice
-    per batch instead of per-sample ``__getitem__`` + collate, with the same batches.
-    """
-    if data is None or isinstance(data, Dataset) and not isinstance(data, DataLoader):
-        return as_tensor_data(data) or data, None, None
-    if isinstance(data, DataLoader):
-        if not hasattr(data.dataset, "__getitem__") or not hasattr(data.dataset, "__len__"):
-            raise UserError(f"{what}: ironloop needs a map-style dataset (with __getitem__ and "
-                            f"__len__) to resume mid-epoch; an IterableDataset is not supported")
-        default = torch.utils.data.default_collate
-        tensors = as_tensor_data(data.dataset)
-        if tensors is not None and data.collate_fn is default:
-            return tensors, None, data.batch_size
-        keep = data.collate_fn is not default and not isinstance(data.dataset, TensorData)
-        return data.dataset, data.collate_fn if keep else None, data.batch_size
-    if isinstance(data, (tuple, list)) and len(data) == 2:
-        return TensorData(torch.as_tensor(data[0]), torch.as_tensor(data[1])), None, None
-    raise UserError(f"{what} must be a torch Dataset, a DataLoader or an (inputs, targets) "
-                    f"pair, not {type(data).__name__}")
-
-
 def _holding_run_dir(fn):
     """fit() holds run.dir's lock from its start to its end (rank 0 under torchrun), so nothing
     in run.dir is read, written or deleted while another process owns it (state/lock.py)."""
@@ -123,7 +97,9 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     Args:
         model: any ``nn.Module``; the default step calls ``model(inputs)`` on ``(inputs,
             targets)`` batches.
-        train_data, val_data, test_data: a Dataset, a DataLoader, or an (inputs, targets) pair.
+        train_data, val_data, test_data: a Dataset, a DataLoader (its sampler, collate_fn and
+            batch size are kept), a Hugging Face ``datasets.Dataset``, or an (inputs, targets)
+            pair.
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
             ``loss.*`` config (``loss.name`` may be 'module:function').
@@ -189,27 +165,29 @@ class _Splits(NamedTuple):
     val: Any
     test: Any
     collate_fn: Any  # a DataLoader's own collate_fn, kept
+    sampler: Any = None  # a DataLoader's own sampler, kept (data/samplers.py)
 
 
 def _splits(cfg: Config, train_data, val_data, test_data) -> tuple[Config, _Splits]:
     """The datasets fit() trains and evaluates on, and the config a DataLoader's batch size
     implies."""
     stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
-    train_set, collate_fn, loader_bs = (stream, None, stream.batch_size) if stream else \
-        _dataset_of(train_data, "train_data")
+    if stream:
+        train_set, collate_fn, loader_bs, sampler = stream, None, stream.batch_size, None
+    else:
+        train_set, collate_fn, loader_bs, sampler = map_style(train_data, "train_data")
     refuse_eval_stream(val_data, "val_data")
     refuse_eval_stream(test_data, "test_data")
-    val_set, _, _ = _dataset_of(val_data, "val_data")
-    val_set = _eval_subset(val_set, cfg)
-    test_set, _, _ = _dataset_of(test_data, "test_data")
-    if len(train_set) == 0:
+    val_set = _eval_subset(map_style(val_data, "val_data").dataset, cfg)
+    test_set = map_style(test_data, "test_data").dataset
+    if not stream and len(train_set) == 0:
         raise DataError("the training split is empty (0 samples): check the dataset's path, "
                         "filter or split (data.val_fraction); there is nothing to train on")
     train_set = poison_sample(train_set, cfg.fault.nan_sample)  # a fault knob; -1 = off
     if loader_bs and loader_bs != cfg.train.batch_size:
         cfg = cfg.with_overrides({"train.batch_size": loader_bs})
     _check_needs_val(cfg, val_set)
-    return cfg, _Splits(train_set, val_set, test_set, collate_fn)
+    return cfg, _Splits(train_set, val_set, test_set, collate_fn, sampler)
 
 
 def _restore(run: Run, state: dict, source: str, strategy: str, run_dir: Path) -> None:
@@ -245,6 +223,8 @@ def _train(run: Run, manager) -> None:
             run.log.close()
         if run.guard is not None:
             run.guard.close()
+        if run.loader is not None:
+            run.loader.close()  # the workers that persisted across epochs exit
 
 
 def _hold_onecycle(run: Run) -> None:

@@ -46,7 +46,7 @@ import time
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import batch_size_of, make_loader
+from ironloop.data.loader import batch_size_of
 from ironloop.data.prefetch import prefetch
 from ironloop.data.stream import StreamOrder
 from ironloop.dist import parallel
@@ -95,9 +95,7 @@ def train_epoch(run: Run) -> None:
     if isinstance(sampler, StreamOrder):  # a stream reads itself, from its own state
         loader = sampler.batches()
     else:
-        loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
-                             pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
-                             collate_fn=run.collate_fn)
+        loader = run.loader  # one DataLoader for the run: its workers persist across epochs
     bar = console.progress_bar(run)
     run.model.train()
     run.timer.start_epoch()

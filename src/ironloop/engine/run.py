@@ -58,6 +58,7 @@ class Run:
     preempt: Any = None             # engine.preempt.Preemption while the loop runs
     lag_mark: Any = None            # engine/settle.py: step and schedule at the last settle
     params: list = field(default_factory=list)  # the model's parameters, listed once
+    loader: Any = None              # data.loader.EpochLoader: the training batches, every epoch
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
     @functools.cached_property

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ironloop.config import Config
+from ironloop.data.inputs import map_style
 from ironloop.data.stream import is_stream
 from ironloop.engine.build import infer_num_classes
 from ironloop.state.rng import preserved_rng
@@ -38,6 +39,10 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
         raise UserError("the doctor reads samples by index, and the training data is a stream "
                         "(an IterableDataset); check a map-style sample of it instead")
     device = resolve_device(cfg.run.device)
+    # What fit() would train on: a DataLoader (a CLI factory may return one) is taken apart.
+    train, loader_collate = map_style(train, "train")[:2]
+    val, test = map_style(val, "val").dataset, map_style(test, "test").dataset
+    collate_fn = collate_fn or loader_collate
     if num_classes is None:
         num_classes = infer_num_classes(model, train, device)
     loss_fn = loss_fn or Loss(cfg.loss, num_classes)

@@ -1,0 +1,236 @@
+"""Every way of passing map-style data keeps its meaning: a DataLoader's sampler and
+shuffle=False are honoured, samplers are redrawn exactly on resume (or a warning says what
+resume does), and a Hugging Face datasets.Dataset and a DataLoader from a CLI factory work."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler, WeightedRandomSampler
+
+import ironloop
+from ironloop.data.loader import EpochSampler
+from ironloop.data.samplers import order_of
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+class Indexed(Dataset):
+    """x[0] is the sample's index, so a step can see the order it was served."""
+
+    def __init__(self, n: int = 48):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i), 1.0]), torch.tensor(i % 2)
+
+
+def served(data, tmp_path, **overrides) -> list[int]:
+    """The sample indices fit() trains on, in order, from one epoch."""
+    seen: list[int] = []
+    model = nn.Linear(2, 2)
+
+    def step(m, batch):
+        seen.extend(int(v) for v in batch[0][:, 0])
+        out = m(batch[0])
+        return nn.functional.cross_entropy(out, batch[1]), {}
+
+    ironloop.fit(model, data, None, cfg(tmp_path, train__epochs=1, checkpoint__enabled=False,
+                                        **overrides), step_fn=step)
+    return seen
+
+
+def test_a_dataloaders_shuffle_false_and_shuffle_true_are_honoured(tmp_path):
+    in_order = served(DataLoader(Indexed(), batch_size=8), tmp_path / "a")
+    assert in_order == list(range(48))
+    shuffled = served(DataLoader(Indexed(), batch_size=8, shuffle=True), tmp_path / "b")
+    assert sorted(shuffled) == list(range(48)) and shuffled != in_order
+    assert shuffled == served(Indexed(), tmp_path / "c", train__batch_size=8)
+
+
+def test_a_weighted_sampler_keeps_its_weights_and_redraws_exactly(tmp_path):
+    weights = torch.tensor([0.0 if i % 2 else 1.0 for i in range(48)])  # even indices only
+    loader = DataLoader(Indexed(), batch_size=8,
+                        sampler=WeightedRandomSampler(weights, 48, replacement=True))
+    seen = served(loader, tmp_path)
+    assert len(seen) == 48 and all(i % 2 == 0 for i in seen)
+    # The draw is a pure function of (seed, epoch): a fresh sampler (a resumed process) starting
+    # at an offset serves the rest of the same epoch.
+    def sampler(offset: int) -> list[int]:
+        order, _ = order_of(WeightedRandomSampler(weights, 48), 48, seed=0)
+        s = EpochSampler(48, 8, seed=0, shuffle=True, order=order)
+        s.set_epoch(2, offset)
+        return [i for b in s for i in b]
+    assert sampler(16) == sampler(0)[16:]
+
+
+class StatefulShuffle(Sampler):
+    """A sampler with its own generator and state_dict (torchdata's Stateful protocol)."""
+
+    def __init__(self, n: int):
+        self.n, self.g = n, torch.Generator().manual_seed(123)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.g).tolist())
+
+    def __len__(self):
+        return self.n
+
+    def state_dict(self):
+        return {"g": self.g.get_state()}
+
+    def load_state_dict(self, state):
+        self.g.set_state(state["g"])
+
+
+class EpochShuffle(Sampler):
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(1000 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+def _epochs(sampler: EpochSampler, epochs) -> list[list[int]]:
+    out = []
+    for epoch, offset in epochs:
+        sampler.set_epoch(epoch, offset)
+        out.append([i for b in sampler for i in b])
+    return out
+
+
+def test_a_stateful_or_set_epoch_sampler_resumes_mid_epoch_and_across_epochs():
+    for make in (StatefulShuffle, EpochShuffle):
+        def fresh():
+            return EpochSampler(20, 4, seed=0, shuffle=True, order=order_of(make(20), 20, 0)[0])
+
+        whole = _epochs(fresh(), [(0, 0), (1, 0), (2, 0)])
+        assert whole[0] != whole[1] != whole[2]
+        # Mid-epoch (the epoch is drawn), and at an epoch boundary (the next one is not yet).
+        for epoch, offset, drawn in [(1, 8, True), (2, 0, False)]:
+            a = fresh()
+            _epochs(a, [(e, 0) for e in range(epoch + drawn)])
+            a.set_epoch(epoch, offset)
+            state = a.state_dict()
+            b = fresh()  # a resumed process
+            b.load_state_dict(state)
+            rest = [i for batch in b for i in batch]
+            assert rest == whole[epoch][offset:], make.__name__
+            if epoch + 1 < len(whole):  # and the epoch after it is the same as well
+                assert _epochs(b, [(epoch + 1, 0)])[0] == whole[epoch + 1], make.__name__
+
+
+class Plain(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_sampler_that_cannot_be_redrawn_is_used_with_one_warning(tmp_path, capsys):
+    seen = served(DataLoader(Indexed(), batch_size=8, sampler=Plain(48)), tmp_path)
+    assert seen == list(range(47, -1, -1))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "Plain" in line]
+    assert len(warnings) == 1 and "skips the samples already consumed" in warnings[0]
+
+
+def test_a_hugging_face_dataset_trains_like_the_same_tensors(tmp_path):
+    import datasets
+
+    d = blobs(n=96)
+    hf = datasets.Dataset.from_dict({"x": d.x.tolist(), "y": d.y.tolist()})
+
+    def dict_step(model, batch):
+        out = model(batch["x"])
+        return nn.functional.cross_entropy(out, batch["y"]), {}
+
+    def pair_step(model, batch):
+        return dict_step(model, {"x": batch[0], "y": batch[1]})
+
+    a = ironloop.fit(tiny_mlp(), hf, None, cfg(tmp_path / "hf"), step_fn=dict_step).model
+    b = ironloop.fit(tiny_mlp(), (d.x, d.y), None, cfg(tmp_path / "t"), step_fn=pair_step).model
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_the_preflight_doctor_takes_dataloaders_from_a_factory(tmp_path):
+    from ironloop.config import Config
+    from ironloop.tools.doctor.run import check, subject
+
+    d = blobs(n=64)
+    loader = DataLoader(torch.utils.data.TensorDataset(d.x, d.y), batch_size=16, shuffle=True)
+    s = subject(tiny_mlp(), loader, DataLoader(Indexed(8)), None, Config())
+    findings = check(s)
+    assert s.num_classes == 3 and findings
+
+
+FACTORY = '''
+import datasets
+import torch
+from torch import nn
+
+
+def data(root=None):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    train = datasets.Dataset.from_dict({"x": x[:64].tolist(), "y": y[:64].tolist()})
+    return train, (x[64:], y[64:])  # an HF Dataset, and an (inputs, targets) pair
+
+
+def model(input_shape=None, num_classes=None):
+    return nn.Linear(8, 2)
+
+
+def step(model, batch):
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
+    out = model(x)
+    return nn.functional.cross_entropy(out, y), {"acc": (out.argmax(1) == y).float().mean()}
+'''
+
+
+def test_a_cli_factory_may_return_an_hf_dataset_and_a_tensor_pair(tmp_path, monkeypatch):
+    from ironloop.cli import main
+    from ironloop.outputs.readers import read_jsonl
+
+    (tmp_path / "hf_factory.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)  # only the CWD makes it importable
+    (tmp_path / "c.yaml").write_text("log: {progress: 'off'}\n")
+    assert main(["train", "c.yaml", "data.name=hf_factory:data", "model.name=hf_factory:model",
+                 "train.step_fn=hf_factory:step", "train.epochs=2", "train.batch_size=16",
+                 "run.dir=r"]) == 0
+    evals = read_jsonl(tmp_path / "r" / "evals.jsonl")
+    assert len(evals) == 2 and evals[-1]["val_loss"] > 0
+
+
+def test_which_order_each_torch_sampler_gets():
+    from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler,
+                                  SubsetRandomSampler)
+
+    from ironloop.data.order import KeyedOrder
+    from ironloop.data.samplers import DrawnOrder
+
+    ds = Indexed(10)
+    for sampler, shuffle in [(SequentialSampler(ds), False), (RandomSampler(ds), True),
+                             (DistributedSampler(ds, num_replicas=2, rank=1, shuffle=False), False),
+                             (DistributedSampler(ds, num_replicas=2, rank=1), True)]:
+        order, warning = order_of(sampler, 10, seed=0)
+        assert isinstance(order, KeyedOrder) and order.shuffle is shuffle and warning is None
+    for sampler in (RandomSampler(ds, replacement=True), SubsetRandomSampler([1, 3, 5])):
+        order, warning = order_of(sampler, 10, seed=0)
+        assert isinstance(order, DrawnOrder) and order.how == "generator" and warning is None
+        assert torch.equal(order.indices(4, torch.zeros(0, dtype=torch.long), 0, 3),
+                           order_of(sampler, 10, seed=0)[0].indices(
+                               4, torch.zeros(0, dtype=torch.long), 0, 3))

@@ -1,0 +1,50 @@
+"""The keyed order: a bijection of [0, N) from (seed, epoch) alone, a batch at a time at any N,
+with the guard's skip list taken out without moving the other samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ironloop.data.loader import EpochSampler
+from ironloop.data.order import KeyedOrder
+
+NONE = torch.zeros(0, dtype=torch.long)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65, 1000, 4097])
+def test_every_epoch_is_a_permutation_and_inverse_undoes_it(n):
+    order = KeyedOrder(n, seed=5, shuffle=True)
+    for epoch in (0, 1):
+        perm = order.indices(epoch, NONE, 0, n)
+        assert sorted(perm.tolist()) == list(range(n))
+        assert order.permutation(epoch).inverse(perm.clone()).tolist() == list(range(n))
+    if n > 8:  # a shuffle: another epoch or seed gives another order
+        assert not torch.equal(order.indices(0, NONE, 0, n), order.indices(1, NONE, 0, n))
+        assert not torch.equal(order.indices(0, NONE, 0, n),
+                               KeyedOrder(n, seed=6, shuffle=True).indices(0, NONE, 0, n))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_skipped_samples_leave_and_nothing_else_moves(shuffle):
+    n = 500
+    order = KeyedOrder(n, seed=0, shuffle=shuffle)
+    full = order.indices(3, NONE, 0, n).tolist()
+    skip = torch.tensor([0, 17, 18, 250, 499])
+    kept = order.indices(3, skip, 0, order.size(3, skip)).tolist()
+    assert kept == [i for i in full if i not in set(skip.tolist())]
+    assert order.indices(3, skip, 100, 140).tolist() == kept[100:140]  # any slice, same order
+
+
+def test_a_billion_samples_cost_a_batch_not_an_epoch():
+    n = 10**9
+    order = KeyedOrder(n, seed=0, shuffle=True)
+    idx = order.indices(0, NONE, n // 2, n // 2 + 4096)
+    assert len(set(idx.tolist())) == 4096 and int(idx.min()) >= 0 and int(idx.max()) < n
+    # The same positions give the same samples from a fresh object (a resumed process).
+    assert torch.equal(KeyedOrder(n, 0, True).indices(0, NONE, n // 2 + 96, n // 2 + 128),
+                       idx[96:128])
+    s = EpochSampler(n, 256, seed=0, shuffle=True, rank=1, world_size=2)
+    s.set_epoch(0, offset=n // 2)
+    first = next(s.index_batches())  # rank 1's half of the global batch at the offset
+    assert torch.equal(first, idx[256:512])
