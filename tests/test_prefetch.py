@@ -47,7 +47,7 @@ def test_training_with_the_look_ahead_equals_training_without(tmp_path, monkeypa
 
     ahead = run("ahead")
 
-    def plain(batches, device, check=None):  # the loop as it was: check, copy, train
+    def plain(batches, device, check=None, ahead=True):  # the loop as it was: check, copy, train
         for b in batches:
             if check is not None:
                 check(b)
@@ -66,3 +66,21 @@ def test_cuda_batches_arrive_on_the_device_equal_to_the_host_ones():
     for h, d in zip(host, prefetch(host, dev)):
         assert d[0].device.type == "cuda" and torch.equal(d[0].cpu(), h[0])
         assert torch.equal(d[1].cpu(), h[1])
+
+
+def test_without_look_ahead_a_batch_is_read_only_when_it_is_trained():
+    """A stream's loader keeps its position in its own state: nothing may be read early."""
+    reads = []
+
+    def source():
+        for i in range(3):
+            reads.append(i)
+            yield (torch.full((2, 1), float(i)), torch.zeros(2, dtype=torch.long))
+
+    it = prefetch(source(), torch.device("cpu"), ahead=False)
+    next(it)
+    assert reads == [0]  # with the look-ahead, batch 1 would have been read too
+    it = prefetch(source(), torch.device("cpu"))
+    reads.clear()
+    next(it)
+    assert reads == [0, 1]

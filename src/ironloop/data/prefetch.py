@@ -22,10 +22,14 @@ from ironloop.data.loader import to_device
 
 
 def prefetch(batches: Iterable, device: torch.device,
-             check: Callable[[Any], None] | None = None) -> Iterator:
+             check: Callable[[Any], None] | None = None, ahead: bool = True) -> Iterator:
     """``batches`` moved to ``device``, the next one's copy started before the current one is
-    handed out. ``check`` (the label check) sees each batch on the host first."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    handed out. ``check`` (the label check) sees each batch on the host first.
+
+    ``ahead=False`` reads a batch only when it is trained: a stream's loader (data/stream.py)
+    keeps its position in its own state, which a checkpoint saves, so a batch read ahead and
+    not trained would be skipped by a resume."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" and ahead else None
     source = iter(batches)
 
     def load():
@@ -41,12 +45,16 @@ def prefetch(batches: Iterable, device: torch.device,
         with torch.cuda.stream(stream):  # pinned memory + non_blocking: an async copy
             return to_device(batch, device, True)
 
-    ahead = load()
-    while ahead is not _END:
+    if not ahead:
+        while (batch := load()) is not _END:
+            yield batch
+        return
+    following = load()
+    while following is not _END:
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)
-            _keep_alive(ahead, torch.cuda.current_stream(device))
-        batch, ahead = ahead, load()  # start the next copy before this batch trains
+            _keep_alive(following, torch.cuda.current_stream(device))
+        batch, following = following, load()  # start the next copy before this batch trains
         yield batch
 
 

@@ -103,7 +103,8 @@ def train_epoch(run: Run) -> None:
     micro = window = 0
     # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
     # label check runs on each host batch first, before it can become a CUDA assert.
-    for batch in prefetch(loader, run.device, run.check_labels):
+    for batch in prefetch(loader, run.device, run.check_labels,
+                          ahead=not isinstance(sampler, StreamOrder)):
         run.timer.mark("data")
         if micro == 0:
             n = sampler.usable  # a stream learns its end a window ahead (data/stream.py)
