@@ -49,6 +49,7 @@ from ironloop.dist import parallel
 from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.run import Run
+from ironloop.engine.tokens import WindowWeight, mfu
 from ironloop.guard.hook import RolledBack, lr_scaled
 from ironloop.outputs import console
 
@@ -76,6 +77,8 @@ def train_epoch(run: Run) -> None:
     accum, world = cfg.train.accumulation_steps, run.world.size
     n, global_batch = sampler.usable, sampler.global_batch
     sampler.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
+    if run.carry is not None:
+        run.carry.start_epoch(p.offset)  # a fresh state at the top of an epoch, not on resume
     loader = make_loader(run.train_data, sampler, num_workers=cfg.data.num_workers,
                          pin_memory=cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
@@ -84,6 +87,7 @@ def train_epoch(run: Run) -> None:
     run.model.train()
     run.timer.start_epoch()
     micro = window = 0
+    weights = WindowWeight()  # a step that weights its loss (tokens): the window's total
     for batch in loader:
         run.timer.mark("data")
         if micro == 0:
@@ -99,19 +103,26 @@ def train_epoch(run: Run) -> None:
         # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
         with parallel.micro_sync(run.model, last):
             with autocast_for(run):
-                loss, _ = call_step(run, run.model, batch, "training")
+                loss, _, weight = call_step(run, run.model, batch, "training")
             run.timer.mark("forward")
-            # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
-            # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
-            scale = n_micro * world / window
-            scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
+            if weight is not None and (accum > 1 or world > 1):
+                # Per token: this micro-batch's sum; the window's total divides it before the
+                # optimizer step (tokens.py), ragged windows and uneven ranks included.
+                scaled = loss * weight
+                weights.add(weight)
+            else:
+                # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
+                # mean gradient, ragged last window included. DDP averages over ranks: * world.
+                scale = n_micro * world / window
+                scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
         run.timer.mark("backward")
-        run.meter.add_micro(loss, n_micro)
+        run.meter.add_micro(loss, n_micro, weight)
         micro += 1
         if not last:
             continue
         micro = 0
+        weights.normalise(run.params, run.world)  # no-op unless the step weights its loss
         stepped = optimizer_step(run)
         run.timer.mark("optimizer")
         if not stepped:
@@ -174,6 +185,9 @@ def after_step(run: Run, bar) -> None:
         run.timer.flush()  # reads the step timer's CUDA events: the stream is synced already
         row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": run.step_lr,
                **row, "time": time.time()}
+        if cfg.profile.peak_tflops and "tokens_per_s" in row:  # model-FLOPs utilisation
+            row["mfu"] = mfu(sum(q.numel() for q in run.params), row["tokens_per_s"],
+                             cfg.profile.peak_tflops)
         if run.log is not None:
             run.log.write("metrics", row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)

@@ -55,6 +55,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
     schedule_steps: int = 0         # a finite schedule's length; past it the LR holds (0 = none)
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
+    carry: Any = None               # carry.StatefulStep: a stateful step's state, or None
     params: list = field(default_factory=list)  # the model's parameters, listed once
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
 
