@@ -199,3 +199,16 @@ def test_train_and_doctor_cli_with_an_rnn_never_crash(tmp_path, monkeypatch, cap
     assert "skipped: probabilities" in out and "Traceback" not in out, out
     assert main(["doctor", "configs/digits.yaml", *common, "--overwrite"]) == 0
     assert "overfit_batch" in capsys.readouterr().out
+
+
+def test_threads_times_processes_over_the_cores_is_flagged(monkeypatch):
+    from ironloop.tools.doctor import env_checks
+
+    monkeypatch.setattr(env_checks, "cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert env_checks.check_threads()[0].severity == "info"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    (f,) = env_checks.check_threads()
+    assert f.severity == "warning" and "2 torch thread(s) x 4 process(es) on 2 core(s)" in \
+        f.measured and "OMP_NUM_THREADS=1" in f.fix

@@ -66,8 +66,7 @@ def train(run: Run) -> None:
         except RolledBack:
             continue  # the guard restored an earlier state: go on from its epoch and offset
         if run.progress.offset < run.sampler.usable:  # stopped by max_steps, mid-epoch
-            if not _saved_by_after_step(run):
-                run.save(False)
+            end_mid_epoch(run)
             return
         end_epoch(run)
 
@@ -212,6 +211,23 @@ def _saved_by_after_step(run: Run) -> bool:
     cfg, step = run.cfg, run.progress.step
     every_eval = cfg.eval.every_steps if run.val_data else 0
     return any(n and step % n == 0 for n in (cfg.checkpoint.every_steps, every_eval))
+
+
+def end_mid_epoch(run: Run) -> None:
+    """max_steps ended the run inside an epoch: evaluate the final weights once (unless this
+    step was just evaluated), as any evaluation (evals.jsonl, on_eval_end, charged to
+    validation), print it, and checkpoint where the run stands."""
+    p = run.progress
+    if run.val_data and run.last_eval.get("step") != p.step:
+        run.timer.mark("other")
+        started = time.perf_counter()
+        improved = run_evaluation(run)[1]
+        run.meter.exclude(time.perf_counter() - started)
+        run.timer.mark("validation")
+        console.say(run, console.eval_line(run.last_eval, "final evaluation"))
+        run.save(improved)
+    elif not _saved_by_after_step(run):
+        run.save(False)
 
 
 def end_epoch(run: Run) -> None:
