@@ -3,11 +3,14 @@
 One optimizer step covers a window of ``accumulation_steps`` micro-batches (fewer for the
 ragged last window of an epoch)::
 
+    [a stateful step's state (carry.py) starts empty at the top of an epoch]
     optimizer.zero_grad(set_to_none=True)
     for each micro-batch of the window:
         with autocast:                        # fp16/bf16, or nothing for fp32
             loss = step_fn(model, batch)      # forward + loss, a mean over the micro-batch
         backward(loss * n_micro / n_window)   # exact: the window's mean gradient, ragged or not
+                                              # (a step that returns a weight: loss * weight)
+    [grads *= ranks / window weight]          # per-token steps only (tokens.py)
     scaler.unscale_(optimizer)                # fp16 only; unscale BEFORE clipping
     grad_norm = norm(gradients)               # the pre-clip norm is what gets logged
     if the guard says bad: skip the step      # guard.py: nothing updated, not counted
@@ -18,7 +21,8 @@ ragged last window of an epoch)::
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint -> [finished?]
 
 and at the end of each epoch: [evaluate, when eval.every_steps is 0] -> epoch line ->
-on_epoch_end -> checkpoint -> on_checkpoint.
+on_epoch_end -> checkpoint -> on_checkpoint. A run that max_steps ends inside an epoch instead:
+[evaluate the final weights, unless this step just was] -> checkpoint (``end_mid_epoch``).
 
 An evaluation (``run_evaluation``, the same one from both places): validate in eval mode under
 inference_mode on the val split (a fixed subset with eval.max_batches) -> best tracking and
