@@ -5,6 +5,7 @@ by its valid tokens; evaluation is the mean per token; val_ppl, tokens_per_s and
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -124,3 +125,48 @@ def test_perplexity_for_a_user_step_is_opt_in(tmp_path):
                  step_fn=step, overwrite=True)
     row = read_jsonl(tmp_path / "b" / "evals.jsonl")[0]
     assert row["val_ppl"] == pytest.approx(math.exp(row["val_loss"]))
+
+
+TOKENS_PKG = '''
+import torch
+from torch import nn
+from ironloop.data.loader import TensorData
+
+V, T = 10, 8
+
+def data(root):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (46, T), generator=g)
+    y = (x + 1) % V
+    lengths = torch.randint(1, T + 1, (46,), generator=g)
+    y[torch.arange(T)[None, :] >= lengths[:, None]] = -100
+    return TensorData(x[:38], y[:38]), TensorData(x[38:], y[38:])
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(V, 16), nn.Tanh(), nn.Linear(16, V))
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_weigh_tokens_as_one_process(tmp_path, monkeypatch):
+    """Each rank's micro-batches hold different numbers of valid tokens: only the token count
+    all-reduced over ranks gives one process's per-token gradient (38 = 4 windows of 8 + 6)."""
+    from safetensors.torch import load_file
+
+    from tests.test_distributed import train
+
+    (tmp_path / "tokens_pkg.py").write_text(TOKENS_PKG)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    common = ["data.name=tokens_pkg:data", "model.name=tokens_pkg:model", "train.step_fn=lm",
+              "train.epochs=2", "train.accumulation_steps=2", "optim.name=sgd", "optim.lr=0.5",
+              "optim.momentum=0.0", "optim.weight_decay=0.0", "clip.max_norm=0.0",
+              "doctor.preflight=false", "early_stop.metric=val_loss"]
+    one = train(tmp_path / "one", *common, "train.batch_size=4")
+    two = train(tmp_path / "two", *common, "train.batch_size=2", ranks=2)
+    a, b = load_file(one / "final.safetensors"), load_file(two / "final.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    va = read_jsonl(one / "evals.jsonl")[-1]["val_loss"]
+    vb = read_jsonl(two / "evals.jsonl")[-1]["val_loss"]
+    assert va == pytest.approx(vb, rel=1e-6)
