@@ -38,7 +38,8 @@ def test_ironloop_equals_the_plain_torch_loop(tmp_path):
     plain.load_state_dict(ours.state_dict())
 
     result = ironloop.fit(ours, splits["train"], splits["val"], {
-        "run.dir": str(tmp_path / "run"), "train.epochs": epochs, "train.batch_size": streams,
+        "run.dir": str(tmp_path / "run"), "run.device": "cpu",  # where the plain loop runs
+        "train.epochs": epochs, "train.batch_size": streams,
         "data.shuffle": False, "optim.name": "sgd", "optim.lr": 0.5, "optim.momentum": 0.0,
         "optim.weight_decay": 0.0, "clip.max_norm": 0.25, "log.progress": "off",
         "log.every_steps": 1, "eval.perplexity": True}, step_fn=ex.step, overwrite=True)

@@ -64,7 +64,8 @@ def test_ragged_windows_of_padded_sequences_weigh_every_token_equally(tmp_path):
     train, val = padded(22, 0), padded(13, 1)  # 22 = 8 + 8 + 6: a ragged last window
     ours, ref = Bigram(), Bigram()
     result = ironloop.fit(ours, train, val, {
-        "run.dir": str(tmp_path / "run"), "train.epochs": 3, "train.batch_size": 4,
+        "run.dir": str(tmp_path / "run"), "run.device": "cpu",  # where the reference runs
+        "train.epochs": 3, "train.batch_size": 4,
         "train.accumulation_steps": 2, "train.step_fn": "lm", "data.shuffle": False,
         "optim.name": "sgd", "optim.lr": 0.5, "optim.momentum": 0.0,
         "optim.weight_decay": 0.0, "clip.max_norm": 0.0, "log.every_steps": 1,
