@@ -111,9 +111,12 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
             ``loss.*`` config (``loss.name`` may be 'module:function').
-        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor})`` for anything that
-            is not ``(inputs, targets)`` classification. Loss and metrics are batch means.
-            Default: ``train.step_fn`` ('module:function'), else the classification step.
+        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor}[, weight])`` for
+            anything that is not ``(inputs, targets)`` classification. Loss and metrics are
+            means over the batch's weight (its samples, or the tokens a third value gives:
+            see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py).
+            Default: ``train.step_fn`` ('module:function' or 'lm'), else the classification
+            step.
         num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
         optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
             returning one. Default: the ``optim.*`` config.
