@@ -144,6 +144,8 @@ def sum_over_ranks(names: list[str], sums: torch.Tensor | None, count: int,
             sums = torch.zeros(len(names), dtype=torch.float64, device=device)  # as evaluate's
     if sums is None:
         return {}
+    # float64 over ranks: every rank sends the same dtype, whatever its local sums are in.
+    sums = sums.double()
     count = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
     totals = all_reduce_sum(torch.cat([sums, count]), world)
     totals = totals.tolist()  # host sync, once per evaluation

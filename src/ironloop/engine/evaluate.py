@@ -62,8 +62,9 @@ def evaluate(run, dataset) -> dict[str, float]:
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn)
     sums, names, count, batches = None, [], 0, 0
-    # Sums in float64 (float32 on MPS): a loss per token over a whole split, added exactly.
-    dtype = torch.float32 if run.device.type == "mps" else torch.float64
+    # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
+    # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
+    wide = torch.float32 if run.device.type == "mps" else torch.float64
     for batch in loader:
         if run.check_labels is not None:
             run.check_labels(batch)
@@ -71,11 +72,11 @@ def evaluate(run, dataset) -> dict[str, float]:
         batch = to_device(batch, run.device, run.device.type == "cuda")
         with autocast_for(run):
             loss, metrics, weight = call_step(run, model, batch, "evaluation")
-        weight = n if weight is None else weight  # per sample, or per token when the step says
         names = ["loss", *metrics]
-        values = torch.stack([loss.to(dtype), *(m.to(dtype) for m in metrics.values())]) * weight
+        values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
+        values = values * n if weight is None else values.to(wide) * weight
         sums = values if sums is None else sums + values
-        count = count + weight
+        count = count + (n if weight is None else weight)  # samples, or the step's tokens
         batches += 1
     _pad_forwards(run, dataset, batches)
     model.train(was_training)
