@@ -1,7 +1,9 @@
 """A tiny character-level GPT trained with ``ironloop.fit``: a language model, end to end.
 
 It shows everything a language model needs from ironloop, and nothing is patched:
-a ``data(root, ...)`` factory, a model factory, a ``step`` function (next-token cross-entropy),
+a ``data(root, ...)`` factory that also returns the vocabulary size and context length, a model
+factory that receives them, a ``step`` function (next-token cross-entropy, weighted by its
+tokens: ``tokens_per_s`` and ``val_ppl`` are logged),
 a sampling callback, step-based evaluation (``eval.every_steps`` on a fixed ``eval.max_batches``
 subset), warmup + cosine, and AdamW with betas (0.9, 0.95).
 
@@ -48,15 +50,19 @@ class Windows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def data(root: str, file: str = "input.txt", block_size: int = 64, val_fraction: float = 0.1):
-    """(train, val) from ``root/file``: the first 90% of the text trains, the last 10% validates
-    (a contiguous split, so no validation window overlaps a training one)."""
+def data(root: str, file: str = "input.txt", block_size: int = 64,
+         val_fraction: float = 0.1) -> dict:
+    """train and val from ``root/file``: the first 90% of the text trains, the last 10%
+    validates (a contiguous split, so no validation window overlaps a training one). The other
+    keys are metadata: the model factory receives ``vocab_size`` and ``block_size`` from here,
+    so the context length is set once, in data.kwargs."""
     path = Path(root) / file
     if not path.is_file():
         raise FileNotFoundError(f"{path}: put a text file there, or set data.root / data.kwargs")
     tokens = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
     cut = int(len(tokens) * (1 - val_fraction))
-    return Windows(tokens[:cut], block_size), Windows(tokens[cut:], block_size)
+    return {"train": Windows(tokens[:cut], block_size), "val": Windows(tokens[cut:], block_size),
+            "vocab_size": VOCAB, "block_size": block_size}
 
 
 # --- model ---------------------------------------------------------------------------------
@@ -91,14 +97,15 @@ class Block(nn.Module):
 
 
 class CharGPT(nn.Module):
-    def __init__(self, block_size: int, layers: int, heads: int, dim: int):
+    def __init__(self, block_size: int, layers: int, heads: int, dim: int,
+                 vocab_size: int = VOCAB):
         super().__init__()
         self.block_size = block_size
-        self.embed = nn.Embedding(VOCAB, dim)
+        self.embed = nn.Embedding(vocab_size, dim)
         self.position = nn.Embedding(block_size, dim)
         self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """(batch, time) byte ids -> (batch, time, 256) next-byte logits."""
@@ -118,16 +125,19 @@ class CharGPT(nn.Module):
         return idx
 
 
-def gpt(block_size: int = 64, layers: int = 4, heads: int = 4, dim: int = 128) -> CharGPT:
-    """The model factory: it takes neither input_shape nor num_classes, and need not."""
-    return CharGPT(block_size, layers, heads, dim)
+def gpt(vocab_size: int = VOCAB, block_size: int = 64, layers: int = 4, heads: int = 4,
+        dim: int = 128) -> CharGPT:
+    """The model factory: ``vocab_size`` and ``block_size`` come from the data factory (it
+    takes neither input_shape nor num_classes, and need not)."""
+    return CharGPT(block_size, layers, heads, dim, vocab_size)
 
 
 def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
     """Mean next-byte cross-entropy over every position of every window."""
     x, y = batch
     logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), {}
+    # The third value is the loss's weight, its tokens: ironloop logs tokens_per_s.
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), {}, y.numel()
 
 
 # --- a sampling callback -------------------------------------------------------------------
@@ -176,7 +186,8 @@ def config(run_dir: str, steps: int) -> dict:
 def train(root: str, run_dir: str, steps: int = 2000, block_size: int = 64,
           model_kwargs: dict | None = None, overrides: dict | None = None,
           resume: bool = False) -> ironloop.FitResult:
-    train_set, val_set = data(root, block_size=block_size)
+    splits = data(root, block_size=block_size)
+    train_set, val_set = splits["train"], splits["val"]
     model = gpt(block_size=block_size, **(model_kwargs or {}))
     return ironloop.fit(model, train_set, val_set, {**config(run_dir, steps), **(overrides or {})},
                         step_fn=step, callbacks=[Sample()], resume=resume)

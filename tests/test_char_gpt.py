@@ -49,12 +49,14 @@ def test_char_gpt_config_trains_from_the_cli(corpus, tmp_path, monkeypatch):
     run_dir = tmp_path / "cli"
     code = main(["train", "configs/char_gpt.yaml", f"data.root={corpus}", f"run.dir={run_dir}",
                  "data.kwargs={block_size: 32}",
-                 "model.kwargs={block_size: 32, layers: 1, heads: 2, dim: 32}",
+                 "model.kwargs={layers: 1, heads: 2, dim: 32}",  # block_size: from the data
                  "train.max_steps=30", "eval.every_steps=10", "eval.max_batches=2",
                  "optim.lr=3e-3", "schedule.warmup_steps=3", "log.progress=off"])
     assert code == 0
     evals = read_jsonl(run_dir / "evals.jsonl")
     assert [e["step"] for e in evals] == [10, 20, 30]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+    assert all(r["tokens_per_s"] > 0 for r in read_jsonl(run_dir / "metrics.jsonl"))
     groups = load_verified(run_dir / "checkpoints" / "last.pt")["optimizer"]["param_groups"]
     assert all(tuple(g["betas"]) == (0.9, 0.95) for g in groups)

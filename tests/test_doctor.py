@@ -224,7 +224,7 @@ def test_clean_digits_run_prints_no_warning_and_ends_with_the_time_table(tmp_pat
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert "warning" not in out.lower() and "error" not in out.lower(), out
-    assert "doctor: 7 checks passed" in captured.out
+    assert "doctor: 8 checks passed" in captured.out
     assert "time split (wall time" in captured.out.split("epoch 1/1")[1]
     assert (tmp_path / "d" / "doctor.json").exists()
 
@@ -294,6 +294,6 @@ def test_preflight_is_skipped_on_a_resume_that_already_ran_it(tmp_path, capsys):
     bundle = DataBundle(blobs(128), blobs(32, seed=1), None, (8,), 3)
     assert preflight(conf, tiny_mlp(), bundle) and (tmp_path / "doctor.json").exists()
     assert preflight(conf, tiny_mlp(), bundle, resume=True) == []
-    assert capsys.readouterr().out.count("doctor: 7 checks passed") == 1
+    assert capsys.readouterr().out.count("doctor: 8 checks passed") == 1
     assert preflight(config(run__dir=str(tmp_path), doctor__preflight=False), tiny_mlp(),
                      bundle) == []

@@ -17,7 +17,9 @@ from ironloop.data.idx import (
 )
 from ironloop.errors import DataError, UserError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fashion-mnist"
+# The two official label files (MIT licence, Zalando SE) ship with the tests: a fresh clone
+# needs nothing beside it.
+LABELS = Path(__file__).resolve().parent / "data" / "fashion-mnist"
 
 
 # --- round trips and the on-disk format -------------------------------------------------------
@@ -131,8 +133,8 @@ def test_missing_file_is_data_error(tmp_path):
 @pytest.mark.parametrize("name,n", [("train-labels-idx1-ubyte.gz", 60000),
                                     ("t10k-labels-idx1-ubyte.gz", 10000)])
 def test_real_label_files(name, n):
-    path = SHARED / name
-    assert path.is_file(), f"{path} missing: the official label files must sit in {SHARED}"
+    path = LABELS / name
+    assert path.is_file(), f"{path} missing: the official label files must sit in {LABELS}"
     assert md5_file(path) == MD5[name]
     assert md5_file(path, chunk=4096) == MD5[name]  # chunking does not change the digest
     y = read_idx(path)

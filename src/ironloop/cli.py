@@ -147,6 +147,10 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--lr-find", action="store_true",
                    help="also run the LR range test and write run.dir/lr_find.png")
     d.add_argument("--strict", action="store_true", help="exit 2 when a check finds an error")
+    # The same command line as `train` works: its run-directory flags mean nothing here.
+    for flag in ("--overwrite", "--allow-config-change"):
+        d.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    d.add_argument("--resume", nargs="?", const=True, default=False, help=argparse.SUPPRESS)
     d.set_defaults(func=_doctor)
 
     e = sub.add_parser("export", help="write a run's weights as safetensors")
@@ -186,8 +190,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "tune"):  # overrides and flags in any order
-        argv = [argv[0], *train_argv(argv[1:], valued=("--budget",))]
+    if argv and argv[0] in ("train", "tune", "doctor"):  # overrides and flags in any order
+        valued = ("--budget",) if argv[0] == "tune" else ()
+        argv = [argv[0], *train_argv(argv[1:], valued=valued)]
     args = parser().parse_args(argv)
     try:
         return args.func(args)

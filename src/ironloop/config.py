@@ -40,6 +40,8 @@ class DataConfig(Section):
     num_workers: int = fld(0, "DataLoader worker processes (0 = load in the main process)")
     seed_samples: bool = fld(True, "seed python, numpy and torch from (seed, epoch, index) before "
                              "each __getitem__: augmentation exact under resume and num_workers")
+    shuffle: bool = fld(True, "shuffle the training order each epoch; false = the dataset's own "
+                        "order (sequences, ContiguousStreams)")
     pin_memory: bool = fld(True, "pin host batches for faster non_blocking copies (CUDA only)")
     download: bool = fld(False, "fetch missing fashion-mnist files and verify their MD5s")
     num_samples: int = fld(4096, "synthetic only: number of samples")
@@ -78,8 +80,11 @@ class TrainConfig(Section):
     accumulation_steps: int = fld(1, "micro-batches summed into one optimizer step")
     precision: str = fld("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
                         ("fp32", "fp16", "bf16", "auto"))
-    step_fn: str = fld("", "'module:function' step(model, batch) -> (loss, {name: tensor}); "
-                      "empty = the (inputs, targets) step")
+    step_fn: str = fld("", "'module:function' step(model, batch[, state]) -> (loss, {name: "
+                       "tensor}[, weight]); lm = next-token cross-entropy per token; empty = "
+                       "the (inputs, targets) step")
+    carry_reset: str = fld("epoch", "a stateful step's state starts empty at each epoch (epoch) "
+                           "or only at the run's start (never)", ("epoch", "never"))
     compile: bool = fld(False, "torch.compile the model for training (evaluation runs eager)")
     compile_mode: str = fld("default", "torch.compile mode", COMPILE_MODES)
     activation_checkpointing: list = fld([], "block class names whose forward is recomputed "
@@ -90,8 +95,8 @@ class TrainConfig(Section):
         self._non_negative("max_steps")
         if self.accumulation_steps < 1:
             self._bad("accumulation_steps", "must be >= 1")
-        if self.step_fn and ":" not in self.step_fn:
-            self._bad("step_fn", "must be 'module:function', e.g. my_pkg.steps:lm_step")
+        if self.step_fn and ":" not in self.step_fn and self.step_fn != "lm":
+            self._bad("step_fn", "must be 'module:function' (e.g. my_pkg.steps:step) or lm")
         if any(not isinstance(n, str) or not n for n in self.activation_checkpointing):
             self._bad("activation_checkpointing", "must be a list of class names, e.g. [Block]")
 
@@ -208,6 +213,8 @@ class EvalConfig(Section):
     every_steps: int = fld(0, "evaluate every N optimizer steps (0 = at each epoch end)")
     max_batches: int = fld(0, "evaluate on a fixed subset of N batches of the val split "
                           "(0 = all of it)")
+    perplexity: bool = fld(False, "log val_ppl = exp(val_loss) (always on with "
+                           "train.step_fn=lm)")
 
     def validate(self) -> None:
         self._non_negative("every_steps", "max_batches")
@@ -295,9 +302,12 @@ class ProfileConfig(Section):
     sync: bool = fld(False, "CUDA: synchronize around forward and backward (exact, slower)")
     trace: bool = fld(False, "write a torch.profiler trace of a few steps to run.dir/trace")
     trace_steps: int = fld(3, "optimizer steps the trace records (after 1 wait + 1 warm-up)")
+    peak_tflops: float = fld(0.0, "the device's peak TFLOP/s: logs mfu = 6 x parameters x "
+                             "tokens_per_s / peak, for steps that report tokens (0 = off)")
 
     def validate(self) -> None:
         self._positive("trace_steps")
+        self._non_negative("peak_tflops")
 
 
 @dataclass

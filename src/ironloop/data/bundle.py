@@ -3,7 +3,7 @@ needs to know about them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -14,3 +14,4 @@ class DataBundle:
     test: Any | None
     input_shape: tuple[int, ...]  # one sample's input shape, for the built-in models
     num_classes: int | None       # None: fit() infers it from the model's output
+    meta: dict = field(default_factory=dict)  # what a data factory tells the model factory

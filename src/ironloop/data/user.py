@@ -12,11 +12,16 @@ from ironloop.errors import ConfigError
 from ironloop.specs import accepted, import_spec
 
 
+SPLITS = ("train", "val", "test")
+
+
 def user_data(cfg) -> DataBundle:
     """Call ``factory(root=data.root, **data.kwargs)`` (plus ``rank`` and ``world_size`` when it
     takes them); it returns ``(train, val[, test])``, each a Dataset, a DataLoader, an (inputs,
     targets) pair, or None (val, test); train may be a stream (an IterableDataset, a DataLoader
-    over one, a StatefulDataLoader).
+    over one, a StatefulDataLoader). Or a dict of them whose other keys are metadata
+    (``vocab_size``, ``num_classes``, ``seq_len``, ...) that the model factory receives as
+    keyword arguments (those its signature accepts).
 
     The input shape offered to the model factory is read off the first training sample; the
     class count is left to ``fit`` (inferred from the model's output when it is (N, C)).
@@ -31,9 +36,17 @@ def user_data(cfg) -> DataBundle:
     except TypeError as e:
         raise ConfigError(f"data factory {cfg.name!r} rejected its arguments: {e}; "
                           f"check data.kwargs") from e
+    meta = {}
+    if isinstance(out, dict):  # {"train": ..., "val": ..., "test": ..., anything else: metadata}
+        if "train" not in out:
+            raise ConfigError(f"data factory {cfg.name!r} returned a dict without 'train'; "
+                              f"return {{'train': ..., 'val': ..., 'vocab_size': ...}}")
+        meta = {k: v for k, v in out.items() if k not in SPLITS}
+        out = [out.get(k) for k in SPLITS]
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
         raise ConfigError(f"data factory {cfg.name!r} returned {type(out).__name__}; return "
-                          f"(train, val) or (train, val, test) datasets")
+                          f"(train, val) or (train, val, test) datasets, or a dict of them "
+                          f"with metadata for the model factory")
     train, val, test = (*out, None)[:3]
     if isinstance(train, (tuple, list)):  # an (inputs, targets) pair of tensors
         x = train[0][0]
@@ -44,4 +57,5 @@ def user_data(cfg) -> DataBundle:
         sample = getattr(train, "dataset", train)[0]  # a DataLoader's dataset, or the Dataset
         x = sample[0] if isinstance(sample, (tuple, list)) else sample
     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
-    return DataBundle(train=train, val=val, test=test, input_shape=shape, num_classes=None)
+    return DataBundle(train=train, val=val, test=test, input_shape=shape,
+                      num_classes=meta.get("num_classes"), meta=meta)

@@ -166,9 +166,12 @@ def sum_over_ranks(names: list[str], sums: torch.Tensor | None, count: int,
         if sums is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if dist.get_backend() == "nccl" else torch.device("cpu")
-            sums = torch.zeros(len(names), device=device)
+            sums = torch.zeros(len(names), dtype=torch.float64, device=device)  # as evaluate's
     if sums is None:
         return {}
-    totals = all_reduce_sum(torch.cat([sums, sums.new_tensor([count])]), world)
+    # float64 over ranks: every rank sends the same dtype, whatever its local sums are in.
+    sums = sums.double()
+    count = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
+    totals = all_reduce_sum(torch.cat([sums, count]), world)
     totals = totals.tolist()  # host sync, once per evaluation
     return {k: v / totals[-1] for k, v in zip(names, totals[:-1])}

@@ -13,13 +13,14 @@ from torch import nn
 
 from ironloop.callbacks import HOOKS, fire
 from ironloop.config import Config
+from ironloop.data.lm import check_order
 from ironloop.data.loader import EpochLoader, EpochSampler, TensorData
 from ironloop.data.samplers import order_of
 from ironloop.data.stream import Stream, build_order, first_sample
 from ironloop.dist import parallel
 from ironloop.dist.world import World, all_reduce_sum, gather_objects
 from ironloop.dist.wrap import checkpoint_activations, compile_model
-from ironloop.engine import steps
+from ironloop.engine import carry, steps
 from ironloop.engine.early_stop import BestTracker
 from ironloop.engine.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.engine.precision import grad_scaler
@@ -46,10 +47,13 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     strategy)."""
     raw_model, check_labels = model, None
     if step_fn is None and cfg.train.step_fn:
-        step_fn = import_spec(cfg.train.step_fn, "train.step_fn")
+        step_fn = steps.named_step(cfg.train.step_fn)
+    if step_fn is steps.lm_step and not cfg.eval.perplexity:
+        cfg = cfg.with_overrides({"eval.perplexity": True})  # on by default for the LM step
     if step_fn is None:
         step_fn, check_labels = classification(cfg, model, device, loss_fn, num_classes,
                                                 (data.train, data.val, data.test))
+    step_fn, stateful = carry.stateful(step_fn, device, cfg.train.carry_reset)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
     model, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
@@ -60,11 +64,13 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     if isinstance(data.train, Stream):  # an IterableDataset: read in order (data/stream.py)
         sampler, steps_per_epoch = build_order(cfg, data.train, world.rank, world.size, device)
     else:
-        order, warning = order_of(data.sampler, len(data.train), cfg.run.seed)
+        order, warning = order_of(data.sampler, len(data.train), cfg.run.seed, cfg.data.shuffle)
         if warning and world.is_main:
             print(warning)
         sampler = EpochSampler(len(data.train), cfg.train.batch_size, cfg.run.seed,
-                               shuffle=True, rank=world.rank, world_size=world.size, order=order)
+                               shuffle=cfg.data.shuffle, rank=world.rank, world_size=world.size,
+                               order=order)
+        check_order(data.train, cfg.data.shuffle, sampler.global_batch)
         steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
                                                       * cfg.train.accumulation_steps))
         _warn_batch_size(cfg, len(data.train), world)
@@ -90,6 +96,7 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     run.loader = EpochLoader(data.train, sampler, num_workers=cfg.data.num_workers,
                              pin_memory=cfg.data.pin_memory and device.type == "cuda",
                              collate_fn=data.collate_fn, seed_samples=cfg.data.seed_samples)
+    run.carry = stateful  # a stateful step's state across batches (engine/carry.py), or None
     run_dir = Path(cfg.run.dir)
     run.timer = StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
                           run_dir / "trace" if cfg.profile.trace and world.is_main else None,
@@ -124,9 +131,18 @@ def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes, 
     return step_fn, None
 
 
-@torch.inference_mode()
 def infer_num_classes(model: nn.Module, dataset, device) -> int | None:
-    """C from one forward of one sample in eval mode; None if the output is not (1, C)."""
+    """C from one forward of one sample in eval mode; None if the output is not (1, C), or if
+    the forward fails: a model whose forward takes more than the inputs (an RNN's hidden
+    state) is not a classifier to infer from, and the run reports its own errors later."""
+    try:
+        return _num_classes(model, dataset, device)
+    except Exception:  # noqa: BLE001 - a guess that may fail; never the run's error
+        return None
+
+
+@torch.inference_mode()
+def _num_classes(model: nn.Module, dataset, device) -> int | None:
     sample = first_sample(dataset) if isinstance(dataset, Stream) else dataset[0]
     if not isinstance(sample, (tuple, list)) or len(sample) < 2:
         return None

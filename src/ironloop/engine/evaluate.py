@@ -14,7 +14,8 @@ from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_dev
 from ironloop.dist import parallel
 from ironloop.dist.world import sum_over_ranks
 from ironloop.engine.precision import autocast
-from ironloop.engine.steps import describe
+from ironloop.engine.steps import describe, unpack
+from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
 
 
@@ -24,6 +25,8 @@ def run_evaluation(run) -> tuple[dict[str, float], bool]:
     cfg, p = run.cfg, run.progress
     started = time.perf_counter()
     val = {f"val_{k}": v for k, v in evaluate(run, run.val_data).items()}
+    if cfg.eval.perplexity and "val_loss" in val:  # exp of the loss per token (tokens.py)
+        val["val_ppl"] = perplexity(val["val_loss"])
     metric = cfg.early_stop.metric
     if metric not in val:
         raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
@@ -57,6 +60,8 @@ def evaluate(run, dataset) -> dict[str, float]:
 
 def _evaluate(run, dataset) -> dict[str, float]:
     model = run.raw_model
+    if run.carry is not None:  # a stateful step gets the evaluation state, empty at first
+        run.carry.start_evaluation()
     # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's
     # backward, and evaluation has none.
     sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
@@ -65,17 +70,21 @@ def _evaluate(run, dataset) -> dict[str, float]:
                          pin_memory=run.cfg.data.pin_memory and run.device.type == "cuda",
                          collate_fn=run.collate_fn, seed_samples=run.cfg.data.seed_samples)
     sums, names, count, batches = None, [], 0, 0
+    # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
+    # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
+    wide = torch.float32 if run.device.type == "mps" else torch.float64
     for batch in loader:
         if run.check_labels is not None:
             run.check_labels(batch)
         n = batch_size_of(batch)
         batch = to_device(batch, run.device, run.device.type == "cuda")
         with autocast_for(run):
-            loss, metrics = call_step(run, model, batch, "evaluation")
+            loss, metrics, weight = call_step(run, model, batch, "evaluation")
         names = ["loss", *metrics]
-        values = torch.stack([loss.float(), *(m.float() for m in metrics.values())]) * n
+        values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
+        values = values * n if weight is None else values.to(wide) * weight
         sums = values if sums is None else sums + values
-        count += n
+        count = count + (n if weight is None else weight)  # samples, or the step's tokens
         batches += 1
     _pad_forwards(run, dataset, batches)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
@@ -98,10 +107,11 @@ def _pad_forwards(run, dataset, batches: int) -> None:
 
 
 def call_step(run, model: nn.Module, batch, where: str):
-    """The step function; an exception from it (the user's code, usually) keeps its traceback
-    and gains one line saying where in the run it happened and on what batch."""
+    """The step function's (loss, metrics, weight or None); an exception from it (the user's
+    code, usually) keeps its traceback and gains one line saying where in the run it happened
+    and on what batch."""
     try:
-        return run.step_fn(model, batch)
+        return unpack(run.step_fn(model, batch))
     except Exception as e:
         p = run.progress
         step = p.step + 1 if where == "training" else p.step  # the step being computed

@@ -26,7 +26,8 @@ from ironloop.data.inputs import map_style
 from ironloop.data.loader import TensorData, derive_seed
 from ironloop.data.stream import as_stream, refuse_eval_stream
 from ironloop.dist import parallel
-from ironloop.dist.world import collective_timeout, init_from_env, name_timeouts, shutdown
+from ironloop.dist.world import (all_reduce_sum, collective_timeout, init_from_env,
+                                 name_timeouts, shutdown)
 from ironloop.engine import build, evaluate
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.preempt import Preemption
@@ -103,9 +104,12 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
             ``loss.*`` config (``loss.name`` may be 'module:function').
-        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor})`` for anything that
-            is not ``(inputs, targets)`` classification. Loss and metrics are batch means.
-            Default: ``train.step_fn`` ('module:function'), else the classification step.
+        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor}[, weight])`` for
+            anything that is not ``(inputs, targets)`` classification. Loss and metrics are
+            means over the batch's weight (its samples, or the tokens a third value gives:
+            see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py).
+            Default: ``train.step_fn`` ('module:function' or 'lm'), else the classification
+            step.
         num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
         optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
             returning one. Default: the ``optim.*`` config.
@@ -127,7 +131,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     cfg, data = _splits(cfg, train_data, val_data, test_data)
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
-    precision = resolve_precision(cfg.train.precision, device)
+    precision = resolve_precision(cfg.train.precision, device, world.is_main)
     seed_everything(cfg.run.seed + world.rank)
 
     run, strategy = build.build_run(cfg, model.to(device), data, device, world, precision, loss_fn,
@@ -155,7 +159,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         _train(run, manager)
     result = _finish(run, data.test, run_dir, started)
     if world.is_main and result.results.get("time_split"):
-        print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync))
+        print(table(result.results["time_split"], run.timer.steps, device, run.timer.sync,
+                    result.results.get("tokens_per_s")))
     shutdown(world)
     return result
 
@@ -276,10 +281,10 @@ def _finish(run: Run, test_set, run_dir: Path, started: float) -> FitResult:
     cfg = run.cfg
     train_seconds = run.meter.train_seconds()
     # max_steps ended the run mid-epoch: that epoch has no epochs.jsonl line (it stays open for
-    # a longer resume), so the final weights are validated here, for results.json.
+    # a longer resume); the loop evaluated the final weights once (loop.end_mid_epoch).
     mid_epoch = run.progress.offset > 0
-    has_val = run.val_data is not None and len(run.val_data) > 0
-    final_val = evaluate.evaluate(run, run.val_data) if mid_epoch and has_val else {}
+    last = run.last_eval if mid_epoch and run.last_eval.get("step") == run.progress.step else {}
+    final_val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
     restored = run.best_state is not None and cfg.early_stop.patience > 0
     if restored:
         run.raw_model.load_state_dict(run.best_state)
@@ -304,6 +309,11 @@ def _finish(run: Run, test_set, run_dir: Path, started: float) -> FitResult:
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": run.progress.epoch + 1,
                                         "val_loss": final_val.get("loss")}
+    tokens = float(all_reduce_sum(run.meter.tokens.clone(), run.world))  # host sync, once
+    if tokens:  # the step reports its tokens (its loss weight)
+        results.update(tokens=tokens, tokens_per_s=tokens / max(train_seconds, 1e-9))
+    if run.last_eval.get("val_ppl") is not None:
+        results["final_val_ppl"] = run.last_eval["val_ppl"]
     if not math.isfinite(run.tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}
     weights = parallel.full_model_state(run.raw_model)  # a collective under FSDP2

@@ -3,11 +3,14 @@
 One optimizer step covers a window of ``accumulation_steps`` micro-batches (fewer for the
 ragged last window of an epoch)::
 
+    [a stateful step's state (carry.py) starts empty at the top of an epoch]
     optimizer.zero_grad(set_to_none=True)
     for each micro-batch of the window:
         with autocast:                        # fp16/bf16, or nothing for fp32
             loss = step_fn(model, batch)      # forward + loss, a mean over the micro-batch
         backward(loss * n_micro / n_window)   # exact: the window's mean gradient, ragged or not
+                                              # (a step that returns a weight: loss * weight)
+    [grads *= ranks / window weight]          # per-token steps only (tokens.py)
     scaler.unscale_(optimizer)                # fp16 only; unscale BEFORE clipping
     grad_norm = norm(gradients)               # the pre-clip norm is what gets logged
     ok = guard verdict, on the device         # guard/hook.py: no host read
@@ -20,7 +23,8 @@ ragged last window of an epoch)::
     -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
 
 and at the end of each epoch: [evaluate, when eval.every_steps is 0] -> epoch line ->
-on_epoch_end -> checkpoint -> on_checkpoint.
+on_epoch_end -> checkpoint -> on_checkpoint. A run that max_steps ends inside an epoch instead:
+[evaluate the final weights, unless this step just was] -> checkpoint (``end_mid_epoch``).
 
 An evaluation (``run_evaluation``, the same one from both places): validate in eval mode under
 inference_mode on the val split (a fixed subset with eval.max_batches) -> best tracking and
@@ -54,6 +58,7 @@ from ironloop.engine.evaluate import autocast_for, call_step, run_evaluation
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.run import Run
 from ironloop.engine.settle import due, mark, settle, step_schedule
+from ironloop.engine.tokens import WindowWeight, mfu
 from ironloop.guard.hook import RolledBack, lr_scaled
 from ironloop.outputs import console
 
@@ -81,8 +86,7 @@ def _epochs(run: Run) -> None:
         except RolledBack:
             continue  # the guard restored an earlier state: go on from its epoch and offset
         if run.progress.offset < run.sampler.usable:  # stopped by max_steps, mid-epoch
-            if not _saved_by_after_step(run):
-                run.save(False)
+            end_mid_epoch(run)
             return
         end_epoch(run)
 
@@ -92,6 +96,8 @@ def train_epoch(run: Run) -> None:
     accum, world = cfg.train.accumulation_steps, run.world.size
     n, global_batch = sampler.usable, sampler.global_batch
     sampler.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
+    if run.carry is not None:
+        run.carry.start_epoch(p.offset)  # a fresh state at the top of an epoch, not on resume
     if isinstance(sampler, StreamOrder):  # a stream reads itself, from its own state
         loader = sampler.batches()
     else:
@@ -101,6 +107,7 @@ def train_epoch(run: Run) -> None:
     run.timer.start_epoch()
     run.lag_mark = mark(run)
     micro = window = 0
+    weights = WindowWeight()  # a step that weights its loss (tokens): the window's total
     # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
     # label check runs on each host batch first, before it can become a CUDA assert.
     for batch in prefetch(loader, run.device, run.check_labels,
@@ -117,19 +124,26 @@ def train_epoch(run: Run) -> None:
         # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
         with parallel.micro_sync(run.model, last):
             with autocast_for(run):
-                loss, _ = call_step(run, run.model, batch, "training")
+                loss, _, weight = call_step(run, run.model, batch, "training")
             run.timer.mark("forward")
-            # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
-            # mean gradient, ragged last window included. DDP averages over ranks, hence * world.
-            scale = n_micro * world / window
-            scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
+            if weight is not None and (accum > 1 or world > 1):
+                # Per token: this micro-batch's sum; the window's total divides it before the
+                # optimizer step (tokens.py), ragged windows and uneven ranks included.
+                scaled = loss * weight
+                weights.add(weight)
+            else:
+                # Weight by samples, not 1/accum: micro-batch gradients then sum to the window's
+                # mean gradient, ragged last window included. DDP averages over ranks: * world.
+                scale = n_micro * world / window
+                scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
             (run.scaler.scale(scaled) if run.scaler else scaled).backward()
         run.timer.mark("backward")
-        run.meter.add_micro(loss, n_micro)
+        run.meter.add_micro(loss, n_micro, weight)
         micro += 1
         if not last:
             continue
         micro = 0
+        weights.normalise(run.params, run.world)  # no-op unless the step weights its loss
         optimizer_step(run)
         run.timer.mark("optimizer")
         bar.update(1)
@@ -188,6 +202,9 @@ def after_step(run: Run, bar) -> None:
         run.timer.flush()  # reads the step timer's CUDA events: the stream is synced already
         row = {"step": p.step, "epoch": p.epoch + 1, "loss": row.pop("loss"), "lr": run.step_lr,
                **row, "time": time.time()}
+        if cfg.profile.peak_tflops and "tokens_per_s" in row:  # model-FLOPs utilisation
+            row["mfu"] = mfu(sum(q.numel() for q in run.params), row["tokens_per_s"],
+                             cfg.profile.peak_tflops)
         if run.log is not None:
             run.log.write("metrics", row)
         bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
@@ -230,6 +247,23 @@ def _preempted(run: Run) -> None:
                                  "step": run.progress.step, "epoch": run.progress.epoch,
                                  "saved": saved, "time": time.time()})
     raise stop
+
+
+def end_mid_epoch(run: Run) -> None:
+    """max_steps ended the run inside an epoch: evaluate the final weights once (unless this
+    step was just evaluated), as any evaluation (evals.jsonl, on_eval_end, charged to
+    validation), print it, and checkpoint where the run stands."""
+    p = run.progress
+    if run.val_data and run.last_eval.get("step") != p.step:
+        run.timer.mark("other")
+        started = time.perf_counter()
+        improved = run_evaluation(run)[1]
+        run.meter.exclude(time.perf_counter() - started)
+        run.timer.mark("validation")
+        console.say(run, console.eval_line(run.last_eval, "final evaluation"))
+        run.save(improved)
+    elif not _saved_by_after_step(run):
+        run.save(False)
 
 
 def end_epoch(run: Run) -> None:

@@ -55,6 +55,7 @@ class Meter:
         self.loss_sum = torch.zeros((), dtype=dtype, device=device)  # sum of loss * samples
         self.clipped = torch.zeros((), dtype=dtype, device=device)   # steps clipped
         self.skipped = torch.zeros((), dtype=dtype, device=device)   # fp16 steps skipped
+        self.tokens = torch.zeros((), dtype=dtype, device=device)    # the steps' loss weights
         self.grad_norm = torch.zeros((), device=device)              # of the last step
         self.samples = self.steps = 0                                # host-side counts
         self.elapsed = 0.0                        # training seconds before clock_start
@@ -74,7 +75,7 @@ class Meter:
             self.clipped.add_(flags.sum())
             self._clip_flags.clear()
             self._oks.clear()
-        return torch.stack([self.loss_sum, self.clipped, self.skipped])
+        return torch.stack([self.loss_sum, self.clipped, self.skipped, self.tokens])
 
     def train_seconds(self) -> float:
         """Training seconds over the whole run, every process of it."""
@@ -93,10 +94,16 @@ class Meter:
         training time and the samples/s."""
         self.elapsed -= seconds
 
-    def add_micro(self, loss: torch.Tensor, n: int) -> None:
-        # Out of place, on the device (no sync): the guard keeps the total from before a
-        # window by reference and puts it back when the window turns out bad.
-        self.loss_sum = self.loss_sum.add(loss.detach(), alpha=n)
+    def add_micro(self, loss: torch.Tensor, n: int, weight=None) -> None:
+        """A micro-batch of ``n`` samples; a step that weights its loss (tokens) gives
+        ``weight``, and the logged loss is then the mean per token."""
+        # Out of place, on the device (no sync): the guard keeps the totals from before a
+        # window by reference and puts them back when the window turns out bad.
+        if weight is None:
+            self.loss_sum = self.loss_sum.add(loss.detach(), alpha=n)
+        else:
+            self.loss_sum = self.loss_sum.add(loss.detach() * weight)
+            self.tokens = self.tokens.add(weight)
         self.samples += n
 
     def add_step(self, grad_norm: torch.Tensor, clipped: torch.Tensor,
@@ -117,33 +124,44 @@ class Meter:
         self.steps -= steps
 
     def _since(self, mark: dict) -> tuple[list[float], int, int]:
-        """(loss_sum over all ranks, samples over all ranks, clipped, skipped, grad_norm),
-        since ``mark``. This is a host-device sync."""
+        """(loss_sum, samples and tokens over all ranks, clipped, skipped, grad_norm), since
+        ``mark``. This is a host-device sync."""
         delta = self._totals() - mark["totals"]
         samples = self.samples - mark["samples"]
-        shared = torch.stack([delta[0], delta.new_tensor(float(samples))])
+        shared = torch.stack([delta[0], delta.new_tensor(float(samples)), delta[3]])
         if self.reduce is not None:
             shared = self.reduce(shared)
-        values = torch.cat([shared, delta[1:], self.grad_norm.to(delta.dtype).reshape(1)])
+        values = torch.cat([shared, delta[1:3], self.grad_norm.to(delta.dtype).reshape(1)])
         return values.tolist(), self.steps - mark["steps"]  # host sync
+
+    @staticmethod
+    def _per_unit(loss_sum: float, samples: float, tokens: float, seconds: float) -> dict:
+        """The mean loss per token when the step weights its loss, else per sample; and the
+        throughput in both."""
+        out = {"loss": loss_sum / max(tokens if tokens else samples, 1),
+               "samples_per_s": samples / max(seconds, 1e-9)}
+        if tokens:
+            out["tokens_per_s"] = tokens / max(seconds, 1e-9)
+        return out
 
     def flush_window(self) -> dict:
         """Read the log window and start a new one. A host sync: call at log steps only."""
-        (loss_sum, samples, clipped, skipped, grad_norm), steps = self._since(self.window_mark)
+        (loss_sum, samples, tokens, clipped, skipped, grad_norm), steps = \
+            self._since(self.window_mark)
         seconds = self.train_seconds() - self.window_mark.get("train_seconds", 0.0)
-        row = {"loss": loss_sum / max(samples, 1), "grad_norm": grad_norm,
-               "clipped": int(clipped), "steps": steps, "skipped": int(skipped),
-               "samples_per_s": samples / max(seconds, 1e-9)}
+        per = self._per_unit(loss_sum, samples, tokens, seconds)
+        row = {"loss": per.pop("loss"), "grad_norm": grad_norm, "clipped": int(clipped),
+               "steps": steps, "skipped": int(skipped), **per}
         self.window_mark = self._mark()
         return row
 
     def flush_epoch(self) -> dict:
         """Read the epoch and start a new one. A host sync, once per epoch."""
-        (loss_sum, samples, clipped, skipped, _), steps = self._since(self.epoch_mark)
+        (loss_sum, samples, tokens, clipped, skipped, _), steps = self._since(self.epoch_mark)
         seconds = self.train_seconds() - self.epoch_mark.get("train_seconds", 0.0)
-        row = {"train_loss": loss_sum / max(samples, 1), "clipped_frac": clipped / max(steps, 1),
-               "skipped": int(skipped), "train_seconds": seconds,
-               "samples_per_s": samples / max(seconds, 1e-9)}
+        per = self._per_unit(loss_sum, samples, tokens, seconds)
+        row = {"train_loss": per.pop("loss"), "clipped_frac": clipped / max(steps, 1),
+               "skipped": int(skipped), "train_seconds": seconds, **per}
         self.epoch_mark = self._mark()
         return row
 
@@ -162,8 +180,8 @@ class Meter:
 
     def load_state_dict(self, state: dict) -> None:
         device, dtype = self.loss_sum.device, self.loss_sum.dtype
-        totals = state["totals"].to(device, dtype)
-        self.loss_sum, self.clipped, self.skipped = (t.clone() for t in totals)
+        totals = _four(state["totals"]).to(device, dtype)
+        self.loss_sum, self.clipped, self.skipped, self.tokens = (t.clone() for t in totals)
         self.grad_norm = state["grad_norm"].to(device)
         self.samples, self.steps = state["samples"], state["steps"]
         # A checkpoint from before training time was kept: its marks carry no time either.
@@ -171,4 +189,9 @@ class Meter:
         self._clip_flags, self._oks = [], []
         for name in ("window_mark", "epoch_mark"):
             mark = state[name]
-            setattr(self, name, {**mark, "totals": mark["totals"].to(device, dtype)})
+            setattr(self, name, {**mark, "totals": _four(mark["totals"]).to(device, dtype)})
+
+
+def _four(totals: torch.Tensor) -> torch.Tensor:
+    """(loss_sum, clipped, skipped, tokens): checkpoints from before tokens lack the last."""
+    return totals if len(totals) == 4 else torch.cat([totals, totals.new_zeros(1)])

@@ -57,6 +57,7 @@ class Run:
     guard: Any = None               # guard.GuardHook, or None with guard.enabled=false
     preempt: Any = None             # engine.preempt.Preemption while the loop runs
     lag_mark: Any = None            # engine/settle.py: step and schedule at the last settle
+    carry: Any = None               # carry.StatefulStep: a stateful step's state, or None
     params: list = field(default_factory=list)  # the model's parameters, listed once
     loader: Any = None              # data.loader.EpochLoader: the training batches, every epoch
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))

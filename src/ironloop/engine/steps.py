@@ -1,5 +1,12 @@
-"""The default step for ``(inputs, targets)`` batches and Hugging Face-style outputs, and the
-host-side label check that runs before a bad label can become a CUDA assert."""
+"""The built-in steps (``(inputs, targets)`` classification with Hugging Face-style outputs, and
+next-token language modelling), what a step may return (``unpack``), and the host-side label
+check that runs before a bad label can become a CUDA assert.
+
+A step returns ``(loss, metrics)`` or ``(loss, metrics, weight)``: ``loss`` is a mean over the
+batch's ``weight`` units (samples when it is left out; tokens for a language model, or the
+valid tokens under ``ignore_index``). With a weight, accumulation windows, ranks and
+evaluation average per unit: the mean over every token of the window, not a mean of means.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,61 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ironloop.errors import DataError, UserError
+from ironloop.specs import import_spec
 
 StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+#: ``train.step_fn`` names of the built-in steps (besides 'module:function').
+BUILT_IN = ("lm",)
+#: Targets equal to this are padding: no loss, no weight (torch's and Hugging Face's default).
+IGNORE_INDEX = -100
+
+
+def unpack(out, where: str = "step_fn") -> tuple[torch.Tensor, dict, Any]:
+    """(loss, metrics, weight or None) from what a step returned."""
+    if isinstance(out, (tuple, list)) and len(out) in (2, 3):
+        loss, metrics, weight = (*out, None)[:3]
+        if isinstance(loss, torch.Tensor) and isinstance(metrics, dict):
+            return loss, metrics, weight
+    raise UserError(f"{where} returned {describe(out)}; return (loss, {{name: scalar tensor}}) "
+                    f"or (loss, {{...}}, weight), the loss a mean over the batch's weight "
+                    f"(its samples, or its tokens)")
+
+
+def named_step(spec: str) -> StepFn:
+    """The step ``train.step_fn`` names: a built-in (``lm``) or the user's 'module:function'."""
+    return lm_step if spec == "lm" else import_spec(spec, "train.step_fn")
+
+
+def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """Next-token cross-entropy per token (``train.step_fn=lm``), weighted by the valid tokens.
+
+    ``(inputs, targets)`` batches of token ids, targets already shifted, padding marked -100:
+    the model returns logits ``(..., vocab)``, ``(logits, ...)`` or an object with ``.logits``.
+    A dict batch goes to a Hugging Face causal LM (``model(**batch)``, which shifts ``labels``
+    itself); its ``.loss`` is weighted by the labels that count.
+    """
+    if isinstance(batch, dict):
+        loss = output_loss(model(**batch))
+        labels = batch.get("labels")
+        if labels is None:
+            return loss, {}, None
+        return loss, {}, (labels[..., 1:] != IGNORE_INDEX).sum()  # HF shifts by one inside
+    x, y = batch[0], batch[1]
+    out = model(x)
+    logits = out if isinstance(out, torch.Tensor) else \
+        out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise UserError(f"train.step_fn=lm: the model returned {describe(out)}; it needs "
+                        f"logits (a tensor, a tuple starting with one, or .logits)")
+    valid = (y != IGNORE_INDEX).sum()
+    # A sum over the valid tokens / their count: an all-padding batch gives 0, not NaN.
+    total = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / valid.clamp(min=1), {}, valid
 
 def classification_step(loss_fn) -> StepFn:
     """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating."""

@@ -183,8 +183,10 @@ class Trace:
 # -- the end-of-run table ----------------------------------------------------------------------
 
 
-def table(total: dict[str, float], steps: int, device: torch.device, sync: bool) -> str:
-    """The run's time split as a text table, plus the advice its numbers call for."""
+def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
+          tokens_per_s: float | None = None) -> str:
+    """The run's time split as a text table, plus the advice its numbers call for; and the
+    training throughput in tokens/s when the step reports its tokens."""
     if not total:
         return ""
     whole = sum(total.values()) or 1e-12
@@ -201,6 +203,8 @@ def table(total: dict[str, float], steps: int, device: torch.device, sync: bool)
         gpu = total.get("forward", 0.0) + total.get("backward", 0.0)
         lines.append(f"  GPU compute (forward + backward): {100 * gpu / step_time:.1f}% "
                      f"of step time")
+    if tokens_per_s:
+        lines.append(f"  tokens/s (training, every process): {tokens_per_s:,.0f}")
     lines += [f"  advice: {a}" for a in advice(total)]
     return "\n".join(lines)
 

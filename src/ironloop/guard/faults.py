@@ -22,12 +22,12 @@ class PoisonLoss:
         self.step_fn, self.steps, self.run = step_fn, set(steps), None
 
     def __call__(self, model, batch):
-        loss, metrics = self.step_fn(model, batch)
+        loss, *rest = self.step_fn(model, batch)  # (loss, metrics[, weight])
         run = self.run
         if model.training and run is not None and run.progress.step + 1 in self.steps and \
                 (run.guard is None or run.guard.guard.consecutive == 0):
             loss = loss * float("nan")
-        return loss, metrics
+        return (loss, *rest)
 
 
 def poison_sample(dataset: Dataset, index: int) -> Dataset:

@@ -187,6 +187,7 @@ class GuardHook:
         """The meter's totals and the sampler's position become the baseline of the next
         window (at start and after a rollback); nothing is pending."""
         self._before = run.meter.loss_sum
+        self._before_tokens = run.meter.tokens
         self.pending = []
         self.offsets, self.samples = [run.progress.offset], [run.meter.samples]
         self.known_bad = False
@@ -203,6 +204,7 @@ class GuardHook:
         ok = self.verdict.judge(total, before, norm, run.progress.offset - self.offsets[-1],
                                 skipped, run.world)
         m.loss_sum = self._before = torch.where(ok, total, before)
+        m.tokens = self._before_tokens = torch.where(ok, m.tokens, self._before_tokens)
         self.pending.append((ok, total, before, norm))
         self.offsets.append(run.progress.offset)
         self.samples.append(m.samples)

@@ -33,10 +33,14 @@ def epoch_line(row: dict, epochs: int) -> str:
         parts.append(f"val_loss {row['val_loss']:.4f}")
     if row.get("val_acc") is not None:
         parts.append(f"val_acc {100 * row['val_acc']:.2f}%")
+    if row.get("val_ppl") is not None:
+        parts.append(f"val_ppl {row['val_ppl']:.2f}")
     parts += [f"lr {row['lr']:.2e}", f"{row['seconds']:.1f}s",
               f"{row['samples_per_s']:.0f} samples/s"]
     if row.get("clipped_frac"):
         parts.append(f"clipped {100 * row['clipped_frac']:.0f}%")
+    if row.get("tokens_per_s"):
+        parts.append(f"{row['tokens_per_s']:.0f} tokens/s")
     if row.get("skipped"):
         parts.append(f"fp16-skipped {row['skipped']}")
     for key in ("bad_steps", "rollbacks", "skipped_samples"):  # the guard's totals
@@ -44,3 +48,13 @@ def epoch_line(row: dict, epochs: int) -> str:
             parts.append(f"{key.replace('_', ' ')} {row[key]}")
     return "  ".join(parts)
 
+
+
+def eval_line(row: dict, what: str = "evaluation") -> str:
+    """One line for an evals.jsonl row: the step and every val_* metric."""
+    parts = [f"{what} at step {row['step']}"]
+    for key, value in row.items():
+        if key.startswith("val_") and isinstance(value, (int, float)):
+            parts.append(f"{key} {100 * value:.2f}%" if key == "val_acc" else
+                         f"{key} {value:.4f}" if key != "val_ppl" else f"{key} {value:.2f}")
+    return "  ".join(parts)

@@ -31,6 +31,7 @@ FREE: tuple[str, ...] = (
     "fault.",            # the lab's crash knob
     "profile.",          # timing and traces measure the run, they do not change it
     "doctor.",           # the preflight works on copies and restores the RNG state
+    "eval.perplexity",   # one more column, exp(val_loss)
     "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
     "train.compile_mode",
     "train.activation_checkpointing",  # recomputes the same forward in backward: same math

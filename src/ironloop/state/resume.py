@@ -37,6 +37,8 @@ def collect_state(run) -> dict:
         "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
         "loggers": run.log.ids() if run.log is not None else {},  # W&B / MLflow run ids
         "guard": run.guard.state_dict() if getattr(run, "guard", None) is not None else None,
+        # a stateful step's state (an RNN's hidden state), so a resume mid-epoch goes on with it
+        "carry": run.carry.state_dict() if getattr(run, "carry", None) is not None else None,
     }
 
 
@@ -62,6 +64,8 @@ def restore_state(run, state: dict, source: str) -> None:
     run.tracker.load_state_dict(state["tracker"])
     load_callbacks_state(run.callbacks, state.get("callbacks"))
     run.last_eval = state.get("evaluation") or {}
+    if getattr(run, "carry", None) is not None:
+        run.carry.load_state_dict(state.get("carry"))
     set_rng_state(state["rng"])
     guard = state.get("guard") or {}  # absent in checkpoints from before the guard
     if getattr(run, "guard", None) is not None:

@@ -1,7 +1,8 @@
 """Built-in models and the ``module:factory`` hook for the user's own.
 
-Every factory is called as ``factory(input_shape=tuple, num_classes=int, **model.kwargs)``,
-offered only the ones of input_shape and num_classes that its signature accepts.
+Every factory is called as ``factory(input_shape=tuple, num_classes=int, **meta,
+**model.kwargs)``, offered only the ones of input_shape, num_classes and the data factory's
+metadata (``vocab_size``, ``seq_len``, ...) that its signature accepts; model.kwargs win.
 None of the built-ins uses dropout or BatchNorm by default, so gradient accumulation is exactly
 equivalent to a bigger batch.
 """
@@ -70,8 +71,23 @@ def cnn1d(input_shape, num_classes, channels=32, hidden=128, strides=(2, 2, 2), 
 MODELS = {"mlp": mlp, "small_cnn": small_cnn, "cnn1d": cnn1d}
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict) -> nn.Module:
-    """A built-in model by name, or the user's ``module:factory``."""
+def from_config(cfg):
+    """(model, data bundle) as ``ironloop train`` and ``ironloop doctor`` both build them:
+    data.name first, then model.name with what the data told it."""
+    from ironloop.data import build_data
+    from ironloop.engine.fit import seed_everything
+
+    bundle = build_data(cfg.data)
+    seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
+    model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs,
+                        bundle.meta)
+    return model, bundle
+
+
+def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict,
+                meta: dict | None = None) -> nn.Module:
+    """A built-in model by name, or the user's ``module:factory``; ``meta`` is what the data
+    factory returned besides its splits."""
     if ":" in name:
         factory = import_spec(name, "model.name")
     elif name in MODELS:
@@ -80,7 +96,8 @@ def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict) -
         raise ConfigError(f"model.name={name!r}: unknown model; choose one of "
                           f"{', '.join(MODELS)} or give your own as 'module:factory'")
     try:
-        offered = accepted(factory, input_shape=tuple(input_shape), num_classes=num_classes)
+        offered = accepted(factory, **{**(meta or {}), "input_shape": tuple(input_shape),
+                                       "num_classes": num_classes})
         model = factory(**{**offered, **kwargs})
     except TypeError as e:
         raise ConfigError(f"model factory {name!r} rejected its arguments: {e}; "

@@ -6,19 +6,16 @@ import os
 from pathlib import Path
 
 from ironloop.config import Config
-from ironloop.data import build_data
 from ironloop.tools.doctor.run import preflight
-from ironloop.engine.fit import FitResult, fit, seed_everything
+from ironloop.engine.fit import FitResult, fit
 from ironloop.state import lock
-from ironloop.tools.models import build_model
+from ironloop.tools.models import from_config
 
 
 def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = False,
                  allow_config_change: bool = False) -> FitResult:
     """What ``ironloop train`` does: data.name + model.name from the config, then fit()."""
-    bundle = build_data(cfg.data)
-    seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
-    model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs)
+    model, bundle = from_config(cfg)
     # run.dir's lock before the preflight writes doctor.json there (fit() takes it again)
     with lock.hold(Path(cfg.run.dir), os.environ.get("RANK", "0") == "0"):
         preflight(cfg, model, bundle, resume=resume)  # the doctor's quick checks; --strict stops

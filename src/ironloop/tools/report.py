@@ -213,6 +213,33 @@ def plot_accuracy(epoch_rows: list[dict], out) -> Path:
     return _save(fig, out)
 
 
+def plot_validation(eval_rows: list[dict], out) -> Path:
+    """A step-based run (no epoch ended): val loss (and val ppl) vs step on the left, val
+    accuracy vs step on the right, from evals.jsonl."""
+    fig, (left, right) = _figure(1, 2, size=(9.0, 4.0))
+    rows = continuous(eval_rows)
+    drawn = False
+    for key in ("val_loss", "val_ppl"):
+        xs, ys = _xy(rows, "step", key)
+        if xs:
+            axis = left if key == "val_loss" else left.twinx()
+            axis.plot(xs, ys, marker="o", ms=3, color="C0" if key == "val_loss" else "C1",
+                      label=key.replace("_", " "))
+            axis.set_ylabel(key.replace("_", " "))
+            drawn = True
+    _finish(left, drawn, "no evaluations recorded", xlabel="optimizer step",
+            title="Validation per evaluation")
+    xs, ys = _xy(rows, "step", "val_acc")
+    if xs:
+        right.plot(xs, _pct(ys), marker="o", ms=3, color="C2")
+        right.grid(alpha=0.3)
+    else:
+        _note(right, "no validation accuracy recorded", ticks=False)
+    right.set(xlabel="optimizer step", ylabel="validation accuracy (%)",
+              title="Validation accuracy")
+    return _save(fig, out)
+
+
 def plot_resume_curve(metric_rows, epoch_rows, out, resumes: Sequence[dict] = (),
                       crash_step: int | Sequence[int] | None = None) -> Path:
     """Train loss (top) and val acc at each epoch end (bottom) vs step, each as one trajectory,
@@ -287,27 +314,41 @@ def summarize(run_dir: Path | str) -> str:
     res, res_note = load_mapping(run_dir / "results.json")
     metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
     epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
+    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
     accs, speeds = _vals(epochs, "val_acc"), _vals(metrics, "samples_per_s")
+    if not accs:  # a step-based run: its evaluations are in evals.jsonl only
+        accs = _vals(evals, "val_acc")
     frac = clipped_fraction(metrics, get_dotted(cfg, "clip.max_norm"))
+    tokens = _vals(metrics, "tokens_per_s")
+    # A run that max_steps ends inside its first epoch has no epoch line: its time is the
+    # training seconds plus the validation the time split counted.
+    split = res.get("time_split") if isinstance(res.get("time_split"), dict) else {}
+    seconds = res.get("seconds") or (num(res.get("train_seconds")) or 0) + \
+        (num(split.get("validation")) or 0) or None
     table = [
         *_used_rows(cfg),
         ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", len(epochs)),
+        ("evaluations", len(evals)),
         ("optimizer steps", _fmt(res.get("steps"), *_vals(metrics, "step")[-1:], spec=".0f")),
         ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),
         ("final val acc", _fmt(*accs[-1:], pct=True)),
         ("test acc", _fmt(res.get("test_acc"), pct=True)),
         ("test loss", _fmt(res.get("test_loss"), spec=".4f")),
+        ("final val loss", _fmt(*_vals(evals, "val_loss")[-1:], spec=".4f")),
+        ("final val ppl", _fmt(*_vals(evals, "val_ppl")[-1:], spec=".2f")),
         ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None, spec=",.0f")),
+        ("mean tokens/s", _fmt(sum(tokens) / len(tokens) if tokens else None, spec=",.0f")),
         ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
         ("resumes", len(_resumes(run_dir))),
-        ("total seconds", _fmt(res.get("seconds"), _span(_vals(metrics, "time")), spec=".1f")),
+        ("total seconds", _fmt(seconds, _span(_vals(metrics, "time")), spec=".1f")),
         ("training seconds", _fmt(res.get("train_seconds"), spec=".1f")),
     ]
     table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
               ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
     lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
+    optional = ("test", "final val", "mean tokens")  # rows that most runs do not have
     lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table
-              if not (k.startswith("test") and v == "n/a")]
+              if not (k.startswith(optional) and v == "n/a")]
     notes = [n for n in (cfg_note, res_note and f"{res_note}: the run did not finish") if n]
     return "\n".join(lines + [""] + [f"> note: {n}" for n in notes]).rstrip() + "\n"
 
@@ -321,13 +362,15 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         raise UserError(f"{run_dir} has no metrics.jsonl: is it an ironloop run directory? "
                         "Pass the run.dir of a training run")
     epochs, resumes = read_jsonl(run_dir / "epochs.jsonl"), _resumes(run_dir)
+    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
     cfg = load_mapping(run_dir / "config.yaml")[0]
     max_norm = get_dotted(cfg, "clip.max_norm")
     metrics, name = continuous(raw), run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         plot_loss_curves({name: metrics}, out_dir / "loss.png", title=f"Training loss: {name}"),
-        plot_accuracy(epochs, out_dir / "accuracy.png"),
+        plot_accuracy(epochs, out_dir / "accuracy.png") if continuous(epochs, "epoch") or \
+        not evals else plot_validation(evals, out_dir / "validation.png"),
         plot_lr({name: metrics}, out_dir / "lr.png"),
         plot_grad_norm(metrics, max_norm, out_dir / "grad_norm.png"),
         plot_grad_norm_hist(metrics, max_norm, out_dir / "grad_norm_hist.png"),

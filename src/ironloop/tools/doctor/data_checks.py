@@ -152,17 +152,15 @@ def _loader_seconds_per_batch(s: Subject, max_batches: int, budget: float) -> fl
 
 
 def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> float:
-    """Seconds per optimizer step on a synthetic batch of the same shape, already in place:
-    the median step on CPU, the mean over the steps (one sync at the end) on CUDA."""
-    x = torch.randn_like(batch[0].float()).to(batch[0].dtype) \
-        if batch[0].is_floating_point() else batch[0].clone()
-    y = batch[1].clone()
+    """Seconds per optimizer step on the first batch, already in place (no loading), through
+    the run's step: the median step on CPU, the mean over the steps (one sync at the end) on
+    CUDA."""
     model, opt = s.copy()
     cuda = s.device.type == "cuda"
 
     def step():
         opt.zero_grad(set_to_none=True)
-        s.loss(model, (x, y))[0].backward()
+        s.loss(model, batch)[0].backward()
         opt.step()
 
     step()  # warm-up

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SEVERITIES = ("error", "warning", "info")
+#: "skipped": the check could not run here (it raised, or does not apply); ``measured`` says why.
+SEVERITIES = ("error", "warning", "info", "skipped")
 
 
 @dataclass
 class Finding:
     check: str      # the check's name, e.g. "probabilities"
-    severity: str   # error | warning | info
+    severity: str   # error | warning | info | skipped
     measured: str   # what was measured, with the numbers
     cause: str      # the likely cause ("" for an info finding that only reports)
     fix: str        # the fix, in one line ("" when nothing needs fixing)

@@ -7,8 +7,9 @@ import math
 import torch
 from torch import nn
 
+from ironloop.data.loader import batch_size_of
 from ironloop.tools.doctor.findings import Finding, info
-from ironloop.tools.doctor.subject import Subject
+from ironloop.tools.doctor.subject import Subject, repeated
 from ironloop.engine.gradients import clip_gradients
 
 #: Final modules that turn logits into probabilities (or log-probabilities).
@@ -89,6 +90,10 @@ def check_probabilities(s: Subject, batch) -> list[Finding]:
     """2. Probabilities fed to a loss that expects logits: a final Softmax/LogSoftmax/Sigmoid
     module, or outputs that are non-negative and sum to 1."""
     name = s.cfg.loss.name
+    if s.user_step:
+        return [Finding("probabilities", "skipped", "the run's step_fn turns the model's outputs "
+                        "into the loss; this check reads the outputs the default step feeds to "
+                        "loss.name", "", "")]
     if name not in ("cross_entropy", "bce_logits", "kl_div"):
         return []
     model, _ = s.copy()
@@ -138,7 +143,7 @@ def check_overfit_batch(s: Subject, batch, steps: int) -> list[Finding]:
         last = value
         if not math.isfinite(value) or value > 3 * first + 1:
             return [Finding("overfit_batch", "error",
-                            f"training on one batch of {len(batch[1])} diverged: loss "
+                            f"training on one batch of {batch_size_of(batch)} diverged: loss "
                             f"{first:.4f} -> {value:.4g} at step {step} (optim.lr="
                             f"{s.cfg.optim.lr:g})",
                             "the learning rate is too high for this model (wide layers need "
@@ -146,13 +151,13 @@ def check_overfit_batch(s: Subject, batch, steps: int) -> list[Finding]:
                             f"lower optim.lr (try {s.cfg.optim.lr / 10:g}) or run "
                             f"`ironloop doctor CONFIG --lr-find`")]
         if value - floor <= 0.1 * (first - floor):
-            return [info("overfit_batch", f"loss on one batch of {len(batch[1])} fell "
+            return [info("overfit_batch", f"loss on one batch of {batch_size_of(batch)} fell "
                          f"{first:.4f} -> {value:.4f} in {step - 1} steps: pass")]
         loss.backward()
         clip_gradients(model.parameters(), s.cfg.clip.max_norm, s.cfg.clip.mode)
         opt.step()
     return [Finding("overfit_batch", "warning",
-                    f"the loss on one batch of {len(batch[1])} fell only {first:.4f} -> "
+                    f"the loss on one batch of {batch_size_of(batch)} fell only {first:.4f} -> "
                     f"{last:.4f} in {steps} steps (target: 10x closer to {floor:.3f})",
                     "the model cannot fit even one batch: the LR is too low, outputs and "
                     "labels do not match, or part of the network does not learn",
@@ -208,7 +213,7 @@ def check_memory(s: Subject, batch, search: bool = False) -> list[Finding]:
     torch.cuda.synchronize(s.device)
     static = torch.cuda.memory_allocated(s.device)
     peak = _peak_of_step(s, model, opt, batch)
-    bs = len(batch[1])
+    bs = batch_size_of(batch)
     per_sample = max(peak - static, 1) / bs
     estimate = int((0.9 * total - static) / per_sample)
     measured = (f"one step at batch {bs} peaks at {peak / 2**30:.2f} GiB of "
@@ -234,10 +239,10 @@ def _peak_of_step(s: Subject, model, opt, batch) -> int:
 
 def _search_batch(s: Subject, model, opt, batch, total: int) -> int:
     """Double the batch (by repeating samples) until a step runs out of memory."""
-    fits, size = len(batch[1]), len(batch[1]) * 2
+    fits = batch_size_of(batch)
+    size = fits * 2
     while size <= 2**20:
-        reps = -(-size // len(batch[1]))
-        big = [t.repeat(reps, *[1] * (t.ndim - 1))[:size] for t in batch[:2]]
+        big = repeated(batch, size)
         try:
             _peak_of_step(s, model, opt, big)
         except torch.OutOfMemoryError:

@@ -18,11 +18,14 @@ from ironloop.engine.build import infer_num_classes
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.doctor import data_checks as data
 from ironloop.tools.doctor import model_checks as mc
-from ironloop.tools.doctor.findings import Finding, info
-from ironloop.tools.doctor.subject import Subject
+from ironloop.tools.doctor import env_checks
+from ironloop.tools.doctor.findings import Finding
+from ironloop.tools.doctor.subject import Subject, head
 from ironloop.errors import UserError
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
+from ironloop.engine.steps import classification_step, named_step
+from ironloop.specs import import_spec
 
 #: The overfit check trains on at most this many samples of the first batch.
 OVERFIT_BATCH = 16
@@ -33,7 +36,11 @@ class DoctorError(UserError):
 
 
 def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = None,
-            num_classes: int | None = None, loss_fn=None, collate_fn=None) -> Subject:
+            num_classes: int | None = None, loss_fn=None, collate_fn=None,
+            step_fn=None) -> Subject:
+    """What the checks examine. They run the step the run will run: ``step_fn``, else
+    ``train.step_fn``, else the default step with ``loss_fn`` (or ``loss.*``). The class count
+    is inferred only for the default step, and a model it cannot be inferred from has none."""
     cfg = cfg or Config()
     if is_stream(train):
         raise UserError("the doctor reads samples by index, and the training data is a stream "
@@ -43,12 +50,18 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
     train, loader_collate = map_style(train, "train")[:2]
     val, test = map_style(val, "val").dataset, map_style(test, "test").dataset
     collate_fn = collate_fn or loader_collate
-    if num_classes is None:
-        num_classes = infer_num_classes(model, train, device)
+    if step_fn is None and cfg.train.step_fn:
+        step_fn = named_step(cfg.train.step_fn)
+    user_step = step_fn is not None
+    if not user_step and num_classes is None:
+        num_classes = infer_num_classes(model, train, device)  # None when it cannot tell
+    if loss_fn is None and ":" in cfg.loss.name:
+        loss_fn = import_spec(cfg.loss.name, "loss.name")
     loss_fn = loss_fn or Loss(cfg.loss, num_classes)
     return Subject(model=model, cfg=cfg, train=train, val=val, test=test,
                    num_classes=num_classes, loss_fn=loss_fn, device=device,
-                   collate_fn=collate_fn)
+                   collate_fn=collate_fn, step_fn=step_fn or classification_step(loss_fn),
+                   user_step=user_step)
 
 
 def check(s: Subject, quick: bool = True) -> list[Finding]:
@@ -66,14 +79,16 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     cap = cfg.max_batches * s.cfg.train.batch_size if quick else None
     findings = [*_guard("labels", data.check_labels, s, cap),
                 *_guard("finite_inputs", data.check_finite_inputs, s, cap),
-                *_guard("leakage", data.check_leakage, s, cap)]
+                *_guard("leakage", data.check_leakage, s, cap),
+                *_guard("threads", env_checks.check_threads)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
-    batch = s.batch()
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        return findings + [info("model", f"model checks skipped: they need (inputs, targets) "
-                                f"batches, this data gives {type(batch).__name__}")]
-    small = [t[:OVERFIT_BATCH] for t in batch[:2]]
+    try:
+        batch = s.batch()
+    except Exception as e:  # noqa: BLE001 - reported, never raised: the run says it properly
+        return findings + [Finding("model", "skipped", f"no training batch to check with: it "
+                                   f"raised {type(e).__name__}: {e}", "", "")]
+    small = head(batch, OVERFIT_BATCH)
     findings += _guard("initial_loss", mc.check_initial_loss, s, batch)
     findings += _guard("probabilities", mc.check_probabilities, s, batch)
     findings += _guard("overfit_batch", mc.check_overfit_batch, s, small, cfg.overfit_steps)
@@ -96,17 +111,39 @@ def _guard(name: str, fn, *args, **kwargs) -> list[Finding]:
                         "lower train.batch_size and raise train.accumulation_steps, or use "
                         "train.precision=bf16")]
     except Exception as e:  # noqa: BLE001 - reported, never raised
-        return [info(name, f"check skipped: it raised {type(e).__name__}: {e}")]
+        return [Finding(name, "skipped", f"it raised {type(e).__name__}: {e}", "", "")]
+
+
+#: A check's outcome is its worst finding, in this order; "passed" = only info findings.
+OUTCOMES = ("error", "warning", "skipped", "passed")
+#: The order the summary line counts them in.
+SUMMARY = ("error", "warning", "passed", "skipped")
+
+
+def outcomes(findings: list[Finding]) -> dict[str, str]:
+    """{check: error | warning | skipped | passed}, in the order the checks ran."""
+    worst: dict[str, str] = {}
+    for f in findings:
+        outcome = "passed" if f.severity == "info" else f.severity
+        if f.check not in worst or OUTCOMES.index(outcome) < OUTCOMES.index(worst[f.check]):
+            worst[f.check] = outcome
+    return worst
 
 
 def render(findings: list[Finding], verbose: bool) -> str:
-    """Errors and warnings (and info lines when ``verbose``), then a one-line count."""
-    shown = [f for f in findings if verbose or f.severity != "info"]
-    counts = {sev: sum(f.severity == sev for f in findings) for sev in ("error", "warning")}
-    checks = len({f.check for f in findings})
-    summary = (f"doctor: {checks} checks, {counts['error']} error(s), "
-               f"{counts['warning']} warning(s)") if any(counts.values()) else \
-        f"doctor: {checks} checks passed"
+    """Errors, warnings and skipped checks (and info lines when ``verbose``), then one line
+    that counts the checks by outcome: "doctor: 4 passed, 2 skipped: memory (why), ..."."""
+    shown = [f for f in findings if verbose or f.severity in ("error", "warning")]
+    worst = outcomes(findings)
+    counts = {o: sum(v == o for v in worst.values()) for o in SUMMARY}
+    if counts["passed"] == len(worst):
+        summary = f"doctor: {len(worst)} checks passed"
+    else:
+        summary = "doctor: " + ", ".join(f"{n} {o if o in ('passed', 'skipped') else o + '(s)'}"
+                                         for o, n in counts.items() if n)
+        skipped = [f for f in findings if f.severity == "skipped"]
+        if skipped:
+            summary += ": " + "; ".join(f"{f.check} ({f.measured})" for f in skipped)
     return "\n".join([f.render() for f in shown] + [summary])
 
 
@@ -146,7 +183,7 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
         return []
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
-    findings = check(s, quick=True)
+    findings = check(s, quick=True)  # never raises: a check that fails is reported skipped
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
     print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})")
@@ -157,13 +194,9 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
 def doctor_config(cfg: Config, lr_find: bool = False, strict: bool = False) -> list[Finding]:
     """``ironloop doctor CONFIG``: every check at full size (plus the LR range test), all
     findings printed, written to run.dir/doctor.json."""
-    from ironloop.data import build_data
-    from ironloop.engine.fit import seed_everything
-    from ironloop.tools.models import build_model
+    from ironloop.tools.models import from_config
 
-    bundle = build_data(cfg.data)
-    seed_everything(cfg.run.seed)
-    model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs)
+    model, bundle = from_config(cfg)  # the model and data `ironloop train` would build
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
     findings = check(s, quick=False)

@@ -12,7 +12,9 @@ from torch import nn
 
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData, make_loader, to_device
+from ironloop.engine.carry import Carry, takes_state
 from ironloop.engine.optim import build_optimizer
+from ironloop.engine.steps import unpack
 
 
 @dataclass
@@ -26,11 +28,13 @@ class Subject:
     loss_fn: Any = None          # loss(output, target), a batch mean
     device: torch.device = torch.device("cpu")
     collate_fn: Any = None
+    step_fn: Any = None          # the run's step: every check computes its loss through it
+    user_step: bool = False      # the user's step_fn (or the built-in LM step), not the default
 
     def loader(self, batch_size: int | None = None, num_workers: int = 0):
         """The training data in the run's own order (epoch 0), in the main process."""
         sampler = EpochSampler(len(self.train), batch_size or self.cfg.train.batch_size,
-                               self.cfg.run.seed, shuffle=True)
+                               self.cfg.run.seed, shuffle=self.cfg.data.shuffle)
         return make_loader(self.train, sampler, num_workers=num_workers, pin_memory=False,
                            collate_fn=self.collate_fn)
 
@@ -44,10 +48,16 @@ class Subject:
         model = copy.deepcopy(self.model).to(self.device).train()
         return model, build_optimizer(model, self.cfg.optim)
 
-    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, output) of ``model`` on an (inputs, targets) batch."""
-        out = model(batch[0])
-        return self.loss_fn(out, batch[1]), out
+    def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) of ``model`` on ``batch``, through the run's step: the checks see the
+        model as training does, whatever its forward takes. A stateful step gets a fresh state
+        on every call (a check's batches do not follow one another)."""
+        if takes_state(self.step_fn):
+            out = self.step_fn(model, batch, state=Carry(self.device))
+        else:
+            out = self.step_fn(model, batch)
+        loss, metrics, _ = unpack(out)
+        return loss, metrics
 
     @property
     def classification(self) -> bool:
@@ -69,3 +79,26 @@ def labels_of(dataset, cap: int | None = None) -> torch.Tensor | None:
     if y.is_floating_point() or y.ndim != 1:
         return None
     return y
+
+
+def head(batch, n: int):
+    """The first ``n`` samples of a (nested) batch: every tensor sliced along dim 0."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, dict):
+        return {k: head(v, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(head(v, n) for v in batch)
+    return batch
+
+
+def repeated(batch, size: int):
+    """A (nested) batch grown to ``size`` samples by repeating its own."""
+    if isinstance(batch, torch.Tensor):
+        reps = -(-size // len(batch))
+        return batch.repeat(reps, *[1] * (batch.ndim - 1))[:size]
+    if isinstance(batch, dict):
+        return {k: repeated(v, size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(repeated(v, size) for v in batch)
+    return batch

@@ -1,0 +1,51 @@
+"""engine/carry.py: a stateful step's state is detached, checkpointable, reset at the top of an
+epoch only, and kept apart for evaluation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ironloop.engine.carry import Carry, StatefulStep, stateful
+
+
+def test_values_are_stored_detached_and_round_trip_through_a_state_dict():
+    c = Carry()
+    w = torch.ones(2, requires_grad=True)
+    c["hidden"] = (w * 2, {"m": w * 3})
+    h, inner = c["hidden"]
+    assert not h.requires_grad and not inner["m"].requires_grad
+    other = Carry()
+    other.load_state_dict(c.state_dict())
+    assert torch.equal(other["hidden"][0], h) and "hidden" in other
+
+
+def test_the_model_mode_picks_the_state_and_resets_follow_the_epoch():
+    def step(model, batch, state):
+        state["n"] = state.get("n", 0) + 1
+        return torch.zeros(()), {}
+
+    wrapped, carry = stateful(step, "cpu")
+    assert isinstance(carry, StatefulStep) and wrapped is carry
+    model = nn.Linear(1, 1)
+    wrapped(model, None)
+    wrapped(model, None)
+    model.eval()
+    wrapped(model, None)
+    assert carry.train["n"] == 2 and carry.eval["n"] == 1
+    carry.start_epoch(offset=32)  # a resumed epoch keeps its state
+    assert carry.train["n"] == 2
+    carry.start_epoch(offset=0)
+    carry.start_evaluation()
+    assert "n" not in carry.train and "n" not in carry.eval
+    never = StatefulStep(step, reset="never")
+    never.train["n"] = 5
+    never.start_epoch(0)
+    assert never.train["n"] == 5
+
+
+def test_a_plain_step_is_left_alone():
+    def step(model, batch):
+        return torch.zeros(()), {}
+
+    assert stateful(step, "cpu") == (step, None)
