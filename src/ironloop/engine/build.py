@@ -27,7 +27,7 @@ from ironloop.engine.timing import StepTimer
 from ironloop.errors import UserError
 from ironloop.guard.faults import PoisonLoss
 from ironloop.guard.hook import GuardHook
-from ironloop.outputs import loggers
+from ironloop.outputs import console, loggers
 from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
@@ -60,6 +60,7 @@ def build_run(cfg: Config, model: nn.Module, data, device, world: World, precisi
     steps_per_epoch = math.ceil(sampler.usable / (sampler.global_batch
                                                   * cfg.train.accumulation_steps))
     _warn_batch_size(cfg, len(data.train), world)
+    console.warn_emulated(precision, device, world.is_main)
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -173,13 +174,14 @@ def open_outputs(run: Run, run_dir: Path, resume, state, source):
         loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
                        read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
     if state is not None:
-        run.log.write("events", {"event": "resume", "step": run.progress.step,
-                                 "epoch": run.progress.epoch, "from": source,
-                                 "last_logged_step": run.log.last_logged_step,
-                                 # work lost to the crash: logged past the checkpoint, redone
-                                 "steps_redone": max(0, run.log.last_logged_step
-                                                     - run.progress.step),
-                                 "time": time.time()})
+        event = {"event": "resume", "step": run.progress.step, "epoch": run.progress.epoch,
+                 "from": source, "last_logged_step": run.log.last_logged_step,
+                 # work lost to the crash: logged past the checkpoint, redone
+                 "steps_redone": max(0, run.log.last_logged_step - run.progress.step),
+                 "time": time.time()}
+        run.log.write("events", event)
+        console.say(run, console.resume_line(event, run, drift.changes(
+            state.get("config") or {}, cfg.to_dict())))
     if not cfg.checkpoint.enabled or parallel.is_fsdp(run.raw_model):
         return None
     manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,

@@ -130,12 +130,15 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     if not cfg.doctor.preflight or os.environ.get("RANK", "0") != "0" or \
             (resume and out.exists()):
         return []
+    print("preflight: the doctor's quick checks of model and data (doctor.preflight=false "
+          "skips them)...", flush=True)
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
     findings = check(s, quick=True)
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
-    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})")
+    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})",
+          flush=True)
     stop_if_strict(findings, cfg.doctor.strict if strict is None else strict)
     return findings
 
