@@ -130,10 +130,11 @@ def resume_line(event: dict, run, changed: list[tuple]) -> str:
     line = (f"resumed from {event['from']} at step {event['step']}/{run.total_steps} "
             f"(epoch {p.epoch + 1}, {done}/{run.steps_per_epoch} steps into it)")
     if event.get("steps_redone"):
-        line += (f"; redoing steps {event['step'] + 1}-{event['last_logged_step']}, which the "
-                 f"previous process did after this checkpoint")
+        a, b = event["step"] + 1, event["last_logged_step"]
+        line += (f"; redoing step{f's {a}-{b}' if b > a else f' {a}'}, which the previous "
+                 f"process had logged after this checkpoint")
     else:
-        line += "; no step is redone"
+        line += "; the previous process logged no step past it"
     if not changed:
         return line + "; config unchanged"
     return line + "; config changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
