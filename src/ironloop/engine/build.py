@@ -28,7 +28,6 @@ from ironloop.errors import UserError
 from ironloop.guard.faults import PoisonLoss
 from ironloop.guard.hook import GuardHook
 from ironloop.outputs import console, loggers
-from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
 from ironloop.state import dcp as sharded
@@ -170,9 +169,8 @@ def open_outputs(run: Run, run_dir: Path, resume, state, source):
     ids = (state.get("loggers") or {}) if state is not None else {}
     run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
                      loggers=loggers.build(cfg, run_dir, resume_step, ids))
-    if ids:  # the same external runs go on: re-send what a killed process may have lost
-        loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
-                       read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
+    if state is not None:  # each tracker gets the logged rows it does not hold yet
+        run.log.catch_up(run.progress.step)
     if state is not None:
         event = {"event": "resume", "step": run.progress.step, "epoch": run.progress.epoch,
                  "from": source, "last_logged_step": run.log.last_logged_step,
@@ -206,12 +204,17 @@ def wire_save(run: Run, manager) -> None:
     DCP shards from every rank), move the guard's in-memory rollback point, tell the callbacks.
     All of it is charged to the 'checkpoint' part of the time split."""
 
+    last = [run.progress.step]  # the step of the previous save
+
     def save(best: bool) -> None:
         if isinstance(manager, sharded.ShardedCheckpointManager):
             manager.save(collect_state(run), run.raw_model, run.optimizer, run.progress.step,
                          best=best)
         elif manager is not None:
             manager.save(collect_state(run), run.progress.step, best=best)
+        if run.log is not None and manager is not None:  # trackers get what a checkpoint covers
+            run.log.durable(last[0] if manager.async_write else run.progress.step)
+            last[0] = run.progress.step  # async: on disk once the next save() returns
         if run.guard is not None:
             run.guard.saved(run)
         if manager is not None and run.world.is_main:
