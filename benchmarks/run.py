@@ -27,7 +27,7 @@ from _common import TINY, machine  # noqa: E402
 
 #: In the order they run. guard_overhead and step_timing_overhead come with issues 7 and 8.
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
-            "step_timing_overhead", "lab_time"]
+            "step_timing_overhead", "tracker_overhead", "lab_time"]
 BEGIN = "<!-- benchmarks/run.py writes from here: edits below this line are overwritten -->"
 END = "<!-- benchmarks/run.py writes up to here -->"
 
