@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -50,36 +49,16 @@ def test_mlflow_with_a_bad_tracking_uri_warns_and_trains(tmp_path):
 # --- reading back what W&B (offline) and MLflow hold --------------------------------------
 
 def wandb_rows(run_dir: Path) -> list[dict]:
-    """History rows of every offline .wandb file of the run, oldest process first.
-
-    The file is W&B's record log: a 7-byte header, then 32 KiB blocks of chunks, each with a
-    7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) holding a Record
-    protobuf. wandb >= 0.20 ships no Python reader, hence these few lines."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    """History rows of every offline .wandb file of the run, oldest process first (the record
+    log is decoded by ironloop's reader of W&B's file format; the rows are read here)."""
+    from ironloop.outputs.wandb_file import records
 
     rows = []
     for path in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
-        data = Path(path).read_bytes()
-        assert data[:4] == b":W&B"
-        pos, buf = 7, b""
-        while pos + 7 <= len(data):
-            left = 32768 - pos % 32768
-            if left < 7:
-                pos += left
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            if length == 0 and kind == 0:  # zero padding to the end of the block
-                pos += left
-                continue
-            buf += data[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):
-                record = pb.Record()
-                record.ParseFromString(buf)
-                buf = b""
-                if record.WhichOneof("record_type") == "history":
-                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                 for i in record.history.item})
+        for record in records(Path(path)):
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                             for i in record.history.item})
     return rows
 
 
