@@ -169,9 +169,8 @@ def open_outputs(run: Run, run_dir: Path, resume, state, source):
     ids = (state.get("loggers") or {}) if state is not None else {}
     run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
                      loggers=loggers.build(cfg, run_dir, resume_step, ids))
-    if state is not None:  # each tracker gets the logged rows it does not hold yet
-        run.log.catch_up(run.progress.step)
     if state is not None:
+        run.log.catch_up(run.progress.step)  # each tracker gets the rows it does not hold yet
         event = {"event": "resume", "step": run.progress.step, "epoch": run.progress.epoch,
                  "from": source, "last_logged_step": run.log.last_logged_step,
                  # work lost to the crash: logged past the checkpoint, redone
