@@ -256,6 +256,7 @@ def draw(variants: list[Variant], out: Path) -> dict[str, Path]:
     by = {v.name: v for v in variants}
     crash = by["7-crash-resume"]
     resumes = [e for e in read_jsonl(crash.run_dir / "events.jsonl") if e.get("event") == "resume"]
+    curves = {v.name: _with_epochs(v, variants[5]) for v in variants}
     return {
         "lr.png": plot_lr({"1-baseline (constant)": by["1-baseline"].metrics(),
                            "2-onecycle": by["2-onecycle"].metrics()}, out / "lr.png"),
@@ -264,17 +265,18 @@ def draw(variants: list[Variant], out: Path) -> dict[str, Path]:
         "resume_curve.png": plot_resume_curve(crash.metrics(), crash.epochs(),
                                               out / "resume_curve.png", resumes,
                                               crash.notes["crash_step"]),
-        "loss_curves.png": plot_loss_curves({v.name: _with_epochs(v) for v in variants},
-                                            out / "loss_curves.png", x="epochs",
+        "loss_curves.png": plot_loss_curves(curves, out / "loss_curves.png", x="epochs",
                                             xlabel="epochs of data seen",
                                             title="Training loss, every lab variant"),
     }
 
 
-def _with_epochs(v: Variant) -> list[dict]:
+def _with_epochs(v: Variant, like: Variant) -> list[dict]:
     """Metrics rows with x = epochs of data seen: steps are not comparable across variants
-    whose optimizer steps cover different numbers of samples (accumulation)."""
-    per_epoch = v.epochs()[0]["step"]
+    whose optimizer steps cover different numbers of samples (accumulation). A variant stopped
+    inside its first epoch (the emulated precision) has the steps per epoch of step 6, ``like``,
+    whose config it extends."""
+    per_epoch = (v.epochs() or like.epochs())[0]["step"]
     return [{**m, "epochs": m["step"] / per_epoch} for m in v.metrics()]
 
 
@@ -451,7 +453,8 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
         md += ["", "## The hand-written script and its Accelerate version", "", ref, "",
                "```diff", reference["diff"], "```"]
     md += ["", "## Where the lab's time went", "", timing, "", *_md_table(theader, trows)]
-    same = [names for names, _ in coinciding({v.name: _with_epochs(v) for v in variants},
+    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
+                                             for v in variants},
                                              "epochs", "loss") if len(names) > 1]
     same = "".join(f" The training losses of {', '.join(n)} coincide at every step: "
                    f"loss_curves.png draws them once." for n in same)
