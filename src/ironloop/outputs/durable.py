@@ -19,7 +19,6 @@ With checkpoints off there is no resume, and rows go straight through.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from ironloop.outputs.readers import read_jsonl
@@ -52,7 +51,7 @@ class Durable:
         told = self.inner.held_steps()
         return {kind: self.confirmed for kind in KINDS} if told is None else told
 
-    def durable(self, step: float) -> None:
+    def durable(self, step: int) -> None:
         """The checkpoint at ``step`` is on disk: hand over the rows up to it."""
         ready = [(k, r) for k, r in self.pending if r["step"] <= step]
         self.pending = [(k, r) for k, r in self.pending if r["step"] > step]
@@ -78,8 +77,8 @@ class Durable:
     def finish(self, failing: bool) -> None:
         """At close: a run that ends normally hands over everything; one that fails keeps only
         what its checkpoints cover (the resume sends the rest)."""
-        if not failing:
-            self.durable(math.inf)
+        if not failing:  # every row is final: hand over up to the last one
+            self.durable(max([r["step"] for _, r in self.pending], default=self.sent))
         if getattr(self.inner, "asynchronous", False):
             self.inner.flush()
             self.confirmed = self.sent
@@ -94,8 +93,8 @@ def read_marks(run_dir: Path) -> dict[str, int]:
 
 
 def write_marks(run_dir: Path, marks: dict[str, float]) -> None:
-    write_atomic(run_dir / MARKS, json.dumps({k: int(min(v, 2**62)) for k, v in marks.items()
-                                              if v is not None and not math.isnan(v)}) + "\n")
+    write_atomic(run_dir / MARKS, json.dumps({k: int(v) for k, v in marks.items()
+                                              if v is not None}) + "\n")
 
 
 def catch_up(trackers: list, run_dir: Path, step: int) -> None:
