@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import base64
 import html
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
+
+text = partial(html.escape, quote=False)  # element content: quotes need no escaping
 
 STYLE = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;padding:0 1em;"
          "line-height:1.4}div.t{overflow-x:auto}table{border-collapse:collapse;margin:.5em 0}"
@@ -29,27 +32,27 @@ class Page:
     title: str
     parts: list[str] = field(default_factory=list)
 
-    def h2(self, text: str) -> Page:
-        self.parts.append(f"<h2>{html.escape(text)}</h2>")
+    def h2(self, heading: str) -> Page:
+        self.parts.append(f"<h2>{text(heading)}</h2>")
         return self
 
-    def p(self, text: str, bold: str = "") -> Page:
-        lead = f"<b>{html.escape(bold)}</b> " if bold else ""
-        self.parts.append(f"<p>{lead}{html.escape(text)}</p>")
+    def p(self, para: str, bold: str = "") -> Page:
+        lead = f"<b>{text(bold)}</b> " if bold else ""
+        self.parts.append(f"<p>{lead}{text(para)}</p>")
         return self
 
-    def note(self, text: str) -> Page:
-        self.parts.append(f"<blockquote>{html.escape(text)}</blockquote>")
+    def note(self, para: str) -> Page:
+        self.parts.append(f"<blockquote>{text(para)}</blockquote>")
         return self
 
     def table(self, header: list[str], rows: list[list], css: str = "",
               classed: int | None = None) -> Page:
         """A table; column ``classed`` also becomes each cell's class (PASS/FAIL colours)."""
         esc = html.escape
-        head = "".join(f"<th>{esc(str(h))}</th>" for h in header)
+        head = "".join(f"<th>{text(str(h))}</th>" for h in header)
         body = "".join(
-            "<tr>" + "".join(f'<td class="{esc(str(c))}">{esc(str(c))}</td>' if i == classed
-                             else f"<td>{esc(str(c))}</td>" for i, c in enumerate(row)) + "</tr>"
+            "<tr>" + "".join(f'<td class="{esc(str(c))}">{text(str(c))}</td>' if i == classed
+                             else f"<td>{text(str(c))}</td>" for i, c in enumerate(row)) + "</tr>"
             for row in rows)
         cls = f" class='{css}'" if css else ""
         self.parts.append(f"<div class='t'><table{cls}><tr>{head}</tr>{body}</table></div>")
@@ -57,12 +60,12 @@ class Page:
 
     def items(self, items: list[tuple[str, str]]) -> Page:
         """A bullet list of (bold lead, text)."""
-        self.parts.append("<ul>" + "".join(f"<li><b>{html.escape(a)}</b> {html.escape(b)}</li>"
+        self.parts.append("<ul>" + "".join(f"<li><b>{text(a)}</b> {text(b)}</li>"
                                            for a, b in items) + "</ul>")
         return self
 
-    def pre(self, text: str) -> Page:
-        self.parts.append(f"<pre>{html.escape(text)}</pre>")
+    def pre(self, body: str) -> Page:
+        self.parts.append(f"<pre>{text(body)}</pre>")
         return self
 
     def image(self, path: Path) -> Page:
@@ -73,7 +76,7 @@ class Page:
         return self
 
     def render(self) -> str:
-        title = html.escape(self.title)
+        title = text(self.title)
         return ("<!doctype html><html lang='en'><head><meta charset='utf-8'>"
                 "<meta name='viewport' content='width=device-width, initial-scale=1'>"
                 f"<title>{title}</title><style>{STYLE}</style></head><body>"
