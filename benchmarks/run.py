@@ -27,7 +27,8 @@ from _common import TINY, machine  # noqa: E402
 
 #: In the order they run. guard_overhead and step_timing_overhead come with issues 7 and 8.
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
-            "step_timing_overhead", "data_scale", "data_loading"]
+            "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
+            "lab_time"]
 BEGIN = "<!-- benchmarks/run.py writes from here: edits below this line are overwritten -->"
 END = "<!-- benchmarks/run.py writes up to here -->"
 
@@ -68,7 +69,8 @@ def _verdict(result: dict) -> str:
 
 def _rows(result: dict) -> list[str]:
     rows = result.get("results") or []
-    extras = [k for k in ("us_per_step", "ratio_vs_hand_dataloader", "cpu_s", "startup_s")
+    extras = [k for k in ("us_per_step", "ratio_vs_hand_dataloader", "cpu_s", "startup_s",
+                          "load")
               if any(k in r for r in rows)]
     head = ["", "median", "min", "max", "n", *extras]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

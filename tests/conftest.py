@@ -64,3 +64,37 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300,
 @pytest.fixture
 def shared_dir() -> Path:
     return SHARED
+
+
+def chromium() -> str | None:
+    """A Chromium for the report tests: $IRONLOOP_CHROMIUM, else Debian's `chromium` on PATH."""
+    import shutil
+
+    return os.environ.get("IRONLOOP_CHROMIUM") or shutil.which("chromium") \
+        or shutil.which("chromium-browser")
+
+
+def open_in_browser(path: Path, width: int) -> dict:
+    """Render an HTML file in headless Chromium (Playwright, with the system's browser: no
+    download) at ``width`` px; what a reader would notice. Skips when there is no browser."""
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed (pip install playwright)")
+    exe = chromium()
+    if exe is None:
+        pytest.skip("no Chromium: apt-get install chromium, or set IRONLOOP_CHROMIUM")
+    errors: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(path.resolve().as_uri(), wait_until="load")
+            seen = page.evaluate("""() => ({
+                images: [...document.images].map(i => ({name: i.alt, ok: i.complete
+                                                        && i.naturalWidth > 0})),
+                overflow: document.documentElement.scrollWidth - window.innerWidth,
+                text: document.body.innerText})""")
+        finally:
+            browser.close()
+    return {**seen, "errors": errors}

@@ -87,7 +87,7 @@ def test_report_renders_a_real_run(digits_run, tmp_path):
     res = run_cli("report", str(run_dir), "--out", str(tmp_path / "rep"))
     assert res.returncode == 0, res.stderr
     for name in ("loss.png", "accuracy.png", "lr.png", "grad_norm.png", "grad_norm_hist.png",
-                 "report.md"):
+                 "report.md", "report.html"):
         assert (tmp_path / "rep" / name).stat().st_size > 0, name
     assert "best val acc" in (tmp_path / "rep" / "report.md").read_text()
     bad = run_cli("report", str(tmp_path))

@@ -98,3 +98,24 @@ def test_existing_lab_output_is_not_overwritten(lab):
     res = run_cli("lab", "--data", "digits", "--out", str(lab))
     assert res.returncode == 2 and "--overwrite" in res.stderr
     assert (lab / "report.md").read_text() == before
+
+
+def test_the_time_table_names_every_part_with_the_load(lab):
+    md = (lab / "report.md").read_text()
+    table = md.split("## Where the lab's time went", 1)[1]
+    assert re.search(r"\d+ cores, load average [\d.]+-[\d.]+ while it ran", table)
+    parts = re.findall(r"^\| ([\w -]+?(?: \([^)]*\))?) \| ([\d.]+) \| ([\d.]+) \|$", table, re.M)
+    names = [p[0] for p in parts]
+    for name in ("1-baseline", "7-crash-resume", "9-fp16", "accumulation check", "total"):
+        assert name in names, names
+    total = dict((p[0], float(p[2])) for p in parts)["total"]
+    assert total == pytest.approx(sum(float(p[2]) for p in parts if p[0] != "total"), abs=0.2)
+    assert "x" in md and "load average" in md.split("**5-amp**", 1)[1].split("\n", 1)[0]
+
+
+def test_the_lab_report_renders_in_chromium(lab):
+    from tests.conftest import open_in_browser
+
+    seen = open_in_browser(lab / "report.html", 420)
+    assert seen["errors"] == [] and len(seen["images"]) == 4
+    assert all(i["ok"] for i in seen["images"]) and seen["overflow"] <= 0

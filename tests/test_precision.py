@@ -30,3 +30,8 @@ def test_explicit_bf16_on_an_emulating_cpu_warns_once(monkeypatch, capsys):
     precision._warn_emulated.cache_clear()
     resolve_precision("bf16", cpu)
     assert capsys.readouterr().err == ""
+    resolve_precision("fp16", cpu)  # fp16 is emulated on any CPU
+    err = capsys.readouterr().err
+    assert "warning: train.precision=fp16 on a CPU" in err and "use train.precision=fp32" in err
+    resolve_precision("fp16", torch.device("meta"))  # not a CPU: no word
+    assert capsys.readouterr().err == ""

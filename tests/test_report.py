@@ -124,7 +124,7 @@ def test_each_panel_has_its_data(rendered):
 def test_render_report_writes_every_plot(rendered):
     run, paths = rendered
     names = sorted(p.name for p in paths)
-    assert names == sorted(PNGS + ["resume.png", "report.md"])
+    assert names == sorted(PNGS + ["resume.png", "report.md", "report.html"])
     for p in paths:
         assert p.parent == run / "report" and p.is_file()
         if p.suffix == ".png":
@@ -200,7 +200,7 @@ def test_truncated_last_line_tolerated(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 204, "epoch": 6, "loss": 0.1')
     paths = report.render_report(run, tmp_path / "out")
-    assert sorted(p.name for p in paths) == sorted(PNGS + ["report.md"])  # no resume.png
+    assert sorted(p.name for p in paths) == sorted(PNGS + ["report.md", "report.html"])  # no resume.png
     assert all(p.parent == tmp_path / "out" for p in paths)
     assert len(report.read_jsonl(run / "metrics.jsonl")) == TOTAL // LOG_EVERY
 
@@ -346,3 +346,36 @@ def test_report_md_has_a_diagnosis_section(tmp_path):
     report.render_report(run)
     md = (run / "report" / "report.md").read_text()
     assert "## Diagnosis" in md and "(flat_loss)" in md
+
+
+# --- report.html: one self-contained page, checked in a real browser (issue 22) ---------------
+
+def test_report_html_is_self_contained_and_has_a_viewport(rendered):
+    run, paths = rendered
+    html = (run / "report" / "report.html").read_text()
+    assert "<meta name='viewport' content='width=device-width" in html
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert html.count("data:image/png;base64,") == len(pngs) == 6
+    assert "src=\"http" not in html and "href=" not in html  # nothing to fetch
+    assert "best val acc" in html and "<h2>Diagnosis</h2>" in html
+
+
+@pytest.mark.parametrize("width", [420, 1280])
+def test_report_html_renders_in_chromium(rendered, width):
+    from tests.conftest import open_in_browser
+
+    run, _ = rendered
+    seen = open_in_browser(run / "report" / "report.html", width)
+    assert seen["errors"] == []
+    assert len(seen["images"]) == 6 and all(i["ok"] for i in seen["images"]), seen["images"]
+    assert seen["overflow"] <= 0, f"the page scrolls sideways by {seen['overflow']} px"
+    assert "best val acc" in seen["text"]
+
+
+def test_identical_curves_are_grouped_and_labelled_once(tmp_path):
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 20)]
+    other = [{"step": s, "loss": 2.0 / s} for s in range(1, 20)]
+    groups = report.coinciding({"a": rows, "b": [dict(r) for r in rows], "c": other},
+                               "step", "loss")
+    assert [names for names, _ in groups] == [["a", "b"], ["c"]]
+    assert report.plot_loss_curves({"a": rows, "b": rows}, tmp_path / "l.png").is_file()

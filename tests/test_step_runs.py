@@ -45,7 +45,7 @@ def test_the_final_evaluation_of_a_max_steps_run_runs_once_and_counts(tmp_path, 
     assert sum(val_batches) == 3 * len(val)  # three evaluations, none run twice
     assert result.results["stopped_mid_epoch"]["val_loss"] == evals[-1]["val_loss"]
     assert result.results["time_split"]["validation"] > 0
-    assert "final evaluation at step 7  val_loss " in capsys.readouterr().out
+    assert "final evaluation at step 7/7 (epoch 1): val_loss " in capsys.readouterr().out
 
     paths = render_report(tmp_path / "run")
     assert (tmp_path / "run" / "report" / "validation.png") in paths

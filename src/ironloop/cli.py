@@ -13,15 +13,20 @@ from ironloop.errors import Preempted, UserError
 
 def _train(args) -> int:
     from ironloop.config import describe, load_config
-    from ironloop.tools.recipe import train_config
 
     if args.config == "help":
         print(describe())
         return 0
-    overrides = list(args.overrides)
+    config, overrides = _config_and_overrides(args.config, args.overrides)
     if args.strict:
         overrides.append("doctor.strict=true")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(config, overrides)
+    if os.environ.get("RANK", "0") == "0":  # before torch's import: seconds of silence otherwise
+        print(f"ironloop train: {cfg.model.name} on {cfg.data.name} from "
+              f"{config or 'the defaults'}, run.dir {cfg.run.dir}"
+              f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
+    from ironloop.tools.recipe import train_config
+
     result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
                           allow_config_change=args.allow_config_change)
     if os.environ.get("RANK", "0") != "0":
@@ -37,8 +42,8 @@ def _doctor(args) -> int:
     from ironloop.config import load_config
     from ironloop.tools.doctor.run import doctor_config
 
-    doctor_config(load_config(args.config, args.overrides), lr_find=args.lr_find,
-                  strict=args.strict)
+    doctor_config(load_config(*_config_and_overrides(args.config, args.overrides)),
+                  lr_find=args.lr_find, strict=args.strict)
     return 0
 
 
@@ -76,6 +81,15 @@ def _lab(args) -> int:
     report = run_lab(args.data, Path(args.out), root=args.root, overwrite=args.overwrite)
     print(f"lab report: {report}")
     return 0
+
+
+def _config_and_overrides(config: str | None, overrides: list[str]):
+    """(config file or None, overrides): with no YAML file, the first positional that looks
+    like ``key=value`` is an override, and the defaults plus the overrides are the config."""
+    overrides = list(overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config, *overrides]
+    return config, overrides
 
 
 def train_argv(argv: list[str], valued: tuple[str, ...] = ()) -> list[str]:
@@ -120,10 +134,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ironloop {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("train", help="train from a YAML config",
-                       description="Train from a YAML config. `ironloop train help` lists every "
-                       "config key with its default.")
-    t.add_argument("config", help="YAML config file (or `help` to list the keys)")
+    t = sub.add_parser("train", help="train from a YAML config and/or key=value overrides",
+                       description="Train from a YAML config (or the defaults) and dotted "
+                       "key=value overrides. `ironloop train help` lists every config key "
+                       "with its default.")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML config file (or `help` to list the keys); without one, the "
+                   "defaults plus the overrides")
     t.add_argument("overrides", nargs="*", metavar="dotted.key=value",
                    help="override config values, e.g. optim.lr=3e-4 train.epochs=5")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
@@ -142,7 +159,8 @@ def parser() -> argparse.ArgumentParser:
                        description="Run every doctor check on the config's model and data: "
                        "initial loss, probabilities fed to a logits loss, overfit one batch, "
                        "dead parameters, labels, train/val/test leakage, input-bound, memory.")
-    d.add_argument("config", help="YAML config file")
+    d.add_argument("config", nargs="?", default=None,
+                   help="YAML config file (without one: the defaults plus the overrides)")
     d.add_argument("overrides", nargs="*", metavar="dotted.key=value")
     d.add_argument("--lr-find", action="store_true",
                    help="also run the LR range test and write run.dir/lr_find.png")

@@ -225,8 +225,13 @@ class LogConfig(Section):
     _name = "log"
     every_steps: int = fld(10, "write a metrics.jsonl line every N optimizer steps")
     tensorboard: bool = fld(False, "also write TensorBoard events to run.dir/tb")
-    progress: str = fld("auto", "tqdm progress bar: auto (only on a terminal), on, off",
-                       ("auto", "on", "off"))
+    progress: str = fld("auto", "auto: a tqdm bar on a terminal, plain progress lines when "
+                        "stdout is not one (a log file); on: the bar always; off: neither",
+                        ("auto", "on", "off"))
+    progress_every_steps: int = fld(100, "plain progress line every N optimizer steps (0 = "
+                                    "by time only)")
+    progress_every_s: float = fld(30.0, "plain progress line every N seconds too, "
+                                  "whichever comes first (0 = by steps only)")
     wandb: bool = fld(False, "also log to Weights & Biases (pip install 'ironloop[wandb]')")
     wandb_project: str = fld("ironloop", "W&B project")
     wandb_name: str = fld("", "W&B run name (empty = the name of run.dir)")
@@ -238,6 +243,7 @@ class LogConfig(Section):
 
     def validate(self) -> None:
         self._positive("every_steps")
+        self._non_negative("progress_every_steps", "progress_every_s")
 
 
 @dataclass

@@ -30,8 +30,7 @@ from ironloop.engine.timing import StepTimer
 from ironloop.errors import UserError
 from ironloop.guard.faults import PoisonLoss
 from ironloop.guard.hook import GuardHook
-from ironloop.outputs import loggers
-from ironloop.outputs.readers import read_jsonl
+from ironloop.outputs import console, loggers
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
 from ironloop.state import dcp as sharded
@@ -196,17 +195,16 @@ def open_outputs(run: Run, run_dir: Path, resume, state, source):
     ids = (state.get("loggers") or {}) if state is not None else {}
     run.log = RunLog(run_dir, False, resume_epoch=run.progress.epoch, resume_step=resume_step,
                      loggers=loggers.build(cfg, run_dir, resume_step, ids))
-    if ids:  # the same external runs go on: re-send what a killed process may have lost
-        loggers.replay(run.log.loggers, read_jsonl(run_dir / "metrics.jsonl"),
-                       read_jsonl(run_dir / "epochs.jsonl"), run.log.last_logged_time)
     if state is not None:
-        run.log.write("events", {"event": "resume", "step": run.progress.step,
-                                 "epoch": run.progress.epoch, "from": source,
-                                 "last_logged_step": run.log.last_logged_step,
-                                 # work lost to the crash: logged past the checkpoint, redone
-                                 "steps_redone": max(0, run.log.last_logged_step
-                                                     - run.progress.step),
-                                 "time": time.time()})
+        run.log.catch_up(run.progress.step)  # each tracker gets the rows it does not hold yet
+        event = {"event": "resume", "step": run.progress.step, "epoch": run.progress.epoch,
+                 "from": source, "last_logged_step": run.log.last_logged_step,
+                 # work lost to the crash: logged past the checkpoint, redone
+                 "steps_redone": max(0, run.log.last_logged_step - run.progress.step),
+                 "time": time.time()}
+        run.log.write("events", event)
+        console.say(run, console.resume_line(event, run, drift.changes(
+            state.get("config") or {}, cfg.to_dict())))
     if not cfg.checkpoint.enabled or parallel.is_fsdp(run.raw_model):
         return None
     manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
@@ -231,6 +229,8 @@ def wire_save(run: Run, manager) -> None:
     DCP shards from every rank), move the guard's in-memory rollback point, tell the callbacks.
     All of it is charged to the 'checkpoint' part of the time split."""
 
+    last = [run.progress.step]  # the step of the previous save
+
     def save(best: bool) -> None:
         if run.world.distributed:  # a collective: save runs on every rank at the same step
             own = {k: v for k, v in run.meter.state_dict().items() if k != "ranks"}
@@ -240,6 +240,9 @@ def wire_save(run: Run, manager) -> None:
                          best=best)
         elif manager is not None:
             manager.save(collect_state(run), run.progress.step, best=best)
+        if run.log is not None and manager is not None:  # trackers get what a checkpoint covers
+            run.log.durable(last[0] if manager.async_write else run.progress.step)
+            last[0] = run.progress.step  # async: on disk once the next save() returns
         if run.guard is not None:
             run.guard.saved(run)
         if manager is not None and run.world.is_main:

@@ -216,6 +216,7 @@ def after_step(run: Run, bar) -> None:
         run.timer.mark("other")
         started = time.perf_counter()
         evaluated, improved = True, run_evaluation(run)[1]
+        console.say(run, console.eval_line(run.last_eval, run.total_steps))
         run.meter.exclude(time.perf_counter() - started)  # keep samples/s about training
         run.timer.mark("validation")
     # Checkpoint after an evaluation too: best.pt follows evaluations, and a resume then
@@ -260,7 +261,7 @@ def end_mid_epoch(run: Run) -> None:
         improved = run_evaluation(run)[1]
         run.meter.exclude(time.perf_counter() - started)
         run.timer.mark("validation")
-        console.say(run, console.eval_line(run.last_eval, "final evaluation"))
+        console.say(run, console.eval_line(run.last_eval, run.total_steps, "final evaluation"))
         run.save(improved)
     elif not _saved_by_after_step(run):
         run.save(False)
@@ -292,7 +293,7 @@ def end_epoch(run: Run) -> None:
         row["time_split"] = run.timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.log is not None:
         run.log.write("epochs", row)
-        console.say(run, console.epoch_line(row, cfg.train.epochs))
+        console.say(run, console.epoch_line(row, run))
     fire(run, "on_epoch_end", row)
     saving = time.perf_counter()
     # Validation and logging are not training time. Exclude them BEFORE the save: the

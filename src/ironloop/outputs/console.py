@@ -1,38 +1,119 @@
-"""What a run shows on the terminal: the tqdm bar of an epoch and the line each epoch ends with."""
+"""What a person watching a run sees: the tqdm bar on a terminal, plain progress lines in a log
+file (SLURM, CI, ``| tee``), and one line for each evaluation, epoch, resume and warning.
+
+On rank 0 only. ``log.progress``: ``auto`` shows the bar when stderr is a terminal and prints
+a compact progress line every ``log.progress_every_steps`` steps or ``log.progress_every_s``
+seconds (whichever comes first) when stdout is not one; ``on`` forces the bar; ``off`` shows
+neither. Evaluation, epoch and resume lines print in every mode.
+"""
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 
 from tqdm import tqdm
 
 
-def progress_bar(run):
-    """The epoch's tqdm bar: on a terminal (log.progress=auto), on rank 0 only."""
-    mode = run.cfg.log.progress
-    show = run.world.is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
-    done = run.progress.offset // (run.sampler.global_batch * run.cfg.train.accumulation_steps)
-    # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
-    left = max(0, min(run.steps_per_epoch - done, run.total_steps - run.progress.step))
-    return tqdm(total=done + left, initial=done, disable=not show, leave=False,
-                desc=f"epoch {run.progress.epoch + 1}/{run.cfg.train.epochs}", unit="step",
-                dynamic_ncols=True)
+def planned_epochs(run) -> int:
+    """The epoch the run ends in: train.epochs, or fewer when train.max_steps ends it sooner."""
+    return max(1, min(run.cfg.train.epochs, math.ceil(run.total_steps / run.steps_per_epoch)))
+
+
+class EpochProgress:
+    """One epoch's progress: the tqdm bar, plain lines, both or neither (see the module doc).
+    The loop calls ``update``, ``set_postfix`` (on log steps) and ``close``, as on a tqdm bar."""
+
+    def __init__(self, run):
+        cfg, p = run.cfg.log, run.progress
+        main, mode = run.world.is_main, cfg.progress
+        done = p.offset // (run.sampler.global_batch * run.cfg.train.accumulation_steps)
+        # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
+        left = max(0, min(run.steps_per_epoch - done, run.total_steps - p.step))
+        self.run, self.postfix = run, {}
+        self.desc = f"epoch {p.epoch + 1}/{planned_epochs(run)}"
+        show = main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        self.bar = tqdm(total=done + left, initial=done, disable=not show, leave=False,
+                        desc=self.desc, unit="step", dynamic_ncols=True)
+        self.plain = main and mode != "off" and not sys.stdout.isatty()
+        self.every, self.seconds = cfg.progress_every_steps, cfg.progress_every_s
+        self.last_step, self.last_time = p.step, time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+        if not self.plain:
+            return
+        step, now = self.run.progress.step, time.monotonic()  # one clock read per step
+        if (self.every and step - self.last_step >= self.every) or \
+                (self.seconds and now - self.last_time >= self.seconds):
+            say(self.run, progress_line(self, step, now))
+            self.last_step, self.last_time = step, now
+
+    def set_postfix(self, refresh: bool = False, **values) -> None:
+        self.postfix.update(values)
+        self.bar.set_postfix(self.postfix, refresh=refresh)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress_line(prog: EpochProgress, step: int, now: float) -> str:
+    """``step 120/500  epoch 3/10  loss 0.1234  lr 1.00e-03  8.1 steps/s  eta 0:00:47``."""
+    run = prog.run
+    rate = (step - prog.last_step) / max(now - prog.last_time, 1e-9)
+    parts = [f"step {step}/{run.total_steps}", prog.desc]
+    parts += [f"{k} {v}" for k, v in prog.postfix.items()]  # the latest log step's values
+    parts.append(f"{rate:.1f} steps/s")
+    if rate > 0:
+        parts.append(f"eta {_clock((run.total_steps - step) / rate)}")
+    return "  ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_bar(run) -> EpochProgress:
+    """The epoch's progress display (bar and/or plain lines); see ``EpochProgress``."""
+    return EpochProgress(run)
 
 
 def say(run, line: str) -> None:
     """One line on rank 0, printed above the bar rather than through it."""
     if run.world.is_main:
-        tqdm.write(line)
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()  # a log file sees it now, not when the buffer fills
 
 
-def epoch_line(row: dict, epochs: int) -> str:
-    """The plain line each epoch ends with (a log file gets only these)."""
-    parts = [f"epoch {row['epoch']}/{epochs}", f"step {row['step']}",
+def eval_line(row: dict, total_steps: int, what: str = "eval") -> str:
+    """One evaluation (eval.every_steps, or the final one of a max_steps run):
+    ``eval at step 40/120 (epoch 1): val_loss ...  (0.4 s)``."""
+    vals = [f"{k} {_value(k, v)}" for k, v in row.items() if k.startswith("val_")]
+    return (f"{what} at step {row['step']}/{total_steps} (epoch {row['epoch']}): "
+            + "  ".join(vals) + f"  ({row['seconds']:.1f} s)")
+
+
+def _value(key: str, v) -> str:
+    if not isinstance(v, (int, float)):
+        return str(v)
+    if key.endswith("_ppl"):
+        return f"{v:.2f}"
+    return f"{100 * v:.2f}%" if key.endswith("_acc") else f"{v:.4f}"
+
+
+def epoch_line(row: dict, run) -> str:
+    """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
+    step (eval.every_steps) say which step they come from: they are not this epoch's."""
+    parts = [f"epoch {row['epoch']}/{planned_epochs(run)}", f"step {row['step']}",
              f"train_loss {row['train_loss']:.4f}"]
+    dated = run.last_eval.get("step")
+    dated = f" (step {dated})" if dated is not None and dated != row["step"] else ""
     if row.get("val_loss") is not None:
-        parts.append(f"val_loss {row['val_loss']:.4f}")
+        parts.append(f"val_loss {row['val_loss']:.4f}{dated}")
     if row.get("val_acc") is not None:
-        parts.append(f"val_acc {100 * row['val_acc']:.2f}%")
+        parts.append(f"val_acc {100 * row['val_acc']:.2f}%{dated}")
     if row.get("val_ppl") is not None:
         parts.append(f"val_ppl {row['val_ppl']:.2f}")
     parts += [f"lr {row['lr']:.2e}", f"{row['seconds']:.1f}s",
@@ -49,12 +130,18 @@ def epoch_line(row: dict, epochs: int) -> str:
     return "  ".join(parts)
 
 
-
-def eval_line(row: dict, what: str = "evaluation") -> str:
-    """One line for an evals.jsonl row: the step and every val_* metric."""
-    parts = [f"{what} at step {row['step']}"]
-    for key, value in row.items():
-        if key.startswith("val_") and isinstance(value, (int, float)):
-            parts.append(f"{key} {100 * value:.2f}%" if key == "val_acc" else
-                         f"{key} {value:.4f}" if key != "val_ppl" else f"{key} {value:.2f}")
-    return "  ".join(parts)
+def resume_line(event: dict, run, changed: list[tuple]) -> str:
+    """The one line a resume prints: from where, what is redone, what changed."""
+    p = run.progress
+    done = p.offset // max(1, run.sampler.global_batch * run.cfg.train.accumulation_steps)
+    line = (f"resumed from {event['from']} at step {event['step']}/{run.total_steps} "
+            f"(epoch {p.epoch + 1}, {done}/{run.steps_per_epoch} steps into it)")
+    if event.get("steps_redone"):
+        a, b = event["step"] + 1, event["last_logged_step"]
+        line += (f"; redoing step{f's {a}-{b}' if b > a else f' {a}'}, which the previous "
+                 f"process had logged after this checkpoint")
+    else:
+        line += "; the previous process logged no step past it"
+    if not changed:
+        return line + "; config unchanged"
+    return line + "; config changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)

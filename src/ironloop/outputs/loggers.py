@@ -9,15 +9,8 @@ A logger that fails (no disk, a bad URI, a server that went away) warns once and
 it never stops training (``Guarded``). A logger that is asked for but not installed is a
 UserError at start, naming the extra to install. wandb and mlflow are imported only when used.
 
-After a crash, the steps between the checkpoint and the crash are logged again by the resumed
-process. The JSONL files and TensorBoard drop the old lines; W&B and MLflow are append-only, so
-they hold such a step twice, and the later value is the one that counts (on CPU the two are
-equal: the resume is bit-exact).
-
-W&B writes its data every 15 s (``x_transaction_log_flush_interval``), so a killed process loses
-what it logged in its last seconds, checkpointed steps included. A resume therefore replays into
-such a logger the rows it kept from the last ``replay_seconds`` before the dead process's last
-line (``replay``). MLflow's client writes each call through, and needs no replay.
+Rows reach a tracker only once the checkpoint covering their step is on disk, so each step is
+there exactly once across kills and resumes (``durable.py``). MLflow writes asynchronously.
 """
 
 from __future__ import annotations
@@ -31,6 +24,7 @@ from typing import Any
 from ironloop.state.drift import flatten
 from ironloop.errors import UserError
 from ironloop.extras import require
+from ironloop.outputs import durable
 
 SKIP = ("step", "epoch", "time")  # the x axis and bookkeeping, not metrics
 
@@ -49,10 +43,23 @@ class Logger:
     """The interface. Subclasses override what they need."""
 
     name = "logger"
-    replay_seconds = 0.0  # how far back a resume re-sends rows this logger may have lost
+    asynchronous = False  # write_rows returns before the store has them; flush() waits
 
     def write(self, kind: str, row: dict) -> None:
-        """Record one metrics or epochs row; ``row["step"]`` is the optimizer step."""
+        """Record one row; ``row["step"]`` is the optimizer step."""
+
+    def write_rows(self, rows: list[tuple[str, dict]]) -> None:
+        """Record (kind, row) pairs, in order: one batch where the tracker takes batches."""
+        for kind, row in rows:
+            self.write(kind, row)
+
+    def flush(self) -> None:
+        """What was written survives this process's death, where the tracker allows it."""
+
+    def held_steps(self) -> dict[str, int] | None:
+        """The last step of each kind the tracker's own store holds; None when it cannot tell
+        (then what it confirmed at each checkpoint counts: TensorBoard, flushed)."""
+        return None
 
     def ids(self) -> dict[str, Any]:
         """What a resume needs to continue the same external run."""
@@ -62,12 +69,12 @@ class Logger:
         """Flush and finish."""
 
 
-class Guarded(Logger):
-    """Runs a logger; its first exception is a warning, after which it is dropped."""
+class Guarded:
+    """Runs a tracker behind ``durable.Durable``; its first exception is a warning, after which
+    it is dropped."""
 
-    def __init__(self, inner: Logger):
+    def __init__(self, inner: durable.Durable):
         self.inner, self.name, self.failed = inner, inner.name, False
-        self.replay_seconds = inner.replay_seconds
 
     def _call(self, what: str, *args):
         if self.failed:
@@ -83,26 +90,42 @@ class Guarded(Logger):
     def write(self, kind: str, row: dict) -> None:
         self._call("write", kind, row)
 
+    def durable(self, step: int) -> None:
+        self._call("durable", step)
+
+    def rewind(self, step: int) -> None:
+        self._call("rewind", step)
+
+    def held(self) -> dict[str, int]:
+        return self._call("held") or {}
+
+    def confirmed(self) -> int | None:
+        return None if self.failed else self.inner.confirmed
+
     def ids(self) -> dict[str, Any]:
         return self._call("ids") or {}
 
     def close(self) -> None:
-        self._call("close")
+        self._call("finish", _failing())
 
 
 class TensorBoard(Logger):
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, resume_step: int | None):
+    def __init__(self, run_dir: Path, confirmed: int | None):
         tb = require("torch.utils.tensorboard", "tensorboard", "log.tensorboard=true")
-        # purge_step drops events past the checkpoint, like the JSONL truncation.
-        purge = None if resume_step is None else resume_step + 1
+        # On resume, purge_step makes TensorBoard's reader drop the events past what the killed
+        # process confirmed: those it may have half-written are sent again (durable.catch_up).
+        purge = None if confirmed is None else confirmed + 1
         self.writer = tb.SummaryWriter(str(run_dir / "tb"), purge_step=purge)
 
     def write(self, kind: str, row: dict) -> None:
         for k, v in row.items():
             if k not in ("step", "epoch") and isinstance(v, (int, float)):
                 self.writer.add_scalar(f"{kind}/{k}", v, row["step"])
+
+    def flush(self) -> None:
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
@@ -112,10 +135,10 @@ class WandB(Logger):
     """``log.wandb=true``: one W&B run per ironloop run; a resume continues the same run id."""
 
     name = "wandb"
-    replay_seconds = 2 * 15.0  # twice W&B's default flush interval of the .wandb file
 
     def __init__(self, cfg, run_dir: Path, run_id: str | None):
         wandb = require("wandb", "wandb", "log.wandb=true")
+        self.run_dir = run_dir
         log = cfg.log
         mode = None if log.wandb_mode == "auto" else log.wandb_mode  # auto: WANDB_MODE decides
         self.run = wandb.init(project=log.wandb_project, name=log.wandb_name or run_dir.name,
@@ -130,6 +153,11 @@ class WandB(Logger):
         self.run.log({"step": row["step"],
                       **{f"{kind}/{k}": v for k, v in _scalars(row).items()}})
 
+    def held_steps(self) -> dict[str, int]:
+        from ironloop.outputs.wandb_file import held_steps
+
+        return held_steps(self.run_dir)
+
     def ids(self) -> dict[str, Any]:
         return {"wandb": self.run.id}
 
@@ -143,8 +171,10 @@ class MLflow(Logger):
     Uses ``MlflowClient`` against one tracking URI, never mlflow's global active run."""
 
     name = "mlflow"
+    asynchronous = True
 
     def __init__(self, cfg, run_dir: Path, run_id: str | None):
+        self._ops: list = []
         tracking = require("mlflow.tracking", "mlflow", "log.mlflow=true")
         self.entities = require("mlflow.entities", "mlflow", "log.mlflow=true")
         uri = cfg.log.mlflow_tracking_uri or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
@@ -162,48 +192,65 @@ class MLflow(Logger):
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
     def write(self, kind: str, row: dict) -> None:
-        stamp = int(row.get("time", time.time()) * 1000)
-        metrics = [self.entities.Metric(f"{kind}/{k}", v, stamp, row["step"])
-                   for k, v in _scalars(row).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        self.write_rows([(kind, row)])
+
+    def write_rows(self, rows: list[tuple[str, dict]]) -> None:
+        """Whole rows per batch (at most 1000 metrics, MLflow's limit), in step order, each an
+        atomic write: what the store holds is a prefix of the rows, which ``held_steps``
+        reads back. Asynchronous: ``flush`` waits for them."""
+        batch: list = []
+        for kind, row in rows:
+            stamp = int(row.get("time", time.time()) * 1000)
+            metrics = [self.entities.Metric(f"{kind}/{k}", v, stamp, row["step"])
+                       for k, v in _scalars(row).items()]
+            if batch and len(batch) + len(metrics) > 1000:
+                self._ops.append(self.client.log_batch(self.run_id, metrics=batch,
+                                                       synchronous=False))
+                batch = []
+            batch += metrics
+        if batch:
+            self._ops.append(self.client.log_batch(self.run_id, metrics=batch,
+                                                   synchronous=False))
+
+    def flush(self) -> None:
+        for op in self._ops:
+            op.wait()
+        self._ops = []
+
+    def held_steps(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for key in self.client.get_run(self.run_id).data.metrics:
+            kind = key.split("/", 1)[0]
+            steps = [m.step for m in self.client.get_metric_history(self.run_id, key)]
+            held[kind] = max([held.get(kind, 0), *steps])
+        return held
 
     def ids(self) -> dict[str, Any]:
         return {"mlflow": self.run_id}
 
     def close(self) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id, "FAILED" if _failing() else "FINISHED")
 
 
-def replay(logs: list[Logger], metrics: list[dict], epochs: list[dict],
-           last_time: float | None) -> None:
-    """Re-send the kept rows a killed process may not have flushed: the metrics rows from the
-    last ``replay_seconds`` before ``last_time`` (its last line), and the epoch rows since."""
-    for logger in logs:
-        if not logger.replay_seconds or last_time is None:
-            continue
-        recent = [r for r in metrics if r.get("time", 0.0) >= last_time - logger.replay_seconds]
-        if not recent:
-            continue
-        first = recent[0]["step"]
-        for kind, rows in (("metrics", metrics), ("epochs", epochs)):
-            for row in rows:
-                if row.get("step", 0) >= first:
-                    logger.write(kind, row)
-
-
-def build(cfg, run_dir: Path, resume_step: int | None, ids: dict) -> list[Logger]:
-    """The loggers the config asks for, each guarded. ``ids`` come from the checkpoint.
+def build(cfg, run_dir: Path, resume_step: int | None, ids: dict) -> list[Guarded]:
+    """The trackers the config asks for, each behind the checkpoints (``durable.Durable``) and
+    guarded. ``ids`` come from the checkpoint; on a resume, each continues where
+    ``trackers.json`` says it confirmed its rows.
 
     A missing package is a UserError now; any other failure to start warns and drops it."""
-    wanted = [("tensorboard", cfg.log.tensorboard, lambda: TensorBoard(run_dir, resume_step)),
+    marks = durable.read_marks(run_dir) if resume_step is not None else {}
+    tb_mark = None if resume_step is None else marks.get("tensorboard", 0)
+    wanted = [("tensorboard", cfg.log.tensorboard, lambda: TensorBoard(run_dir, tb_mark)),
               ("wandb", cfg.log.wandb, lambda: WandB(cfg, run_dir, ids.get("wandb"))),
               ("mlflow", cfg.log.mlflow, lambda: MLflow(cfg, run_dir, ids.get("mlflow")))]
-    out: list[Logger] = []
+    out: list[Guarded] = []
     for name, on, make in wanted:
         if not on:
             continue
         try:
-            out.append(Guarded(make()))
+            out.append(Guarded(durable.Durable(make(), marks.get(name, 0),
+                                               passthrough=not cfg.checkpoint.enabled)))
         except UserError:
             raise
         except Exception as e:  # a logger must never stop training, not even at its start

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from ironloop.outputs import durable
 from ironloop.errors import UserError
 from ironloop.state.io import write_atomic
 
@@ -73,7 +74,8 @@ class RunLog:
         if tensorboard and not any(lg.name == "tensorboard" for lg in self.loggers):
             from ironloop.outputs.loggers import Guarded, TensorBoard
 
-            self.loggers.append(Guarded(TensorBoard(run_dir, resume_step)))
+            self.loggers.append(Guarded(durable.Durable(TensorBoard(run_dir, resume_step), 0,
+                                                        passthrough=True)))
 
     def write(self, name: str, row: dict) -> None:
         f = self._files[name]
@@ -92,10 +94,26 @@ class RunLog:
             for logger in self.loggers:
                 logger.write(name, row)
 
+    def durable(self, step: int) -> None:
+        """The checkpoint at ``step`` is on disk: the trackers get the rows up to it."""
+        for logger in self.loggers:
+            logger.durable(step)
+        self._mark()
+
+    def catch_up(self, step: int) -> None:
+        """On resume from ``step``: the trackers get the logged rows they do not hold yet."""
+        durable.catch_up(self.loggers, self.dir, step)
+        self._mark()
+
+    def _mark(self) -> None:
+        if self.loggers:
+            durable.write_marks(self.dir, {lg.name: lg.confirmed() for lg in self.loggers})
+
     def rewind(self, step: int, epoch: int) -> None:
-        """Drop the JSONL lines past ``step``/``epoch`` (a guard rollback), as a resume does.
-        The external loggers only append: a redone step is logged again and the later value
-        counts there."""
+        """Drop the JSONL lines past ``step``/``epoch`` (a guard rollback), as a resume does;
+        the trackers drop the rows they were still holding back past it."""
+        for logger in self.loggers:
+            logger.rewind(step)
         for f in self._files.values():
             f.close()
         self._truncate(step, epoch)
@@ -121,3 +139,4 @@ class RunLog:
             f.close()
         for logger in self.loggers:
             logger.close()
+        self._mark()

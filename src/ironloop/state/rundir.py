@@ -23,7 +23,8 @@ from ironloop.state.manager import has_checkpoints
 #: Files a run writes; --overwrite removes these and nothing else.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "epochs.jsonl", "events.jsonl", "results.json",
                "final.safetensors", "config.yaml", "tb", "report", "evals.jsonl",
-               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl", "trace")
+               "scalars.jsonl", "run.json", "wandb", "mlflow.db", "guard.jsonl", "trace",
+               "trackers.json")
 
 
 def unwritable(run_dir: Path, e: OSError) -> UserError:

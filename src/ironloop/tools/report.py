@@ -92,16 +92,28 @@ def _finish(ax, drawn: bool, empty: str, **labels) -> None:
     ax.set(**labels)
 
 
+def coinciding(runs: dict[str, list[dict]], x: str, key: str) -> list[tuple[list[str], tuple]]:
+    """([names], (xs, ys)) per distinct curve: variants whose curves are identical (checkpointing
+    does not change the weights, so the lab's later steps often are) share one entry."""
+    groups: dict[tuple, list[str]] = {}
+    for name, rows in runs.items():
+        xs, ys = _xy(continuous(rows), x, key)
+        if xs:
+            groups.setdefault((tuple(xs), tuple(ys)), []).append(name)
+    return [(names, curve) for curve, names in groups.items()]
+
+
 def _per_step(runs: dict[str, list[dict]], key: str, out, log: bool, x: str = "step",
               xlabel: str = "optimizer step", **labels) -> Path:
-    """One line per variant of ``key`` vs ``x`` (the optimizer step unless told otherwise)."""
+    """One line per variant of ``key`` vs ``x`` (the optimizer step unless told otherwise);
+    identical curves are drawn once, labelled with every name and "(identical)"."""
     fig, (ax,) = _figure()
     ys_all: list[float] = []
-    for i, (name, rows) in enumerate(runs.items()):
-        xs, ys = _xy(continuous(rows), x, key)
-        if xs:  # line styles cycle too, so overlapping variants stay distinguishable
-            ax.plot(xs, ys, lw=1.3, label=name, ls=("-", "--", ":", "-.")[i // 10 % 4])
-            ys_all += ys
+    for i, (names, (xs, ys)) in enumerate(coinciding(runs, x, key)):
+        label = names[0] if len(names) == 1 else " = ".join(names) + " (identical)"
+        # line styles cycle too, so overlapping variants stay distinguishable
+        ax.plot(xs, ys, lw=1.3, label=label, ls=("-", "--", ":", "-.")[i // 10 % 4])
+        ys_all += ys
     if log and _spans(ys_all, 2):
         ax.set_yscale("log")
     elif ys_all and not log:
@@ -307,8 +319,9 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
     return rows
 
 
-def summarize(run_dir: Path | str) -> str:
-    """A short markdown table: names, epochs, steps, accuracies, speed, clipping, resumes, time."""
+def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
+    """(rows, notes): names, epochs, steps, accuracies, speed, clipping, resumes, time; and
+    what could not be read."""
     run_dir = Path(run_dir)
     cfg, cfg_note = load_mapping(run_dir / "config.yaml")
     res, res_note = load_mapping(run_dir / "results.json")
@@ -345,11 +358,18 @@ def summarize(run_dir: Path | str) -> str:
     ]
     table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
               ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
-    lines = [f"# Run report: {run_dir.name}", "", "| | |", "|---|---|"]
     optional = ("test", "final val", "mean tokens")  # rows that most runs do not have
-    lines += [f"| {k} | {'n/a' if v is None else v} |" for k, v in table
-              if not (k.startswith(optional) and v == "n/a")]
+    rows = [(k, "n/a" if v is None else v) for k, v in table
+            if not (k.startswith(optional) and v in (None, "n/a"))]
     notes = [n for n in (cfg_note, res_note and f"{res_note}: the run did not finish") if n]
+    return rows, notes
+
+
+def summarize(run_dir: Path | str) -> str:
+    """A short markdown table: names, epochs, steps, accuracies, speed, clipping, resumes, time."""
+    rows, notes = summary(run_dir)
+    lines = [f"# Run report: {Path(run_dir).name}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines + [""] + [f"> note: {n}" for n in notes]).rstrip() + "\n"
 
 
@@ -386,7 +406,26 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
     report = out_dir / "report.md"
     from ironloop.tools.doctor.logs import diagnose_logs, markdown
 
-    md = [summarize(run_dir), markdown(diagnose_logs(run_dir))]
+    found = diagnose_logs(run_dir)
+    md = [summarize(run_dir), markdown(found)]
     md += [f"![{p.stem}]({p.name})\n" for p in paths]
     report.write_text("\n".join(md), encoding="utf-8")
-    return paths + [report]
+    return paths + [report, write_html(run_dir, found, paths, out_dir / "report.html")]
+
+
+def write_html(run_dir: Path, found: list, images: list[Path], out: Path) -> Path:
+    """report.html: report.md's content in one self-contained page (tools/html.py)."""
+    from ironloop.tools.html import Page
+
+    rows, notes = summary(run_dir)
+    page = Page(f"Run report: {run_dir.name}").table(["", ""], [list(r) for r in rows])
+    for n in notes:
+        page.note(f"note: {n}")
+    page.h2("Diagnosis")
+    if not found:
+        page.p("Nothing in the logs calls for attention.")
+    page.items([(f"{f.severity} ({f.check}):", f"{f.measured}. Likely cause: {f.cause}. "
+                 f"Fix: {f.fix}.") for f in found])
+    for path in images:
+        page.image(path)
+    return page.write(out)

@@ -181,12 +181,15 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
         print("notice: the preflight doctor reads samples by index; skipped for a stream "
               "(an IterableDataset)")
         return []
+    print("preflight: the doctor's quick checks of model and data (doctor.preflight=false "
+          "skips them)...", flush=True)
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
     findings = check(s, quick=True)  # never raises: a check that fails is reported skipped
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
-    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})")
+    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})",
+          flush=True)
     stop_if_strict(findings, cfg.doctor.strict if strict is None else strict)
     return findings
 

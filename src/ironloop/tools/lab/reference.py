@@ -20,7 +20,7 @@ from ironloop.engine.fit import seed_everything
 from ironloop.tools.models import build_model
 from ironloop.engine.precision import resolve_device
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 PLAIN, ACCEL = "production_loop", "production_loop_accelerate"
 
 

@@ -7,8 +7,6 @@ Step 7 runs as real processes, because its crash is a real ``os._exit(1)``.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import math
 import shutil
@@ -24,19 +22,23 @@ from safetensors.torch import load_file
 
 from ironloop.tools.lab import reference as lab_reference
 from ironloop.tools.lab import verdicts as judge
+from ironloop.tools.html import Page
+from ironloop.tools.lab.clock import Clock
 from ironloop.state.io import load_verified
 from ironloop.config import Config, load_config
 from ironloop.errors import UserError
 from ironloop.tools.recipe import train_config
 from ironloop.outputs.readers import read_jsonl
-from ironloop.tools.report import (clipped_fraction, plot_grad_norm_hist, plot_loss_curves,
-                                   plot_lr, plot_resume_curve)
+from ironloop.tools.report import (clipped_fraction, coinciding, plot_grad_norm_hist,
+                                   plot_loss_curves, plot_lr, plot_resume_curve)
 
 MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
          "synthetic": "mlp"}
 #: Fashion-MNIST on 2 CPU cores: 8/16 channels train at ~9,500 samples/s in fp32 here, against
 #: ~3,350 for the default 32/64, which keeps the whole lab well under 10 minutes.
 MODEL_KWARGS = {"fashion-mnist": {"channels": [8, 16]}}
+#: Steps of the stretch precision a CPU only emulates (fp16): enough to measure its speed.
+EMULATED_STEPS = 4
 #: Every lab dataset has 10 classes (chance is 10%).
 NUM_CLASSES = 10
 
@@ -72,7 +74,8 @@ def steps_plan(data: str) -> list[Variant]:
             "model.kwargs": MODEL_KWARGS.get(data, {}), "train.epochs": 5,
             "train.batch_size": 64, "optim.name": "adamw", "optim.lr": 1e-3,
             "schedule.name": "constant", "clip.max_norm": 0.0, "checkpoint.enabled": False,
-            "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off"}
+            "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off",
+            "doctor.preflight": False}
     steps = [("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
              ("2-onecycle", "Scheduler: OneCycleLR, max_lr 3e-3",
               {"schedule.name": "onecycle", "schedule.max_lr": 3e-3}),
@@ -88,16 +91,35 @@ def steps_plan(data: str) -> list[Variant]:
     for name, title, extra in steps:
         acc = {**acc, **extra}
         variants.append(Variant(name, title, dict(acc)))
+    # The preflight checks the model and data, which every step shares: it runs once, in step 1.
+    variants[0].overrides["doctor.preflight"] = True
+    if emulated(amp_precision()):
+        # A CPU without native bf16 (no AVX512-BF16 or AMX) emulates it, at several times fp32's
+        # cost: step 5 measures that, and the steps after it keep fp32 (their criteria do not
+        # depend on the precision) so the lab stays in its budget. The report says so.
+        for v in variants[5:]:
+            v.overrides["train.precision"] = "fp32"
+            v.title += f" (fp32: this CPU emulates {amp_precision()})"
     full = variants[5].overrides
     variants.append(Variant("8-decay-all", "Stretch: weight decay on biases and norms too",
                             {**full, "optim.decay_bias_and_norm": True}))
     other = "fp16" if amp_precision() == "bf16" else "bf16"
-    # CPUs emulate fp16 at a fraction of bf16's speed: there, one epoch shows the throughput.
-    short = {} if torch.cuda.is_available() else {"train.epochs": 1}
+    # CPUs emulate fp16 autocast, many times slower than bf16 (seconds a step where bf16 takes
+    # milliseconds): there a handful of steps shows the throughput; a whole run would take
+    # the lab's whole budget and show nothing more.
+    short = {"train.max_steps": EMULATED_STEPS} if emulated(other) else {}
     variants.append(Variant("9-" + other, f"Stretch: {other} instead of {amp_precision()}"
-                            + (", 1 epoch" if short else ""),
+                            + (f", {EMULATED_STEPS} steps (emulated here)" if short else ""),
                             {**full, "train.precision": other, **short}))
     return variants
+
+
+def emulated(precision: str) -> bool:
+    """A precision this machine only emulates: fp16 on any CPU, bf16 on a CPU without native
+    bf16 instructions."""
+    if torch.cuda.is_available() or precision == "fp32":
+        return False
+    return precision == "fp16" or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _cfg(overrides: dict, run_dir: Path, root: str) -> Config:
@@ -117,26 +139,31 @@ def run_lab(data: str, out: Path, root: str = "data", overwrite: bool = False) -
                                                         out / "reference"]:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
     out.mkdir(parents=True, exist_ok=True)
-    extras = []
+    extras, clock = [], Clock()
     for v in variants:
         v.run_dir = out / v.name
         print(f"[lab] {v.name}: {v.title}", flush=True)
-        if v.name == "7-crash-resume":
-            crash_and_resume(v, out, root)
-        else:
-            train_config(_cfg(v.overrides, v.run_dir, root))
+        with clock.part(v.name):
+            if v.name == "7-crash-resume":
+                crash_and_resume(v, out, root)
+            else:
+                train_config(_cfg(v.overrides, v.run_dir, root))
         if v.name == "3-clip":
-            extras += clip_comparison(v, out, root)
-    variants[3].notes.update(accumulation_check(variants[3], out, root))
+            with clock.part(CLIP_COMPARE + " (if clipping fails)"):
+                extras += clip_comparison(v, out, root)
+    with clock.part("accumulation check"):
+        variants[3].notes.update(accumulation_check(variants[3], out, root))
     variants[6].notes["bit_identical"] = _same_weights(variants[5].run_dir, variants[6].run_dir)
     reference = None
     if lab_reference.available():
         print("[lab] reference: examples/production_loop.py and its Accelerate version, with "
               "step 6's config", flush=True)
-        reference = lab_reference.run_references(
-            _cfg(variants[5].overrides, out / "reference", root), out / "reference")
-    plots = draw(variants, out)
-    report = write_reports(variants, extras, out, plots, data, reference)
+        with clock.part("reference scripts"):
+            reference = lab_reference.run_references(
+                _cfg(variants[5].overrides, out / "reference", root), out / "reference")
+    with clock.part("plots and report"):
+        plots = draw(variants, out)
+        report = write_reports(variants, extras, out, plots, data, reference, clock)
     return report
 
 
@@ -229,6 +256,7 @@ def draw(variants: list[Variant], out: Path) -> dict[str, Path]:
     by = {v.name: v for v in variants}
     crash = by["7-crash-resume"]
     resumes = [e for e in read_jsonl(crash.run_dir / "events.jsonl") if e.get("event") == "resume"]
+    curves = {v.name: _with_epochs(v, variants[5]) for v in variants}
     return {
         "lr.png": plot_lr({"1-baseline (constant)": by["1-baseline"].metrics(),
                            "2-onecycle": by["2-onecycle"].metrics()}, out / "lr.png"),
@@ -237,33 +265,43 @@ def draw(variants: list[Variant], out: Path) -> dict[str, Path]:
         "resume_curve.png": plot_resume_curve(crash.metrics(), crash.epochs(),
                                               out / "resume_curve.png", resumes,
                                               crash.notes["crash_step"]),
-        "loss_curves.png": plot_loss_curves({v.name: _with_epochs(v) for v in variants},
-                                            out / "loss_curves.png", x="epochs",
+        "loss_curves.png": plot_loss_curves(curves, out / "loss_curves.png", x="epochs",
                                             xlabel="epochs of data seen",
                                             title="Training loss, every lab variant"),
     }
 
 
-def _with_epochs(v: Variant) -> list[dict]:
+def _with_epochs(v: Variant, like: Variant) -> list[dict]:
     """Metrics rows with x = epochs of data seen: steps are not comparable across variants
-    whose optimizer steps cover different numbers of samples (accumulation)."""
-    per_epoch = v.epochs()[0]["step"]
+    whose optimizer steps cover different numbers of samples (accumulation). A variant stopped
+    inside its first epoch (the emulated precision) has the steps per epoch of step 6, ``like``,
+    whose config it extends."""
+    per_epoch = (v.epochs() or like.epochs())[0]["step"]
     return [{**m, "epochs": m["step"] / per_epoch} for m in v.metrics()]
 
 
 def summary_row(v: Variant) -> dict:
+    """A variant's row; one that train.max_steps stopped inside its first epoch (the emulated
+    precision) has no epoch line, and gives its logged steps' speed and its final val acc."""
     epochs, metrics = v.epochs(), v.metrics()
+    clipped = clipped_fraction(metrics, v.overrides["clip.max_norm"]) \
+        if v.overrides["clip.max_norm"] > 0 else None
+    if not epochs:
+        speeds = [m["samples_per_s"] for m in metrics[1:] or metrics]  # step 1 warms up
+        res = v.results()
+        return {"variant": v.name, "final val acc": res.get("final_val_acc"), "s/epoch": None,
+                "s/epoch spread": None, "samples/s": statistics.median(speeds),
+                "optimizer steps": res["steps"], "clipped": clipped}
     secs = [e["seconds"] for e in epochs]
     return {"variant": v.name, "final val acc": epochs[-1].get("val_acc"),
             "s/epoch": statistics.median(secs), "s/epoch spread": (min(secs), max(secs)),
             "samples/s": statistics.median(e["samples_per_s"] for e in epochs),
-            "optimizer steps": epochs[-1]["step"],
-            "clipped": clipped_fraction(metrics, v.overrides["clip.max_norm"])
-            if v.overrides["clip.max_norm"] > 0 else None}
+            "optimizer steps": epochs[-1]["step"], "clipped": clipped}
 
 
-def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
-    """One sentence per step, computed from what the runs logged."""
+def findings(variants: list[Variant], rows: list[dict], under: str) -> dict[str, str]:
+    """One sentence per step, computed from what the runs logged; timing comparisons say the
+    conditions they were measured ``under`` (cores and load)."""
     by, row = {v.name: v for v in variants}, {r["variant"]: r for r in rows}
     acc = {k: r["final val acc"] for k, r in row.items()}
     lrs = [m["lr"] for m in by["2-onecycle"].metrics()]
@@ -271,7 +309,10 @@ def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
     norms = sorted(m["grad_norm"] for m in by["3-clip"].metrics())
     acc_notes, crash = by["4-accum"].notes, by["7-crash-resume"].notes
     speed4, speed5 = row["4-accum"]["samples/s"], row["5-amp"]["samples/s"]
-    secs5, secs6 = row["5-amp"]["s/epoch"], row["6-checkpoint"]["s/epoch"]
+    # Checkpointing's cost against the step before with the same precision (see steps_plan).
+    same = "5-amp" if by["5-amp"].overrides["train.precision"] == \
+        by["6-checkpoint"].overrides["train.precision"] else "4-accum"
+    secs5, secs6 = row[same]["s/epoch"], row["6-checkpoint"]["s/epoch"]
     ckpts = sorted(p.name for p in (by["6-checkpoint"].run_dir / "checkpoints").glob("*.pt"))
     s = {
         "1-baseline": f"val acc {acc['1-baseline']:.2%} after 5 epochs; epochs took "
@@ -292,11 +333,11 @@ def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
                       if max(acc_notes["full_window_diff"], acc_notes["ragged_window_diff"])
                       < 1e-5 else "THE LOSS IS NOT SCALED CORRECTLY."),
         "5-amp": f"throughput {speed5:,.0f} samples/s vs {speed4:,.0f} in fp32 "
-                 f"(x{speed5 / speed4:.2f}); val acc {acc['5-amp']:.2%}."
+                 f"(x{speed5 / speed4:.2f}, {under}); val acc {acc['5-amp']:.2%}."
                  + (" On CPU, bf16 autocast often costs more in casts than it saves."
                     if not torch.cuda.is_available() else ""),
         "6-checkpoint": f"wrote {', '.join(ckpts)}; median {secs6:.2f} s/epoch vs {secs5:.2f} "
-                        f"without checkpoints.",
+                        f"without checkpoints (step {same[0]}; {under}).",
         "7-crash-resume": f"os._exit(1) right after step {crash['crash_step']} (epoch 3), "
                           f"resumed from step {crash['resumed_from']}; final weights "
                           f"{'bit-identical' if crash['bit_identical'] else 'DIFFERENT'} to "
@@ -305,11 +346,16 @@ def findings(variants: list[Variant], rows: list[dict]) -> dict[str, str]:
     decay = variants[7].name
     s[decay] = f"val acc {acc[decay]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
     prec, first = variants[8], by["6-checkpoint"].epochs()[0]
-    s[prec.name] = (f"{row[prec.name]['samples/s']:,.0f} samples/s vs "
-                    f"{row['6-checkpoint']['samples/s']:,.0f} for step 6; val acc "
-                    f"{acc[prec.name]:.2%} after {len(prec.epochs())} epoch(s)"
-                    + (f" (step 6 had {first['val_acc']:.2%} after its first)."
-                       if len(prec.epochs()) == 1 else "."))
+    speed, speed6 = row[prec.name]["samples/s"], row["6-checkpoint"]["samples/s"]
+    s[prec.name] = f"{speed:,.0f} samples/s vs {speed6:,.0f} for step 6 (x{speed / speed6:.2f}, {under}); "
+    if not prec.epochs():  # the CPU's emulated fp16: a handful of steps, see steps_plan
+        s[prec.name] += (f"{row[prec.name]['optimizer steps']} steps only: a CPU emulates "
+                         f"{prec.overrides['train.precision']} autocast, and a whole run would "
+                         f"take minutes to show the same (on CUDA this step runs all 5 epochs).")
+    else:
+        s[prec.name] += (f"val acc {acc[prec.name]:.2%} after {len(prec.epochs())} epoch(s)"
+                         + (f" (step 6 had {first['val_acc']:.2%} after its first)."
+                            if len(prec.epochs()) == 1 else "."))
     return s
 
 
@@ -356,11 +402,21 @@ def verdicts(variants: list[Variant], rows: list[dict],
     return out, drop
 
 
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in rows]
+
+
 def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
-                  plots: dict[str, Path], data: str, reference: dict | None) -> Path:
+                  plots: dict[str, Path], data: str, reference: dict | None,
+                  clock: Clock) -> Path:
+    under = clock.under()
     rows = [summary_row(v) for v in variants]
-    said = findings(variants, rows)
+    said = findings(variants, rows, under)
     judged, drop = verdicts(variants, rows, reference)
+    for v in judged:
+        if v.step == "5-amp":  # a speed ratio is a measurement of this machine at this load
+            v.figure += f" (speed measured on {under})"
     for c in extras:
         said[c.name] = (f"step 3 rerun with max_norm {c.overrides['clip.max_norm']:g}: val acc "
                         f"{c.epochs()[-1]['val_acc']:.2%} (step 3: "
@@ -370,6 +426,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
     header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
               "clipped fraction"]
     table = [[r["variant"], _fmt(r["final val acc"], "pct"),
+              "n/a (stopped mid-epoch)" if r["s/epoch"] is None else
               f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
               _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
               _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
@@ -378,62 +435,41 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
     vtable = [[v.step, v.criterion, v.result, v.figure] for v in judged]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     intro = (f"Dataset `{data}`, device {device}, torch {torch.__version__}. Each step keeps "
-             f"everything before it and adds one thing; same seed and data throughout.")
-    md = [f"# ironloop lab: {data}", "", intro, "",
-          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    md += ["| " + " | ".join(cells) + " |" for cells in table]
-    md += ["", "## Each step against the spec's criterion", "",
-           "| " + " | ".join(vheader) + " |", "|" + "---|" * len(vheader)]
-    md += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in vtable]
-    md += ["", f"**Step 4's accuracy:** {drop}"]
-    md += ["", "## What each step showed", ""]
+             f"everything before it and adds one thing; same seed and data throughout. "
+             f"Timings were measured on {under}: on a shared machine they compare only "
+             f"within this report.")
+    theader, trows = clock.table()
+    timing = (f"Wall and CPU seconds of each part of this lab ({under}). CPU seconds include "
+              f"step 7's crash and resume processes.")
+    ref = None if reference is None else (
+        f"`examples/production_loop.py` and `examples/production_loop_accelerate.py`, run with "
+        f"step 6's config, initial weights and data order. {judged[-1].figure}. The line diff "
+        f"({reference['diff_lines']} lines added or removed):")
+    md = [f"# ironloop lab: {data}", "", intro, "", *_md_table(header, table),
+          "", "## Each step against the spec's criterion", "", *_md_table(vheader, vtable),
+          "", f"**Step 4's accuracy:** {drop}", "", "## What each step showed", ""]
     md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in shown]
-    if reference is not None:
-        md += ["", "## The hand-written script and its Accelerate version", "",
-               f"`examples/production_loop.py` and `examples/production_loop_accelerate.py`, "
-               f"run with step 6's config, initial weights and data order. "
-               f"{judged[-1].figure}. The line diff ({reference['diff_lines']} lines added or "
-               f"removed):", "", "```diff", reference["diff"], "```"]
-    md += ["", *[f"![{name}]({name})" for name in plots]]
+    if ref is not None:
+        md += ["", "## The hand-written script and its Accelerate version", "", ref, "",
+               "```diff", reference["diff"], "```"]
+    md += ["", "## Where the lab's time went", "", timing, "", *_md_table(theader, trows)]
+    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
+                                             for v in variants},
+                                             "epochs", "loss") if len(names) > 1]
+    same = "".join(f" The training losses of {', '.join(n)} coincide at every step: "
+                   f"loss_curves.png draws them once." for n in same)
+    md += ["", f"Plots.{same}", "", *[f"![{name}]({name})" for name in plots]]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    (out / "report.html").write_text(_html(data, intro, header, table, shown, said, plots,
-                                           (vheader, vtable, drop), reference))
+    page = Page(f"ironloop lab: {data}").p(intro).table(header, table)
+    page.h2("Each step against the spec's criterion").table(vheader, vtable, "l", classed=2)
+    page.p(drop, bold="Step 4's accuracy:").h2("What each step showed")
+    page.items([(v.name, f"({v.title}): {said[v.name]}") for v in shown])
+    if ref is not None:
+        page.h2("The hand-written script and its Accelerate version").p(ref)
+        page.pre(reference["diff"])
+    page.h2("Where the lab's time went").p(timing).table(theader, trows)
+    page.h2("Plots").p(same.strip() or "Every variant's training loss differs.")
+    for path in plots.values():
+        page.image(path)
+    page.write(out / "report.html")
     return out / "report.md"
-
-
-def _html(data, intro, header, table, variants, said, plots, judged, reference) -> str:
-    def img(path: Path) -> str:
-        b64 = base64.b64encode(path.read_bytes()).decode()
-        return f'<figure><img alt="{path.name}" src="data:image/png;base64,{b64}">' \
-               f"<figcaption>{path.name}</figcaption></figure>"
-
-    esc = html.escape
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>"
-                   for row in table)
-    items = "".join(f"<li><b>{esc(v.name)}</b> ({esc(v.title)}): {esc(said[v.name])}</li>"
-                    for v in variants)
-    vheader, vtable, drop = judged
-    vhead = "".join(f"<th>{esc(h)}</th>" for h in vheader)
-    vbody = "".join("<tr>" + "".join(f'<td class="{esc(c)}">{esc(c)}</td>' if i == 2 else
-                                     f"<td>{esc(c)}</td>" for i, c in enumerate(row)) + "</tr>"
-                    for row in vtable)
-    ref = "" if reference is None else (
-        f"<h2>The hand-written script and its Accelerate version</h2><p>"
-        f"{esc(judged[1][-1][3])}. The line diff ({reference['diff_lines']} lines added or "
-        f"removed):</p><pre>{esc(reference['diff'])}</pre>")
-    style = ("body{font-family:sans-serif;max-width:980px;margin:2em auto;padding:0 1em}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;"
-             "text-align:right}td:first-child,th:first-child{text-align:left}"
-             "img{max-width:100%}table.v td{text-align:left}td.PASS{color:#060}"
-             "td.FAIL{color:#b00;font-weight:bold}"
-             "pre{background:#f6f6f6;padding:8px;overflow-x:auto}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>ironloop lab: "
-            f"{esc(data)}</title><style>{style}</style></head><body>"
-            f"<h1>ironloop lab: {esc(data)}</h1><p>{esc(intro)}</p>"
-            f"<table><tr>{head}</tr>{body}</table>"
-            f"<h2>Each step against the spec's criterion</h2>"
-            f"<table class='v'><tr>{vhead}</tr>{vbody}"
-            f"</table><p><b>Step 4's accuracy:</b> {esc(drop)}</p>"
-            f"<h2>What each step showed</h2><ul>{items}</ul>{ref}"
-            + "".join(img(p) for p in plots.values()) + "</body></html>\n")

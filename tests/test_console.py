@@ -1,0 +1,95 @@
+"""What a person watching a run sees (outputs/console.py, issue 22): piped progress lines,
+every evaluation, dated val_* in epoch lines, the right epoch count under max_steps, the resume
+line, the fp16-on-CPU warning, and a CLI that answers --version and --help without torch."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ironloop.outputs import console
+from tests.conftest import REPO, run_cli
+
+
+def fake_run(epochs=10, total_steps=160, steps_per_epoch=23, last_eval=None):
+    cfg = SimpleNamespace(train=SimpleNamespace(epochs=epochs, accumulation_steps=1))
+    return SimpleNamespace(cfg=cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                           last_eval=last_eval or {}, world=SimpleNamespace(is_main=True),
+                           progress=SimpleNamespace(step=46, epoch=2, offset=64 * 5),
+                           sampler=SimpleNamespace(global_batch=64))
+
+
+ROW = {"epoch": 2, "step": 46, "train_loss": 0.5, "val_loss": 0.25, "val_acc": 0.9, "lr": 1e-3,
+       "seconds": 1.0, "samples_per_s": 100.0}
+
+
+def test_the_epoch_count_is_where_max_steps_ends_the_run():
+    assert console.planned_epochs(fake_run(epochs=10, total_steps=160)) == 7  # ceil(160/23)
+    assert console.planned_epochs(fake_run(epochs=3, total_steps=69)) == 3
+    assert console.epoch_line(ROW, fake_run()).startswith("epoch 2/7  step 46")
+
+
+def test_epoch_lines_date_val_figures_from_an_earlier_evaluation():
+    fresh = console.epoch_line(ROW, fake_run(last_eval={"step": 46}))
+    assert "val_loss 0.2500  " in fresh and "(step" not in fresh
+    stale = console.epoch_line(ROW, fake_run(last_eval={"step": 40}))
+    assert "val_loss 0.2500 (step 40)" in stale and "val_acc 90.00% (step 40)" in stale
+
+
+def test_resume_line_names_checkpoint_step_redone_steps_and_changes():
+    event = {"from": "run/checkpoints/step-00000046.pt", "step": 46, "last_logged_step": 50,
+             "steps_redone": 4}
+    line = console.resume_line(event, fake_run(), [("train.max_steps", 100, 160)])
+    assert line.startswith("resumed from run/checkpoints/step-00000046.pt at step 46/160")
+    assert "(epoch 3, 5/23 steps into it)" in line and "redoing steps 47-50" in line
+    assert line.endswith("config changed: train.max_steps 100 -> 160")
+    quiet = console.resume_line({**event, "steps_redone": 0}, fake_run(), [])
+    assert "logged no step past it" in quiet and quiet.endswith("config unchanged")
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+def test_version_and_help_do_not_import_torch(flag):
+    code = ("import sys; from ironloop import cli\n"
+            f"try:\n    cli.main([{flag!r}])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("no torch") and "ironloop" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_piped_max_steps_run_shows_progress_every_evaluation_and_its_resume(tmp_path):
+    """Overrides only, no config file; stdout is a pipe: plain lines, no bar."""
+    run_dir = tmp_path / "lm"
+    args = ["train", "data.name=digits", "model.name=mlp", f"run.dir={run_dir}",
+            "train.max_steps=12", "eval.every_steps=4", "eval.max_batches=2",
+            "log.progress_every_steps=3", "log.progress_every_s=0", "checkpoint.every_steps=4",
+            "log.every_steps=1"]
+    first = run_cli(*args, "fault.crash_at_step=6")
+    assert first.returncode == 1, first.stderr
+    out = first.stdout.splitlines()
+    assert out[0].startswith(f"ironloop train: mlp on digits from the defaults, run.dir {run_dir}")
+    assert out[1].startswith("preflight: ") and re.match(r"doctor: .*\(\d+\.\d+ s; ", out[2])
+    assert [x.split()[1] for x in out if x.startswith("step ")] == ["3/12", "6/12"]
+    assert "epoch 1/1" in first.stdout  # 23 steps an epoch: max_steps ends the run in epoch 1
+    second = run_cli(*args, "--resume", "doctor.preflight=false")
+    assert second.returncode == 0, second.stderr
+    line = next(x for x in second.stdout.splitlines() if x.startswith("resumed from"))
+    # fault.crash_at_step exits right after step 6, before its metrics line: 5 was logged
+    assert "at step 4/12" in line and "redoing step 5, which" in line
+    assert "config changed: fault.crash_at_step 6 -> 0" in line  # the resume's own override
+    steps = [x.split()[1] for x in second.stdout.splitlines() if x.startswith("step ")]
+    assert steps == ["7/12", "10/12"]  # every 3 steps from the resumed step
+    evals = [x for x in first.stdout.splitlines() + second.stdout.splitlines()
+             if x.startswith("eval at step")]
+    assert [e.split()[3] for e in evals] == ["4/12", "8/12", "12/12"]
+    logged = [json.loads(x)["step"] for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert logged == [4, 8, 12]
+    assert "\r" not in first.stdout + second.stdout + first.stderr + second.stderr

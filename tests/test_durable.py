@@ -1,0 +1,98 @@
+"""outputs/durable.py: a tracker gets a row only once a checkpoint covers its step, and a resume
+sends exactly what it lacks. The trackers here record what reaches them; the real trackers'
+files are read back after SIGKILLs in tests/test_loggers.py."""
+
+from __future__ import annotations
+
+import json
+
+from ironloop.outputs import durable
+from ironloop.outputs.loggers import Logger
+
+
+class Store(Logger):
+    """A tracker whose store is a list; ``asynchronous`` ones land in it only at flush()."""
+
+    name = "store"
+
+    def __init__(self, asynchronous=False, held=None):
+        self.asynchronous, self.rows, self.queued, self._held = asynchronous, [], [], held
+
+    def write_rows(self, rows):
+        (self.queued if self.asynchronous else self.rows).extend(rows)
+
+    def flush(self):
+        self.rows += self.queued
+        self.queued = []
+
+    def held_steps(self):
+        return self._held
+
+
+def row(step, kind="metrics"):
+    return kind, {"step": step, "loss": 1.0 / step}
+
+
+def steps(store):
+    return [r["step"] for _, r in store.rows]
+
+
+def test_rows_wait_for_the_checkpoint_that_covers_them():
+    store = Store()
+    d = durable.Durable(store, 0)
+    for s in range(1, 8):
+        d.write(*row(s))
+    assert steps(store) == []
+    d.durable(5)
+    assert steps(store) == [1, 2, 3, 4, 5] and d.confirmed == 5
+    d.rewind(6)  # a guard rollback to step 6: step 7 will be redone
+    d.finish(failing=False)
+    assert steps(store) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_failing_close_keeps_what_no_checkpoint_covers():
+    store = Store()
+    d = durable.Durable(store, 0)
+    for s in range(1, 5):
+        d.write(*row(s))
+    d.durable(2)
+    d.finish(failing=True)
+    assert steps(store) == [1, 2]
+
+
+def test_an_asynchronous_tracker_is_confirmed_one_hand_over_later():
+    store = Store(asynchronous=True)
+    d = durable.Durable(store, 0)
+    for s in range(1, 7):
+        d.write(*row(s))
+    d.durable(3)
+    assert steps(store) == [] and d.confirmed == 0  # queued, not yet in the store
+    d.durable(6)
+    assert steps(store) == [1, 2, 3] and d.confirmed == 3
+    d.finish(failing=False)
+    assert steps(store) == [1, 2, 3, 4, 5, 6] and d.confirmed == 6
+
+
+def test_without_checkpoints_rows_go_straight_through():
+    store = Store()
+    durable.Durable(store, 0, passthrough=True).write(*row(1))
+    assert steps(store) == [1]
+
+
+def test_catch_up_sends_what_each_tracker_lacks_up_to_the_checkpoint(tmp_path):
+    for kind, rows in (("metrics", range(1, 11)), ("epochs", (5, 10))):
+        (tmp_path / f"{kind}.jsonl").write_text(
+            "".join(json.dumps({"step": s, "x": s}) + "\n" for s in rows))
+    told = Store(held={"metrics": 4, "epochs": 0})  # its own files say: metrics up to 4
+    marked = Store()  # can only go by what it confirmed (trackers.json)
+    trackers = [durable.Durable(told, 0), durable.Durable(marked, 6)]
+    durable.catch_up(trackers, tmp_path, 8)
+    assert [(k, r["step"]) for k, r in told.rows] == \
+        [("metrics", s) for s in range(5, 9)] + [("epochs", 5)]
+    assert [(k, r["step"]) for k, r in marked.rows] == [("metrics", 7), ("metrics", 8)]
+
+
+def test_marks_round_trip_and_tolerate_a_missing_file(tmp_path):
+    assert durable.read_marks(tmp_path) == {}
+    durable.write_marks(tmp_path, {"tensorboard": 12, "wandb": None})
+    assert durable.read_marks(tmp_path) == {"tensorboard": 12}
