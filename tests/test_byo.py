@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -285,4 +287,7 @@ def test_readme_byo_example_runs(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "readme-lm"
     evals = read_jsonl(run / "evals.jsonl")
     assert [e["step"] for e in evals] == [40, 80, 120] and evals[-1]["val_loss"] < 1.0
-    assert [r["val_ppl"] for r in read_jsonl(run / "scalars.jsonl")][-1] < 3
+    assert evals[-1]["val_ppl"] < 3  # exp of the token-weighted val_loss, not a mean of exps
+    assert abs(evals[-1]["val_ppl"] - math.exp(evals[-1]["val_loss"])) < 1e-6
+    lrs = [r["lr"] for r in read_jsonl(run / "scalars.jsonl")]  # the callback, per evaluation
+    assert len(lrs) == 3 and lrs[0] > lrs[-1]
