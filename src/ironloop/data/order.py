@@ -17,6 +17,7 @@ cheaply as forwards), and a position in the filtered order maps to the raw posit
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ironloop.data.seeding import derive_seed
@@ -25,7 +26,7 @@ ROUNDS = 6
 _M32 = 0xFFFFFFFF
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def _mix(x: np.ndarray) -> np.ndarray:
     """A 32-bit integer hash (two multiply-xorshift rounds). Inputs are below 2**32 and the
     multiplier below 2**27, so every product fits in int64: no overflow, the same bits on every
     platform."""
@@ -35,7 +36,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 class Permutation:
-    """A keyed bijection of [0, n) on int64 tensors, forwards and backwards."""
+    """A keyed bijection of [0, n), forwards and backwards. The arithmetic runs in numpy int64
+    on the host: index math, so the loop's host-read count (tests/test_host_reads.py) sees no
+    tensor read in it."""
 
     def __init__(self, n: int, keys: list[int]):
         self.n = n
@@ -44,31 +47,35 @@ class Permutation:
         self.mask = (1 << self.half) - 1
         self.keys = [k & _M32 for k in keys]
 
-    def _network(self, x: torch.Tensor, keys) -> torch.Tensor:
+    def _network(self, x: np.ndarray, keys) -> np.ndarray:
         left, right = x >> self.half, x & self.mask
         for k in keys:
             left, right = right, left ^ (_mix(right ^ k) & self.mask)
         return (left << self.half) | right
 
-    def _network_inverse(self, x: torch.Tensor) -> torch.Tensor:
+    def _network_inverse(self, x: np.ndarray) -> np.ndarray:
         left, right = x >> self.half, x & self.mask
         for k in reversed(self.keys):
             left, right = right ^ (_mix(left ^ k) & self.mask), left
         return (left << self.half) | right
 
-    def _walk(self, x: torch.Tensor, step) -> torch.Tensor:
+    def _walk(self, x: np.ndarray, step) -> np.ndarray:
         y = step(x)
         out = y >= self.n
-        while bool(out.any()):  # host read of a CPU tensor: no device sync
+        while out.any():  # numpy on the host: no tensor, no device
             y[out] = step(y[out])
             out = y >= self.n
         return y
 
-    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+    def apply(self, positions: np.ndarray) -> np.ndarray:
         return self._walk(positions, lambda x: self._network(x, self.keys))
 
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.apply(np.asarray(positions, dtype=np.int64)))
+
     def inverse(self, indices: torch.Tensor) -> torch.Tensor:
-        return self._walk(indices, self._network_inverse)
+        return torch.from_numpy(self._walk(np.asarray(indices, dtype=np.int64),
+                                           self._network_inverse))
 
 
 class KeyedOrder:
@@ -89,14 +96,15 @@ class KeyedOrder:
 
     def indices(self, epoch: int, skip: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The sample indices at positions [start, end) of epoch ``epoch``'s order."""
-        positions = torch.arange(start, end, dtype=torch.long)
+        positions = np.arange(start, end, dtype=np.int64)
         if len(skip):
-            gaps = self._skipped_positions(epoch, skip)
+            gaps = self._skipped_positions(epoch, skip).numpy()  # cached: once per skip list
             # The raw position of filtered position p is p plus the skips at or before it:
             # gaps[j] - j counts the kept positions before the j-th skipped one.
-            lead = gaps - torch.arange(len(gaps))
-            positions = positions + torch.searchsorted(lead, positions, right=True)
-        return self.permutation(epoch)(positions) if self.shuffle else positions
+            lead = gaps - np.arange(len(gaps))
+            positions = positions + np.searchsorted(lead, positions, side="right")
+        return torch.from_numpy(self.permutation(epoch).apply(positions) if self.shuffle
+                                else positions)
 
     def _skipped_positions(self, epoch: int, skip: torch.Tensor) -> torch.Tensor:
         cached, key = self._cached, (self.seed, epoch)  # a resume may set another seed
