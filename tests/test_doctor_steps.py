@@ -100,7 +100,10 @@ MODEL_CHECKS = ("initial_loss", "overfit_batch", "dead_parameters", "input_bound
 def assert_model_checks_ran(findings):
     got = outcomes(findings)
     for name in MODEL_CHECKS:
-        assert got.get(name) == "passed", (name, [f.render() for f in findings])
+        # input_bound times the loader against the step: its verdict depends on the machine's
+        # load, but it ran through the step (a check that raised would read "skipped").
+        ran = ("passed", "warning") if name == "input_bound" else ("passed",)
+        assert got.get(name) in ran, (name, [f.render() for f in findings])
 
 
 def test_an_rnn_whose_forward_needs_hidden_is_checked_through_its_step():

@@ -6,12 +6,12 @@ import json
 import time
 
 import pytest
+import torch
 import yaml
 
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.config import Config
-from ironloop.data.loader import TensorData
 from ironloop.tools.report import summarize
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -39,8 +39,9 @@ def test_fit_records_what_it_used_and_no_unused_default(tmp_path, monkeypatch):
 
 
 class FakeClock:
-    """time.perf_counter for the whole process, advancing one second per training batch
-    fetched and never otherwise: training time is then an exact count of batches."""
+    """time.perf_counter for the whole process, advancing one second per training forward
+    and never otherwise: training time is then an exact count of batches trained. (Not per
+    batch fetched: the loop fetches one batch ahead, data/prefetch.py.)"""
 
     now = 0.0
 
@@ -49,10 +50,15 @@ class FakeClock:
         return cls.now
 
 
-class TimedData(TensorData):
-    def __getitems__(self, indices):
-        FakeClock.now += 1.0
-        return super().__getitems__(indices)
+class Timed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp()
+
+    def forward(self, x):
+        if self.training:  # class-count inference and evaluation run in eval mode
+            FakeClock.now += 1.0
+        return self.net(x)
 
 
 @pytest.fixture
@@ -71,12 +77,12 @@ class SlowStart(Callback):
 
 def test_run_json_gets_an_entry_per_resume_and_events_show_redone_steps(tmp_path, clock):
     data = blobs()
-    train = TimedData(data.x, data.y)  # 7 batches of 32 per epoch: 7 "seconds"
+    train = data  # 7 batches of 32 per epoch: 7 "seconds"
     conf = cfg(tmp_path, train__epochs=2, checkpoint__every_steps=3, checkpoint__keep_last=5)
-    first = ironloop.fit(tiny_mlp(), train, None, conf, callbacks=[SlowStart()])
+    first = ironloop.fit(Timed(), train, None, conf, callbacks=[SlowStart()])
     assert first.results["train_seconds"] == 14.0
     step6 = tmp_path / "run" / "checkpoints" / "step-00000006.pt"
-    res = ironloop.fit(tiny_mlp(), train, None, conf, resume=str(step6),
+    res = ironloop.fit(Timed(), train, None, conf, resume=str(step6),
                        callbacks=[SlowStart()])
     assert len(json.loads((tmp_path / "run" / "run.json").read_text())["resumes"]) == 1
     event = json.loads((tmp_path / "run" / "events.jsonl").read_text().splitlines()[-1])
@@ -91,10 +97,10 @@ def test_run_json_gets_an_entry_per_resume_and_events_show_redone_steps(tmp_path
 
 def test_a_resumed_epoch_counts_both_processes_training_time(tmp_path, clock):
     data = blobs(256)
-    train = TimedData(data.x, data.y)  # 8 batches of 32 per epoch: 8 "seconds"
+    train = data  # 8 batches of 32 per epoch: 8 "seconds"
     conf = cfg(tmp_path, train__epochs=1, train__max_steps=5)
-    ironloop.fit(tiny_mlp(), train, None, conf)
-    res = ironloop.fit(tiny_mlp(), train, None, {**conf, "train.max_steps": 0}, resume=True,
+    ironloop.fit(Timed(), train, None, conf)
+    res = ironloop.fit(Timed(), train, None, {**conf, "train.max_steps": 0}, resume=True,
                        allow_config_change=True)
     epoch = json.loads((tmp_path / "run" / "epochs.jsonl").read_text())
     assert epoch["train_seconds"] == 8.0  # 5 before the resume + 3 after
