@@ -99,7 +99,7 @@ def train(model: nn.Module, train_set, val_set, out_dir, *, epochs=5, batch_size
     x, y = train_set
     window_size = batch_size * accum
     steps_per_epoch = math.ceil(len(x) / window_size)
-    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+    opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, fused=True)  # one kernel
     sched = make_schedule(opt, schedule, max_lr, steps_per_epoch * epochs, warmup)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
