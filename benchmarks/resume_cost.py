@@ -39,10 +39,7 @@ FRACTIONS = (0.01, 0.50, 0.99)
 
 
 class MapStyle(Dataset):
-    """A plain map-style dataset: one sample per ``__getitem__``, collated by the DataLoader.
-    Records when each of its first two batches is fetched (the second = one step done)."""
-
-    fetches: list[float] = []
+    """A plain map-style dataset: one sample per ``__getitem__``, collated by the DataLoader."""
 
     def __init__(self, n: int):
         g = torch.Generator().manual_seed(0)
@@ -55,10 +52,20 @@ class MapStyle(Dataset):
     def __getitem__(self, i: int):
         return self.x[i], self.y[i]
 
-    def __getitems__(self, indices: list[int]):
-        if len(MapStyle.fetches) < 2:
-            MapStyle.fetches.append(time.time())
-        return [self[i] for i in indices]  # per-sample, then the default collate
+
+
+class FirstStep:
+    """A callback: when the first resumed optimizer step is done. (Not the second batch's
+    fetch: the loop fetches one batch ahead, and per-sample seeding fetches sample by sample.)"""
+
+    done: float | None = None
+
+    def on_train_start(self, run, metrics) -> None:
+        FirstStep.done = None
+
+    def on_step_end(self, run, metrics) -> None:
+        if FirstStep.done is None:
+            FirstStep.done = time.time()
 
 
 def model() -> nn.Module:
@@ -80,8 +87,8 @@ def child(ckpt: str, n: int, batch: int, run_dir: str, step: int) -> None:
     called = time.time()
     ironloop.fit(model(), data, None, config(Path(run_dir), batch, **{
         "train.max_steps": step + 2, "checkpoint.enabled": False}), resume=ckpt,
-        allow_config_change=True)  # a shorter run (max_steps) is the point here
-    print(json.dumps({"fit_called": called, "first_step_done": MapStyle.fetches[1]}))
+        allow_config_change=True, callbacks=[FirstStep()])  # a shorter run is the point here
+    print(json.dumps({"fit_called": called, "first_step_done": FirstStep.done}))
 
 
 def _flat(times: dict[float, list[float]]) -> bool:
@@ -125,15 +132,15 @@ def run(quick: bool) -> dict:
         data = MapStyle(n)
         for rep in range(warm_reps + 1):  # the first round warms the process up
             for f in FRACTIONS[rep % 3:] + FRACTIONS[:rep % 3]:
-                MapStyle.fetches = []
                 ckpt = base / "checkpoints" / f"step-{positions[f]:08d}.pt"
                 called = time.time()
                 ironloop.fit(model(), data, None, config(
                     Path(d) / f"warm-{rep}-{f}", batch,
                     **{"train.max_steps": positions[f] + 2, "checkpoint.enabled": False}),
-                    resume=str(ckpt), allow_config_change=True)  # max_steps differs
+                    resume=str(ckpt), allow_config_change=True,  # max_steps differs
+                    callbacks=[FirstStep()])
                 if rep:
-                    warm[f].append(MapStyle.fetches[1] - called)
+                    warm[f].append(FirstStep.done - called)
     rows = []
     for f in FRACTIONS:
         where = f"step {positions[f]}/{steps} ({positions[f] / steps:.0%})"

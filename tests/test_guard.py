@@ -367,7 +367,9 @@ def test_ddp_guard_verdict_agrees_when_only_one_rank_sees_a_nan_loss(tmp_path):
     assert ranks[0] == ranks[1]  # the same steps, the same skip, the same weights
     assert (ranks[0]["steps"], ranks[0]["bad_steps"]) == (256 // 32 - 1, 1)
     (line,) = rows(tmp_path / "run" / "guard.jsonl")  # by rank 0, whose own loss was fine
-    assert (line["step"], line["reason"], line["nonfinite_grads"]) == (3, "nonfinite_loss", [])
+    assert (line["step"], line["reason"]) == (3, "nonfinite_loss")
+    # No gradient was non-finite; null when a later step had replaced them before the settle.
+    assert line["nonfinite_grads"] in ([], None)
 
 
 @pytest.mark.slow

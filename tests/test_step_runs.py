@@ -52,7 +52,9 @@ def test_the_final_evaluation_of_a_max_steps_run_runs_once_and_counts(tmp_path, 
     summary = summarize(tmp_path / "run")
     assert "| evaluations | 3 |" in summary and "| epochs | 0 |" in summary
     seconds = float(summary.split("| total seconds | ")[1].split(" |")[0])
-    assert seconds > 0
+    res = result.results  # no epoch line: training plus the validation the split counted
+    expected = res["train_seconds"] + res["time_split"]["validation"]
+    assert expected > 0 and abs(seconds - expected) <= 0.05 + 1e-9  # .1f in the table
 
 
 def test_an_evaluated_last_step_is_not_evaluated_again(tmp_path):

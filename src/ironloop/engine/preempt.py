@@ -26,6 +26,7 @@ import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -72,13 +73,16 @@ class Preemption:
         """Once per optimizer step, on every rank, at the same point of the step."""
         if self._group is None:
             return self.signum is not None
-        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)
-        previous, self._pending = self._pending, (
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        # The flag lives in host memory (a numpy array under a CPU tensor, reduced by gloo):
+        # reading it after the wait is a memory read, never a device sync or a tensor read.
+        held = np.array([0 if self.signum is None else 1], dtype=np.int32)
+        work = dist.all_reduce(torch.from_numpy(held), op=dist.ReduceOp.MAX, group=self._group,
+                               async_op=True)
+        previous, self._pending = self._pending, (work, held)
         if previous is None:
             return False
         previous[0].wait()
-        return bool(previous[1].item())  # a CPU tensor: no device sync
+        return bool(previous[1][0])
 
     def saving(self) -> None:
         """From here on a signal kills at once: the save below is the last thing the run does,

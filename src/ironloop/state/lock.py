@@ -91,7 +91,10 @@ def hold(run_dir: Path, enabled: bool = True, warn=print):
         if entry[1] == 0:
             del _held[path]
             if entry[0] is not None:
-                os.close(entry[0])  # closing the last descriptor releases the flock
+                # Unlock before closing: DataLoader workers forked while the lock was held share
+                # its open file description, and the flock lasts until the last copy closes.
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
 
 
 def written_by_ironloop(run_dir: Path) -> bool:
