@@ -29,8 +29,11 @@ pytestmark = pytest.mark.slow
 
 N_VAL = 359  # digits: 1438 train / 359 val
 TIMEOUT = 600  # seconds per run, a limit only: ~3-6 s on 2 idle cores, 10x that at load 15+
+# SGD, not the config's AdamW: AdamW divides each update by the root of its second moment, so an
+# element whose gradient is near 0 turns the summation-order difference between ranks and one
+# process into an update difference of up to ~lr; SGD keeps it at rounding, where 1e-6 holds.
 ARGS = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
-        "log.every_steps=5"]
+        "log.every_steps=5", "optim.name=sgd", "optim.lr=0.05", "optim.momentum=0.9"]
 
 
 def launch(run_dir: Path, *overrides: str, ranks: int = 1,
@@ -139,13 +142,14 @@ def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
     for a, b in zip(one["epochs"], many["epochs"]):
         assert b["val_acc"] is not None, "the multi-rank run reported no validation metrics"
         # Sharded validation covers the whole val set: acc is (correct samples) / n_val.
-        assert round(b["val_acc"] * n_val) == pytest.approx(b["val_acc"] * n_val, abs=1e-6)
-        assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-9)
+        # (batch accuracies x batch sizes add up in float32: 1e-4 is rounding, a sample is 1)
+        assert round(b["val_acc"] * n_val) == pytest.approx(b["val_acc"] * n_val, abs=1e-4)
+        assert b["val_acc"] == pytest.approx(a["val_acc"], abs=1e-6)  # one sample: 2.8e-3
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
         # the logged train loss covers every rank's samples, not only rank 0's
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
     assert many["results"]["best_val_acc"] == pytest.approx(one["results"]["best_val_acc"],
-                                                            abs=1e-9)
+                                                            abs=1e-6)
 
 
 @pytest.fixture(scope="module")

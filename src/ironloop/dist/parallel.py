@@ -1,6 +1,6 @@
 """Data parallelism: wrap the user's model for DDP or FSDP2, and the few places the loop differs.
 
-The process group itself is set up in ``distributed.py``; this module only decides how the model
+The process group itself is set up in ``world.py``; this module only decides how the model
 is replicated or sharded over it. Both strategies average gradients over ranks (DDP's all-reduce,
 FSDP2's reduce-scatter), so the loop's ``loss * n_micro * world / window`` weighting gives the
 global batch's mean gradient under either, and 2x32 equals 1x64 to fp32 rounding.
