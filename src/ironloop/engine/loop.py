@@ -98,10 +98,9 @@ def train_epoch(run: Run) -> None:
     sampler.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
     if run.carry is not None:
         run.carry.start_epoch(p.offset)  # a fresh state at the top of an epoch, not on resume
-    if isinstance(sampler, StreamOrder):  # a stream reads itself, from its own state
-        loader = sampler.batches()
-    else:
-        loader = run.loader  # one DataLoader for the run: its workers persist across epochs
+    stream = isinstance(sampler, StreamOrder)  # a stream reads itself, from its own state
+    # A map-style run has one DataLoader for the run: its workers persist across epochs.
+    loader = sampler.batches() if stream else run.loader
     bar = console.progress_bar(run)
     run.model.train()
     run.timer.start_epoch()
@@ -110,8 +109,7 @@ def train_epoch(run: Run) -> None:
     weights = WindowWeight()  # a step that weights its loss (tokens): the window's total
     # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
     # label check runs on each host batch first, before it can become a CUDA assert.
-    for batch in prefetch(loader, run.device, run.check_labels,
-                          ahead=not isinstance(sampler, StreamOrder)):
+    for batch in prefetch(loader, run.device, run.check_labels, ahead=not stream):
         run.timer.mark("data")
         if micro == 0:
             n = sampler.usable  # a stream learns its end a window ahead (data/stream.py)
