@@ -209,9 +209,7 @@ def open_outputs(run: Run, run_dir: Path, resume, state, source):
         return None
     manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                 cfg.checkpoint.async_write)
-    for path in manager.discard_after(run.progress.step):
-        print(f"notice: removed {path}: it is past the step this run resumed from")
-    return manager
+    return _discard_past_resume(manager, run)
 
 
 def open_sharded(run: Run, run_dir: Path) -> sharded.ShardedCheckpointManager:
@@ -219,6 +217,12 @@ def open_sharded(run: Run, run_dir: Path) -> sharded.ShardedCheckpointManager:
     cfg = run.cfg
     manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                                cfg.checkpoint.async_write)
+    return _discard_past_resume(manager, run)
+
+
+def _discard_past_resume(manager, run: Run):
+    """Checkpoints past the step this run resumed from belong to a future that did not happen:
+    the file and the sharded manager both drop them, saying so."""
     for path in manager.discard_after(run.progress.step):
         print(f"notice: removed {path}: it is past the step this run resumed from")
     return manager
