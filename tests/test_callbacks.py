@@ -90,3 +90,44 @@ def test_callback_state_is_checkpointed_and_resumed(tmp_path):
 def test_an_object_with_no_hooks_is_refused(tmp_path):
     with pytest.raises(UserError, match="none of the hooks"):
         ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path), callbacks=[object()])
+
+
+class StopAt(Callback):
+    """Asks the run to stop from one hook, at one step or epoch."""
+
+    def __init__(self, hook: str, at: int):
+        self.hook, self.at = hook, at
+
+    def on_step_end(self, run, metrics):
+        if self.hook == "step" and run.step == self.at:
+            run.stop()
+
+    def on_epoch_end(self, run, metrics):
+        if self.hook == "epoch" and run.epoch == self.at:
+            run.stop()
+
+
+def test_a_callback_stops_the_run_after_an_epoch_with_the_schedule_unchanged(tmp_path):
+    # 200 samples, batch 32: 7 steps an epoch; a 3-epoch OneCycle stopped after epoch 1
+    conf = cfg(tmp_path, train__epochs=3, schedule__name="onecycle", schedule__max_lr=0.01)
+    stopped = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), conf,
+                           callbacks=[StopAt("epoch", 1)])
+    whole = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
+                         {**conf, "run.dir": str(tmp_path / "whole")})
+    assert stopped.results["stopped_by_callback"] and not whole.results["stopped_by_callback"]
+    assert stopped.results["steps"] == 7 and stopped.results["epochs"] == 1
+    ran = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    full = read_jsonl(tmp_path / "whole" / "metrics.jsonl")[:7]
+    # the same first epoch as the whole run: OneCycle still spans 3 epochs, not 1
+    assert [r["lr"] for r in ran] == [r["lr"] for r in full]
+    assert read_jsonl(tmp_path / "run" / "epochs.jsonl")[0]["val_acc"] == \
+        read_jsonl(tmp_path / "whole" / "epochs.jsonl")[0]["val_acc"]
+
+
+def test_a_callback_stops_the_run_mid_epoch_evaluated_and_checkpointed(tmp_path):
+    conf = cfg(tmp_path, train__epochs=2, checkpoint__keep_last=5)
+    res = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), conf,
+                       callbacks=[StopAt("step", 3)])
+    assert res.results["steps"] == 3 and res.results["stopped_mid_epoch"]["epoch"] == 1
+    assert read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]["step"] == 3
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()

@@ -3,7 +3,7 @@
 Where each hook fires is listed beside the loop's order in ``engine/loop.py``'s docstring. Every
 hook gets a view of the run (``ironloop.engine.run.RunView``: ``cfg``, ``model``, ``optimizer``,
 ``scheduler``, ``step``, ``epoch``, ``world``, ``device``, ``precision``, ``run_dir``,
-``last_eval`` and ``log_scalars``) and the metrics just computed, as plain Python numbers:
+``last_eval``, ``log_scalars`` and ``stop``) and the metrics just computed, as plain Python numbers:
 
 - ``on_train_start``: ``{"step", "epoch"}`` (non-zero after a resume);
 - ``on_step_end``: the ``metrics.jsonl`` row on logging steps, else ``{"step", "epoch"}`` (the
@@ -15,6 +15,8 @@ hook gets a view of the run (``ironloop.engine.run.RunView``: ``cfg``, ``model``
 
 A hook may log its own values with ``run.log_scalars({"name": value})``: one
 ``scalars.jsonl`` line with the step and epoch (and TensorBoard scalars for the numbers).
+``run.stop()`` ends the run after the current step (or epoch, from ``on_epoch_end``), as
+``train.max_steps`` would; results.json then says ``"stopped_by_callback": true``.
 A callback that defines ``state_dict`` and ``load_state_dict`` is saved in every checkpoint
 (under ``"callbacks"``) and restored on resume. Its state must be tensors and plain
 containers, as for everything in a checkpoint (``torch.load(weights_only=True)``).

@@ -299,6 +299,7 @@ def _finish(run: Run, test_set, run_dir: Path, started: float) -> FitResult:
         "test_acc": test.get("acc"), "test_loss": test.get("loss"),
         "steps": run.progress.step, "epochs": run.progress.epoch,
         "stopped_early": run.tracker.should_stop, "restored_best": restored,
+        "stopped_by_callback": run.stop_requested,
         "precision": run.precision, "device": str(run.device),
         "seconds": sum(r.get("seconds", 0.0) for r in epochs),
         "train_seconds": train_seconds,  # every process's training time, without validation

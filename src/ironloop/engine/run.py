@@ -61,6 +61,7 @@ class Run:
     params: list = field(default_factory=list)  # the model's parameters, listed once
     loader: Any = None              # data.loader.EpochLoader: the training batches, every epoch
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu"), False))
+    stop_requested: bool = False    # a callback called run.stop() (RunView)
 
     @functools.cached_property
     def view(self) -> RunView:
@@ -69,7 +70,8 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return self.progress.step >= self.total_steps or self.tracker.should_stop
+        return (self.progress.step >= self.total_steps or self.tracker.should_stop
+                or self.stop_requested)
 
     def log_scalars(self, scalars: dict[str, Any]) -> None:
         """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
@@ -90,7 +92,9 @@ class RunView:
     - ``world``: ``rank``, ``size``, ``is_main`` (callbacks run on every rank);
     - ``device``, ``precision``, ``run_dir``;
     - ``last_eval``: the latest evals.jsonl row ({} before the first evaluation);
-    - ``log_scalars({name: value})``: one scalars.jsonl line at the current step.
+    - ``log_scalars({name: value})``: one scalars.jsonl line at the current step;
+    - ``stop()``: end the run as ``train.max_steps`` would, after this step (from
+      ``on_step_end``, ``on_eval_end``) or this epoch (from ``on_epoch_end``).
     """
 
     __slots__ = ("_run",)
@@ -112,3 +116,10 @@ class RunView:
 
     def log_scalars(self, scalars: dict[str, Any]) -> None:
         self._run.log_scalars(scalars)
+
+    def stop(self) -> None:
+        """Ask the run to end: the loop finishes the current step or epoch, evaluates and
+        checkpoints as at any end (mid-epoch, as ``train.max_steps`` does), and results.json
+        says ``stopped_by_callback``. Not saved: a resume trains on. Under torchrun every rank
+        must call it at the same step (callbacks run on every rank)."""
+        self._run.stop_requested = True
