@@ -149,8 +149,7 @@ def train(model: nn.Module, train_set, val_set, out_dir, *, epochs=5, batch_size
                 xb, yb = x[idx].to(device, non_blocking=True), y[idx].to(device, non_blocking=True)
                 with amp():
                     out_b = model(xb)
-                loss = F.cross_entropy(out_b.float(), yb, reduction="none",
-                                       label_smoothing=label_smoothing).mean()
+                loss = F.cross_entropy(out_b.float(), yb, label_smoothing=label_smoothing)
                 # Weight by samples, not 1/accum: the window's mean gradient, ragged or not.
                 weighted = loss * (len(idx) / len(window))
                 accelerator.backward(weighted)

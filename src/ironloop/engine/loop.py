@@ -171,7 +171,9 @@ def optimizer_step(run: Run) -> None:
     # The guard looks before clipping: a NaN norm would make the clip turn every gradient NaN.
     ok = None if run.guard is None else run.guard.check(run, grad_norm, skipped)
     if ok is not None and cfg.clip.mode == "norm" and cfg.clip.max_norm > 0:
-        grad_norm = torch.where(ok, grad_norm, 0.0)  # a bad step is not clipped (nor logged)
+        # A bad step is not clipped: its guard.jsonl line names the parameters whose gradients
+        # are non-finite, which a clip by a non-finite norm would make all of them.
+        grad_norm = torch.where(ok, grad_norm, 0.0)
     clipped = clip_to_norm(params, grad_norm, cfg.clip.max_norm, cfg.clip.mode)
     with lr_scaled(opt, run.guard):  # the rollbacks' LR factor, on top of the schedule
         if run.guard is not None:

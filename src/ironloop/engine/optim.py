@@ -138,6 +138,9 @@ class Loss:
             output = output.float()  # losses in fp32 even under autocast
         weights = None if self.weights is None else self.weights.to(output.device)
         if self.name == "cross_entropy":
+            if weights is None:  # torch's mean is the per-sample mean: one kernel, not three
+                return nn.functional.cross_entropy(output, target,
+                                                   label_smoothing=self.label_smoothing)
             per = nn.functional.cross_entropy(output, target, weight=weights, reduction="none",
                                               label_smoothing=self.label_smoothing)
             return per.mean()

@@ -110,7 +110,8 @@ class Meter:
                  skipped: torch.Tensor | None, ok: torch.Tensor | None = None) -> None:
         """One optimizer step. ``ok``: the guard's device verdict; a bad step's clip and
         fp16-skip flags are masked on the device, its counts taken back by ``forget``."""
-        self.grad_norm = grad_norm.detach()
+        # A norm of gradients carries no graph (unless backward built one: create_graph).
+        self.grad_norm = grad_norm.detach() if grad_norm.requires_grad else grad_norm
         self._clip_flags.append(clipped)  # summed when the totals are next read
         if ok is not None:
             self._oks.append(ok)  # a bad step's flag is masked then, not per step

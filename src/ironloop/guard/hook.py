@@ -204,7 +204,8 @@ class GuardHook:
         ok = self.verdict.judge(total, before, norm, run.progress.offset - self.offsets[-1],
                                 skipped, run.world)
         m.loss_sum = self._before = torch.where(ok, total, before)
-        m.tokens = self._before_tokens = torch.where(ok, m.tokens, self._before_tokens)
+        if m.tokens is not self._before_tokens:  # the window's step reported tokens
+            m.tokens = self._before_tokens = torch.where(ok, m.tokens, self._before_tokens)
         self.pending.append((ok, total, before, norm))
         self.offsets.append(run.progress.offset)
         self.samples.append(m.samples)
@@ -217,7 +218,7 @@ class GuardHook:
         ``GradScaler.step`` does for such an optimizer (``settle`` then follows at once)."""
         opt, scaler = run.optimizer, run.scaler
         if self.masks:
-            masked_step(opt, scaler, ok)
+            masked_step(opt, scaler, ok, self.verdict.found_inf(ok))
         elif bool(ok):  # host sync per step: this optimizer takes no found_inf (see above)
             if scaler is not None:
                 scaler.step(opt)

@@ -43,6 +43,12 @@ class Verdict:
         self.ring = torch.zeros(2, spike_window, dtype=dtype, device=device)
         self.filled = torch.zeros((), dtype=torch.long, device=device)
         self.good = torch.zeros((), dtype=torch.long, device=device)  # good steps seen
+        # found_inf's two values, made once: torch.where(ok, 0.0, 1.0) would make both per step
+        self.flags = tuple(torch.tensor(v, device=device) for v in (0.0, 1.0))
+
+    def found_inf(self, ok: torch.Tensor) -> torch.Tensor:
+        """The float32 flag a fused optimizer skips on: 1.0 where ``ok`` is false."""
+        return torch.where(ok, *self.flags)
 
     def judge(self, total: torch.Tensor, before: torch.Tensor, norm: torch.Tensor,
               samples: int, found: torch.Tensor | None, world) -> torch.Tensor:
@@ -107,16 +113,16 @@ class Verdict:
         self.good = torch.tensor(state.get("good", 0), dtype=torch.long, device=self.device)
 
 
-def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor) -> None:
+def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor,
+                bad: torch.Tensor) -> None:
     """``optimizer.step()`` (and ``scaler.update()``) that changes nothing when ``ok`` is false,
     decided in the optimizer's kernel: no host read. Needs ``takes_found_inf(optimizer)``.
 
     fp16: GradScaler's own overflow flag and the guard's verdict are merged into the one
     ``found_inf`` the fused kernel reads; the loss scale is then updated from GradScaler's flag
     alone, and left as it was on a guard-bad step (a NaN loss says nothing about fp16 range),
-    which is what skipping ``scaler.update()`` did before.
+    which is what skipping ``scaler.update()`` did before. ``bad`` is ``Verdict.found_inf(ok)``.
     """
-    bad = torch.where(ok, 0.0, 1.0)  # found_inf is a float32 flag, 1.0 = skip
     if scaler is None:
         optimizer.found_inf = bad
         try:
