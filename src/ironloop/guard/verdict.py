@@ -44,7 +44,7 @@ class Verdict:
         self.filled = torch.zeros((), dtype=torch.long, device=device)
         self.good = torch.zeros((), dtype=torch.long, device=device)  # good steps seen
         # found_inf's two values, made once: torch.where(ok, 0.0, 1.0) would make both per step
-        self.flags = tuple(torch.tensor(v, device=device) for v in (0.0, 1.0))
+        self.flags = tuple(torch.tensor(v, dtype=torch.float32, device=device) for v in (0.0, 1.0))
 
     def found_inf(self, ok: torch.Tensor) -> torch.Tensor:
         """The float32 flag a fused optimizer skips on: 1.0 where ``ok`` is false."""
