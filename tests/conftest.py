@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +60,16 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300,
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ironloop", *args], cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def logged_step(run_dir: Path) -> int:
+    """The newest step in run_dir/metrics.jsonl while a process is writing it (0 before the
+    first line, or while the last line is half written)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (FileNotFoundError, ValueError, IndexError):  # JSONDecodeError is a ValueError
+        return 0
 
 
 @pytest.fixture

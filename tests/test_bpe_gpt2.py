@@ -4,7 +4,6 @@ steps, then a kill -9 and a resume that ends with the same bits as an uninterrup
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ironloop.outputs.readers import read_jsonl
-from tests.conftest import REPO
+from tests.conftest import REPO, logged_step
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
@@ -33,13 +32,6 @@ def command(run_dir, root, *extra):
             "model.kwargs={layers: 1, heads: 2, dim: 32}", "train.epochs=50", "train.max_steps=60",
             "train.batch_size=8", "eval.every_steps=20", "checkpoint.every_steps=10",
             "log.every_steps=1", "log.progress=off", "schedule.warmup_steps=5", *extra]
-
-
-def logged_step(run_dir) -> int:
-    try:
-        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (FileNotFoundError, IndexError, ValueError):
-        return 0
 
 
 def test_bpe_gpt2_trains_from_the_cli_and_resumes_exactly_after_kill_9(tmp_path):

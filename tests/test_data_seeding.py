@@ -5,7 +5,6 @@ the preflight doctor on)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ironloop.data.loader import EpochSampler, make_loader
-from tests.conftest import REPO
+from tests.conftest import REPO, logged_step
 
 AUGMENTED = '''
 import random
@@ -87,14 +86,6 @@ def test_a_samples_randomness_depends_on_seed_epoch_and_index_only():
     assert not torch.equal(batches(0, False), batches(2, False))
 
 
-def _logged_step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (FileNotFoundError, json.JSONDecodeError, IndexError):
-        return 0
-
-
 def _train(tmp_path: Path, run_dir: Path, workers: int, kill_at: int | None = None) -> None:
     (tmp_path / "c.yaml").write_text("run: {seed: 0}\n")
     cmd = [sys.executable, "-m", "ironloop", "train", "c.yaml", "data.name=augmented:data",
@@ -106,7 +97,7 @@ def _train(tmp_path: Path, run_dir: Path, workers: int, kill_at: int | None = No
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     if kill_at is not None:
-        while proc.poll() is None and _logged_step(run_dir) < kill_at:
+        while proc.poll() is None and logged_step(run_dir) < kill_at:
             time.sleep(0.005)
         assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
         proc.send_signal(signal.SIGKILL)

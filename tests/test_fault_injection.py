@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, logged_step
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,6 @@ MIN_KILLS = {"plain": 10, "workers+async": 5, "mid-write": 5}
 def command(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}", *extra,
             "--resume"]
-
-
-def logged_step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (FileNotFoundError, json.JSONDecodeError, IndexError):
-        return 0
 
 
 def temp_files(run_dir: Path) -> list[Path]:

@@ -3,7 +3,6 @@ written beside it, bit for bit; and a kill -9 mid-epoch resumes to the same bits
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 
 import ironloop
 from ironloop.outputs.readers import read_jsonl
-from tests.conftest import REPO
+from tests.conftest import REPO, logged_step
 
 CORPUS = "".join(f"{a} {b} sat on the {c}.\n" for a in ("the cat", "a dog", "my fox")
                  for b in ("quietly", "once") for c in ("mat", "log", "hill"))
@@ -53,13 +52,6 @@ def test_ironloop_equals_the_plain_torch_loop(tmp_path):
     assert [round(e["val_ppl"], 6) for e in evals] == pytest.approx(ppl, rel=1e-6)
     assert all(math.isclose(e["val_ppl"], math.exp(e["val_loss"]), rel_tol=1e-9) for e in evals)
     assert result.results["steps"] == epochs * len(splits["train"]) // streams
-
-
-def logged_step(run_dir) -> int:
-    try:
-        return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (FileNotFoundError, IndexError, ValueError):
-        return 0
 
 
 def _cli(run_dir, corpus_dir, *extra):
