@@ -99,7 +99,9 @@ def sync_check(precision: str, tmp: Path) -> dict:
     from ironloop.engine import loop
 
     armed = {"steps": 0}
-    originals = loop.after_step, loop.settle, loop.optimizer_step
+    from ironloop.engine.trainstep import TrainStep
+
+    originals = loop.after_step, loop.settle, TrainStep.optimizer_step
 
     def arm():
         torch.cuda.set_sync_debug_mode("error")
@@ -107,13 +109,13 @@ def sync_check(precision: str, tmp: Path) -> dict:
     def disarm():
         torch.cuda.set_sync_debug_mode(0)
 
-    def optimizer_step(run):
+    def optimizer_step(self, progress, meter, world):
         arm()
-        originals[2](run)
+        originals[2](self, progress, meter, world)
         armed["steps"] += 1
 
     def after_step(run, bar):
-        if loop.due(run) if run.guard is not None else False:
+        if loop.due(run):
             disarm()  # a settle point: the lagged read, the log line, ... are allowed syncs
         try:
             originals[0](run, bar)
@@ -130,7 +132,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
         out = model(batch[0])
         return nn.functional.cross_entropy(out, batch[1]), {}
 
-    loop.after_step, loop.settle, loop.optimizer_step = after_step, settle, optimizer_step
+    loop.after_step, loop.settle, TrainStep.optimizer_step = after_step, settle, optimizer_step
     try:
         data = Flipped(64 * 40, (3, 32, 32))
         import ironloop
@@ -147,7 +149,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
                 "error": str(e)[:300], "where": traceback.format_exc().splitlines()[-6:]}
     finally:
         disarm()
-        loop.after_step, loop.settle, loop.optimizer_step = originals
+        loop.after_step, loop.settle, TrainStep.optimizer_step = originals
 
 
 def throughput(name: str, make, shape, precision: str, steps: int, tmp: Path) -> dict:

@@ -4,7 +4,7 @@ Two measurements, because a 1% target is below the noise of a shared machine:
 
 - end to end: one epoch of a 784-512-512-10 MLP at batch 64 through ``ironloop.fit``, guard on
   and off alternating, samples/s from epochs.jsonl (training time only);
-- in isolation: the guard's per-step work (``GuardHook.check`` on a good step: the verdict on
+- in isolation: the guard's per-step work (``DeviceGuard.check`` on a good step: the verdict on
   the device, two kernels and a ``where``, no host read; plus a tenth of ``settle``, the
   lagged read at a log step every 10 steps) timed over many calls, as a fraction of the median
   step time measured above. This is the figure the target applies to.
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from ironloop.config import GuardConfig
 from ironloop.data.loader import TensorData
 from ironloop.dist.world import World
 from ironloop.guard.hook import GuardHook
+from ironloop.guard.verdict import device_guard
 from ironloop.engine.progress import Meter, Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,25 +60,26 @@ def _epoch(data: TensorData, guard: bool, tmp: Path, rep: int) -> float:
 
 
 def _check_seconds(calls: int) -> float:
-    """Seconds per GuardHook.check on a good step, with the settle of every 10th step (a log
-    step's lagged read) shared out, on a stand-in run with a real Meter."""
-    meter = Meter(torch.device("cpu"))
-    run = SimpleNamespace(meter=meter, world=World(), progress=Progress(), scaler=None)
-    hook = GuardHook(GuardConfig(), Path("."), checkpoints=False)
-    hook.prepare(run)
-    hook.rebase(run)
+    """Seconds per DeviceGuard.check on a good step, with the settle of every 10th step (a log
+    step's lagged read) shared out, with a real Meter."""
+    meter, world, progress = Meter(torch.device("cpu")), World(), Progress()
+    device = device_guard(GuardConfig(), meter.loss_sum.device, meter.loss_sum.dtype)
+    hook = GuardHook(GuardConfig(), Path("."), False, device, meter=meter, progress=progress,
+                     data=None, model=torch.nn.Linear(1, 1), world=world, state=None,
+                     accumulation=1)
+    device.rebase(meter, 0)
     loss, norm = torch.tensor(0.5), torch.tensor(1.3)
     for _ in range(100):  # warm-up
         meter.add_micro(loss, 64)
-        hook.check(run, norm, None)
-    hook.settle(run)
+        device.check(meter, norm, 0, None, world)
+    hook.settle()
     total = 0.0
     for i in range(calls):
         meter.add_micro(loss, 64)  # the loop's own work, not timed
         t = time.perf_counter()
-        hook.check(run, norm, None)
+        device.check(meter, norm, 0, None, world)
         if i % 10 == 9:
-            attempts, bad = hook.settle(run)  # the log step's read of ten verdicts
+            attempts, bad = hook.settle()  # the log step's read of ten verdicts
             assert attempts == 10 and not bad
         total += time.perf_counter() - t
     return total / calls

@@ -17,12 +17,11 @@ from ironloop.outputs import console
 from tests.conftest import REPO, run_cli
 
 
-def fake_run(epochs=10, total_steps=160, steps_per_epoch=23, last_eval=None):
-    cfg = SimpleNamespace(train=SimpleNamespace(epochs=epochs, accumulation_steps=1))
-    return SimpleNamespace(cfg=cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-                           last_eval=last_eval or {}, world=SimpleNamespace(is_main=True),
-                           progress=SimpleNamespace(step=46, epoch=2, offset=64 * 5),
-                           sampler=SimpleNamespace(global_batch=64))
+def plan(epochs=10, total_steps=160, steps_per_epoch=23):
+    return console.Plan(total_steps, steps_per_epoch, epochs, window=64)
+
+
+AT = SimpleNamespace(step=46, epoch=2, offset=64 * 5)  # 5 steps into epoch 3
 
 
 ROW = {"epoch": 2, "step": 46, "train_loss": 0.5, "val_loss": 0.25, "val_acc": 0.9, "lr": 1e-3,
@@ -30,26 +29,26 @@ ROW = {"epoch": 2, "step": 46, "train_loss": 0.5, "val_loss": 0.25, "val_acc": 0
 
 
 def test_the_epoch_count_is_where_max_steps_ends_the_run():
-    assert console.planned_epochs(fake_run(epochs=10, total_steps=160)) == 7  # ceil(160/23)
-    assert console.planned_epochs(fake_run(epochs=3, total_steps=69)) == 3
-    assert console.epoch_line(ROW, fake_run()).startswith("epoch 2/7  step 46")
+    assert plan(epochs=10, total_steps=160).planned_epochs == 7  # ceil(160/23)
+    assert plan(epochs=3, total_steps=69).planned_epochs == 3
+    assert console.epoch_line(ROW, plan(), {}).startswith("epoch 2/7  step 46")
 
 
 def test_epoch_lines_date_val_figures_from_an_earlier_evaluation():
-    fresh = console.epoch_line(ROW, fake_run(last_eval={"step": 46}))
+    fresh = console.epoch_line(ROW, plan(), {"step": 46})
     assert "val_loss 0.2500  " in fresh and "(step" not in fresh
-    stale = console.epoch_line(ROW, fake_run(last_eval={"step": 40}))
+    stale = console.epoch_line(ROW, plan(), {"step": 40})
     assert "val_loss 0.2500 (step 40)" in stale and "val_acc 90.00% (step 40)" in stale
 
 
 def test_resume_line_names_checkpoint_step_redone_steps_and_changes():
     event = {"from": "run/checkpoints/step-00000046.pt", "step": 46, "last_logged_step": 50,
              "steps_redone": 4}
-    line = console.resume_line(event, fake_run(), [("train.max_steps", 100, 160)])
+    line = console.resume_line(event, AT, plan(), [("train.max_steps", 100, 160)])
     assert line.startswith("resumed from run/checkpoints/step-00000046.pt at step 46/160")
     assert "(epoch 3, 5/23 steps into it)" in line and "redoing steps 47-50" in line
     assert line.endswith("config changed: train.max_steps 100 -> 160")
-    quiet = console.resume_line({**event, "steps_redone": 0}, fake_run(), [])
+    quiet = console.resume_line({**event, "steps_redone": 0}, AT, plan(), [])
     assert "logged no step past it" in quiet and quiet.endswith("config unchanged")
 
 

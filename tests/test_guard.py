@@ -17,6 +17,7 @@ from torch.optim import lr_scheduler
 
 import ironloop
 from ironloop.engine import loop
+from ironloop.engine.trainstep import TrainStep
 from ironloop.state.io import load_verified
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.guard.decide import Guard
@@ -104,16 +105,12 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=30),
 ])
 def test_lr_factor_composes_with_any_schedule_and_the_schedule_never_sees_it(make):
-    class Hook:
-        guard = Guard()
-
-    Hook.guard.lr_factor = 0.25
     w = [torch.nn.Parameter(torch.zeros(2))]
     plain, guarded = torch.optim.SGD(w, lr=0.01), torch.optim.SGD(w, lr=0.01)
     s_plain, s_guarded = make(plain), make(guarded)
     for _ in range(15):
         plain.step()
-        with lr_scaled(guarded, Hook):
+        with lr_scaled(guarded, 0.25):
             guarded.step()
             used = guarded.param_groups[0]["lr"]
         assert used == pytest.approx(0.25 * plain.param_groups[0]["lr"], rel=1e-12)
@@ -167,28 +164,36 @@ def test_nan_at_step_is_skipped_logged_and_costs_one_window(tmp_path):
 
 def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, monkeypatch):
     seen = []
-    step, after = loop.optimizer_step, loop.after_step
+    step, after = TrainStep.optimizer_step, loop.after_step
+    runs = []
 
     def snap(run):
-        return ({k: v.clone() for k, v in run.raw_model.state_dict().items()},
-                json.dumps(str(run.optimizer.state_dict())), run.scheduler.last_epoch,
-                run.progress.step, run.meter.steps)
+        s = run.step
+        return ({k: v.clone() for k, v in s.raw_model.state_dict().items()},
+                json.dumps(str(s.optimizer.state_dict())), s.scheduler.last_epoch,
+                run.counters.progress.step, run.counters.meter.steps)
 
-    def spy_step(run):
-        seen.append((snap(run), run.guard.guard.bad_steps))
-        step(run)
+    def spy_step(self, progress, meter, world):
+        seen.append((snap(runs[0]), runs[0].guard.policy.bad_steps))
+        step(self, progress, meter, world)
 
     def spy_after(run, bar):
         after(run, bar)  # log.every_steps=1: every step settles here
         before, bad = seen.pop()
-        if run.guard.guard.bad_steps > bad:  # this attempt was bad: nothing may have changed
+        if run.guard.policy.bad_steps > bad:  # this attempt was bad: nothing may have changed
             now = snap(run)
             assert all(torch.equal(before[0][k], now[0][k]) for k in before[0])
             assert before[1:] == now[1:]
-            seen.append(run.progress.step)
+            seen.append(run.counters.progress.step)
 
-    monkeypatch.setattr(loop, "optimizer_step", spy_step)
+    def spy_epoch(run):
+        runs[:] = [run]
+        return train_epoch(run)
+
+    train_epoch = loop.train_epoch
+    monkeypatch.setattr(TrainStep, "optimizer_step", spy_step)
     monkeypatch.setattr(loop, "after_step", spy_after)
+    monkeypatch.setattr(loop, "train_epoch", spy_epoch)
     ironloop.fit(tiny_mlp(), blobs(n=256), None,
                  cfg(tmp_path, fault__nan_at_step=[2, 5], schedule__name="cosine",
                      train__epochs=1), overwrite=True)

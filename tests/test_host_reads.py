@@ -94,7 +94,7 @@ def test_the_counter_sees_a_read_per_step_when_there_is_one(tmp_path):
     """The test above can fail: an optimizer without found_inf makes the guard read its verdict
     before every step (the documented fallback), and the counter sees exactly those N reads."""
     reads = plain_step_reads(tmp_path, optim__fused=False)
-    assert sum(reads.values()) == N and all("hook.py" in site for site in reads)
+    assert sum(reads.values()) == N and all("verdict.py" in site for site in reads)
 
 
 RANK_SCRIPT = """

@@ -140,3 +140,87 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path, monkeypatch):
         test_no_import_circles()
     with pytest.raises(AssertionError, match="takes _x"):
         test_no_private_names_borrowed_across_modules()
+
+
+# --- the run's shape (issue 28) ------------------------------------------------------------
+
+#: The kinds of training input; which one a run reads is decided once, in data/.
+INPUT_KINDS = {"Stream", "StreamOrder", "EpochSampler", "MapSource", "IterableDataset"}
+MAX_RUN_FIELDS = 12
+MAX_FUNCTION_LINES = 60
+#: Besides config.py, the modules that may read the fault knobs (``cfg.fault``).
+MAX_FAULT_READERS = 2
+
+
+def trees() -> dict[str, ast.Module]:
+    return {m: ast.parse(p.read_text()) for m, p in modules().items()}
+
+
+def input_kind_checks() -> list[str]:
+    """isinstance(x, <an input kind>) outside data/."""
+    found = []
+    for mod, tree in trees().items():
+        if layer(mod) == "data":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                    and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) \
+                    else [node.args[1]]
+                names = {getattr(k, "id", None) or getattr(k, "attr", None) for k in kinds}
+                if names & INPUT_KINDS:
+                    found.append(f"{mod}:{node.lineno} isinstance on {sorted(names)}")
+    return found
+
+
+def long_functions() -> list[str]:
+    return [f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for mod, tree in trees().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def fault_readers() -> set[str]:
+    return {mod for mod, tree in trees().items() if not mod.endswith(".config")
+            for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "fault"}
+
+
+def test_the_run_is_a_few_typed_parts():
+    import dataclasses
+
+    from ironloop.engine.run import Run
+
+    fields = dataclasses.fields(Run)
+    assert len(fields) <= MAX_RUN_FIELDS, [f.name for f in fields]
+    untyped = [f.name for f in fields if "Any" in str(f.type) or "object" == str(f.type)]
+    assert not untyped, f"typed Any: {untyped}"
+
+
+def test_the_input_kind_is_decided_in_data_only():
+    assert not input_kind_checks(), "\n".join(input_kind_checks())
+
+
+def test_no_function_is_over_60_lines():
+    assert not long_functions(), "\n".join(long_functions())
+
+
+def test_the_fault_knobs_are_read_in_few_modules():
+    assert len(fault_readers()) <= MAX_FAULT_READERS, sorted(fault_readers())
+
+
+def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
+    """The three checks above see an isinstance on a stream, a long function and fault reads
+    in three modules of a fake package."""
+    fake = tmp_path / "ironloop"
+    (fake / "engine").mkdir(parents=True)
+    for d in (fake, fake / "engine"):
+        (d / "__init__.py").write_text("")
+    (fake / "engine" / "a.py").write_text("def f(x):\n    return isinstance(x, Stream)\n")
+    body = "".join(f"    y = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (fake / "engine" / "b.py").write_text(f"def g(cfg):\n{body}    return cfg.fault\n")
+    (fake / "engine" / "c.py").write_text("def h(cfg):\n    return cfg.fault\n")
+    (fake / "engine" / "d.py").write_text("def k(cfg):\n    return cfg.fault\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    assert input_kind_checks() == ["ironloop.engine.a:2 isinstance on ['Stream']"]
+    assert long_functions() == [f"ironloop.engine.b.g: {MAX_FUNCTION_LINES + 2} lines"]
+    assert len(fault_readers()) == 3

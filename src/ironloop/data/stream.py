@@ -191,8 +191,13 @@ def replay_warning(stream: Stream) -> str:
 
 
 class StreamOrder:
-    """The loop's sampler for a stream (see the module docstring). Counts global samples like
-    ``EpochSampler``: one global batch is ``batch_size * world_size`` samples."""
+    """The loop's BatchSource for a stream (see the module docstring and ``data/source.py``).
+    Counts global samples like ``EpochSampler``: one global batch is ``batch_size *
+    world_size`` samples. Not read ahead: its loader's state is what a checkpoint saves, so a
+    batch prefetched and not trained would be skipped by a resume."""
+
+    prefetch_ahead = False
+    steps_per_epoch = 0  # set by build_order
 
     def __init__(self, stream: Stream, batch_size: int, seed: int, *, accumulation: int = 1,
                  num_workers: int = 0, pin_memory: bool = False, resume: str = "auto",
@@ -209,6 +214,10 @@ class StreamOrder:
         self.pending: dict | None = None  # a loader state to resume from (a checkpoint's)
         self.loader = None               # the epoch's loader while it is being read
         self.skip: list[int] = []
+
+    @property
+    def dataset(self) -> Stream:
+        return self.stream
 
     @property
     def global_batch(self) -> int:
@@ -232,6 +241,12 @@ class StreamOrder:
 
     def indices(self, start: int, end: int) -> list[int]:
         return []  # a stream's samples have no index for guard.jsonl or the skip list
+
+    def nonfinite_inputs(self, indices: list[int]) -> list[int]:
+        return []  # nothing to read again: a stream's samples have no index
+
+    def close(self) -> None:
+        """Nothing to let go: an epoch's loader ends with the epoch's batches."""
 
     # ---------------------------------------------------------------- state ----------------
     def state_dict(self) -> dict:
@@ -392,9 +407,9 @@ def _describe(e: BaseException) -> str:
 
 
 def build_order(cfg, stream: Stream, rank: int, world_size: int,
-                device: torch.device) -> tuple[StreamOrder, int]:
-    """The stream's sampler for the loop and its optimizer steps per epoch. Rank 0 prints the
-    replay warning here, once per process."""
+                device: torch.device) -> StreamOrder:
+    """The stream's BatchSource for the loop, with its optimizer steps per epoch. Rank 0 prints
+    the replay warning here, once per process."""
     require("torchdata.stateful_dataloader", "stream", "training on an IterableDataset")
     t = cfg.train
     order = StreamOrder(stream, t.batch_size, cfg.run.seed, accumulation=t.accumulation_steps,
@@ -404,7 +419,9 @@ def build_order(cfg, stream: Stream, rank: int, world_size: int,
                         device=device)
     if order.replay and rank == 0:
         print(replay_warning(stream))
-    return order, stream_steps(stream, t.batch_size, t.accumulation_steps, t.max_steps)
+    order.steps_per_epoch = stream_steps(stream, t.batch_size, t.accumulation_steps,
+                                         t.max_steps)
+    return order
 
 
 def first_sample(stream: Stream):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ def shutdown(world: World) -> None:
     """Destroy a process group fit() created. Exiting with a live gloo group can abort the
     process ("terminate called without an active exception") after training succeeded."""
     if world.owns_group and dist.is_initialized():
+        gc.collect()  # a run in a reference cycle (a callback's view) frees its DDP wrapper now
         dist.barrier()
         dist.destroy_process_group()
 

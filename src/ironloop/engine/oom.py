@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ironloop.engine.run import Run
 from ironloop.errors import UserError
 
 
@@ -15,9 +16,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def out_of_memory(run, error: BaseException) -> OutOfMemory:
+def out_of_memory(run: Run, error: BaseException) -> OutOfMemory:
     """The user-facing error for a ``torch.OutOfMemoryError`` raised during ``run``."""
-    cfg, device = run.cfg, run.device
+    cfg, device, precision, p = run.cfg, run.step.device, run.step.precision, \
+        run.counters.progress
     if device.type == "cuda":
         # Read before the caller frees anything: this is what the failed step was holding.
         used = (f"allocated {_gib(torch.cuda.memory_allocated(device))}, reserved "
@@ -29,14 +31,14 @@ def out_of_memory(run, error: BaseException) -> OutOfMemory:
     half = max(1, bs // 2)
     fixes = [f"train.batch_size={half} train.accumulation_steps={accum * bs // half} (same "
              f"effective batch of {bs * accum}, half the activation memory)"]
-    if run.precision == "fp32":
+    if precision == "fp32":
         fixes.append("train.precision=bf16 (about half the activation memory)")
     fixes.append("activation checkpointing in the model "
                  "(torch.utils.checkpoint.checkpoint around its blocks)")
     steps = "\n".join(f"  {i}. {f}" for i, f in enumerate(fixes, 1))
     return OutOfMemory(
-        f"out of memory at optimizer step {run.progress.step + 1} (epoch "
-        f"{run.progress.epoch + 1}) with train.batch_size={bs}, precision {run.precision}: "
+        f"out of memory at optimizer step {p.step + 1} (epoch "
+        f"{p.epoch + 1}) with train.batch_size={bs}, precision {precision}: "
         f"{used}. torch said: {str(error).splitlines()[0] if str(error) else 'OOM'}\n"
         f"Fixes, easiest first:\n{steps}\n"
         f"Checkpoints in {cfg.run.dir}/checkpoints are intact: resume with --resume after the "

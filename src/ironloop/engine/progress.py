@@ -8,9 +8,11 @@ same losses as an uninterrupted one.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ironloop.engine.early_stop import BestTracker
 
 
 @dataclass
@@ -196,3 +198,28 @@ class Meter:
 def _four(totals: torch.Tensor) -> torch.Tensor:
     """(loss_sum, clipped, skipped, tokens): checkpoints from before tokens lack the last."""
     return totals if len(totals) == 4 else torch.cat([totals, totals.new_zeros(1)])
+
+
+@dataclass
+class Mark:
+    """Where the step count and the schedule stood at the last settle (engine/settle.py)."""
+
+    step: int
+    schedule: dict | None  # the scheduler's state_dict, for a per-step scheduler
+    lrs: list              # the param groups' LRs (load_state_dict does not restore them)
+
+
+@dataclass
+class Counters:
+    """Where the run stands and what it has measured: the resumable counters (progress, meter,
+    best tracker, latest evaluation) and the run's plan."""
+
+    progress: Progress
+    meter: Meter
+    tracker: BestTracker
+    total_steps: int        # the run's end: epochs x steps per epoch, or train.max_steps
+    steps_per_epoch: int
+    last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
+    best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
+    stop_requested: bool = False    # a callback called run.stop() (RunView)
+    settled: Mark | None = None     # engine/settle.py: the last settle

@@ -13,10 +13,12 @@ them:
   save/restore choice: no step counter on the device, because torch schedulers compute on the
   host and a device LR would need the optimizer's tensor-LR path everywhere.
 
-``due`` says when: before anything that needs exact numbers (a log line, an evaluation, a
-checkpoint, the end of the run, a fault knob's step, the epoch end), on every step when a
-callback has ``on_step_end`` or a fault knob poisons steps, and at once after a step the host
-already knows is bad (an optimizer without ``found_inf`` reads its verdict before ``step()``).
+``due`` says when (``Cadence.settles``, engine/cadence.py): before anything that needs exact
+numbers (a log line, an evaluation, a checkpoint, the end of the run, a fault knob's step, the
+epoch end), on every step when a callback has ``on_step_end`` or a fault knob poisons steps, and
+at once after a step the host already knows is bad (an optimizer without ``found_inf`` reads its
+verdict before ``step()``). ``GuardHook.settle`` (guard/hook.py) reads the verdicts and acts on
+the bad ones; ``settle`` here puts the host's counters right.
 
 The largest lag is therefore ``log.every_steps`` optimizer steps (fewer with checkpoints or
 evaluations more often). What the lag changes, and only after a bad step until its settle:
@@ -33,46 +35,23 @@ settle point), so a resume after a guarded skip is still bit-exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ironloop.engine.progress import Mark
 from ironloop.engine.run import Run
 
 
-def step_schedule(run: Run) -> None:
-    """The per-step scheduler step, after ``optimizer.step``. A run longer than its finite
-    schedule (extended on resume) holds the LR of the schedule's last step: past their end,
-    onecycle extrapolates and cosine climbs back up."""
-    if run.scheduler is None or run.cadence != "step":
-        return
-    if not run.schedule_steps or run.total_steps <= run.schedule_steps or \
-            run.progress.step < run.schedule_steps - 1:
-        run.scheduler.step()
-
-
-@dataclass
-class Mark:
-    """Where the step count and the schedule stood at the last settle."""
-
-    step: int
-    schedule: dict | None  # the scheduler's state_dict, for a per-step scheduler
-    lrs: list              # the param groups' LRs (load_state_dict does not restore them)
-
-
 def mark(run: Run) -> Mark:
-    stepping = run.scheduler is not None and run.cadence == "step"
-    return Mark(run.progress.step, run.scheduler.state_dict() if stepping else None,
-                [g["lr"] for g in run.optimizer.param_groups] if stepping else [])
+    step = run.step
+    stepping = step.scheduler is not None and step.schedule_on == "step"
+    return Mark(run.counters.progress.step,
+                step.scheduler.state_dict() if stepping and step.scheduler else None,
+                [g["lr"] for g in step.optimizer.param_groups] if stepping else [])
 
 
 def due(run: Run) -> bool:
     """Whether the step just counted needs settled numbers before the loop goes on."""
-    cfg, step = run.cfg, run.progress.step
-    if run.guard.eager or step >= run.total_steps:
-        return True
-    every = (cfg.log.every_steps, cfg.checkpoint.every_steps,
-             cfg.eval.every_steps if run.val_data else 0)
-    return any(n and step % n == 0 for n in every) or \
-        step in (cfg.fault.crash_at_step, cfg.fault.oom_at_step)
+    if run.guard is None:
+        return False
+    return run.guard.device.eager or run.cadence.settles(run.counters.progress.step)
 
 
 def settle(run: Run) -> bool:
@@ -81,27 +60,28 @@ def settle(run: Run) -> bool:
     guard's RolledBack or GuardStop."""
     if run.guard is None:
         return False
-    attempts, bad = run.guard.settle(run)  # host read of the pending verdicts (log steps)
-    if bad:
-        since = run.lag_mark
+    attempts, bad = run.guard.settle()  # host read of the pending verdicts (log steps)
+    c = run.counters
+    if bad and c.settled is not None:
+        since = c.settled
         good = attempts - len(bad)
         if since.schedule is not None:
             _replay_schedule(run, since, good)
-        run.progress.step = since.step + good
-    run.lag_mark = mark(run)
+        c.progress.step = since.step + good
+    c.settled = mark(run)
     return bool(bad) and bad[-1] == attempts - 1
 
 
 def _replay_schedule(run: Run, since: Mark, good: int) -> None:
     """The scheduler as a guard that read every step would have left it: back to the last
     settle, then one step per good optimizer step (deterministic host work, bad path only)."""
-    run.scheduler.load_state_dict(since.schedule)
-    for group, lr in zip(run.optimizer.param_groups, since.lrs):
+    step, p = run.step, run.counters.progress
+    assert step.scheduler is not None
+    step.scheduler.load_state_dict(since.schedule)
+    for group, lr in zip(step.optimizer.param_groups, since.lrs):
         group["lr"] = lr
-    factor = run.guard.guard.lr_factor
-    p = run.progress
     p.step = since.step
     for _ in range(good):
-        run.step_lr = float(run.optimizer.param_groups[0]["lr"]) * factor
-        step_schedule(run)
+        step.lr = float(step.optimizer.param_groups[0]["lr"]) * step.lr_factor
+        step.step_schedule(p.step)
         p.step += 1

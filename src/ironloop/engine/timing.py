@@ -30,11 +30,12 @@ How a mark reads the clock:
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -99,14 +100,21 @@ class StepTimer:
             if self.trace is not None:
                 self.trace.step()
 
+    @contextlib.contextmanager
+    def part(self, part: str) -> Iterator[None]:
+        """The block's time charged to ``part`` (checkpoint writes, evaluations); what came
+        before it since the previous mark, to 'other'."""
+        self.mark("other")
+        try:
+            yield
+        finally:
+            self.mark(part)
+
     def wrap(self, part: str, fn: Callable) -> Callable:
-        """``fn`` with its time charged to ``part`` (used for checkpoint writes)."""
+        """``fn`` with its time charged to ``part``."""
         def timed(*args, **kwargs):
-            self.mark("other")
-            try:
+            with self.part(part):
                 return fn(*args, **kwargs)
-            finally:
-                self.mark(part)
         return timed
 
     def flush(self) -> None:

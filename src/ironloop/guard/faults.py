@@ -1,31 +1,83 @@
-"""Fault knobs for the guard's tests and docs: ``fault.nan_at_step`` and ``fault.nan_sample``.
+"""The fault knobs (``fault.*``), behind one injector: the only module that reads them.
 
-Both act where real faults come from, so the loop sees them as it would see the real thing:
-a NaN loss that flows through backward, and a sample whose input is NaN every time it is read.
+The loop calls ``Faults`` at named points and otherwise reads as production code:
+
+- ``poison``: the training split with ``fault.nan_sample``'s input set to NaN every time it is
+  read (a bad sample, for the guard's skip list);
+- ``wrap_step``: the training step whose loss is NaN at ``fault.nan_at_step``'s steps (a
+  transient fault, for the guard's skip);
+- ``at_step``: ``fault.crash_at_step`` dies like a preempted job, writing nothing more (the
+  lab's crash); ``fault.oom_at_step`` raises an out-of-memory error;
+- ``steps``: the steps where the injector acts, which the loop must reach with settled numbers.
+
+Each acts where real faults come from, so the loop sees them as it would see the real thing.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Protocol
+
+import torch
 from torch.utils.data import Dataset
 
+from ironloop.config import FaultConfig
 from ironloop.data.loader import TensorData
 from ironloop.errors import ConfigError
+
+
+class _Position(Protocol):
+    step: int  # optimizer steps done
+
+
+class _Streak(Protocol):
+    consecutive: int  # bad steps in a row (guard/decide.py)
+
+
+class Faults:
+    """The injector: ``Faults(cfg.fault)``."""
+
+    def __init__(self, cfg: FaultConfig):
+        self.crash_at, self.oom_at = cfg.crash_at_step, cfg.oom_at_step
+        self.nan_steps, self.nan_sample = set(cfg.nan_at_step or ()), cfg.nan_sample
+        self.steps = frozenset(s for s in (self.crash_at, self.oom_at) if s)
+
+    @property
+    def poisons_steps(self) -> bool:
+        """Whether some steps' losses are poisoned (the guard then settles every step)."""
+        return bool(self.nan_steps)
+
+    def poison(self, dataset):
+        """The training split, with ``fault.nan_sample``'s input NaN (unchanged when -1)."""
+        return poison_sample(dataset, self.nan_sample)
+
+    def wrap_step(self, step_fn, progress: _Position, streak: _Streak | None):
+        """The training step as the loop calls it: poisoned at ``fault.nan_at_step``."""
+        if not self.nan_steps:
+            return step_fn
+        return PoisonLoss(step_fn, self.nan_steps, progress, streak)
+
+    def at_step(self, step: int) -> None:
+        """After the optimizer step ``step`` is counted (and settled)."""
+        if step == self.crash_at:
+            os._exit(1)  # the lab's fault knob: die like a preempted job, writing nothing more
+        if step == self.oom_at:
+            raise torch.OutOfMemoryError(f"injected by fault.oom_at_step={step}")
 
 
 class PoisonLoss:
     """Wraps a step function: the training loss of the FIRST attempt at each listed optimizer
     step is NaN (a transient fault). The guard skips that attempt; the retry of the same step
     number, on the next window, is clean. A rollback to before the step makes it a first
-    attempt again, so it fires again. Set ``run`` once the Run exists."""
+    attempt again, so it fires again."""
 
-    def __init__(self, step_fn, steps: list[int]):
-        self.step_fn, self.steps, self.run = step_fn, set(steps), None
+    def __init__(self, step_fn, steps: set[int], progress: _Position, streak: _Streak | None):
+        self.step_fn, self.steps, self.progress, self.streak = step_fn, steps, progress, streak
 
     def __call__(self, model, batch):
         loss, *rest = self.step_fn(model, batch)  # (loss, metrics[, weight])
-        run = self.run
-        if model.training and run is not None and run.progress.step + 1 in self.steps and \
-                (run.guard is None or run.guard.guard.consecutive == 0):
+        if model.training and self.progress.step + 1 in self.steps and \
+                (self.streak is None or self.streak.consecutive == 0):
             loss = loss * float("nan")
         return (loss, *rest)
 

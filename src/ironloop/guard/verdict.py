@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ironloop.dist.world import all_reduce_sum
+from ironloop.guard.decide import Guard
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -143,3 +144,91 @@ def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor,
     scaler.update()
     scaler._scale.copy_(torch.where(ok, scaler._scale, scale))
     scaler._growth_tracker.copy_(torch.where(ok, scaler._growth_tracker, tracker))
+
+
+def device_guard(cfg, device: torch.device, dtype: torch.dtype) -> DeviceGuard:
+    """The guard's decision (``Guard``) and its device half, for ``guard.*`` config ``cfg``."""
+    policy = Guard(cfg.max_bad_steps, cfg.max_rollbacks, cfg.lr_backoff, cfg.spike_factor,
+                   cfg.spike_window, cfg.spike_warmup)
+    return DeviceGuard(cfg, policy, device, dtype)
+
+
+class DeviceGuard:
+    """The guard's device half, wired into the step part (``engine/trainstep.py``): judges each
+    step (``check``) and says how the one stepping branch applies the verdict, keeping what the
+    steps since the last settle left on the device (``pending``) for ``GuardHook.settle``.
+
+    ``masks``: the optimizer skips a bad step itself (``found_inf``), so nothing is read;
+    otherwise ``allows`` reads the verdict before ``step()``, one host sync per step."""
+
+    def __init__(self, cfg, policy: Guard, device: torch.device, dtype: torch.dtype):
+        self.policy = policy    # the pure Guard (decide.py): its LR factor, its streak
+        self.verdict = Verdict(device, dtype, cfg.spike_factor, cfg.spike_window,
+                               cfg.spike_warmup)
+        self.masks = False      # set by start(): the optimizer takes found_inf
+        self.always = False     # settle every step (a fault knob or an on_step_end callback)
+        self.known_bad = False  # a verdict already read on the host says the last step was bad
+        # Since the last settle, per step: (ok, meter loss total before revert, total before the
+        # window, grad norm), device tensors never read until settle; and the host's offsets
+        # and local sample counts after each step (index 0: at the last settle).
+        self.pending: list[tuple] = []
+        self.offsets: list[int] = [0]
+        self.samples: list[int] = [0]
+        self._before: torch.Tensor | None = None
+        self._before_tokens: torch.Tensor | None = None
+
+    def start(self, optimizer: torch.optim.Optimizer, always: bool) -> None:
+        """After any restore: a resumed optimizer takes ``fused`` from its checkpoint."""
+        self.masks, self.always = takes_found_inf(optimizer), always
+
+    def rebase(self, meter, offset: int) -> None:
+        """The meter's totals and the epoch offset become the baseline of the next window (at
+        the start, at every settle and after a rollback); nothing is pending."""
+        self._before, self._before_tokens = meter.loss_sum, meter.tokens
+        self.pending = []
+        self.offsets, self.samples = [offset], [meter.samples]
+        self.known_bad = False
+
+    def check(self, meter, grad_norm: torch.Tensor, offset: int, skipped: torch.Tensor | None,
+              world) -> torch.Tensor:
+        """The step's verdict ``ok``, a device bool, before clipping: NO host read.
+
+        A bad window's loss leaves the meter's running total on the device (a ``where``), so
+        the logged means never see it; what else a bad step undoes waits for the settle.
+        """
+        total, before = meter.loss_sum, self._before
+        ok = self.verdict.judge(total, before, grad_norm, offset - self.offsets[-1], skipped,
+                                world)
+        meter.loss_sum = self._before = torch.where(ok, total, before)
+        if meter.tokens is not self._before_tokens:  # the window's step reported tokens
+            meter.tokens = self._before_tokens = torch.where(ok, meter.tokens,
+                                                             self._before_tokens)
+        self.pending.append((ok, total, before, grad_norm))
+        self.offsets.append(offset)
+        self.samples.append(meter.samples)
+        return ok
+
+    def allows(self, ok: torch.Tensor) -> bool:
+        """For an optimizer without ``found_inf``: read the verdict before ``step()`` (host sync
+        per step, as ``GradScaler.step`` does for such an optimizer; the settle follows)."""
+        if bool(ok):  # host sync per step: this optimizer takes no found_inf (see above)
+            return True
+        self.known_bad = True
+        return False
+
+    @property
+    def eager(self) -> bool:
+        """Whether the loop must settle after this step whatever its number."""
+        return self.always or self.known_bad or len(self.pending) >= MAX_PENDING
+
+
+#: Steps between settles at most (log.every_steps is usually far fewer).
+MAX_PENDING = 4096
+
+
+def forget_unscale(optimizer: torch.optim.Optimizer, scaler) -> None:
+    """A bad step read on the host: unscale_ ran without step/update. Forget it so the next
+    window may unscale, and leave the loss scale alone (a NaN loss says nothing about fp16
+    range)."""
+    if scaler is not None:
+        scaler._per_optimizer_states.pop(id(optimizer), None)  # private, like found_inf

@@ -12,27 +12,50 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import NamedTuple, Protocol
 
 from tqdm import tqdm
 
+from ironloop.config import LogConfig
 
-def planned_epochs(run) -> int:
-    """The epoch the run ends in: train.epochs, or fewer when train.max_steps ends it sooner."""
-    return max(1, min(run.cfg.train.epochs, math.ceil(run.total_steps / run.steps_per_epoch)))
+
+class Position(Protocol):
+    """Where the run stands (engine/progress.py's Progress)."""
+
+    epoch: int   # the epoch in progress, 0-based
+    step: int    # optimizer steps done
+    offset: int  # samples of this epoch consumed, over all ranks
+
+
+class Plan(NamedTuple):
+    """The run's length, as the console counts it."""
+
+    total_steps: int
+    steps_per_epoch: int
+    epochs: int  # train.epochs
+    window: int  # samples per optimizer step over all ranks (global batch x accumulation)
+
+    @property
+    def planned_epochs(self) -> int:
+        """The epoch the run ends in: train.epochs, or fewer when train.max_steps ends it
+        sooner."""
+        return max(1, min(self.epochs, math.ceil(self.total_steps / self.steps_per_epoch)))
+
+    def steps_into(self, p: Position) -> int:
+        return p.offset // max(1, self.window)
 
 
 class EpochProgress:
     """One epoch's progress: the tqdm bar, plain lines, both or neither (see the module doc).
     The loop calls ``update``, ``set_postfix`` (on log steps) and ``close``, as on a tqdm bar."""
 
-    def __init__(self, run):
-        cfg, p = run.cfg.log, run.progress
-        main, mode = run.world.is_main, cfg.progress
-        done = p.offset // (run.sampler.global_batch * run.cfg.train.accumulation_steps)
+    def __init__(self, cfg: LogConfig, p: Position, plan: Plan, main: bool):
+        mode = cfg.progress
+        done = plan.steps_into(p)
         # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
-        left = max(0, min(run.steps_per_epoch - done, run.total_steps - p.step))
-        self.run, self.postfix = run, {}
-        self.desc = f"epoch {p.epoch + 1}/{planned_epochs(run)}"
+        left = max(0, min(plan.steps_per_epoch - done, plan.total_steps - p.step))
+        self.progress, self.plan, self.main, self.postfix = p, plan, main, {}
+        self.desc = f"epoch {p.epoch + 1}/{plan.planned_epochs}"
         show = main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
         self.bar = tqdm(total=done + left, initial=done, disable=not show, leave=False,
                         desc=self.desc, unit="step", dynamic_ncols=True)
@@ -44,10 +67,10 @@ class EpochProgress:
         self.bar.update(n)
         if not self.plain:
             return
-        step, now = self.run.progress.step, time.monotonic()  # one clock read per step
+        step, now = self.progress.step, time.monotonic()  # one clock read per step
         if (self.every and step - self.last_step >= self.every) or \
                 (self.seconds and now - self.last_time >= self.seconds):
-            say(self.run, progress_line(self, step, now))
+            say(self.main, progress_line(self, step, now))
             self.last_step, self.last_time = step, now
 
     def set_postfix(self, refresh: bool = False, **values) -> None:
@@ -60,13 +83,13 @@ class EpochProgress:
 
 def progress_line(prog: EpochProgress, step: int, now: float) -> str:
     """``step 120/500  epoch 3/10  loss 0.1234  lr 1.00e-03  8.1 steps/s  eta 0:00:47``."""
-    run = prog.run
+    total = prog.plan.total_steps
     rate = (step - prog.last_step) / max(now - prog.last_time, 1e-9)
-    parts = [f"step {step}/{run.total_steps}", prog.desc]
+    parts = [f"step {step}/{total}", prog.desc]
     parts += [f"{k} {v}" for k, v in prog.postfix.items()]  # the latest log step's values
     parts.append(f"{rate:.1f} steps/s")
     if rate > 0:
-        parts.append(f"eta {_clock((run.total_steps - step) / rate)}")
+        parts.append(f"eta {_clock((total - step) / rate)}")
     return "  ".join(parts)
 
 
@@ -75,14 +98,9 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def progress_bar(run) -> EpochProgress:
-    """The epoch's progress display (bar and/or plain lines); see ``EpochProgress``."""
-    return EpochProgress(run)
-
-
-def say(run, line: str) -> None:
-    """One line on rank 0, printed above the bar rather than through it."""
-    if run.world.is_main:
+def say(main: bool, line: str) -> None:
+    """One line on rank 0 (``main``), printed above the bar rather than through it."""
+    if main:
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()  # a log file sees it now, not when the buffer fills
 
@@ -103,12 +121,12 @@ def _value(key: str, v) -> str:
     return f"{100 * v:.2f}%" if key.endswith("_acc") else f"{v:.4f}"
 
 
-def epoch_line(row: dict, run) -> str:
+def epoch_line(row: dict, plan: Plan, last_eval: dict) -> str:
     """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
     step (eval.every_steps) say which step they come from: they are not this epoch's."""
-    parts = [f"epoch {row['epoch']}/{planned_epochs(run)}", f"step {row['step']}",
+    parts = [f"epoch {row['epoch']}/{plan.planned_epochs}", f"step {row['step']}",
              f"train_loss {row['train_loss']:.4f}"]
-    dated = run.last_eval.get("step")
+    dated = last_eval.get("step")
     dated = f" (step {dated})" if dated is not None and dated != row["step"] else ""
     if row.get("val_loss") is not None:
         parts.append(f"val_loss {row['val_loss']:.4f}{dated}")
@@ -130,12 +148,10 @@ def epoch_line(row: dict, run) -> str:
     return "  ".join(parts)
 
 
-def resume_line(event: dict, run, changed: list[tuple]) -> str:
+def resume_line(event: dict, p: Position, plan: Plan, changed: list[tuple]) -> str:
     """The one line a resume prints: from where, what is redone, what changed."""
-    p = run.progress
-    done = p.offset // max(1, run.sampler.global_batch * run.cfg.train.accumulation_steps)
-    line = (f"resumed from {event['from']} at step {event['step']}/{run.total_steps} "
-            f"(epoch {p.epoch + 1}, {done}/{run.steps_per_epoch} steps into it)")
+    line = (f"resumed from {event['from']} at step {event['step']}/{plan.total_steps} "
+            f"(epoch {p.epoch + 1}, {plan.steps_into(p)}/{plan.steps_per_epoch} steps into it)")
     if event.get("steps_redone"):
         a, b = event["step"] + 1, event["last_logged_step"]
         line += (f"; redoing step{f's {a}-{b}' if b > a else f' {a}'}, which the previous "

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ironloop.data.stream import Stream
 from ironloop.version import __version__
 
 
@@ -32,27 +31,16 @@ def _name(obj: Any) -> str | None:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
-def _dataset(ds) -> dict | None:
-    if ds is None:
-        return None
-    try:
-        size = len(ds)
-    except TypeError:  # a stream (data/stream.py): its length when the dataset has one
-        size = getattr(ds, "samples", None)
-    if isinstance(ds, Stream):
-        ds = ds.dataset  # the user's IterableDataset, not ironloop's wrapper
-    return {"type": type(ds).__name__, "size": size}
-
-
-def used(model, optimizer, scheduler, from_config: bool, datasets: dict, loss_fn=None,
+def used(model, optimizer, scheduler, from_config: bool, data: dict, loss_fn=None,
          step_fn=None) -> dict:
-    """The ``used:`` block: what this run trained, on what, with what. Classes are read off
-    the objects the run holds, so a user's own optimizer or scheduler is named as it is."""
+    """The ``used:`` block: what this run trained, on what (``data``: each split's type and
+    size, from data/source.py), with what. Classes are read off the objects the run holds, so
+    a user's own optimizer or scheduler is named as it is."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out: dict[str, Any] = {
         "model": {"class": type(model).__name__, "parameters": params, "trainable": trainable},
-        "data": {k: _dataset(v) for k, v in datasets.items() if v is not None},
+        "data": data,
         "optimizer": type(optimizer).__name__,
         "scheduler": None if scheduler is None else type(scheduler).__name__,
         "source": "config" if from_config else "fit",

@@ -6,71 +6,60 @@ made only of tensors and plain containers so that ``torch.load(weights_only=True
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Protocol
+
 import torch
+from torch import nn
 
 from ironloop.version import __version__
-from ironloop.callbacks import callbacks_state, load_callbacks_state
 from ironloop.state.io import FORMAT_VERSION, load_model_state
 from ironloop.errors import CheckpointError
 from ironloop.state.rng import rng_state, set_rng_state
 
 
-def collect_state(run) -> dict:
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def collect_state(config: dict, model: nn.Module, parts: Mapping[str, Stateful | None],
+                  **values: Any) -> dict:
+    """A checkpoint's dict: the format and versions, the config, the model's and every part's
+    state_dict (None for a part the run does not have), the RNG, and plain ``values``."""
     return {
         "format_version": FORMAT_VERSION,
         "ironloop_version": __version__,
         "torch_version": str(torch.__version__),
-        "config": run.cfg.to_dict(),
-        "model": run.raw_model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
-        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-        "world_size": run.world.size,  # the drift check compares global batches across resumes
-        "progress": run.progress.state_dict(),
-        "sampler": {**run.sampler.state_dict(), "epoch": run.progress.epoch,
-                    "offset": run.progress.offset},
-        "meter": run.meter.state_dict(),
-        "tracker": run.tracker.state_dict(),
+        "config": config,
+        "model": model.state_dict(),
+        **{name: None if part is None else part.state_dict() for name, part in parts.items()},
         "rng": rng_state(),
-        "callbacks": callbacks_state(run.callbacks),
-        "evaluation": run.last_eval,
-        "schedule_steps": run.schedule_steps,  # kept when a resume extends the run
-        "loggers": run.log.ids() if run.log is not None else {},  # W&B / MLflow run ids
-        "guard": run.guard.state_dict() if getattr(run, "guard", None) is not None else None,
-        # a stateful step's state (an RNN's hidden state), so a resume mid-epoch goes on with it
-        "carry": run.carry.state_dict() if getattr(run, "carry", None) is not None else None,
+        **values,
     }
 
 
-def restore_state(run, state: dict, source: str) -> None:
-    """Load every part; a checkpoint that does not fit gets a CheckpointError naming it."""
+def restore_state(state: dict, source: str, model: nn.Module,
+                  parts: Mapping[str, Stateful | None]) -> None:
+    """Check the format, then load the model and each part present in both the run and the
+    checkpoint; a checkpoint that does not fit gets a CheckpointError naming it. The RNG is
+    restored last (``restore_rng``), after the caller's own values."""
     version = state.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{source} has checkpoint format {version}, this ironloop reads "
                               f"{FORMAT_VERSION}; resume it with the ironloop that wrote it")
-    load_model_state(run.raw_model, state["model"], source)
+    load_model_state(model, state["model"], source)
     try:
-        run.optimizer.load_state_dict(state["optimizer"])
-        if run.scheduler is not None and state["scheduler"] is not None:
-            run.scheduler.load_state_dict(state["scheduler"])
-        if run.scaler is not None and state["scaler"] is not None:
-            run.scaler.load_state_dict(state["scaler"])
-        run.sampler.load_state_dict(state["sampler"])
+        for name, part in parts.items():
+            if part is not None and state.get(name) is not None:
+                part.load_state_dict(state[name])
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{source} does not fit this run's optimizer, schedule or data "
                               f"({e}); resume with the config it was written with") from e
-    run.progress.load_state_dict(state["progress"])
-    run.meter.load_state_dict(rank_meter(state["meter"], run.world.rank, run.world.size))
-    run.tracker.load_state_dict(state["tracker"])
-    load_callbacks_state(run.callbacks, state.get("callbacks"))
-    run.last_eval = state.get("evaluation") or {}
-    if getattr(run, "carry", None) is not None:
-        run.carry.load_state_dict(state.get("carry"))
+
+
+def restore_rng(state: dict) -> None:
     set_rng_state(state["rng"])
-    guard = state.get("guard") or {}  # absent in checkpoints from before the guard
-    if getattr(run, "guard", None) is not None:
-        run.guard.load_state_dict(guard)
-    run.sampler.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
 
 
 def rank_meter(meter: dict, rank: int, size: int) -> dict:

@@ -50,3 +50,10 @@ def preserved_rng():
         yield
     finally:
         set_rng_state(saved)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

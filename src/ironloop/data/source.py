@@ -1,0 +1,267 @@
+"""Where a run's data comes in: the splits it trains and evaluates on, and its training batches.
+
+The map-style-or-stream choice is made once, here (``open_data``): the loop asks the run's
+``BatchSource`` for an epoch's batches and never asks what kind of data it reads.
+
+- ``MapSource``: a map-style dataset in a keyed order that is a pure function of (seed, epoch)
+  (``EpochSampler``), read by one DataLoader for the whole run (``EpochLoader``), so a resume
+  starts slicing at the checkpoint's offset, with no replay.
+- ``StreamOrder`` (``data/stream.py``): an IterableDataset or a StatefulDataLoader, resumed
+  from its loader's own state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol
+
+import torch
+from torch.utils.data import Subset
+
+from ironloop.config import Config
+from ironloop.data.inputs import map_style
+from ironloop.data.lm import check_order
+from ironloop.data.loader import EpochLoader, EpochSampler, TensorData, derive_seed
+from ironloop.data.samplers import order_of
+from ironloop.data.stream import (Stream, StreamOrder, as_stream, build_order, first_sample,
+                                  refuse_eval_stream)
+from ironloop.errors import ConfigError, DataError
+
+
+class BatchSource(Protocol):
+    """The training batches of a run, epoch by epoch, resumable at any sample offset.
+
+    Samples are counted over all ranks: one global batch is ``batch_size * world_size``."""
+
+    dataset: Any           # the training split as read (for the guard's look at bad samples)
+    steps_per_epoch: int   # optimizer steps in a full epoch
+    prefetch_ahead: bool   # whether a batch may be read before the step that trains on it
+
+    @property
+    def global_batch(self) -> int: ...
+
+    @property
+    def usable(self) -> int:
+        """Samples served this epoch (a stream: as many as can be, until it ends)."""
+        ...
+
+    def set_epoch(self, epoch: int, offset: int = 0) -> None: ...
+
+    def batches(self) -> Iterable:
+        """This process's batches of the current epoch, from its offset."""
+        ...
+
+    def indices(self, start: int, end: int) -> list[int]:
+        """The global sample indices at positions [start, end) of the epoch's order."""
+        ...
+
+    def set_skip(self, indices) -> None: ...
+
+    def nonfinite_inputs(self, indices: list[int]) -> list[int]:
+        """Which of these samples' inputs hold a NaN or inf (the guard's bad path)."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MapSource:
+    """A map-style training split: a keyed order and one DataLoader for the run."""
+
+    prefetch_ahead = True
+
+    def __init__(self, dataset, sampler: EpochSampler, steps_per_epoch: int, **loader_options):
+        self.dataset, self.sampler, self.steps_per_epoch = dataset, sampler, steps_per_epoch
+        self.loader = EpochLoader(dataset, sampler, **loader_options)
+
+    @property
+    def global_batch(self) -> int:
+        return self.sampler.global_batch
+
+    @property
+    def usable(self) -> int:
+        return self.sampler.usable
+
+    def set_epoch(self, epoch: int, offset: int = 0) -> None:
+        self.sampler.set_epoch(epoch, offset)
+
+    def batches(self) -> Iterable:
+        return self.loader
+
+    def indices(self, start: int, end: int) -> list[int]:
+        return self.sampler.indices(start, end)
+
+    def set_skip(self, indices) -> None:
+        self.sampler.set_skip(indices)
+
+    def nonfinite_inputs(self, indices: list[int]) -> list[int]:
+        return nonfinite_inputs(self.dataset, indices)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()  # the workers that persisted across epochs exit
+
+
+@dataclass
+class RunData:
+    """A run's data: the training batches and the evaluation splits."""
+
+    source: BatchSource
+    train: Any             # the training split (a map-style dataset, or a Stream)
+    val: Any               # map-style, or None
+    test: Any              # map-style, or None
+    collate_fn: Any        # a DataLoader's own collate_fn, kept for evaluation too
+
+    def described(self) -> dict:
+        """config.yaml's ``used.data``: each split's type and size."""
+        splits = {"train": self.train, "val": self.val, "test": self.test}
+        return {k: describe(v) for k, v in splits.items() if v is not None}
+
+    def first_sample(self):
+        """One training sample, read without moving any RNG (to infer the model's classes)."""
+        return first_sample(self.train) if isinstance(self.train, Stream) else self.train[0]
+
+    def in_memory(self) -> bool:
+        """Every split an in-memory TensorData (its labels can be checked once, in full)."""
+        sets = [ds for ds in (self.train, self.val, self.test) if ds is not None]
+        return all(isinstance(ds, TensorData) for ds in sets)
+
+
+def resolve_batch_size(cfg: Config, train_data) -> Config:
+    """The config with a passed DataLoader's (or stream's) batch size, which it keeps."""
+    stream = as_stream(train_data, "train_data")
+    size = stream.batch_size if stream else map_style(train_data, "train_data").batch_size
+    if size and size != cfg.train.batch_size:
+        return cfg.with_overrides({"train.batch_size": size})
+    return cfg
+
+
+def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_size: int,
+              device: torch.device, poison=None) -> RunData:
+    """The run's splits and its BatchSource: the one place that tells a stream from a
+    map-style dataset. ``poison`` (the fault injector's) may replace the training split."""
+    refuse_eval_stream(val_data, "val_data")
+    refuse_eval_stream(test_data, "test_data")
+    val_set = eval_subset(map_style(val_data, "val_data").dataset, cfg, world_size)
+    test_set = map_style(test_data, "test_data").dataset
+    check_needs_val(cfg, val_set)
+    stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
+    if stream:
+        if poison is not None:
+            poison(stream)  # refuses: a stream's samples have no index to poison
+        order = build_order(cfg, stream, rank, world_size, device)
+        return RunData(order, stream, val_set, test_set, None)
+    train_set, collate_fn, _, sampler = map_style(train_data, "train_data")
+    if len(train_set) == 0:
+        raise DataError("the training split is empty (0 samples): check the dataset's path, "
+                        "filter or split (data.val_fraction); there is nothing to train on")
+    if poison is not None:
+        train_set = poison(train_set)
+    return RunData(_map_source(cfg, train_set, sampler, collate_fn, rank, world_size, device),
+                   train_set, val_set, test_set, collate_fn)
+
+
+def _map_source(cfg: Config, train_set, user_sampler, collate_fn, rank: int, world_size: int,
+                device: torch.device) -> MapSource:
+    order, warning = order_of(user_sampler, len(train_set), cfg.run.seed, cfg.data.shuffle)
+    if warning and rank == 0:
+        print(warning)
+    sampler = EpochSampler(len(train_set), cfg.train.batch_size, cfg.run.seed,
+                           shuffle=cfg.data.shuffle, rank=rank, world_size=world_size,
+                           order=order)
+    check_order(train_set, cfg.data.shuffle, sampler.global_batch)
+    steps = math.ceil(sampler.usable / (sampler.global_batch * cfg.train.accumulation_steps))
+    _warn_batch_size(cfg, len(train_set), world_size, rank)
+    return MapSource(train_set, sampler, steps, num_workers=cfg.data.num_workers,
+                     pin_memory=cfg.data.pin_memory and device.type == "cuda",
+                     collate_fn=collate_fn, seed_samples=cfg.data.seed_samples)
+
+
+def _warn_batch_size(cfg: Config, n: int, world_size: int, rank: int) -> None:
+    per_step = cfg.train.batch_size * world_size
+    if per_step > n and rank == 0:
+        print(f"warning: train.batch_size={cfg.train.batch_size}"
+              + (f" x {world_size} processes" if world_size > 1 else "")
+              + f" is larger than the training split ({n} samples): each epoch is a single "
+              f"optimizer step; lower train.batch_size")
+
+
+def eval_subset(val_set, cfg: Config, world_size: int | None = None):
+    """With eval.max_batches, the same fixed random subset of the val split at every
+    evaluation (independent of run.seed), so evaluations compare like with like."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cap = cfg.eval.max_batches * cfg.train.batch_size * world_size
+    if val_set is None or not cap or cap >= len(val_set):
+        return val_set
+    gen = torch.Generator().manual_seed(derive_seed("eval-subset"))
+    idx = torch.randperm(len(val_set), generator=gen)[:cap].sort().values
+    if isinstance(val_set, TensorData):  # keep the one-slice batch path
+        return TensorData(val_set.x[idx], val_set.y[idx])
+    return Subset(val_set, idx.tolist())
+
+
+def check_needs_val(cfg: Config, val_set) -> None:
+    if val_set is not None and len(val_set) > 0:
+        return
+    if cfg.schedule.name == "plateau":
+        raise ConfigError("schedule.name='plateau' needs validation data to monitor "
+                          f"{cfg.early_stop.metric}; set data.val_fraction > 0 (or pass "
+                          "val_data), or pick another schedule")
+    if cfg.early_stop.patience > 0:
+        raise ConfigError("early_stop.patience > 0 needs validation data; set "
+                          "data.val_fraction > 0 (or pass val_data), or early_stop.patience=0")
+
+
+def describe(ds) -> dict | None:
+    """A split's type and size for the records: the user's dataset, not ironloop's wrapper."""
+    if ds is None:
+        return None
+    try:
+        size = len(ds)
+    except TypeError:  # a stream (data/stream.py): its length when the dataset has one
+        size = getattr(ds, "samples", None)
+    if isinstance(ds, Stream):
+        ds = ds.dataset
+    return {"type": type(ds).__name__, "size": size}
+
+
+def nonfinite_inputs(dataset, indices: list[int]) -> list[int]:
+    """The indices among ``indices`` whose inputs hold a NaN or inf (bad path only: reads the
+    samples again from the dataset)."""
+    if isinstance(dataset, TensorData):
+        x = dataset.x[torch.as_tensor(indices, dtype=torch.long)]
+        if not x.is_floating_point():
+            return []
+        bad = ~torch.isfinite(x.reshape(len(x), -1)).all(1)
+        return [indices[i] for i in bad.nonzero().flatten().tolist()]
+    return [i for i in indices if _has_nonfinite(_inputs_of(dataset[i]))]
+
+
+def _inputs_of(sample):
+    if isinstance(sample, (tuple, list)) and len(sample) > 1:
+        return sample[0]  # (inputs, targets)
+    return sample
+
+
+def _has_nonfinite(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point() and not bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return any(_has_nonfinite(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_has_nonfinite(v) for v in obj)
+    return False
+
+
+__all__ = ["BatchSource", "MapSource", "RunData", "StreamOrder", "open_data",
+           "resolve_batch_size"]

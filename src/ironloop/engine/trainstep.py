@@ -1,0 +1,147 @@
+"""The step part: the training math of one optimizer step, apart from the loop that orchestrates
+it (OLMo-core's ``TrainModule``). It owns the model and its wrapper, the optimizer, the schedule
+and its cadence, the scaler, the step function, the parameter list and a stateful step's carry,
+and it holds the guard's device verdict, so there is one stepping branch.
+
+The optimizer step, in order::
+
+    scaler.unscale_(optimizer)                # fp16 only; unscale BEFORE clipping
+    grad_norm = norm(gradients)               # the pre-clip norm is what gets logged
+    ok = guard verdict, on the device         # guard/verdict.py: no host read
+    clip(parameters, grad_norm)
+    optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
+    scheduler.step()                          # per-step schedules, AFTER optimizer.step
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ironloop.config import ClipConfig
+from ironloop.dist.world import World
+from ironloop.engine.carry import StatefulStep
+from ironloop.engine.gradients import clip_to_norm, grad_norm_of
+from ironloop.engine.precision import autocast
+from ironloop.engine.progress import Meter, Progress
+from ironloop.engine.steps import StepFn, describe, unpack
+from ironloop.guard.hook import lr_scaled
+from ironloop.guard.verdict import DeviceGuard, forget_unscale, masked_step
+
+Scheduler = torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
+
+
+@dataclass
+class TrainStep:
+    model: nn.Module                 # what the loop calls: the DDP/FSDP/compile wrapper
+    raw_model: nn.Module             # the user's module: evaluation, checkpoints, export
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler | None
+    schedule_on: str                 # "step" (after every optimizer step) or "eval" (plateau)
+    scaler: torch.amp.GradScaler | None
+    step_fn: StepFn                  # as the loop calls it: (model, batch) -> (loss, metrics)
+    carry: StatefulStep | None       # a stateful step's state across batches, or None
+    device: torch.device
+    precision: str
+    clip: ClipConfig
+    total_steps: int
+    schedule_steps: int = 0          # a finite schedule's length; past it the LR holds (0: none)
+    guard: DeviceGuard | None = None  # the guard's device verdict (guard.enabled)
+    check_labels: Callable[[Any], None] | None = None  # a host-side label check, or None
+    lr: float = 0.0                  # the LR the last optimizer step used
+    # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
+    # them, not only those requiring grad: a callback may unfreeze a layer later.
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.params = list(self.raw_model.parameters())
+
+    def autocast(self):
+        return autocast(self.precision, self.device)
+
+    def forward(self, model: nn.Module, batch, where: str, progress: Progress):
+        """The step function's (loss, metrics, weight or None); an exception from it (the
+        user's code, usually) keeps its traceback and gains one line saying where in the run
+        it happened and on what batch."""
+        try:
+            return unpack(self.step_fn(model, batch))
+        except Exception as e:
+            step = progress.step + 1 if where == "training" else progress.step
+            if hasattr(e, "add_note"):  # Python 3.11+; on 3.10 the error goes as it came
+                e.add_note(f"ironloop: raised in {where} at step {step}, epoch "
+                           f"{progress.epoch + 1}; batch: {describe(batch)}")
+            raise
+
+    def backward(self, scaled: torch.Tensor) -> None:
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+
+    def optimizer_step(self, progress: Progress, meter: Meter, world: World) -> None:
+        """unscale -> norm -> guard verdict -> clip -> step -> scaler update -> per-step
+        scheduler. The step is counted as good; the guard's verdict stays on the device, a bad
+        step changes nothing there, and the settle takes it back from the counters later."""
+        opt, scaler, guard = self.optimizer, self.scaler, self.guard
+        skipped = None
+        if scaler is not None:
+            scaler.unscale_(opt)  # clipping must see the true gradients, not the scaled ones
+            # Read before step(): found_inf is on the device, so counting skips costs no sync.
+            found = scaler._found_inf_per_device(opt)  # private, stable since torch 1.x
+            skipped = torch.stack([f.to(self.device) for f in found.values()]).sum().clamp(max=1)
+        params = [p for p in self.params if p.grad is not None]  # no module walk per step
+        grad_norm = grad_norm_of(params)
+        # The guard looks before clipping: a NaN norm would make the clip turn every gradient
+        # NaN.
+        ok = None if guard is None else guard.check(meter, grad_norm, progress.offset, skipped,
+                                                    world)
+        if ok is not None and self.clip.mode == "norm" and self.clip.max_norm > 0:
+            # A bad step is not clipped: its guard.jsonl line names the parameters whose
+            # gradients are non-finite, which a clip by a non-finite norm would make all of them.
+            grad_norm = torch.where(ok, grad_norm, 0.0)
+        clipped = clip_to_norm(params, grad_norm, self.clip.max_norm, self.clip.mode)
+        with lr_scaled(opt, self.lr_factor):  # the rollbacks' LR factor, on top of the schedule
+            if guard is not None and ok is not None and guard.masks:
+                masked_step(opt, scaler, ok, guard.verdict.found_inf(ok))  # skips on device
+            elif guard is not None and ok is not None and not guard.allows(ok):
+                forget_unscale(opt, scaler)  # a bad step read on the host: no update
+            elif scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            self.lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
+        self.step_schedule(progress.step)  # after optimizer.step, once per optimizer step
+        progress.step += 1
+        meter.add_step(grad_norm, clipped, skipped, ok)
+
+    @property
+    def lr_factor(self) -> float:
+        """The guard's LR factor after rollbacks (1 without a guard)."""
+        return 1.0 if self.guard is None else self.guard.policy.lr_factor
+
+    def step_schedule(self, step: int) -> None:
+        """The per-step scheduler step, after ``optimizer.step``. A run longer than its finite
+        schedule (extended on resume) holds the LR of the schedule's last step: past their end,
+        onecycle extrapolates and cosine climbs back up."""
+        if self.scheduler is None or self.schedule_on != "step":
+            return
+        if not self.schedule_steps or self.total_steps <= self.schedule_steps or \
+                step < self.schedule_steps - 1:
+            self.scheduler.step()
+
+    def hold_onecycle(self) -> None:
+        """A finished onecycle has stepped once past its end, to an extrapolated LR; a run
+        extended beyond it gets the LR of the schedule's last step back (OneCycleLR's LR is
+        closed-form)."""
+        sched, end = self.scheduler, self.schedule_steps
+        if not isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) or \
+                self.total_steps <= end or sched.last_epoch < end:
+            return
+        sched.last_epoch = end - 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "get_lr outside step": that is what is wanted
+            lrs = sched.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
