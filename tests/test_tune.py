@@ -22,9 +22,9 @@ import ironloop
 from ironloop.config import Config
 from ironloop.engine.timing import advice
 from ironloop.tools import tune as tune_mod
-from ironloop.tools import tune_rows
-from ironloop.tools.tune_output import tuned_yaml
-from ironloop.tools.tune_trials import Measure, samples_in_step, window_rates
+from ironloop.tools.tune import rows as tune_rows
+from ironloop.tools.tune.output import tuned_yaml
+from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
 
 from examples.slow_reads import SlowReads
 from tests.conftest import run_cli
@@ -65,7 +65,7 @@ def test_windows_count_the_ragged_last_step_of_an_epoch():
 
 
 def test_a_slow_early_step_and_the_buffer_it_fills_are_warm_up():
-    from ironloop.tools.tune_trials import Plan, settled
+    from ironloop.tools.tune.trials import Plan, settled
 
     plan = Plan(warmup=1, window=2, repeats=4)
     steady = [0.1] * 9

@@ -1,5 +1,5 @@
 """What ``ironloop tune`` tries, as rows of its tables: one setting each, built from the config
-and the machine; ``tune.py`` measures them and decides."""
+and the machine; the package (``__init__.py``) measures them and decides."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ironloop.data import TensorData
 from ironloop.state import drift
-from ironloop.tools.tune_trials import Measure, Subject
+from ironloop.tools.tune.trials import Measure, Subject
 
 #: The shortest run (seconds at the baseline's speed) a compile can pay for itself in.
 COMPILE_MIN_RUN = 120.0

@@ -34,11 +34,11 @@ from ironloop.engine.fit import as_config, seed_everything
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
 from ironloop.state.rng import preserved_rng
-from ironloop.tools import tune_output
+from ironloop.tools.tune import output
 from ironloop.tools.models import build_model
-from ironloop.tools.tune_rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
+from ironloop.tools.tune.rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
                                       micro_batch_rows, pin_rows, precision_rows, worker_counts)
-from ironloop.tools.tune_trials import Measure, Plan, Subject, TrialFailed, run_trial
+from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
 DEFAULT_BUDGET = 120.0
@@ -277,7 +277,7 @@ def run_tune(subject: Subject, budget: float,
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("ironloop tune runs in one process: start it without torchrun")
     device = resolve_device(subject.cfg.run.device)
-    with preserved_rng(), tune_output.progress_bar(progress, budget) as bar:
+    with preserved_rng(), output.progress_bar(progress, budget) as bar:
         tuner = Tuner(subject, budget, bar)
         tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
         current, best = {}, tuner.baseline
@@ -355,6 +355,6 @@ def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
         applied_trajectory=apply and bool(trajectory),
         speedup=math.prod(r.gain for r in tuner.rows if r.won and r.kind == "free"),
         config=subject.cfg.with_overrides(applied),
-        info=tune_output.context(subject, tuner, budget, path, overrides))
-    tune_output.write(result, subject.cfg, path, overrides, applied)
+        info=output.context(subject, tuner, budget, path, overrides))
+    output.write(result, subject.cfg, path, overrides, applied)
     return result
