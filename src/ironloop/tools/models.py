@@ -75,7 +75,7 @@ def from_config(cfg):
     """(model, data bundle) as ``ironloop train`` and ``ironloop doctor`` both build them:
     data.name first, then model.name with what the data told it."""
     from ironloop.data import build_data
-    from ironloop.engine.fit import seed_everything
+    from ironloop.state.rng import seed_everything
 
     bundle = build_data(cfg.data)
     seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals

@@ -16,7 +16,7 @@ import torch
 from ironloop.config import Config
 from ironloop.data import build_data
 from ironloop.data.loader import EpochSampler
-from ironloop.engine.fit import seed_everything
+from ironloop.state.rng import seed_everything
 from ironloop.tools.models import build_model
 from ironloop.engine.precision import resolve_device
 

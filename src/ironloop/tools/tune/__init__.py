@@ -30,10 +30,10 @@ import torch
 
 from ironloop.config import Config, load_config
 from ironloop.data import build_data
-from ironloop.engine.fit import as_config, seed_everything
+from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
-from ironloop.state.rng import preserved_rng
+from ironloop.state.rng import preserved_rng, seed_everything
 from ironloop.tools.tune import output
 from ironloop.tools.models import build_model
 from ironloop.tools.tune.rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
