@@ -409,6 +409,28 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
         ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in rows]
 
 
+def _summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The report's first table: one line per variant."""
+    header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
+              "clipped fraction"]
+    table = [[r["variant"], _fmt(r["final val acc"], "pct"),
+              "n/a (stopped mid-epoch)" if r["s/epoch"] is None else
+              f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
+              _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
+              _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
+             for r in rows]
+    return header, table
+
+
+def _same_losses(variants: list[Variant]) -> str:
+    """A sentence for each group of variants whose training losses coincide ('' when none)."""
+    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
+                                             for v in variants},
+                                             "epochs", "loss") if len(names) > 1]
+    return "".join(f" The training losses of {', '.join(n)} coincide at every step: "
+                   f"loss_curves.png draws them once." for n in same)
+
+
 def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
                   plots: dict[str, Path], data: str, reference: dict | None,
                   clock: Clock) -> Path:
@@ -425,14 +447,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
                         f"{rows[2]['final val acc']:.2%}).")
     rows = rows[:3] + [summary_row(c) for c in extras] + rows[3:]
     shown = variants[:3] + extras + variants[3:]
-    header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
-              "clipped fraction"]
-    table = [[r["variant"], _fmt(r["final val acc"], "pct"),
-              "n/a (stopped mid-epoch)" if r["s/epoch"] is None else
-              f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
-              _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
-              _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
-             for r in rows]
+    header, table = _summary_table(rows)
     vheader = ["step", "the spec's criterion", "result", "figure"]
     vtable = [[v.step, v.criterion, v.result, v.figure] for v in judged]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -455,11 +470,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
         md += ["", "## The hand-written script and its Accelerate version", "", ref, "",
                "```diff", reference["diff"], "```"]
     md += ["", "## Where the lab's time went", "", timing, "", *_md_table(theader, trows)]
-    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
-                                             for v in variants},
-                                             "epochs", "loss") if len(names) > 1]
-    same = "".join(f" The training losses of {', '.join(n)} coincide at every step: "
-                   f"loss_curves.png draws them once." for n in same)
+    same = _same_losses(variants)
     md += ["", f"Plots.{same}", "", *[f"![{name}]({name})" for name in plots]]
     (out / "report.md").write_text("\n".join(md) + "\n")
     page = Page(f"ironloop lab: {data}").p(intro).table(header, table)
