@@ -34,11 +34,11 @@ import ironloop
 from ironloop.config import GuardConfig
 from ironloop.data.loader import TensorData
 from ironloop.dist.world import World
-from ironloop.guard.hook import GuardHook
 from ironloop.engine.progress import Meter, Progress
+from ironloop.guard.hook import GuardHook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summary  # noqa: E402
+from _common import summary
 
 TARGET = 0.01  # the guard may cost at most 1% of a step
 

@@ -19,14 +19,13 @@ import yaml
 from torch import nn
 
 import ironloop
+from examples.slow_reads import SlowReads
 from ironloop.config import Config
 from ironloop.engine.timing import advice
 from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
 from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
-
-from examples.slow_reads import SlowReads
 from tests.conftest import run_cli
 
 
@@ -180,7 +179,8 @@ SUBJECTS = textwrap.dedent('''
 
         def __init__(self, n, crash=False):
             g = torch.Generator().manual_seed(0)
-            self.x, self.y = torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
+            self.x = torch.randn(n, 256, generator=g)
+            self.y = torch.randint(0, 10, (n,), generator=g)
             self.crash = crash
 
         def __len__(self):

@@ -56,9 +56,8 @@ def _export(args) -> int:
 
 
 def _report(args) -> int:
-    from ironloop.tools.report import render_report
-
     from ironloop.tools.doctor.logs import diagnose_logs
+    from ironloop.tools.report import render_report
 
     paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print("\n".join(f"wrote {p}" for p in paths))

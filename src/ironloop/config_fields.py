@@ -5,6 +5,7 @@ type. Every error names the dotted key and what is allowed (a ``ConfigError``, e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -70,10 +71,8 @@ def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
     if typ is list and isinstance(value, int) and not isinstance(value, bool):
         return [value]  # a single step for a list of steps (fault.nan_at_step=10)
     if typ is float and isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     if typ is float and isinstance(value, float) and not math.isfinite(value):
         # nan passes every "> 0" check (all comparisons with nan are false); inf is never meant
         raise ConfigError(f"{dotted}={value!r}: must be a finite number")

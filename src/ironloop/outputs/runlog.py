@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from ironloop.outputs import durable
 from ironloop.errors import UserError
+from ironloop.outputs import durable
 from ironloop.state.io import write_atomic
 
 

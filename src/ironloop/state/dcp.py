@@ -25,9 +25,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ironloop.errors import CheckpointError
-from ironloop.state.dcp_safe import (SafePlanner, SafeReader, UnsafeMetadata, read_metadata,
-                                    refused_item)
+from ironloop.state.dcp_safe import (
+    SafePlanner,
+    SafeReader,
+    UnsafeMetadata,
+    read_metadata,
+    refused_item,
+)
 
 from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
@@ -260,7 +265,7 @@ def check_metadata(path: Path) -> None:
                           f"refused to load {path}: its .metadata names {e}, which DCP never "
                           "writes there (a pickle that would run code); ironloop loads only "
                           "DCP's own metadata classes. Resume from another checkpoint") from None
-    except Exception as e:  # truncated, not a pickle at all, ...
+    except Exception as e:  # noqa: BLE001 - truncated, not a pickle at all, ...
         raise LoadFailure(path, "unreadable .metadata",
                           f"{path}/.metadata is damaged ({type(e).__name__}); resume from "
                           "another checkpoint") from None
@@ -353,7 +358,7 @@ def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
     sd = {"model": model}
     try:
         dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
-    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
         what = f"its item {refused_item(e)} is a pickle that would run code" if refused_item(e) \
             else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         raise CheckpointError(f"refused to load {path}: {what}") from None

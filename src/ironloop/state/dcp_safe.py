@@ -19,9 +19,11 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    filesystem as dcp_filesystem,
+    metadata as dcp_metadata,
+)
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 

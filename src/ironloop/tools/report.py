@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def _xy(rows: Iterable[dict], x: str, y: str) -> tuple[list[float], list[float]]
 def crash_steps(rows: Sequence[dict]) -> list[int]:
     """The last step logged before each point where the step counter goes back (a resume)."""
     steps = _vals(rows, "step")
-    return [int(a) for a, b in zip(steps, steps[1:]) if b <= a]
+    return [int(a) for a, b in pairwise(steps) if b <= a]
 
 
 def clipped_fraction(rows: Sequence[dict], max_norm: float | None) -> float | None:
@@ -410,7 +411,7 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
     md = [summarize(run_dir), markdown(found)]
     md += [f"![{p.stem}]({p.name})\n" for p in paths]
     report.write_text("\n".join(md), encoding="utf-8")
-    return paths + [report, write_html(run_dir, found, paths, out_dir / "report.html")]
+    return [*paths, report, write_html(run_dir, found, paths, out_dir / "report.html")]
 
 
 def write_html(run_dir: Path, found: list, images: list[Path], out: Path) -> Path:

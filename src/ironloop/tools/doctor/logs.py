@@ -6,8 +6,8 @@ import math
 import statistics
 from pathlib import Path
 
-from ironloop.tools.doctor.findings import Finding
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+from ironloop.tools.doctor.findings import Finding
 
 #: Thresholds, named so the README and the findings quote the same numbers.
 FLAT = 0.05            # train loss fell by less than 5% after epoch 1

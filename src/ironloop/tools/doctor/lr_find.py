@@ -12,9 +12,9 @@ import math
 from pathlib import Path
 
 from ironloop.data.loader import to_device
+from ironloop.engine.gradients import clip_gradients
 from ironloop.tools.doctor.findings import Finding
 from ironloop.tools.doctor.subject import Subject
-from ironloop.engine.gradients import clip_gradients
 
 METHOD = "steepest descent of the smoothed loss against log(LR)"
 

@@ -16,9 +16,9 @@ import torch
 from ironloop.config import Config
 from ironloop.data import build_data
 from ironloop.data.loader import EpochSampler
+from ironloop.engine.precision import resolve_device
 from ironloop.state.rng import seed_everything
 from ironloop.tools.models import build_model
-from ironloop.engine.precision import resolve_device
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 PLAIN, ACCEL = "production_loop", "production_loop_accelerate"

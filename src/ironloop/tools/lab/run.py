@@ -20,17 +20,22 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ironloop.tools.lab import reference as lab_reference
-from ironloop.tools.lab import verdicts as judge
-from ironloop.tools.html import Page
-from ironloop.tools.lab.clock import Clock
-from ironloop.state.io import load_verified
 from ironloop.config import Config, load_config
 from ironloop.errors import UserError
-from ironloop.tools.recipe import train_config
 from ironloop.outputs.readers import read_jsonl
-from ironloop.tools.report import (clipped_fraction, coinciding, plot_grad_norm_hist,
-                                   plot_loss_curves, plot_lr, plot_resume_curve)
+from ironloop.state.io import load_verified
+from ironloop.tools.html import Page
+from ironloop.tools.lab import reference as lab_reference, verdicts as judge
+from ironloop.tools.lab.clock import Clock
+from ironloop.tools.recipe import train_config
+from ironloop.tools.report import (
+    clipped_fraction,
+    coinciding,
+    plot_grad_norm_hist,
+    plot_loss_curves,
+    plot_lr,
+    plot_resume_curve,
+)
 
 MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
          "synthetic": "mlp"}
@@ -349,7 +354,8 @@ def findings(variants: list[Variant], rows: list[dict], under: str) -> dict[str,
     s[decay] = f"val acc {acc[decay]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
     prec, first = variants[8], by["6-checkpoint"].epochs()[0]
     speed, speed6 = row[prec.name]["samples/s"], row["6-checkpoint"]["samples/s"]
-    s[prec.name] = f"{speed:,.0f} samples/s vs {speed6:,.0f} for step 6 (x{speed / speed6:.2f}, {under}); "
+    s[prec.name] = (f"{speed:,.0f} samples/s vs {speed6:,.0f} for step 6 "
+                    f"(x{speed / speed6:.2f}, {under}); ")
     if not prec.epochs():  # the CPU's emulated fp16: a handful of steps, see steps_plan
         s[prec.name] += (f"{row[prec.name]['optimizer steps']} steps only: a CPU emulates "
                          f"{prec.overrides['train.precision']} autocast, and a whole run would "

@@ -34,10 +34,19 @@ from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
 from ironloop.state.rng import preserved_rng, seed_everything
-from ironloop.tools.tune import output
 from ironloop.tools.models import build_model
-from ironloop.tools.tune.rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
-                                      micro_batch_rows, pin_rows, precision_rows, worker_counts)
+from ironloop.tools.tune import output
+from ironloop.tools.tune.rows import (
+    Row,
+    compile_rows,
+    cpus,
+    loader_extra_rows,
+    loader_rows,
+    micro_batch_rows,
+    pin_rows,
+    precision_rows,
+    worker_counts,
+)
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
@@ -199,7 +208,8 @@ class Tuner:
         if winner.recheck.get("skipped"):
             winner.verdict += " (no budget left to recheck it)"
         else:
-            winner.verdict += f" (recheck: {winner.recheck['gain']:.2f}x; counted {winner.gain:.2f}x)"
+            winner.verdict += (f" (recheck: {winner.recheck['gain']:.2f}x; "
+                               f"counted {winner.gain:.2f}x)")
         return winner
 
     def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
@@ -281,10 +291,11 @@ def run_tune(subject: Subject, budget: float,
         tuner = Tuner(subject, budget, bar)
         tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
         current, best = {}, tuner.baseline
-        for rows in (lambda: loader_rows(subject, current),
-                     lambda: loader_extra_rows(subject, current),
-                     lambda: pin_rows(subject, device)):
-            winner = tuner.group(rows(), current, best)
+        # Each group's rows are built on top of the winners so far.
+        for make_rows in (lambda cur: loader_rows(subject, cur),
+                          lambda cur: loader_extra_rows(subject, cur),
+                          lambda cur: pin_rows(subject, device)):
+            winner = tuner.group(make_rows(current), current, best)
             if winner is not None:
                 current, best = {**current, **winner.overrides}, winner
         model = subject.make_model()
@@ -297,7 +308,8 @@ def run_tune(subject: Subject, budget: float,
                 trajectory.update(winner.overrides)
         tuner.largest_fit(current, device)
         reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
-        winner = tuner.group(compile_rows(subject, tuner.baseline.projected_s), current, best, extra_s=reserve)
+        winner = tuner.group(compile_rows(subject, tuner.baseline.projected_s), current, best,
+                             extra_s=reserve)
         if winner is not None:
             current = {**current, **winner.overrides}
     return tuner, current, trajectory
