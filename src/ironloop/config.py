@@ -397,10 +397,11 @@ class Config:
 
 
 #: section name -> its dataclass, read off Config's fields so the two cannot drift apart.
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type[Section]] = {f.name: typing.cast("type[Section]", f.default_factory)
+                                      for f in dataclasses.fields(Config)}
 
 
-def _build_section(cls: type, raw: Any) -> Any:
+def _build_section(cls: type[Section], raw: Any) -> Any:
     name = cls._name
     if raw is None:
         return cls()
@@ -461,8 +462,9 @@ def describe() -> str:
     """Every key with its default and doc, for ``ironloop train help``."""
     lines = []
     for name, cls in SECTIONS.items():
+        defaults = cls()
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = getattr(defaults, f.name)
             lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
                          f"# {f.metadata['doc']}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import math
 import types
 import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, ClassVar
 
 from ironloop.errors import ConfigError
 
@@ -28,6 +28,7 @@ class Section:
     """Shared validation helpers; ``_name`` is the section's dotted prefix."""
 
     _name = ""
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every section is a dataclass
 
     def __post_init__(self) -> None:
         for fl in dataclasses.fields(self):

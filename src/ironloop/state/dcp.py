@@ -26,8 +26,8 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,9 @@ class ShardedCheckpointManager:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_write = async_write
-        self._pending: tuple[Future, Path, int, bool] | None = None
+        # (the async_save future, its directory, step, best); async_save's return is typed as a
+        # Future or an AsyncSaveResponse, which only a staging checkpointer returns.
+        self._pending: tuple[Any, Path, int, bool] | None = None
         self._group = dist.new_group(backend="gloo") if async_write and dist.is_initialized() \
             else None
         if _rank() == 0:
@@ -325,7 +327,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     """Load the model and optimizer from a DCP directory into this run, resharding to however
     many ranks (and whatever wrapping) this run has; a collective."""
     msd, osd = get_state_dict(model, optimizer)
-    sd = {"model": msd, "optimizer": osd}
+    sd: dict[str, Any] = {"model": msd, "optimizer": osd}
     try:
         check_metadata(Path(path))  # its digests were verified with the extras
         dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner())

@@ -33,14 +33,14 @@ _tmp_counter = itertools.count()
 
 
 # ----------------------------------------------------------------------------------- digest --
-def _feed(h: hashlib._Hash, tag: bytes, data: Any) -> None:
+def _feed(h: hashlib.blake2b, tag: bytes, data: Any) -> None:
     """Hash a tagged, length-prefixed chunk so that no two different structures collide."""
     n = data.nbytes if hasattr(data, "nbytes") else len(data)
     h.update(tag + n.to_bytes(8, "little"))
     h.update(data)
 
 
-def _walk(h: hashlib._Hash, obj: Any) -> None:
+def _walk(h: hashlib.blake2b, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         _feed(h, b"T", f"{t.dtype}|{tuple(t.shape)}".encode())
@@ -110,7 +110,7 @@ def remove_quietly(path: Path) -> None:
         os.unlink(path)
 
 
-def _os_error_in_chain(exc: BaseException) -> OSError | None:
+def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
     """The OSError behind ``exc``. torch.save turns a failed ``write`` (e.g. ENOSPC) into a
     RuntimeError from its zip writer, with the OSError only as ``__context__``."""
     seen = set()

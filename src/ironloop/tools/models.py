@@ -84,7 +84,7 @@ def from_config(cfg):
     return model, bundle
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict,
+def build_model(name: str, input_shape: tuple, num_classes: int | None, kwargs: dict,
                 meta: dict | None = None) -> nn.Module:
     """A built-in model by name, or the user's ``module:factory``; ``meta`` is what the data
     factory returned besides its splits."""

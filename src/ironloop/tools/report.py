@@ -27,8 +27,8 @@ def _vals(rows: Iterable[dict], key: str) -> list[float]:
 
 
 def _xy(rows: Iterable[dict], x: str, y: str) -> tuple[list[float], list[float]]:
-    pts = [(num(r.get(x)), num(r.get(y))) for r in rows]
-    pts = [(a, b) for a, b in pts if a is not None and b is not None]
+    pts = [(a, b) for r in rows
+           if (a := num(r.get(x))) is not None and (b := num(r.get(y))) is not None]
     return [a for a, _ in pts], [b for _, b in pts]
 
 
@@ -300,7 +300,8 @@ def _resumes(run_dir: Path) -> list[dict]:
 def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
     """data, model and optimizer as the run used them (config.yaml's ``used:`` block), falling
     back to the config's names for runs recorded before that block existed."""
-    used = cfg.get("used") if isinstance(cfg.get("used"), dict) else {}
+    used = cfg.get("used")
+    used = used if isinstance(used, dict) else {}
     model, data = used.get("model") or {}, used.get("data") or {}
     model_s = get_dotted(cfg, "model.name")
     if model.get("class"):
@@ -336,7 +337,8 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     tokens = _vals(metrics, "tokens_per_s")
     # A run that max_steps ends inside its first epoch has no epoch line: its time is the
     # training seconds plus the validation the time split counted.
-    split = res.get("time_split") if isinstance(res.get("time_split"), dict) else {}
+    split = res.get("time_split")
+    split = split if isinstance(split, dict) else {}
     seconds = res.get("seconds") or (num(res.get("train_seconds")) or 0) + \
         (num(split.get("validation")) or 0) or None
     table = [

@@ -82,7 +82,8 @@ def steps_plan(data: str) -> list[Variant]:
             "schedule.name": "constant", "clip.max_norm": 0.0, "checkpoint.enabled": False,
             "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off",
             "doctor.preflight": False}
-    steps = [("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
+    steps: list[tuple[str, str, dict]] = [
+             ("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
              ("2-onecycle", "Scheduler: OneCycleLR, max_lr 3e-3",
               {"schedule.name": "onecycle", "schedule.max_lr": 3e-3}),
              ("3-clip", "Clipping at 1.0, pre-clip norm logged every step",
@@ -472,7 +473,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
           "", "## Each step against the spec's criterion", "", *_md_table(vheader, vtable),
           "", f"**Step 4's accuracy:** {drop}", "", "## What each step showed", ""]
     md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in shown]
-    if ref is not None:
+    if ref is not None and reference is not None:
         md += ["", "## The hand-written script and its Accelerate version", "", ref, "",
                "```diff", reference["diff"], "```"]
     md += ["", "## Where the lab's time went", "", timing, "", *_md_table(theader, trows)]
@@ -483,7 +484,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
     page.h2("Each step against the spec's criterion").table(vheader, vtable, "l", classed=2)
     page.p(drop, bold="Step 4's accuracy:").h2("What each step showed")
     page.items([(v.name, f"({v.title}): {said[v.name]}") for v in shown])
-    if ref is not None:
+    if ref is not None and reference is not None:
         page.h2("The hand-written script and its Accelerate version").p(ref)
         page.pre(reference["diff"])
     page.h2("Where the lab's time went").p(timing).table(theader, trows)
