@@ -178,7 +178,7 @@ def _progress_step(state: dict) -> int:
     return step
 
 
-def latest_valid(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+def latest_valid(directory: Path, warn: Callable[[str], object]) -> tuple[Path, dict] | None:
     """The valid checkpoint with the highest progress step, or None if there are none at all.
 
     ``last.pt`` is tried first. Step files newer than it are tried too, newest first: a crash
