@@ -30,7 +30,7 @@ from torch import nn
 from ironloop.state.manager import CheckpointManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, size, summary  # noqa: E402
+from _common import TINY, size, summary
 
 
 def big_state(width: int, layers: int) -> tuple[dict, int]:

@@ -27,10 +27,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, size, summary  # noqa: E402
+from _common import TINY, size, summary
 
-from ironloop.data import loader as data_loader  # noqa: E402
-from ironloop.data.seeding import SeededDataset  # noqa: E402
+from ironloop.data import loader as data_loader
+from ironloop.data.seeding import SeededDataset
 
 
 class Trivial(Dataset):

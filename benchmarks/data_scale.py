@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, summary  # noqa: E402
+from _common import TINY, summary
 
 TARGET_N, TARGET_S, TARGET_GB = 500_000_000, 20.0, 1.5
 

@@ -38,7 +38,7 @@ from ironloop.guard.verdict import device_guard
 from ironloop.engine.progress import Meter, Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summary  # noqa: E402
+from _common import summary
 
 TARGET = 0.01  # the guard may cost at most 1% of a step
 

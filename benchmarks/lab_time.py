@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, summary  # noqa: E402
+from _common import TINY, summary
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = {"digits": 180.0, "fashion-mnist": 600.0}

@@ -26,7 +26,7 @@ import ironloop
 from ironloop.data.loader import TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import main as common_main, size, summary  # noqa: E402
+from _common import main as common_main, size, summary
 
 
 def model(d: int, c: int) -> nn.Module:
@@ -79,7 +79,7 @@ def run(quick: bool) -> dict:
         hand_loop(data, device, batch)  # warm-up
         for rep in range(reps):  # alternate, and swap who goes first every repetition
             pair = [lambda: hand.append(hand_loop(data, device, batch)),
-                    lambda: ours.append(ironloop_loop(data, device, batch, Path(tmp), rep))]
+                    lambda rep=rep: ours.append(ironloop_loop(data, device, batch, Path(tmp), rep))]
             for fn in (pair if rep % 2 == 0 else pair[::-1]):
                 fn()
     ratio = [o / h for o, h in zip(ours, hand)]

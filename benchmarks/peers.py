@@ -33,9 +33,9 @@ import statistics
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -43,11 +43,11 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ironloop
-from ironloop.tools.models import small_cnn
 from ironloop.engine.optim import param_groups
+from ironloop.tools.models import small_cnn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, size, summary  # noqa: E402
+from _common import TINY, size, summary
 
 BATCH, LR, WD, CLIP = 64, 1e-3, 0.01, 1.0
 
@@ -178,7 +178,7 @@ def _installed(module: str) -> bool:
     try:
         __import__(module)
         return True
-    except Exception:  # Lightning's import fails outright with a broken torchvision
+    except Exception:  # noqa: BLE001 - Lightning's import fails outright with a broken torchvision
         return False
 
 

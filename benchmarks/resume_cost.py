@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, size, summary  # noqa: E402
+from _common import TINY, size, summary
 
 FRACTIONS = (0.01, 0.50, 0.99)
 

@@ -45,7 +45,7 @@ def run_one(name: str, quick: bool) -> dict:
         with contextlib.redirect_stdout(sys.stderr):  # loops print progress on stdout
             result = module.run(quick)
         result["status"] = "ok"
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - one failed benchmark must not stop the others
         traceback.print_exc()
         result = {"name": name, "status": f"failed: {type(e).__name__}: {e}"}
     result["seconds"] = time.perf_counter() - start
@@ -121,7 +121,7 @@ def table(results: list[dict], info: dict, quick: bool) -> str:
             continue
         lines += [r.get("description", ""), "",
                   f"Target: {r.get('target', '-')}. Result: {_verdict(r)}.", ""]
-        lines += _rows(r) + [""]
+        lines += [*_rows(r), ""]
         ratios = _ratios(r.get("ratio"))
         if ratios:
             lines += ["Ratios (medians of per-repetition ratios):", "", *ratios, ""]

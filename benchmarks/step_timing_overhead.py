@@ -27,7 +27,7 @@ import ironloop
 from ironloop.data.loader import TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summary  # noqa: E402
+from _common import summary
 
 NAME = "step_timing_overhead"
 TARGET = 0.99  # on/off samples/s: at most 1% slower

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY, size, summary  # noqa: E402
+from _common import TINY, size, summary
 
-import ironloop  # noqa: E402
-from ironloop.data.loader import TensorData  # noqa: E402
+import ironloop
+from ironloop.data.loader import TensorData
 
 TARGET = 0.99
 VARIANTS = {"none": {}, "tensorboard": {"log.tensorboard": True},

@@ -120,7 +120,7 @@ def train(model: nn.Module, train_set, val_set, out_dir, *, epochs=5, batch_size
         rows = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
                 if r["step"] <= step]  # lines logged after the checkpoint are replayed
         print(f"resumed from step {step}")
-    log = open(out / "log.jsonl", "w")
+    log = open(out / "log.jsonl", "w")  # noqa: SIM115 - closed after the loop
     log.writelines(json.dumps(r) + "\n" for r in rows)
 
     def checkpoint(name: str) -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 from accelerate import Accelerator
+from torch import nn
 from torch.optim import lr_scheduler
 
 
@@ -124,7 +124,7 @@ def train(model: nn.Module, train_set, val_set, out_dir, *, epochs=5, batch_size
         rows = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
                 if r["step"] <= step]  # lines logged after the checkpoint are replayed
         print(f"resumed from step {step}")
-    log = open(out / "log.jsonl", "w")
+    log = open(out / "log.jsonl", "w")  # noqa: SIM115 - closed after the loop
     log.writelines(json.dumps(r) + "\n" for r in rows)
 
     def checkpoint(name: str) -> None:

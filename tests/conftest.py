@@ -39,7 +39,7 @@ def plateau_recorder(seen: list) -> type:
     """A ReduceLROnPlateau class that records every metric the loop steps it with."""
 
     class Plateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
-        def step(self, metrics):  # noqa: D102 - records what the loop passes
+        def step(self, metrics):  # records what the loop passes
             seen.append(metrics)
             super().step(metrics)
 

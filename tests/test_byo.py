@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import ironloop
-from ironloop.state.io import load_verified
 from ironloop.config import Config
 from ironloop.errors import ConfigError, UserError
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state.io import load_verified
 from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
 
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ironloop.state.io import load_verified
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state.io import load_verified
 from tests.conftest import REPO
 
 CORPUS = "".join(f"the {a} fox jumps over the {b} dog.\n"

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ironloop.state import dcp as sharded
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from tests.conftest import tiny_mlp
 from tests.test_checkpoint_io import Renames

@@ -19,9 +19,20 @@ import torch
 from torch import nn
 
 import ironloop.state.io as ckio
-from ironloop.state.manager import CheckpointManager, has_checkpoints, latest_valid, retention_victims
-from ironloop.state.io import load_model_state, load_verified, save_atomic, state_digest, strip_prefixes
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state.io import (
+    load_model_state,
+    load_verified,
+    save_atomic,
+    state_digest,
+    strip_prefixes,
+)
+from ironloop.state.manager import (
+    CheckpointManager,
+    has_checkpoints,
+    latest_valid,
+    retention_victims,
+)
 
 
 def assert_same(a, b, where="state"):

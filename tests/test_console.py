@@ -11,7 +11,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from ironloop.outputs import console
 from tests.conftest import REPO, run_cli

@@ -110,7 +110,7 @@ def _epochs(sampler: EpochSampler, epochs) -> list[list[int]]:
 
 def test_a_stateful_or_set_epoch_sampler_resumes_mid_epoch_and_across_epochs():
     for make in (StatefulShuffle, EpochShuffle):
-        def fresh():
+        def fresh(make=make):
             return EpochSampler(20, 4, seed=0, shuffle=True, order=order_of(make(20), 20, 0)[0])
 
         whole = _epochs(fresh(), [(0, 0), (1, 0), (2, 0)])
@@ -216,8 +216,12 @@ def test_a_cli_factory_may_return_an_hf_dataset_and_a_tensor_pair(tmp_path, monk
 
 
 def test_which_order_each_torch_sampler_gets():
-    from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler,
-                                  SubsetRandomSampler)
+    from torch.utils.data import (
+        DistributedSampler,
+        RandomSampler,
+        SequentialSampler,
+        SubsetRandomSampler,
+    )
 
     from ironloop.data.order import KeyedOrder
     from ironloop.data.samplers import DrawnOrder

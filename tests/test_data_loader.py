@@ -70,9 +70,9 @@ def test_loader_leaves_the_global_rng_alone():
 def test_in_memory_tensors_take_the_sliced_path_with_the_same_weights(tmp_path):
     """A TensorDataset, a DataLoader over one and an (x, y) pair train exactly like TensorData
     (issue 10: one index-slice per batch instead of per-sample __getitem__ + collate)."""
-    import ironloop
     from torch.utils.data import DataLoader, TensorDataset
 
+    import ironloop
     from ironloop.data.loader import as_tensor_data
     from tests.conftest import blobs, cfg, tiny_mlp
 

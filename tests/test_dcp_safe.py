@@ -57,7 +57,7 @@ def recompute_manifest(path) -> None:
 
 
 def test_a_valid_sharded_checkpoint_still_loads_and_exports(tmp_path):
-    run, model, opt = sharded_run(tmp_path)
+    run, model, _opt = sharded_run(tmp_path)
     last = run / "checkpoints" / "last.dcp"
     assert sharded.verify(last) == 3
     fresh, fresh_opt = model_and_optimizer(seed=1)

@@ -17,8 +17,8 @@ from torch.utils.data import Dataset
 import ironloop
 from ironloop.config import Config
 from ironloop.data.loader import TensorData
-from ironloop.tools.doctor.lr_find import check_lr_find
 from ironloop.engine.oom import OutOfMemory
+from ironloop.tools.doctor.lr_find import check_lr_find
 from ironloop.tools.doctor.run import DoctorError, check, subject
 from ironloop.tools.recipe import train_config
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 import torch
 
 import ironloop
-from ironloop.state import drift
 from ironloop.errors import ConfigError
+from ironloop.state import drift
 from tests.conftest import blobs, cfg, tiny_mlp
 
 
@@ -65,11 +66,11 @@ def test_extending_max_steps_is_refused_then_continues_the_lr_curve(tmp_path):
     assert res.results["steps"] == 20
     lr = lrs(tmp_path / "run")
     first = lr[:9]
-    assert all(a > b for a, b in zip(first, first[1:]))  # the 9-step cosine, decaying
+    assert all(a > b for a, b in pairwise(first))  # the 9-step cosine, decaying
     # The schedule keeps its 9-step length: past it the LR holds where the cosine ends
     # (eta_min), with no jump and no climb back up.
     assert lr[9:] == pytest.approx([1e-4] * 11)
-    biggest_step = max(abs(a - b) for a, b in zip(first, first[1:]))
+    biggest_step = max(abs(a - b) for a, b in pairwise(first))
     assert abs(lr[9] - lr[8]) <= biggest_step
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 import ironloop
-from ironloop.state.io import load_verified
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state.io import load_verified
 from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
 
 

@@ -13,7 +13,13 @@ import pytest
 
 from ironloop.data import idx
 from ironloop.data.idx import (
-    FILES, MD5, find_file, load_fashion_mnist, md5_file, read_idx, write_idx,
+    FILES,
+    MD5,
+    find_file,
+    load_fashion_mnist,
+    md5_file,
+    read_idx,
+    write_idx,
 )
 from ironloop.errors import DataError, UserError
 

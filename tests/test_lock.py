@@ -61,7 +61,7 @@ def test_resume_into_a_directory_of_foreign_files_is_refused(tmp_path, capsys):
                      f"run.dir={run_dir}", *flags]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
-        assert "config.yaml" in err and "metrics.jsonl" in err or says != "did not write", err
+        assert ("config.yaml" in err and "metrics.jsonl" in err) or says != "did not write", err
     assert (run_dir / "config.yaml").read_text() == "lr: 0.1\n"  # nothing overwritten
     assert (run_dir / "metrics.jsonl").read_text() == '{"epoch": 1, "acc": 0.5}\n'
 

@@ -26,7 +26,7 @@ def test_cnn1d_defaults_unchanged_and_the_recipe_variant():
     old = build_model("cnn1d", (1, 40), 10, {})
     convs = [m for m in old.modules() if isinstance(m, nn.Conv1d)]
     assert [(c.kernel_size, c.stride) for c in convs] == [((3,), (2,))] * 3
-    assert [m for m in old.modules() if isinstance(m, nn.Linear)][0].in_features == 32 * 5
+    assert next(m for m in old.modules() if isinstance(m, nn.Linear)).in_features == 32 * 5
     deep = build_model("cnn1d", (1, 40), 10,
                        {"channels": 64, "strides": [1, 2, 2, 2], "kernel": 5, "hidden": 256})
     convs = [m for m in deep.modules() if isinstance(m, nn.Conv1d)]
@@ -37,7 +37,7 @@ def test_cnn1d_defaults_unchanged_and_the_recipe_variant():
     x = torch.randn(2, 1, 40)
     assert pooled(x).shape == (2, 10)
     # a max over positions: the head sees 64 features, not 64 x 10
-    assert [m for m in pooled.modules() if isinstance(m, nn.Linear)][0].in_features == 64
+    assert next(m for m in pooled.modules() if isinstance(m, nn.Linear)).in_features == 64
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ironloop.config import load_config
-from ironloop.errors import ConfigError
 from ironloop.engine.optim import Loss, build_optimizer, build_scheduler, param_groups
+from ironloop.errors import ConfigError
 
 
 def test_biases_and_norm_weights_get_no_decay():

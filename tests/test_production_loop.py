@@ -3,8 +3,8 @@ same weights from the same data, order, init and config."""
 
 from __future__ import annotations
 
-import importlib
 import copy
+import importlib
 import importlib.util
 import json
 import subprocess

@@ -1,4 +1,5 @@
-"""Tests for ironloop.tools.report: a fake run directory (200 steps, 5 epochs, one crash and resume)."""
+"""Tests for ironloop.tools.report: a fake run directory (200 steps, 5 epochs, one crash and
+resume)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import yaml
 
-from ironloop.tools import report
 from ironloop.errors import UserError
+from ironloop.tools import report
 
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY = 40, 5, 4
 TOTAL = STEPS_PER_EPOCH * EPOCHS
@@ -124,7 +125,7 @@ def test_each_panel_has_its_data(rendered):
 def test_render_report_writes_every_plot(rendered):
     run, paths = rendered
     names = sorted(p.name for p in paths)
-    assert names == sorted(PNGS + ["resume.png", "report.md", "report.html"])
+    assert names == sorted([*PNGS, "resume.png", "report.md", "report.html"])
     for p in paths:
         assert p.parent == run / "report" and p.is_file()
         if p.suffix == ".png":
@@ -200,7 +201,8 @@ def test_truncated_last_line_tolerated(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 204, "epoch": 6, "loss": 0.1')
     paths = report.render_report(run, tmp_path / "out")
-    assert sorted(p.name for p in paths) == sorted(PNGS + ["report.md", "report.html"])  # no resume.png
+    # no resume.png
+    assert sorted(p.name for p in paths) == sorted([*PNGS, "report.md", "report.html"])
     assert all(p.parent == tmp_path / "out" for p in paths)
     assert len(report.read_jsonl(run / "metrics.jsonl")) == TOTAL // LOG_EVERY
 
@@ -271,7 +273,7 @@ def test_crash_line_from_fault_knob_when_logs_were_truncated(tmp_path, knob):
     assert (colour_px(resume, "red") > 300) == bool(knob)
 
 
-# -- diagnoses from the logs (ironloop.tools.doctor.logs) --------------------------------------------
+# -- diagnoses from the logs (ironloop.tools.doctor.logs) ----------------------------------------
 
 from ironloop.tools.doctor.logs import diagnose_logs  # noqa: E402
 

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 import ironloop
-from ironloop.state import io as ckpt_io
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
 from ironloop.errors import CheckpointError
+from ironloop.state import io as ckpt_io
 from tests.conftest import blobs, cfg, tiny_mlp
 
 

@@ -36,10 +36,11 @@ def test_the_final_evaluation_of_a_max_steps_run_runs_once_and_counts(tmp_path, 
 
     seen = Evals()
     val = blobs(48, seed=1)
+    # 10 steps per epoch: max_steps ends it mid-epoch
     result = ironloop.fit(tiny_mlp(), blobs(320), val, {
         "run.dir": str(tmp_path / "run"), "train.epochs": 5, "train.max_steps": 7,
         "train.batch_size": 32, "log.progress": "off", "eval.every_steps": 3,
-        "log.every_steps": 1}, step_fn=step, callbacks=[seen], overwrite=True)  # 10 steps per epoch: ends mid-epoch
+        "log.every_steps": 1}, step_fn=step, callbacks=[seen], overwrite=True)
     evals = read_jsonl(tmp_path / "run" / "evals.jsonl")
     assert [e["step"] for e in evals] == [3, 6, 7] and seen.steps == [3, 6, 7]
     assert sum(val_batches) == 3 * len(val)  # three evaluations, none run twice

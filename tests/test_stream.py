@@ -12,7 +12,7 @@ from ironloop.guard.hook import GuardStop
 from tests.conftest import blobs, cfg, tiny_mlp
 
 pytest.importorskip("torchdata")
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 # Worker processes make a test slow (pytest -m "not slow" leaves them out; CI runs them).
 DATA = blobs(104, seed=3)  # 104 = 6 batches of 16 and a partial one per epoch

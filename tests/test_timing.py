@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import ironloop
-from ironloop.engine import timing
 from ironloop.data.loader import TensorData
+from ironloop.engine import timing
 from ironloop.engine.timing import PARTS, StepTimer, advice
 
 from .conftest import blobs, cfg, tiny_mlp

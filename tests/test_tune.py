@@ -19,14 +19,13 @@ import yaml
 from torch import nn
 
 import ironloop
+from examples.slow_reads import SlowReads
 from ironloop.config import Config
 from ironloop.engine.timing import advice
 from ironloop.tools import tune as tune_mod
-from ironloop.tools import tune_rows
-from ironloop.tools.tune_output import tuned_yaml
-from ironloop.tools.tune_trials import Measure, samples_in_step, window_rates
-
-from examples.slow_reads import SlowReads
+from ironloop.tools.tune import rows as tune_rows
+from ironloop.tools.tune.output import tuned_yaml
+from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
 from tests.conftest import run_cli
 
 
@@ -65,7 +64,7 @@ def test_windows_count_the_ragged_last_step_of_an_epoch():
 
 
 def test_a_slow_early_step_and_the_buffer_it_fills_are_warm_up():
-    from ironloop.tools.tune_trials import Plan, settled
+    from ironloop.tools.tune.trials import Plan, settled
 
     plan = Plan(warmup=1, window=2, repeats=4)
     steady = [0.1] * 9
@@ -180,7 +179,8 @@ SUBJECTS = textwrap.dedent('''
 
         def __init__(self, n, crash=False):
             g = torch.Generator().manual_seed(0)
-            self.x, self.y = torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
+            self.x = torch.randn(n, 256, generator=g)
+            self.y = torch.randint(0, 10, (n,), generator=g)
             self.crash = crash
 
         def __len__(self):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import ironloop
-from ironloop.state.io import load_verified
 from ironloop.errors import ConfigError
+from ironloop.state.io import load_verified
 from tests.conftest import blobs, cfg
 
 

@@ -15,7 +15,7 @@ _LAZY = {"Config": "ironloop.config", "load_config": "ironloop.config",
          "fit": "ironloop.engine.fit", "FitResult": "ironloop.engine.fit",
          "tune": "ironloop.tools.tune", "TuneResult": "ironloop.tools.tune"}
 
-__all__ = ["Config", "FitResult", "TuneResult", "fit", "load_config", "tune", "__version__"]
+__all__ = ["Config", "FitResult", "TuneResult", "__version__", "fit", "load_config", "tune"]
 
 
 def __getattr__(name: str):

@@ -56,9 +56,8 @@ def _export(args) -> int:
 
 
 def _report(args) -> int:
-    from ironloop.tools.report import render_report
-
     from ironloop.tools.doctor.logs import diagnose_logs
+    from ironloop.tools.report import render_report
 
     paths = render_report(Path(args.run_dir), Path(args.out) if args.out else None)
     print("\n".join(f"wrote {p}" for p in paths))
@@ -133,7 +132,13 @@ def parser() -> argparse.ArgumentParser:
                                 "with a 72-hour run.")
     p.add_argument("--version", action="version", version=f"ironloop {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The order here is the order `ironloop --help` lists the commands in.
+    for add in (_add_train, _add_doctor, _add_export, _add_report, _add_tune, _add_lab):
+        add(sub)
+    return p
 
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train from a YAML config and/or key=value overrides",
                        description="Train from a YAML config (or the defaults) and dotted "
                        "key=value overrides. `ironloop train help` lists every config key "
@@ -155,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
                    help="stop (exit 2) when the preflight doctor finds an error")
     t.set_defaults(func=_train)
 
+
+def _add_doctor(sub) -> None:
     d = sub.add_parser("doctor", help="check model, data and loader for common bugs",
                        description="Run every doctor check on the config's model and data: "
                        "initial loss, probabilities fed to a logits loss, overfit one batch, "
@@ -171,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--resume", nargs="?", const=True, default=False, help=argparse.SUPPRESS)
     d.set_defaults(func=_doctor)
 
+
+def _add_export(sub) -> None:
     e = sub.add_parser("export", help="write a run's weights as safetensors")
     e.add_argument("run_dir")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
@@ -178,11 +187,15 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.set_defaults(func=_export)
 
+
+def _add_report(sub) -> None:
     r = sub.add_parser("report", help="plots and a summary for a run directory")
     r.add_argument("run_dir")
     r.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     r.set_defaults(func=_report)
 
+
+def _add_tune(sub) -> None:
     u = sub.add_parser("tune", help="measure faster settings for a config; write tuned.yaml",
                        description="Measure the config's own run (samples/s, time split, "
                        "memory), try the settings that cannot change the trajectory (data "
@@ -197,13 +210,14 @@ def parser() -> argparse.ArgumentParser:
                    help="also put the winners of the trajectory-changing table into tuned.yaml")
     u.set_defaults(func=_tune)
 
+
+def _add_lab(sub) -> None:
     lab = sub.add_parser("lab", help="the seven-step production-loop lab, with a report")
     lab.add_argument("--data", default="digits", help="digits, mnist1d or fashion-mnist")
     lab.add_argument("--out", default="lab-out", help="output directory")
     lab.add_argument("--root", default="data", help="data.root for fashion-mnist")
     lab.add_argument("--overwrite", action="store_true", help="replace an existing lab output")
     lab.set_defaults(func=_lab)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

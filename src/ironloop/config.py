@@ -12,12 +12,16 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
-from ironloop.config_fields import Section, coerce, yaml_key
-from ironloop.config_fields import doc_field as fld  # short: it is on every field below
+from ironloop.config_fields import (
+    Section,
+    coerce,
+    doc_field as fld,  # short: it is on every field below
+    yaml_key,
+)
 from ironloop.errors import ConfigError
 
 
@@ -111,8 +115,8 @@ class OptimConfig(Section):
     decay_bias_and_norm: bool = fld(False, "also decay biases and norm weights (usually wrong)")
     betas: list = fld([0.9, 0.999], "adamw, adam: (beta1, beta2); nanoGPT uses [0.9, 0.95]")
     eps: float = fld(1e-8, "adamw, adam: denominator epsilon")
-    fused: Optional[bool] = fld(None, "fused optimizer kernel (true, false; null = torch's default)")
-    foreach: Optional[bool] = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
+    fused: bool | None = fld(None, "fused optimizer kernel (true, false; null = torch's default)")
+    foreach: bool | None = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
 
     def validate(self) -> None:
         self._positive("lr", "eps")
@@ -286,8 +290,8 @@ class GuardConfig(Section):
     max_rollbacks: int = fld(3, "rollbacks allowed; the next trigger stops the run (exit code 3)")
     lr_backoff: float = fld(0.5, "LR multiplier applied at each rollback, kept for the rest of "
                            "the run")
-    rollback_to: str = fld("checkpoint", "checkpoint: the newest checkpoint (the run's start before "
-                          "the first); memory: a CPU copy taken at each checkpoint point",
+    rollback_to: str = fld("checkpoint", "checkpoint: the newest checkpoint (the run's start "
+                          "before the first); memory: a CPU copy taken at each checkpoint point",
                           ("checkpoint", "memory"))
     spike_factor: float = fld(0.0, "opt-in: also bad when loss or grad norm > median + factor x "
                              "1.4826 MAD of recent good steps (0 = off; 6 is a common choice)")
@@ -368,7 +372,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
     @classmethod
-    def from_dict(cls, raw: dict | None) -> "Config":
+    def from_dict(cls, raw: dict | None) -> Config:
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
@@ -384,7 +388,7 @@ class Config:
         return {name: {yaml_key(sec, f.name): getattr(sec, f.name) for f in dataclasses.fields(sec)}
                 for name, sec in ((n, getattr(self, n)) for n in SECTIONS)}
 
-    def with_overrides(self, overrides: list[str] | dict) -> "Config":
+    def with_overrides(self, overrides: list[str] | dict) -> Config:
         raw = self.to_dict()
         items = overrides.items() if isinstance(overrides, dict) else map(_split, overrides)
         for dotted, value in items:
@@ -393,10 +397,11 @@ class Config:
 
 
 #: section name -> its dataclass, read off Config's fields so the two cannot drift apart.
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type[Section]] = {f.name: typing.cast("type[Section]", f.default_factory)
+                                      for f in dataclasses.fields(Config)}
 
 
-def _build_section(cls: type, raw: Any) -> Any:
+def _build_section(cls: type[Section], raw: Any) -> Any:
     name = cls._name
     if raw is None:
         return cls()
@@ -457,8 +462,9 @@ def describe() -> str:
     """Every key with its default and doc, for ``ironloop train help``."""
     lines = []
     for name, cls in SECTIONS.items():
+        defaults = cls()
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = getattr(defaults, f.name)
             lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
                          f"# {f.metadata['doc']}")
     return "\n".join(lines)

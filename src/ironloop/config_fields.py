@@ -5,12 +5,13 @@ type. Every error names the dotted key and what is allowed (a ``ConfigError``, e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
 import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, ClassVar
 
 from ironloop.errors import ConfigError
 
@@ -27,6 +28,7 @@ class Section:
     """Shared validation helpers; ``_name`` is the section's dotted prefix."""
 
     _name = ""
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every section is a dataclass
 
     def __post_init__(self) -> None:
         for fl in dataclasses.fields(self):
@@ -70,10 +72,8 @@ def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
     if typ is list and isinstance(value, int) and not isinstance(value, bool):
         return [value]  # a single step for a list of steps (fault.nan_at_step=10)
     if typ is float and isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     if typ is float and isinstance(value, float) and not math.isfinite(value):
         # nan passes every "> 0" check (all comparisons with nan are false); inf is never meant
         raise ConfigError(f"{dotted}={value!r}: must be a finite number")

@@ -91,7 +91,7 @@ def micro_sync(model: nn.Module, last: bool):
     model = getattr(model, "_orig_mod", model)  # under train.compile, the wrapped DDP/FSDP module
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if last else model.no_sync()
-    if is_fsdp(model):
+    if isinstance(model, FSDPModule):  # is_fsdp, spelled so that the type checker sees it
         # Both apply to every FSDP module below the root (recurse=True by default).
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)

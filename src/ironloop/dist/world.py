@@ -173,7 +173,6 @@ def sum_over_ranks(names: list[str], sums: torch.Tensor | None, count: int,
         return {}
     # float64 over ranks: every rank sends the same dtype, whatever its local sums are in.
     sums = sums.double()
-    count = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
-    totals = all_reduce_sum(torch.cat([sums, count]), world)
-    totals = totals.tolist()  # host sync, once per evaluation
+    counts = torch.as_tensor(count, dtype=sums.dtype, device=sums.device).reshape(1)
+    totals = all_reduce_sum(torch.cat([sums, counts]), world).tolist()  # host sync, once per eval
     return {k: v / totals[-1] for k, v in zip(names, totals[:-1])}

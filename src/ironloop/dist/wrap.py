@@ -10,6 +10,7 @@ activation checkpointing.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
@@ -38,4 +39,5 @@ def checkpoint_activations(model: nn.Module, class_names: list[str]) -> int:
 
 def compile_model(model: nn.Module, mode: str) -> nn.Module:
     """torch.compile for the training forward and backward; the first steps pay the compile."""
-    return torch.compile(model, mode=None if mode == "default" else mode)
+    # torch.compile returns an OptimizedModule (an nn.Module) for a module; typed as a callable.
+    return cast(nn.Module, torch.compile(model, mode=None if mode == "default" else mode))

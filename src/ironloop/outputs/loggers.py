@@ -21,10 +21,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ironloop.state.drift import flatten
 from ironloop.errors import UserError
 from ironloop.extras import require
 from ironloop.outputs import durable
+from ironloop.state.drift import flatten
 
 SKIP = ("step", "epoch", "time")  # the x axis and bookkeeping, not metrics
 
@@ -81,7 +81,7 @@ class Guarded:
             return None
         try:
             return getattr(self.inner, what)(*args)
-        except Exception as e:  # a logger must never stop training
+        except Exception as e:  # noqa: BLE001 - a logger must never stop training
             self.failed = True
             warnings.warn(f"{self.name} logging failed ({type(e).__name__}: {e}); training "
                           f"continues without {self.name}", RuntimeWarning, stacklevel=3)
@@ -253,7 +253,7 @@ def build(cfg, run_dir: Path, resume_step: int | None, ids: dict) -> list[Guarde
                                                passthrough=not cfg.checkpoint.enabled)))
         except UserError:
             raise
-        except Exception as e:  # a logger must never stop training, not even at its start
+        except Exception as e:  # noqa: BLE001 - a logger must never stop training, not at its start
             warnings.warn(f"{name} logging failed to start ({type(e).__name__}: {e}); training "
                           f"continues without {name}", RuntimeWarning, stacklevel=2)
     return out

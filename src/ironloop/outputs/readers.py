@@ -72,7 +72,7 @@ def load_mapping(path: Path) -> tuple[dict, str | None]:
     return (data, None) if isinstance(data, dict) else ({}, f"{path.name} is not a mapping")
 
 
-def get_dotted(cfg: dict, dotted: str) -> Any:
+def get_dotted(cfg: Any, dotted: str) -> Any:
     for k in dotted.split("."):
         cfg = cfg.get(k) if isinstance(cfg, dict) else None
     return cfg

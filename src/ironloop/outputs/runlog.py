@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from ironloop.outputs import durable
 from ironloop.errors import UserError
+from ironloop.outputs import durable
 from ironloop.state.io import write_atomic
 
 
@@ -61,7 +61,7 @@ class RunLog:
     loggers.py), each of which warns once and drops out if it fails."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None = None,
-                 resume_epoch: int | None = None, loggers: list | None = None):
+                 resume_epoch: int = 0, loggers: list | None = None):
         self.dir = run_dir
         self.last_logged_step = 0  # the furthest step the previous process logged
         self.last_logged_time = None  # when it wrote its last metrics line

@@ -25,9 +25,9 @@ import json
 import os
 import re
 import shutil
-from concurrent.futures import Future
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ironloop.errors import CheckpointError
-from ironloop.state.dcp_safe import (SafePlanner, SafeReader, UnsafeMetadata, read_metadata,
-                                    refused_item)
+from ironloop.state.dcp_safe import (
+    SafePlanner,
+    SafeReader,
+    UnsafeMetadata,
+    read_metadata,
+    refused_item,
+)
 
 from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
@@ -112,7 +117,9 @@ class ShardedCheckpointManager:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_write = async_write
-        self._pending: tuple[Future, Path, int, bool] | None = None
+        # (the async_save future, its directory, step, best); async_save's return is typed as a
+        # Future or an AsyncSaveResponse, which only a staging checkpointer returns.
+        self._pending: tuple[Any, Path, int, bool] | None = None
         self._group = dist.new_group(backend="gloo") if async_write and dist.is_initialized() \
             else None
         if _rank() == 0:
@@ -260,7 +267,7 @@ def check_metadata(path: Path) -> None:
                           f"refused to load {path}: its .metadata names {e}, which DCP never "
                           "writes there (a pickle that would run code); ironloop loads only "
                           "DCP's own metadata classes. Resume from another checkpoint") from None
-    except Exception as e:  # truncated, not a pickle at all, ...
+    except Exception as e:  # noqa: BLE001 - truncated, not a pickle at all, ...
         raise LoadFailure(path, "unreadable .metadata",
                           f"{path}/.metadata is damaged ({type(e).__name__}); resume from "
                           "another checkpoint") from None
@@ -320,7 +327,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     """Load the model and optimizer from a DCP directory into this run, resharding to however
     many ranks (and whatever wrapping) this run has; a collective."""
     msd, osd = get_state_dict(model, optimizer)
-    sd = {"model": msd, "optimizer": osd}
+    sd: dict[str, Any] = {"model": msd, "optimizer": osd}
     try:
         check_metadata(Path(path))  # its digests were verified with the extras
         dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner())
@@ -353,7 +360,7 @@ def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
     sd = {"model": model}
     try:
         dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
-    except (Exception, CheckpointException) as e:  # the latter is a BaseException
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
         what = f"its item {refused_item(e)} is a pickle that would run code" if refused_item(e) \
             else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         raise CheckpointError(f"refused to load {path}: {what}") from None

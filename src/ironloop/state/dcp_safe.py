@@ -19,9 +19,11 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    filesystem as dcp_filesystem,
+    metadata as dcp_metadata,
+)
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -89,9 +91,10 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank files: ironloop has none
             raise FileNotFoundError("no per-rank metadata in an ironloop checkpoint")
         metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id  # as FileSystemReader does
         return metadata
 
 

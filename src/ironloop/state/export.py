@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ironloop.errors import UserError
 from ironloop.state import dcp as sharded
 from ironloop.state.io import load_verified, strip_prefixes, temp_path
-from ironloop.errors import UserError
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:

@@ -12,6 +12,7 @@ because a training run is usually killed at the worst moment:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -32,14 +33,14 @@ _tmp_counter = itertools.count()
 
 
 # ----------------------------------------------------------------------------------- digest --
-def _feed(h: "hashlib._Hash", tag: bytes, data: Any) -> None:
+def _feed(h: hashlib.blake2b, tag: bytes, data: Any) -> None:
     """Hash a tagged, length-prefixed chunk so that no two different structures collide."""
     n = data.nbytes if hasattr(data, "nbytes") else len(data)
     h.update(tag + n.to_bytes(8, "little"))
     h.update(data)
 
 
-def _walk(h: "hashlib._Hash", obj: Any) -> None:
+def _walk(h: hashlib.blake2b, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         _feed(h, b"T", f"{t.dtype}|{tuple(t.shape)}".encode())
@@ -105,13 +106,11 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def remove_quietly(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
-def _os_error_in_chain(exc: BaseException) -> OSError | None:
+def _os_error_in_chain(exc: BaseException | None) -> OSError | None:
     """The OSError behind ``exc``. torch.save turns a failed ``write`` (e.g. ENOSPC) into a
     RuntimeError from its zip writer, with the OSError only as ``__context__``."""
     seen = set()
@@ -206,7 +205,7 @@ def load_checked(path: Path, map_location: Any) -> dict:
         raise LoadFailure(path, e.strerror or type(e).__name__,
                           f"could not read checkpoint {path}: {e.strerror}; "
                           "check the path and its permissions") from None
-    except Exception as e:  # truncated zip, random bytes, EOF, ...: all mean "not loadable"
+    except Exception as e:  # noqa: BLE001 - truncated zip, random bytes, EOF: not loadable
         empty = path.is_file() and path.stat().st_size == 0
         raise damaged("empty file" if empty else _short(e)) from None
     if not isinstance(state, dict) or not isinstance(state.get("integrity"), dict):

@@ -14,15 +14,22 @@ import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 from ironloop.errors import CheckpointError
 
+from .io import (
+    LoadFailure,
+    fsync_dir,
+    load_checked,
+    remove_quietly,
+    save_atomic,
+    temp_path,
+    write_failed,
+)
 from .snapshot import snapshot
-from .io import (LoadFailure, fsync_dir, load_checked, remove_quietly, save_atomic, temp_path,
-                 write_failed)
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -115,7 +122,7 @@ class CheckpointManager:
     def _background(self, state: dict, step: int, best: bool) -> None:
         try:
             self._write(state, step, best)
-        except BaseException as e:  # handed to the training thread by wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
 
     def _write(self, state: dict, step: int, best: bool) -> None:
@@ -171,7 +178,7 @@ def _progress_step(state: dict) -> int:
     return step
 
 
-def latest_valid(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
+def latest_valid(directory: Path, warn: Callable[[str], object]) -> tuple[Path, dict] | None:
     """The valid checkpoint with the highest progress step, or None if there are none at all.
 
     ``last.pt`` is tried first. Step files newer than it are tried too, newest first: a crash

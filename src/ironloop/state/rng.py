@@ -1,5 +1,5 @@
-"""Capturing and restoring every random number generator a run draws from: Python's, numpy's,
-torch's CPU generator and every CUDA device's. One capture serves checkpoints (as
+"""Seeding, capturing and restoring every random number generator a run draws from: Python's,
+numpy's, torch's CPU generator and every CUDA device's. One capture serves checkpoints (as
 weights_only-loadable values) and the doctor (which must leave the run's RNG untouched)."""
 
 from __future__ import annotations
@@ -9,6 +9,13 @@ import random
 
 import numpy as np
 import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:
@@ -51,9 +58,3 @@ def preserved_rng():
     finally:
         set_rng_state(saved)
 
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and every CUDA device)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

@@ -22,8 +22,8 @@ def snapshot(obj: Any, reuse: Any = None) -> Any:
             return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, old.get(k)) for k, v in obj.items()}
+        prev = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, prev.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) \
             else [None] * len(obj)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import base64
 import html
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 text = partial(html.escape, quote=False)  # element content: quotes need no escaping

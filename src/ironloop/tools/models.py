@@ -75,7 +75,7 @@ def from_config(cfg):
     """(model, data bundle) as ``ironloop train`` and ``ironloop doctor`` both build them:
     data.name first, then model.name with what the data told it."""
     from ironloop.data import build_data
-    from ironloop.engine.fit import seed_everything
+    from ironloop.state.rng import seed_everything
 
     bundle = build_data(cfg.data)
     seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
@@ -84,7 +84,7 @@ def from_config(cfg):
     return model, bundle
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int, kwargs: dict,
+def build_model(name: str, input_shape: tuple, num_classes: int | None, kwargs: dict,
                 meta: dict | None = None) -> nn.Module:
     """A built-in model by name, or the user's ``module:factory``; ``meta`` is what the data
     factory returned besides its splits."""

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 from ironloop.config import Config
-from ironloop.tools.doctor.run import preflight
 from ironloop.engine.fit import FitResult, fit
 from ironloop.state import lock
+from ironloop.tools.doctor.run import preflight
 from ironloop.tools.models import from_config
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,15 @@ def _vals(rows: Iterable[dict], key: str) -> list[float]:
 
 
 def _xy(rows: Iterable[dict], x: str, y: str) -> tuple[list[float], list[float]]:
-    pts = [(num(r.get(x)), num(r.get(y))) for r in rows]
-    pts = [(a, b) for a, b in pts if a is not None and b is not None]
+    pts = [(a, b) for r in rows
+           if (a := num(r.get(x))) is not None and (b := num(r.get(y))) is not None]
     return [a for a, _ in pts], [b for _, b in pts]
 
 
 def crash_steps(rows: Sequence[dict]) -> list[int]:
     """The last step logged before each point where the step counter goes back (a resume)."""
     steps = _vals(rows, "step")
-    return [int(a) for a, b in zip(steps, steps[1:]) if b <= a]
+    return [int(a) for a, b in pairwise(steps) if b <= a]
 
 
 def clipped_fraction(rows: Sequence[dict], max_norm: float | None) -> float | None:
@@ -299,7 +300,8 @@ def _resumes(run_dir: Path) -> list[dict]:
 def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
     """data, model and optimizer as the run used them (config.yaml's ``used:`` block), falling
     back to the config's names for runs recorded before that block existed."""
-    used = cfg.get("used") if isinstance(cfg.get("used"), dict) else {}
+    used = cfg.get("used")
+    used = used if isinstance(used, dict) else {}
     model, data = used.get("model") or {}, used.get("data") or {}
     model_s = get_dotted(cfg, "model.name")
     if model.get("class"):
@@ -335,7 +337,8 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     tokens = _vals(metrics, "tokens_per_s")
     # A run that max_steps ends inside its first epoch has no epoch line: its time is the
     # training seconds plus the validation the time split counted.
-    split = res.get("time_split") if isinstance(res.get("time_split"), dict) else {}
+    split = res.get("time_split")
+    split = split if isinstance(split, dict) else {}
     seconds = res.get("seconds") or (num(res.get("train_seconds")) or 0) + \
         (num(split.get("validation")) or 0) or None
     table = [
@@ -410,7 +413,7 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
     md = [summarize(run_dir), markdown(found)]
     md += [f"![{p.stem}]({p.name})\n" for p in paths]
     report.write_text("\n".join(md), encoding="utf-8")
-    return paths + [report, write_html(run_dir, found, paths, out_dir / "report.html")]
+    return [*paths, report, write_html(run_dir, found, paths, out_dir / "report.html")]
 
 
 def write_html(run_dir: Path, found: list, images: list[Path], out: Path) -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -95,7 +97,7 @@ def _hashes(dataset, cap: int | None) -> list[bytes]:
     """One 16-byte digest per sample's input (the first ``cap`` samples when not in memory)."""
     if isinstance(dataset, TensorData):
         x = dataset.x.detach().cpu().contiguous()
-        rows = x.reshape(len(x), -1).numpy()
+        rows: Iterable[Any] = x.reshape(len(x), -1).numpy()
     else:
         n = len(dataset) if cap is None else min(cap, len(dataset))
         rows = [torch.as_tensor(dataset[i][0]).detach().cpu().contiguous().numpy()
@@ -107,7 +109,7 @@ def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:
     """6. Samples whose inputs appear in both train and val (or train and test)."""
     if s.train is None:
         return []
-    train = {}
+    train: dict[bytes, int] = {}
     for i, h in enumerate(_hashes(s.train, cap)):
         train.setdefault(h, i)
     out = []

@@ -6,8 +6,8 @@ import math
 import statistics
 from pathlib import Path
 
-from ironloop.tools.doctor.findings import Finding
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+from ironloop.tools.doctor.findings import Finding
 
 #: Thresholds, named so the README and the findings quote the same numbers.
 FLAT = 0.05            # train loss fell by less than 5% after epoch 1
@@ -63,8 +63,9 @@ def flat_loss(epochs: list[dict], metrics: list[dict]) -> list[Finding]:
 def overfitting(epochs: list[dict]) -> list[Finding]:
     """Validation loss rising for two or more epochs after its minimum while the training
     loss keeps falling."""
-    rows = [(r["epoch"], num(r.get("train_loss")), num(r.get("val_loss"))) for r in epochs]
-    rows = [r for r in rows if r[1] is not None and r[2] is not None]
+    rows = [(r["epoch"], train, val) for r in epochs
+            if (train := num(r.get("train_loss"))) is not None
+            and (val := num(r.get("val_loss"))) is not None]
     if len(rows) < 3:
         return []
     best = min(range(len(rows)), key=lambda i: rows[i][2])
@@ -142,7 +143,7 @@ def _part_that_grew(epochs: list[dict]) -> str:
         return ""
     (first, _), (last, _) = split[0], split[-1]
     growth = {k: (last.get(k) or 0) - (first.get(k) or 0) for k in first}
-    part = max(growth, key=growth.get)
+    part = max(growth, key=lambda k: growth[k])
     if growth[part] <= 0:
         return ""
     return (f"; the time split says {part} grew most ({first[part]:.2f} s in the first epoch, "

@@ -9,12 +9,14 @@ suggestion is the LR where the smoothed loss falls fastest against log(LR) ("ste
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ironloop.data.loader import to_device
+from ironloop.engine.gradients import clip_gradients
 from ironloop.tools.doctor.findings import Finding
 from ironloop.tools.doctor.subject import Subject
-from ironloop.engine.gradients import clip_gradients
 
 METHOD = "steepest descent of the smoothed loss against log(LR)"
 
@@ -24,9 +26,10 @@ def sweep(s: Subject, start: float = 1e-7, end: float = 10.0, steps: int = 100,
     """(lrs, smoothed losses) until divergence or ``end``."""
     model, opt = s.copy()
     factor = (end / start) ** (1 / max(steps - 1, 1))
-    lrs, smoothed = [], []
+    lrs: list[float] = []
+    smoothed: list[float] = []
     avg, best, lr = 0.0, math.inf, start
-    batches = iter(())
+    batches: Iterator[Any] = iter(())
     for i in range(steps):
         try:
             batch = next(batches)

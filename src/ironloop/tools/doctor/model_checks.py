@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from ironloop.data.loader import batch_size_of
+from ironloop.engine.gradients import clip_gradients
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import Subject, repeated
-from ironloop.engine.gradients import clip_gradients
 
 #: Final modules that turn logits into probabilities (or log-probabilities).
 SQUASHERS = (nn.Softmax, nn.LogSoftmax, nn.Sigmoid, nn.Softmax2d)

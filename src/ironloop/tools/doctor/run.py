@@ -15,17 +15,15 @@ from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.stream import is_stream
 from ironloop.engine.build import infer_num_classes
-from ironloop.state.rng import preserved_rng
-from ironloop.tools.doctor import data_checks as data
-from ironloop.tools.doctor import model_checks as mc
-from ironloop.tools.doctor import env_checks
-from ironloop.tools.doctor.findings import Finding
-from ironloop.tools.doctor.subject import Subject, head
-from ironloop.errors import UserError
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
 from ironloop.engine.steps import classification_step, named_step
+from ironloop.errors import UserError
 from ironloop.specs import import_spec
+from ironloop.state.rng import preserved_rng
+from ironloop.tools.doctor import data_checks as data, env_checks, model_checks as mc
+from ironloop.tools.doctor.findings import Finding
+from ironloop.tools.doctor.subject import Subject, head
 
 #: The overfit check trains on at most this many samples of the first batch.
 OVERFIT_BATCH = 16
@@ -86,7 +84,7 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     try:
         batch = s.batch()
     except Exception as e:  # noqa: BLE001 - reported, never raised: the run says it properly
-        return findings + [Finding("model", "skipped", f"no training batch to check with: it "
+        return [*findings, Finding("model", "skipped", f"no training batch to check with: it "
                                    f"raised {type(e).__name__}: {e}", "", "")]
     small = head(batch, OVERFIT_BATCH)
     findings += _guard("initial_loss", mc.check_initial_loss, s, batch)

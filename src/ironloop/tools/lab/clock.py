@@ -53,5 +53,5 @@ class Clock:
         """(header, rows) with a total row."""
         rows = [[name, f"{w:.1f}", f"{c:.1f}"] for name, w, c in self.rows]
         total = [sum(r[1] for r in self.rows), sum(r[2] for r in self.rows)]
-        return ["part", "wall s", "CPU s"], rows + [["total", f"{total[0]:.1f}",
+        return ["part", "wall s", "CPU s"], [*rows, ["total", f"{total[0]:.1f}",
                                                      f"{total[1]:.1f}"]]

@@ -16,9 +16,9 @@ import torch
 from ironloop.config import Config
 from ironloop.data import build_data
 from ironloop.data.loader import EpochSampler
-from ironloop.engine.fit import seed_everything
-from ironloop.tools.models import build_model
 from ironloop.engine.precision import resolve_device
+from ironloop.state.rng import seed_everything
+from ironloop.tools.models import build_model
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 PLAIN, ACCEL = "production_loop", "production_loop_accelerate"
@@ -26,6 +26,7 @@ PLAIN, ACCEL = "production_loop", "production_loop_accelerate"
 
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(f"ironloop_lab_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None  # a .py file always has a loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,8 +61,9 @@ def run_references(cfg: Config, out: Path) -> dict:
               label_smoothing=cfg.loss.label_smoothing, precision=cfg.train.precision,
               seed=cfg.run.seed, order=ironloop_order, ckpt_every=cfg.checkpoint.every_steps)
     train_set = (bundle.train.x, bundle.train.y)
+    assert bundle.val is not None  # the lab's datasets all have a validation split
     val_set = (bundle.val.x, bundle.val.y)
-    results = {}
+    results: dict[str, dict | None] = {}
     for name in (PLAIN, ACCEL):
         if name == ACCEL and importlib.util.find_spec("accelerate") is None:
             results[name] = None

@@ -20,17 +20,22 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from ironloop.tools.lab import reference as lab_reference
-from ironloop.tools.lab import verdicts as judge
-from ironloop.tools.html import Page
-from ironloop.tools.lab.clock import Clock
-from ironloop.state.io import load_verified
 from ironloop.config import Config, load_config
 from ironloop.errors import UserError
-from ironloop.tools.recipe import train_config
 from ironloop.outputs.readers import read_jsonl
-from ironloop.tools.report import (clipped_fraction, coinciding, plot_grad_norm_hist,
-                                   plot_loss_curves, plot_lr, plot_resume_curve)
+from ironloop.state.io import load_verified
+from ironloop.tools.html import Page
+from ironloop.tools.lab import reference as lab_reference, verdicts as judge
+from ironloop.tools.lab.clock import Clock
+from ironloop.tools.recipe import train_config
+from ironloop.tools.report import (
+    clipped_fraction,
+    coinciding,
+    plot_grad_norm_hist,
+    plot_loss_curves,
+    plot_lr,
+    plot_resume_curve,
+)
 
 MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
          "synthetic": "mlp"}
@@ -77,7 +82,8 @@ def steps_plan(data: str) -> list[Variant]:
             "schedule.name": "constant", "clip.max_norm": 0.0, "checkpoint.enabled": False,
             "early_stop.metric": "val_acc", "log.every_steps": 1, "log.progress": "off",
             "doctor.preflight": False}
-    steps = [("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
+    steps: list[tuple[str, str, dict]] = [
+             ("1-baseline", "Baseline: AdamW, lr 1e-3, 5 epochs", {}),
              ("2-onecycle", "Scheduler: OneCycleLR, max_lr 3e-3",
               {"schedule.name": "onecycle", "schedule.max_lr": 3e-3}),
              ("3-clip", "Clipping at 1.0, pre-clip norm logged every step",
@@ -224,7 +230,8 @@ def accumulation_check(v: Variant, out: Path, root: str) -> dict:
     between the two summation orders grow, so one step is the sharp test; the 64 x 1 vs 16 x 4
     equivalence over whole epochs is in the test suite.)"""
     from ironloop.data import TensorData, build_data
-    from ironloop.engine.fit import fit, seed_everything
+    from ironloop.engine.fit import fit
+    from ironloop.state.rng import seed_everything
     from ironloop.tools.models import build_model
 
     cfg = _cfg({**v.overrides, "train.epochs": 1, "schedule.name": "constant",
@@ -348,7 +355,8 @@ def findings(variants: list[Variant], rows: list[dict], under: str) -> dict[str,
     s[decay] = f"val acc {acc[decay]:.2%} vs {acc['6-checkpoint']:.2%} for step 6."
     prec, first = variants[8], by["6-checkpoint"].epochs()[0]
     speed, speed6 = row[prec.name]["samples/s"], row["6-checkpoint"]["samples/s"]
-    s[prec.name] = f"{speed:,.0f} samples/s vs {speed6:,.0f} for step 6 (x{speed / speed6:.2f}, {under}); "
+    s[prec.name] = (f"{speed:,.0f} samples/s vs {speed6:,.0f} for step 6 "
+                    f"(x{speed / speed6:.2f}, {under}); ")
     if not prec.epochs():  # the CPU's emulated fp16: a handful of steps, see steps_plan
         s[prec.name] += (f"{row[prec.name]['optimizer steps']} steps only: a CPU emulates "
                          f"{prec.overrides['train.precision']} autocast, and a whole run would "
@@ -408,6 +416,28 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
         ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in rows]
 
 
+def _summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The report's first table: one line per variant."""
+    header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
+              "clipped fraction"]
+    table = [[r["variant"], _fmt(r["final val acc"], "pct"),
+              "n/a (stopped mid-epoch)" if r["s/epoch"] is None else
+              f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
+              _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
+              _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
+             for r in rows]
+    return header, table
+
+
+def _same_losses(variants: list[Variant]) -> str:
+    """A sentence for each group of variants whose training losses coincide ('' when none)."""
+    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
+                                             for v in variants},
+                                             "epochs", "loss") if len(names) > 1]
+    return "".join(f" The training losses of {', '.join(n)} coincide at every step: "
+                   f"loss_curves.png draws them once." for n in same)
+
+
 def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
                   plots: dict[str, Path], data: str, reference: dict | None,
                   clock: Clock) -> Path:
@@ -424,14 +454,7 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
                         f"{rows[2]['final val acc']:.2%}).")
     rows = rows[:3] + [summary_row(c) for c in extras] + rows[3:]
     shown = variants[:3] + extras + variants[3:]
-    header = ["variant", "final val acc", "s/epoch (min-max)", "samples/s", "optimizer steps",
-              "clipped fraction"]
-    table = [[r["variant"], _fmt(r["final val acc"], "pct"),
-              "n/a (stopped mid-epoch)" if r["s/epoch"] is None else
-              f"{r['s/epoch']:.2f} ({r['s/epoch spread'][0]:.2f}-{r['s/epoch spread'][1]:.2f})",
-              _fmt(r["samples/s"], "int"), str(r["optimizer steps"]),
-              _fmt(r["clipped"], "pct") if r["clipped"] is not None else "off"]
-             for r in rows]
+    header, table = _summary_table(rows)
     vheader = ["step", "the spec's criterion", "result", "figure"]
     vtable = [[v.step, v.criterion, v.result, v.figure] for v in judged]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -450,22 +473,18 @@ def write_reports(variants: list[Variant], extras: list[Variant], out: Path,
           "", "## Each step against the spec's criterion", "", *_md_table(vheader, vtable),
           "", f"**Step 4's accuracy:** {drop}", "", "## What each step showed", ""]
     md += [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in shown]
-    if ref is not None:
+    if ref is not None and reference is not None:
         md += ["", "## The hand-written script and its Accelerate version", "", ref, "",
                "```diff", reference["diff"], "```"]
     md += ["", "## Where the lab's time went", "", timing, "", *_md_table(theader, trows)]
-    same = [names for names, _ in coinciding({v.name: _with_epochs(v, variants[5])
-                                             for v in variants},
-                                             "epochs", "loss") if len(names) > 1]
-    same = "".join(f" The training losses of {', '.join(n)} coincide at every step: "
-                   f"loss_curves.png draws them once." for n in same)
+    same = _same_losses(variants)
     md += ["", f"Plots.{same}", "", *[f"![{name}]({name})" for name in plots]]
     (out / "report.md").write_text("\n".join(md) + "\n")
     page = Page(f"ironloop lab: {data}").p(intro).table(header, table)
     page.h2("Each step against the spec's criterion").table(vheader, vtable, "l", classed=2)
     page.p(drop, bold="Step 4's accuracy:").h2("What each step showed")
     page.items([(v.name, f"({v.title}): {said[v.name]}") for v in shown])
-    if ref is not None:
+    if ref is not None and reference is not None:
         page.h2("The hand-written script and its Accelerate version").p(ref)
         page.pre(reference["diff"])
     page.h2("Where the lab's time went").p(timing).table(theader, trows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from itertools import pairwise
 
 #: The spec's criterion for step 3.
 CLIP_LIMIT = 0.05
@@ -45,8 +46,8 @@ def baseline(acc: float, num_classes: int) -> Verdict:
 def lr_rises_then_falls(lrs: list[float]) -> Verdict:
     """The LR each optimizer step used (logged from the optimizer, as the scheduler set it)."""
     peak = lrs.index(max(lrs))
-    rises = all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
-    falls = all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    rises = all(a <= b for a, b in pairwise(lrs[:peak + 1]))
+    falls = all(a >= b for a, b in pairwise(lrs[peak:]))
     ok = 0 < peak < len(lrs) - 1 and rises and falls and lrs[0] < lrs[peak] > lrs[-1]
     return Verdict("2-onecycle", "the LR rises, then falls (read back per step)", ok,
                    f"{lrs[0]:.1e} -> {lrs[peak]:.1e} at step {peak + 1} of {len(lrs)} -> "

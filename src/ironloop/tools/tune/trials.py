@@ -18,9 +18,10 @@ import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -176,7 +177,7 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
             split = result.results.get("time_split")
         except _Overrun:
             pass
-        except Exception as e:  # OOM, a worker crash, a compile error: the trial, not the tune
+        except Exception as e:  # noqa: BLE001 - OOM, worker crash, compile error: fail the trial
             raise TrialFailed(one_line(e)) from None
         finally:
             _clean_up(cfg)

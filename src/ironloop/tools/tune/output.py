@@ -59,7 +59,7 @@ def tokens_per_sample(train) -> int | None:
             sample = data[0]
             x = sample.get("input_ids") if isinstance(sample, dict) else \
                 sample[0] if isinstance(sample, (tuple, list)) else sample
-    except Exception:  # the dataset's own error shows in the trials, where it matters
+    except Exception:  # noqa: BLE001 - the dataset's own error shows in the trials
         return None
     if isinstance(x, torch.Tensor) and x.ndim == 1 and not x.is_floating_point() \
             and x.dtype != torch.bool:
@@ -115,7 +115,8 @@ def table(result) -> str:
     m = base.measure
     tokens = info.get("tokens_per_sample")
     lines = [f"ironloop tune{' ' + info['config'] if info['config'] else ''}: "
-             f"{info['device']}, {info['cpus']} CPU cores, load {' '.join(map(str, info['load_average']))}, "
+             f"{info['device']}, {info['cpus']} CPU cores, "
+             f"load {' '.join(map(str, info['load_average']))}, "
              f"budget {info['budget_s']:.0f} s, used {info['used_s']:.0f} s",
              f"baseline: {m.samples_per_s:,.0f} samples/s"
              + (f" ({m.samples_per_s * tokens:,.0f} tokens/s)" if tokens else "")

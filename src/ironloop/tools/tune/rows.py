@@ -1,5 +1,5 @@
 """What ``ironloop tune`` tries, as rows of its tables: one setting each, built from the config
-and the machine; ``tune.py`` measures them and decides."""
+and the machine; the package (``__init__.py``) measures them and decides."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ironloop.data import TensorData
 from ironloop.state import drift
-from ironloop.tools.tune_trials import Measure, Subject
+from ironloop.tools.tune.trials import Measure, Subject
 
 #: The shortest run (seconds at the baseline's speed) a compile can pay for itself in.
 COMPILE_MIN_RUN = 120.0
@@ -35,6 +35,18 @@ class Row:
     won: bool = False                 # chosen (free) or the second table's winner
     gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
                                       # smaller of its two measurements' (first and recheck)
+
+    @property
+    def measured(self) -> Measure:
+        """The measure of a row whose trial ran (status "ok" sets it)."""
+        assert self.measure is not None, f"{self.setting}: not measured"
+        return self.measure
+
+    @property
+    def run_s(self) -> float:
+        """``projected_s`` of a row whose trial ran (status "ok" sets it)."""
+        assert self.projected_s is not None, f"{self.setting}: not measured"
+        return self.projected_s
 
     def to_dict(self) -> dict:
         out = {"setting": self.setting, "kind": self.kind, "overrides": self.overrides,
@@ -66,7 +78,9 @@ def micro_batches(batch: int, accum: int) -> list[tuple[int, int]]:
 
 
 def cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # None when it cannot be determined
 
 
 def loader_rows(subject: Subject, current: dict) -> list[Row]:

@@ -30,15 +30,24 @@ import torch
 
 from ironloop.config import Config, load_config
 from ironloop.data import build_data
-from ironloop.engine.fit import as_config, seed_everything
+from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
-from ironloop.state.rng import preserved_rng
-from ironloop.tools import tune_output
+from ironloop.state.rng import preserved_rng, seed_everything
 from ironloop.tools.models import build_model
-from ironloop.tools.tune_rows import (Row, compile_rows, cpus, loader_extra_rows, loader_rows,
-                                      micro_batch_rows, pin_rows, precision_rows, worker_counts)
-from ironloop.tools.tune_trials import Measure, Plan, Subject, TrialFailed, run_trial
+from ironloop.tools.tune import output
+from ironloop.tools.tune.rows import (
+    Row,
+    compile_rows,
+    cpus,
+    loader_extra_rows,
+    loader_rows,
+    micro_batch_rows,
+    pin_rows,
+    precision_rows,
+    worker_counts,
+)
+from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
 DEFAULT_BUDGET = 120.0
@@ -137,7 +146,7 @@ class Tuner:
         if base.status != "ok":
             raise UserError(f"the baseline could not be measured ({base.reason})")
         self.baseline = base
-        self.est_s = base.measure.seconds  # what a trial at the baseline's speed takes
+        self.est_s = base.measured.seconds  # what a trial at the baseline's speed takes
         return base
 
     def run_row(self, row: Row, base: dict, extra_s: float = 0.0) -> None:
@@ -161,7 +170,8 @@ class Tuner:
     def _figures(self, row: Row) -> None:
         if row.measure is None:
             return
-        m, base = row.measure, self.baseline.measure if self.baseline else row.measure
+        m = row.measure
+        base = self.baseline.measured if self.baseline else m
         row.ratio = m.samples_per_s / base.samples_per_s
         row.projected_s = self.projected(m, {**row.base, **row.overrides})
 
@@ -180,26 +190,28 @@ class Tuner:
         for row in rows:
             self.run_row(row, current, extra_s)
         ok = [r for r in rows if r.status == "ok"]
-        wins = [r for r in ok if beats(r.measure, best.measure)
-                and r.projected_s < best.projected_s * (1 - NOISE)]
+        wins = [r for r in ok if beats(r.measured, best.measured)
+                and r.run_s < best.run_s * (1 - NOISE)]
         for r in ok:
             r.verdict = _verdict(r, best, r in wins)
         if not wins:
             return None
-        winner = max(wins, key=lambda r: r.measure.samples_per_s)
+        winner = max(wins, key=lambda r: r.measured.samples_per_s)
         for r in wins:
             if r is not winner:
                 r.verdict = "faster, but another setting was faster still"
-        winner.gain = best.projected_s / winner.projected_s
+        winner.gain = best.run_s / winner.run_s
         if not self._recheck(winner, current, extra_s):
             winner.verdict = "faster once, not on the recheck: within the machine's noise"
             return None
         winner.won = True
         winner.verdict = "chosen" if winner.kind == "free" else "winner"
-        if winner.recheck.get("skipped"):
+        recheck = winner.recheck or {}  # _recheck has set it
+        if recheck.get("skipped"):
             winner.verdict += " (no budget left to recheck it)"
         else:
-            winner.verdict += f" (recheck: {winner.recheck['gain']:.2f}x; counted {winner.gain:.2f}x)"
+            winner.verdict += (f" (recheck: {recheck['gain']:.2f}x; "
+                               f"counted {winner.gain:.2f}x)")
         return winner
 
     def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
@@ -242,7 +254,7 @@ class Tuner:
                               min(self.deadline, time.perf_counter() + 3 * self.est_s))
             except TrialFailed:
                 break  # out of memory, most likely: the previous size is the answer
-            if m.peak_mb > HEADROOM * total_mb:
+            if (m.peak_mb or 0.0) > HEADROOM * total_mb:  # run_trial always sets it
                 break
             row = Row(f"train.batch_size={batch} train.accumulation_steps=1", trial,
                       kind="trajectory", status="ok", measure=m, base=dict(current),
@@ -258,8 +270,8 @@ def _verdict(row: Row, best: Row, wins: bool) -> str:
     """Judged on the run's projected time, which charges a compile and the workers' start-up."""
     if wins:
         return "faster"
-    if row.projected_s * (1 - NOISE) > best.projected_s:
-        faster_steps = row.measure.samples_per_s > best.measure.samples_per_s
+    if row.run_s * (1 - NOISE) > best.run_s:
+        faster_steps = row.measured.samples_per_s > best.measured.samples_per_s
         return ("faster steps, but the compile does not pay for itself in this run"
                 if faster_steps and row.overrides.get("train.compile") else "slower")
     return "within noise"
@@ -277,14 +289,17 @@ def run_tune(subject: Subject, budget: float,
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("ironloop tune runs in one process: start it without torchrun")
     device = resolve_device(subject.cfg.run.device)
-    with preserved_rng(), tune_output.progress_bar(progress, budget) as bar:
+    with preserved_rng(), output.progress_bar(progress, budget) as bar:
         tuner = Tuner(subject, budget, bar)
-        tuner.start(planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
-        current, best = {}, tuner.baseline
-        for rows in (lambda: loader_rows(subject, current),
-                     lambda: loader_extra_rows(subject, current),
-                     lambda: pin_rows(subject, device)):
-            winner = tuner.group(rows(), current, best)
+        baseline = tuner.start(
+            planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
+        current: dict = {}
+        best = baseline
+        # Each group's rows are built on top of the winners so far.
+        for make_rows in (lambda cur: loader_rows(subject, cur),
+                          lambda cur: loader_extra_rows(subject, cur),
+                          lambda cur: pin_rows(subject, device)):
+            winner = tuner.group(make_rows(current), current, best)
             if winner is not None:
                 current, best = {**current, **winner.overrides}, winner
         model = subject.make_model()
@@ -297,7 +312,8 @@ def run_tune(subject: Subject, budget: float,
                 trajectory.update(winner.overrides)
         tuner.largest_fit(current, device)
         reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
-        winner = tuner.group(compile_rows(subject, tuner.baseline.projected_s), current, best, extra_s=reserve)
+        winner = tuner.group(compile_rows(subject, baseline.run_s), current, best,
+                             extra_s=reserve)
         if winner is not None:
             current = {**current, **winner.overrides}
     return tuner, current, trajectory
@@ -350,11 +366,12 @@ def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
             overrides: list[str]) -> TuneResult:
     tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
     applied = {**chosen, **(trajectory if apply else {})}
+    assert tuner.baseline is not None  # run_tune measured it, or raised
     result = TuneResult(
         baseline=tuner.baseline, rows=tuner.rows, chosen=chosen, trajectory=trajectory,
         applied_trajectory=apply and bool(trajectory),
         speedup=math.prod(r.gain for r in tuner.rows if r.won and r.kind == "free"),
         config=subject.cfg.with_overrides(applied),
-        info=tune_output.context(subject, tuner, budget, path, overrides))
-    tune_output.write(result, subject.cfg, path, overrides, applied)
+        info=output.context(subject, tuner, budget, path, overrides))
+    output.write(result, subject.cfg, path, overrides, applied)
     return result
