@@ -33,9 +33,9 @@ import ironloop
 from ironloop.config import GuardConfig
 from ironloop.data.loader import TensorData
 from ironloop.dist.world import World
+from ironloop.engine.progress import Meter, Progress
 from ironloop.guard.hook import GuardHook
 from ironloop.guard.verdict import device_guard
-from ironloop.engine.progress import Meter, Progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import summary

@@ -16,14 +16,14 @@ import torch
 from torch.optim import lr_scheduler
 
 import ironloop
+from ironloop.cli import main
+from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.engine import loop
 from ironloop.engine.trainstep import TrainStep
-from ironloop.state.io import load_verified
-from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.guard.decide import Guard
 from ironloop.guard.hook import lr_scaled
+from ironloop.state.io import load_verified
 from ironloop.tools.report import summarize
-from ironloop.cli import main
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 
@@ -56,9 +56,9 @@ def test_nonfinite_loss_or_grad_is_bad_and_only_bad_steps_ask_for_the_window():
 def test_rollback_after_max_bad_steps_then_stop_after_max_rollbacks():
     g = Guard(max_bad_steps=2, max_rollbacks=2, lr_backoff=0.5)
     for rollback in (1, 2):
-        g.observe(5, math.nan, 1.0, lambda: [rollback, 10])
+        g.observe(5, math.nan, 1.0, lambda r=rollback: [r, 10])
         assert not g.must_roll_back
-        g.observe(5, math.nan, 1.0, lambda: [rollback, 11])
+        g.observe(5, math.nan, 1.0, lambda r=rollback: [r, 11])
         assert g.must_roll_back and not g.must_stop
         added = g.roll_back()
         assert added == ([1, 10, 11] if rollback == 1 else [2])
@@ -88,7 +88,7 @@ def test_spike_detection_skips_warmup_and_never_learns_bad_values():
 def test_state_dict_round_trip_gives_the_same_decisions():
     a = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     for i, v in enumerate([1.0, 1.1, 0.9, 1.0, math.nan]):
-        a.observe(i, v, 1.0, lambda: [i])
+        a.observe(i, v, 1.0, lambda i=i: [i])
     b = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain values only
     assert b.state_dict() == a.state_dict()
@@ -380,8 +380,13 @@ def test_ddp_guard_verdict_agrees_when_only_one_rank_sees_a_nan_loss(tmp_path):
 @pytest.mark.slow
 def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
     from tests.conftest import REPO
-    from tests.test_fault_injection import (assert_bit_exact, assert_same_tree, command,
-                                            load_last, run_with_kills)
+    from tests.test_fault_injection import (
+        assert_bit_exact,
+        assert_same_tree,
+        command,
+        load_last,
+        run_with_kills,
+    )
 
     order = EpochSampler(1438, 16, seed=0, shuffle=True).permutation().tolist()
     bad = order[32 * 19 + 3]  # window 20: rolls back to the checkpoint at step 14

@@ -95,9 +95,9 @@ def test_no_import_circles():
         state[m] = 1
         for d in sorted(g.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
             elif d in g and not state.get(d):
-                visit(d, stack + [d])
+                visit(d, [*stack, d])
         state[m] = 2
 
     for m in sorted(g):
@@ -192,7 +192,7 @@ def test_the_run_is_a_few_typed_parts():
 
     fields = dataclasses.fields(Run)
     assert len(fields) <= MAX_RUN_FIELDS, [f.name for f in fields]
-    untyped = [f.name for f in fields if "Any" in str(f.type) or "object" == str(f.type)]
+    untyped = [f.name for f in fields if "Any" in str(f.type) or str(f.type) == "object"]
     assert not untyped, f"typed Any: {untyped}"
 
 
@@ -224,3 +224,9 @@ def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
     assert input_kind_checks() == ["ironloop.engine.a:2 isinstance on ['Stream']"]
     assert long_functions() == [f"ironloop.engine.b.g: {MAX_FUNCTION_LINES + 2} lines"]
     assert len(fault_readers()) == 3
+
+
+def test_tune_is_a_subpackage_like_doctor_and_lab():
+    for pkg in ("tune", "doctor", "lab"):
+        assert (PKG / "tools" / pkg / "__init__.py").is_file(), pkg
+    assert not list((PKG / "tools").glob("tune_*.py"))

@@ -3,6 +3,7 @@ scheduler cadence, precision and label checks."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -261,8 +262,8 @@ def test_onecycle_rises_then_falls_once_per_optimizer_step(tmp_path):
     assert steps == 4 * 7  # ceil(200 / 32) = 7 optimizer steps per epoch
     peak = lrs.index(max(lrs))
     assert 0 < peak < steps - 1
-    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
-    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert all(a <= b for a, b in itertools.pairwise(lrs[:peak + 1]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[peak:]))
     # the LR logged for step k is exactly the one torch's OneCycleLR gives step k
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
     ref = lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=steps, pct_start=0.3)
@@ -302,8 +303,8 @@ def test_warmup_cosine_warms_up_then_decays(tmp_path):
     lrs = [r["lr"] for r in read(tmp_path / "run" / "metrics.jsonl")]
     # step k (1-based) uses the LR set after k-1 scheduler steps: the peak is step 6
     assert lrs[0] == pytest.approx(0.01 * 0.01) and lrs[5] == pytest.approx(0.01)
-    assert all(a < b for a, b in zip(lrs[:5], lrs[1:6]))
-    assert all(a > b for a, b in zip(lrs[5:], lrs[6:])) and lrs[-1] < 0.01 * 0.05
+    assert all(a < b for a, b in itertools.pairwise(lrs[:6]))
+    assert all(a > b for a, b in itertools.pairwise(lrs[5:])) and lrs[-1] < 0.01 * 0.05
 
 
 # --- clipping -----------------------------------------------------------------------------

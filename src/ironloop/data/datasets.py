@@ -26,7 +26,7 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 
 def split(x: torch.Tensor, y: torch.Tensor, val_fraction: float):
     """A reproducible train/val split of (x, y) from a fixed generator."""
-    n_val = int(round(len(x) * val_fraction))
+    n_val = round(len(x) * val_fraction)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
     val_idx, train_idx = perm[:n_val], perm[n_val:]
     return (x[train_idx], y[train_idx]), (x[val_idx], y[val_idx]) if n_val else None

@@ -155,7 +155,7 @@ def download(root: Path, timeout: float = 30.0) -> None:
                 with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as r:
                     while block := r.read(1 << 20):
                         out.write(block)
-                got = md5_file(tmp)
+                got = md5_file(Path(tmp))
                 if got == expected:
                     os.replace(tmp, root / name)
                     break
@@ -193,6 +193,7 @@ def load_fashion_mnist(root: Path, download: bool = False) -> dict[str, np.ndarr
     out = {}
     for split in ("train", "test"):
         xp, yp = paths[f"{split}_images"], paths[f"{split}_labels"]
+        assert xp is not None and yp is not None  # found above, or DataError
         x, y = read_idx(xp), read_idx(yp)
         if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0] or y.shape[0] == 0:
             raise DataError(f"{xp} and {yp} do not match: images have shape {x.shape}, labels "

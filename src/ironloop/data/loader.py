@@ -207,13 +207,13 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, *, num_workers: int, pi
     without a generator of its own that draw comes from the global torch RNG, which would then
     differ between an uninterrupted run and a resumed one.
     """
-    batches = sampler
+    batches: EpochSampler | KeyedBatches = sampler
     if collate_fn is None and isinstance(dataset, TensorData):
         if num_workers == 0:
             return _sliced(dataset, sampler, pin_memory)
         collate_fn = _already_collated
     elif seed_samples:
-        dataset, batches = SeededDataset(dataset, sampler.seed), KeyedBatches(sampler)
+        dataset, batches = SeededDataset(dataset, sampler.seed), KeyedBatches(sampler)  # type: ignore[assignment]
     epoch = "every epoch" if persistent else sampler.epoch
     gen = torch.Generator().manual_seed(derive_seed(sampler.seed, epoch, "loader"))
     workers = num_workers > 0

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Subset
@@ -25,8 +26,14 @@ from ironloop.data.inputs import map_style
 from ironloop.data.lm import check_order
 from ironloop.data.loader import EpochLoader, EpochSampler, TensorData, derive_seed
 from ironloop.data.samplers import order_of
-from ironloop.data.stream import (Stream, StreamOrder, as_stream, build_order, first_sample,
-                                  refuse_eval_stream)
+from ironloop.data.stream import (
+    Stream,
+    StreamOrder,
+    as_stream,
+    build_order,
+    first_sample,
+    refuse_eval_stream,
+)
 from ironloop.errors import ConfigError, DataError
 
 
@@ -35,9 +42,13 @@ class BatchSource(Protocol):
 
     Samples are counted over all ranks: one global batch is ``batch_size * world_size``."""
 
-    dataset: Any           # the training split as read (for the guard's look at bad samples)
     steps_per_epoch: int   # optimizer steps in a full epoch
     prefetch_ahead: bool   # whether a batch may be read before the step that trains on it
+
+    @property
+    def dataset(self) -> Any:
+        """The training split as read."""
+        ...
 
     @property
     def global_batch(self) -> int: ...
@@ -226,6 +237,7 @@ def describe(ds) -> dict | None:
     """A split's type and size for the records: the user's dataset, not ironloop's wrapper."""
     if ds is None:
         return None
+    size: int | None
     try:
         size = len(ds)
     except TypeError:  # a stream (data/stream.py): its length when the dataset has one

@@ -250,10 +250,7 @@ class StreamOrder:
 
     # ---------------------------------------------------------------- state ----------------
     def state_dict(self) -> dict:
-        if self.loader is not None:
-            loader = self.loader.state_dict()
-        else:
-            loader = self.pending
+        loader = self.loader.state_dict() if self.loader is not None else self.pending
         return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset,
                 "num_workers": self.num_workers, "loader": loader, "stream": True}
 
@@ -306,10 +303,10 @@ class StreamOrder:
     def batches(self) -> Iterator:
         """This process's batches for the epoch, from ``offset``. Sets ``end`` one window before
         the stream's end (see the module docstring)."""
-        self.loader = self.open()
+        self.loader = loader = self.open()
         state = torch.get_rng_state()  # a loader without a generator draws its seed from it
         with _quiet_fast_forward():
-            it = iter(self.loader)
+            it = iter(loader)
         torch.set_rng_state(state)
         pos, served = self.offset, self.offset // self.global_batch
         while True:
@@ -432,7 +429,7 @@ def first_sample(stream: Stream):
         loader = DataLoader(copy.deepcopy(stream.dataset), batch_size=1,
                             collate_fn=stream.collate_fn)
         batch = next(iter(loader))
-    except Exception:  # a reader that cannot be copied or read here: nothing is inferred
+    except Exception:  # noqa: BLE001 - a reader that cannot be copied or read here: nothing is inferred
         return None
     finally:
         random.setstate(states[0])

@@ -11,7 +11,6 @@ from ironloop.data.stream import as_stream, first_sample, is_stream
 from ironloop.errors import ConfigError
 from ironloop.specs import accepted, import_spec
 
-
 SPLITS = ("train", "val", "test")
 
 
@@ -51,7 +50,8 @@ def user_data(cfg) -> DataBundle:
     if isinstance(train, (tuple, list)):  # an (inputs, targets) pair of tensors
         x = train[0][0]
     elif is_stream(train):  # read off a copy: the stream itself stays at its start
-        sample = first_sample(as_stream(train, "train"))
+        stream = as_stream(train, "train")
+        sample = first_sample(stream) if stream is not None else None
         x = sample[0] if sample else None
     else:
         sample = getattr(train, "dataset", train)[0]  # a DataLoader's dataset, or the Dataset

@@ -126,7 +126,10 @@ def shutdown(world: World) -> None:
     """Destroy a process group fit() created. Exiting with a live gloo group can abort the
     process ("terminate called without an active exception") after training succeeded."""
     if world.owns_group and dist.is_initialized():
-        gc.collect()  # a run in a reference cycle (a callback's view) frees its DDP wrapper now
+        # A DDP wrapper freed after its process group hangs in gloo's destructor (or aborts the
+        # process): fit() drops its run first, and a run still in a reference cycle (a
+        # callback's view of it) is collected here, while the group lives.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -5,8 +5,9 @@ a Run that needs nothing more; fit() only trains it."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +35,7 @@ from ironloop.guard.verdict import device_guard
 from ironloop.outputs import console, loggers, records
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
-from ironloop.state import dcp as sharded
-from ironloop.state import drift, rundir
+from ironloop.state import dcp as sharded, drift, rundir
 from ironloop.state.manager import CheckpointManager
 
 
@@ -159,7 +159,8 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
     """Rank 0's logs (truncated to the resumed step), the resume event, the checkpoint
     manager (every rank's under FSDP2), and the step timer."""
     run_dir, progress = Path(cfg.run.dir), state.counters.progress
-    log, manager = None, None
+    log: RunLog | None = None
+    manager: CheckpointManager | sharded.ShardedCheckpointManager | None = None
     if world.is_main:
         # Any --resume, even one that found nothing and starts fresh, drops log lines past the
         # step it continues from, so each step and each epoch is logged exactly once.

@@ -114,7 +114,7 @@ class StatefulStep:
         return {"train": self.train.state_dict()}
 
     def load_state_dict(self, state: dict | None) -> None:
-        self.train.load_state_dict((state or {}).get("train"))
+        self.train.load_state_dict((state or {}).get("train") or {})
 
 
 def stateful(step_fn, device, reset: str = "epoch"):

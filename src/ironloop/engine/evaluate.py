@@ -45,7 +45,8 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
         c.best_state = {k: v.detach().to("cpu", copy=True)
                         for k, v in step.raw_model.state_dict().items()}
     if step.scheduler is not None and step.schedule_on == "eval":
-        step.scheduler.step(val[metric])  # ReduceLROnPlateau: once per evaluation, with the metric
+        # ReduceLROnPlateau: once per evaluation, with the metric
+        step.scheduler.step(val[metric])  # type: ignore[arg-type]  # plateau's step takes it
     row = {"step": p.step, "epoch": p.epoch + 1, **val, "lr": step.lr,
            "seconds": time.perf_counter() - started}
     c.last_eval = row

@@ -22,8 +22,13 @@ from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.source import open_data, resolve_batch_size
 from ironloop.dist import parallel
-from ironloop.dist.world import (all_reduce_sum, collective_timeout, init_from_env,
-                                 name_timeouts, shutdown)
+from ironloop.dist.world import (
+    all_reduce_sum,
+    collective_timeout,
+    init_from_env,
+    name_timeouts,
+    shutdown,
+)
 from ironloop.engine import build, evaluate, loop, steps
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
@@ -128,9 +133,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     with run.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
         _train(run)
     result = _finish(run, started)
-    # The DDP wrapper holds the process group: it must go first (shutdown collects it), since
-    # destroying it after the group hangs in gloo's destructor or aborts the process.
-    del run
+    del run  # the DDP wrapper goes before its process group (see dist.world.shutdown)
     shutdown(world)
     return result
 
@@ -175,7 +178,7 @@ def _finish(run: Run, started: float) -> FitResult:
     c, step, run_dir = run.counters, run.step, Path(run.cfg.run.dir)
     train_seconds = c.meter.train_seconds()
     restored = c.best_state is not None and run.cfg.early_stop.patience > 0
-    if restored:
+    if restored and c.best_state is not None:
         step.raw_model.load_state_dict(c.best_state)
     test_set = run.data.test
     test = evaluate.evaluate(run, test_set) if test_set is not None and len(test_set) else {}

@@ -9,6 +9,7 @@ from torch import nn
 
 from ironloop.dist import parallel
 
+
 def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip in place; return the PRE-clip global L2 norm and whether clipping acted.
 

@@ -1,8 +1,8 @@
 """The training loop, in the order it runs.
 
 The optimizer step itself is the step part's (``engine/trainstep.py``); when to log, evaluate,
-checkpoint and settle is the cadence's (``engine/cadence.py``). One optimizer step covers a window of ``accumulation_steps`` micro-batches (fewer for the
-ragged last window of an epoch)::
+checkpoint and settle is the cadence's (``engine/cadence.py``). One optimizer step covers a
+window of ``accumulation_steps`` micro-batches (fewer for the ragged last window of an epoch)::
 
     [a stateful step's state (carry.py) starts empty at the top of an epoch]
     optimizer.zero_grad(set_to_none=True)
@@ -96,7 +96,7 @@ def progress_bar(run: Run) -> EpochProgress:
 
 def train_epoch(run: Run) -> None:
     step, p, source, timer = run.step, run.counters.progress, run.data.source, run.outputs.timer
-    accum, world = run.cfg.train.accumulation_steps, run.world.size
+    accum = run.cfg.train.accumulation_steps
     n, global_batch = source.usable, source.global_batch
     source.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
     if step.carry is not None:

@@ -15,7 +15,8 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
 
     Decaying a bias or a LayerNorm/BatchNorm gain pulls it towards 0 for no regularising benefit.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if decay_all or p.ndim >= 2 else no_decay).append(p)

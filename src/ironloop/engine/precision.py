@@ -39,7 +39,7 @@ def resolve_precision(name: str, device: torch.device, is_main: bool = True) -> 
     # fp16 autocast is emulated on CPUs (seconds a step for the digits CNN); bf16 is too unless
     # the CPU has bf16 instructions.
     if device.type == "cpu" and is_main and \
-            (name == "fp16" or name == "bf16" and not cpu_has_native_bf16()):
+            (name == "fp16" or (name == "bf16" and not cpu_has_native_bf16())):
         _warn_emulated(name)
     return name
 
@@ -71,7 +71,7 @@ def _machine() -> str:
     return platform.machine().lower()
 
 
-@functools.lru_cache(maxsize=None)  # once per process and precision: a warning, not a log
+@functools.cache  # once per process and precision: a warning, not a log
 def _warn_emulated(name: str) -> None:
     why = ("fp16 autocast is emulated on a CPU, many times slower than fp32 (seconds a step "
            "for the digits CNN)") if name == "fp16" else (

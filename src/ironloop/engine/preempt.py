@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,9 +46,10 @@ class Preemption:
         self._previous: dict = {}
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
             if distributed else None
-        self._pending = None  # (work, flag) of the all-reduce sent at the previous step
+        # (work, flag) of the all-reduce sent at the previous step
+        self._pending: tuple[Any, np.ndarray] | None = None
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # signal.signal's rule
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)

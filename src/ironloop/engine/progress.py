@@ -126,7 +126,7 @@ class Meter:
         self.samples -= samples
         self.steps -= steps
 
-    def _since(self, mark: dict) -> tuple[list[float], int, int]:
+    def _since(self, mark: dict) -> tuple[list[float], int]:
         """(loss_sum, samples and tokens over all ranks, clipped, skipped, grad_norm), since
         ``mark``. This is a host-device sync."""
         delta = self._totals() - mark["totals"]

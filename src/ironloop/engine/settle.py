@@ -76,7 +76,8 @@ def _replay_schedule(run: Run, since: Mark, good: int) -> None:
     """The scheduler as a guard that read every step would have left it: back to the last
     settle, then one step per good optimizer step (deterministic host work, bad path only)."""
     step, p = run.step, run.counters.progress
-    assert step.scheduler is not None
+    if step.scheduler is None or since.schedule is None:
+        return
     step.scheduler.load_state_dict(since.schedule)
     for group, lr in zip(step.optimizer.param_groups, since.lrs):
         group["lr"] = lr

@@ -10,7 +10,8 @@ evaluation average per unit: the mean over every token of the window, not a mean
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,8 @@ from torch.nn import functional as F
 from ironloop.errors import DataError, UserError
 from ironloop.specs import import_spec
 
-StepFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+#: (model, batch) -> (loss, metrics) or (loss, metrics, weight); see ``unpack``.
+StepFn = Callable[[nn.Module, Any], Any]
 
 #: ``train.step_fn`` names of the built-in steps (besides 'module:function').
 BUILT_IN = ("lm",)
@@ -43,7 +45,7 @@ def named_step(spec: str) -> StepFn:
     return lm_step if spec == "lm" else import_spec(spec, "train.step_fn")
 
 
-def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
     """Next-token cross-entropy per token (``train.step_fn=lm``), weighted by the valid tokens.
 
     ``(inputs, targets)`` batches of token ids, targets already shifted, padding marked -100:

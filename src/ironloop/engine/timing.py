@@ -34,8 +34,8 @@ import contextlib
 import shlex
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -64,7 +64,7 @@ class StepTimer:
         self.steps = 0                       # optimizer steps timed, this process
         self._last = time.perf_counter()
         self._pending: list[tuple[str, torch.cuda.Event]] = []
-        self._prev_event = None
+        self._prev_event: torch.cuda.Event | None = None
         self._pool: list[torch.cuda.Event] = []
         self.trace = Trace(trace_dir, trace_steps) if enabled and trace_dir else None
 
@@ -169,7 +169,7 @@ class Trace:
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
         self.remaining = 2 + steps
-        self.prof = profile(activities=activities, record_shapes=True,
+        self.prof: profile | None = profile(activities=activities, record_shapes=True,
                             schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
                             on_trace_ready=tensorboard_trace_handler(str(out_dir)))
         self.prof.__enter__()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 MAX_EVENTS = 20  # bad steps remembered for the stop message
 
@@ -44,10 +44,10 @@ class Guard:
             return "nonfinite_loss"
         if not math.isfinite(grad_norm):
             return "nonfinite_grad"
-        if self.spike_factor > 0 and len(self.losses) >= self.spike_window:
-            if _spikes(loss, self.losses, self.spike_factor) or \
-                    _spikes(grad_norm, self.norms, self.spike_factor):
-                return "spike"
+        if self.spike_factor > 0 and len(self.losses) >= self.spike_window and (
+                _spikes(loss, self.losses, self.spike_factor)
+                or _spikes(grad_norm, self.norms, self.spike_factor)):
+            return "spike"
         return None
 
     def observe(self, step: int, loss: float, grad_norm: float,
@@ -69,14 +69,14 @@ class Guard:
         self.consecutive, self.pending = 0, []
         self.good += 1
         if self.spike_factor > 0 and self.good > self.spike_warmup and math.isfinite(loss):
-            self.losses = (self.losses + [loss])[-self.spike_window:]
-            self.norms = (self.norms + [grad_norm])[-self.spike_window:]
+            self.losses = [*self.losses, loss][-self.spike_window:]
+            self.norms = [*self.norms, grad_norm][-self.spike_window:]
 
     def record_bad(self, step: int, reason: str, window: list[int]) -> None:
         self.consecutive += 1
         self.bad_steps += 1
         self.pending.append(list(window))
-        self.events = (self.events + [[step, reason]])[-MAX_EVENTS:]
+        self.events = [*self.events, [step, reason]][-MAX_EVENTS:]
 
     @property
     def must_roll_back(self) -> bool:

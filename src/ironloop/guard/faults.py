@@ -16,7 +16,7 @@ Each acts where real faults come from, so the loop sees them as it would see the
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -103,7 +103,7 @@ def poison_sample(dataset: Dataset, index: int) -> Dataset:
 
 
 class _PoisonedSample(Dataset):
-    def __init__(self, dataset: Dataset, index: int):
+    def __init__(self, dataset: Any, index: int):
         self.dataset, self.index = dataset, index
 
     def __len__(self) -> int:

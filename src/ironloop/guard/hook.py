@@ -20,11 +20,12 @@ fp16 overflow skips decided by GradScaler (finite loss, inf grads) stay GradScal
 **Sync-free design.** A plain step (no log line, evaluation, checkpoint or epoch end) reads
 nothing from the device:
 
-1. ``DeviceGuard.check`` computes the verdict ``ok`` on the device (``isfinite(loss total + grad norm)``;
-   under DDP on the sums over ranks, one small all-reduce; the spike test on device-resident
-   statistics) and reverts the meter's running loss total with a ``where`` when it is false.
-2. The step part applies it without reading it: torch's fused optimizers (Adam, AdamW, SGD, Adagrad
-   with ``fused=True``, ironloop's default where torch has the kernel) take an on-device
+1. ``DeviceGuard.check`` computes the verdict ``ok`` on the device (``isfinite(loss total +
+   grad norm)``; under DDP on the sums over ranks, one small all-reduce; the spike test on
+   device-resident statistics) and reverts the meter's running loss total with a ``where``
+   when it is false.
+2. The step part applies it without reading it: torch's fused optimizers (Adam, AdamW, SGD,
+   Adagrad with ``fused=True``, ironloop's default where torch has the kernel) take an on-device
    ``found_inf`` and skip the whole update inside the kernel, as they do for GradScaler; under
    fp16 the guard's flag is merged into GradScaler's and the loss scale is left alone on a
    guard-bad step. An optimizer without ``found_inf`` cannot skip on the device: for it the
@@ -42,8 +43,9 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol, TextIO
 
 import torch
 from torch import nn
@@ -128,7 +130,7 @@ class GuardHook:
         self.from_files = checkpoints and cfg.rollback_to == "checkpoint"
         self.snapshot: dict | None = None
         self.wait: Callable[[], None] = lambda: None  # finishes an async checkpoint write
-        self.file = None
+        self.file: TextIO | None = None
         self.log: RunLog | None = None
 
     @property
@@ -146,7 +148,7 @@ class GuardHook:
             path = self.run_dir / "guard.jsonl"
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.policy.logged)
-            self.file = open(path, "a")
+            self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()
         if (not self.from_files or not resumed) and not _sharded(self.model):
             self.snapshot = snapshot(self.state.collect())
 

@@ -19,6 +19,8 @@ The spike test keeps its running statistics here as device tensors (a ring of th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ironloop.dist.world import all_reduce_sum
@@ -45,7 +47,8 @@ class Verdict:
         self.filled = torch.zeros((), dtype=torch.long, device=device)
         self.good = torch.zeros((), dtype=torch.long, device=device)  # good steps seen
         # found_inf's two values, made once: torch.where(ok, 0.0, 1.0) would make both per step
-        self.flags = tuple(torch.tensor(v, dtype=torch.float32, device=device) for v in (0.0, 1.0))
+        self.flags = (torch.tensor(0.0, dtype=torch.float32, device=device),
+                      torch.tensor(1.0, dtype=torch.float32, device=device))
 
     def found_inf(self, ok: torch.Tensor) -> torch.Tensor:
         """The float32 flag a fused optimizer skips on: 1.0 where ``ok`` is false."""
@@ -124,21 +127,23 @@ def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor,
     alone, and left as it was on a guard-bad step (a NaN loss says nothing about fp16 range),
     which is what skipping ``scaler.update()`` did before. ``bad`` is ``Verdict.found_inf(ok)``.
     """
+    # found_inf and grad_scale: the attributes torch's fused kernels read, as GradScaler sets
+    opt: Any = optimizer
     if scaler is None:
-        optimizer.found_inf = bad
+        opt.found_inf = bad
         try:
-            optimizer.step()
+            opt.step()
         finally:
-            del optimizer.found_inf
+            del opt.found_inf
         return
     found = scaler._found_inf_per_device(optimizer)  # private, stable since torch 1.x
     overflow = torch.stack([f.to(bad.device) for f in found.values()]).sum().clamp(max=1)
-    optimizer.grad_scale = None  # unscale_ already ran: the grads are true gradients
-    optimizer.found_inf = torch.maximum(bad, overflow)
+    opt.grad_scale = None  # unscale_ already ran: the grads are true gradients
+    opt.found_inf = torch.maximum(bad, overflow)
     try:
-        optimizer.step()
+        opt.step()
     finally:
-        del optimizer.grad_scale, optimizer.found_inf
+        del opt.grad_scale, opt.found_inf
     # GradScaler's private scale and growth tracker: keep them on a guard-bad step.
     scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
     scaler.update()
@@ -174,8 +179,8 @@ class DeviceGuard:
         self.pending: list[tuple] = []
         self.offsets: list[int] = [0]
         self.samples: list[int] = [0]
-        self._before: torch.Tensor | None = None
-        self._before_tokens: torch.Tensor | None = None
+        # The meter's totals before the current window (rebase sets them from the meter).
+        self._before = self._before_tokens = torch.zeros((), dtype=dtype, device=device)
 
     def start(self, optimizer: torch.optim.Optimizer, always: bool) -> None:
         """After any restore: a resumed optimizer takes ``fused`` from its checkpoint."""

@@ -54,7 +54,8 @@ class EpochProgress:
         done = plan.steps_into(p)
         # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
         left = max(0, min(plan.steps_per_epoch - done, plan.total_steps - p.step))
-        self.progress, self.plan, self.main, self.postfix = p, plan, main, {}
+        self.progress, self.plan, self.main = p, plan, main
+        self.postfix: dict[str, str] = {}
         self.desc = f"epoch {p.epoch + 1}/{plan.planned_epochs}"
         show = main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
         self.bar = tqdm(total=done + left, initial=done, disable=not show, leave=False,

@@ -6,15 +6,16 @@ made only of tensors and plain containers so that ``torch.load(weights_only=True
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ironloop.version import __version__
-from ironloop.state.io import FORMAT_VERSION, load_model_state
 from ironloop.errors import CheckpointError
+from ironloop.state.io import FORMAT_VERSION, load_model_state
 from ironloop.state.rng import rng_state, set_rng_state
+from ironloop.version import __version__
 
 
 class Stateful(Protocol):

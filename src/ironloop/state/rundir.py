@@ -14,8 +14,7 @@ import yaml
 from ironloop.config import Config
 from ironloop.dist.world import World, barrier
 from ironloop.errors import UserError
-from ironloop.state import dcp as sharded
-from ironloop.state import drift
+from ironloop.state import dcp as sharded, drift
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, written_by_ironloop
 from ironloop.state.manager import has_checkpoints
