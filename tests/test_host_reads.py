@@ -81,7 +81,9 @@ def step_with_metrics(model, batch):
     # spike mode computes its statistics every step; a factor no step of this run reaches
     {"guard__spike_factor": 50.0, "guard__spike_window": 4, "guard__spike_warmup": 2},
     {"train__accumulation_steps": 2},
-], ids=["defaults", "bf16", "fp16", "spike", "accumulation"])
+    {"average__kind": "ema"},                              # the average updates on the device
+    {"average__kind": "swa", "average__every_steps": 2},
+], ids=["defaults", "bf16", "fp16", "spike", "accumulation", "ema", "swa"])
 def test_no_host_read_in_a_plain_step(tmp_path, overrides):
     assert plain_step_reads(tmp_path, **overrides) == {}
 

@@ -183,7 +183,8 @@ def _add_export(sub) -> None:
     e = sub.add_parser("export", help="write a run's weights as safetensors")
     e.add_argument("run_dir")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
-    e.add_argument("--which", choices=("best", "last"), default="best")
+    e.add_argument("--which", choices=("best", "last", "avg"), default="best",
+                   help="avg: the averaged weights (average.kind) of the last checkpoint")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.set_defaults(func=_export)
 

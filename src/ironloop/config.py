@@ -349,6 +349,25 @@ class DistConfig(Section):
             self._bad("fsdp_modules", "must be a list of module class names, e.g. [Block]")
 
 
+AVERAGES = ("none", "ema", "swa")
+
+
+@dataclass
+class AverageConfig(Section):
+    _name = "average"
+    kind: str = fld("none", "weight averaging: none | ema (exponential moving average) | swa "
+                    "(equal average, BatchNorm recomputed for final_avg.safetensors)", AVERAGES)
+    decay: float = fld(0.999, "ema: average = decay x average + (1 - decay) x weights, per update")
+    start_step: int = fld(0, "the first optimizer step whose weights join the average")
+    every_steps: int = fld(1, "update the average after every N optimizer steps")
+
+    def validate(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            self._bad("decay", "must be in [0, 1], e.g. 0.999")
+        self._non_negative("start_step")
+        self._positive("every_steps")
+
+
 @dataclass
 class Config:
     """The whole resolved configuration; ``to_dict`` round-trips through ``from_dict``."""
@@ -370,6 +389,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    average: AverageConfig = field(default_factory=AverageConfig)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> Config:

@@ -24,7 +24,14 @@ from torch.utils.data import Subset
 from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.lm import check_order
-from ironloop.data.loader import EpochLoader, EpochSampler, TensorData, derive_seed
+from ironloop.data.loader import (
+    EpochLoader,
+    EpochSampler,
+    EvalSampler,
+    TensorData,
+    derive_seed,
+    make_loader,
+)
 from ironloop.data.samplers import order_of
 from ironloop.data.stream import (
     Stream,
@@ -141,6 +148,15 @@ class RunData:
     def first_sample(self):
         """One training sample, read without moving any RNG (to infer the model's classes)."""
         return first_sample(self.train) if isinstance(self.train, Stream) else self.train[0]
+
+    def once_over_train(self, batch_size: int, rank: int, size: int) -> Iterable | None:
+        """This rank's share of the training split, once, in order (SWA's BatchNorm
+        statistics: engine/average.py); None for a stream, which has no second pass."""
+        if isinstance(self.train, Stream):
+            return None
+        return make_loader(self.train, EvalSampler(len(self.train), batch_size, 0, False,
+                                                   rank=rank, world_size=size),
+                           num_workers=0, pin_memory=False, collate_fn=self.collate_fn)
 
     def in_memory(self) -> bool:
         """Every split an in-memory TensorData (its labels can be checked once, in full)."""

@@ -19,6 +19,7 @@ from ironloop.dist import parallel
 from ironloop.dist.world import World, all_reduce_sum
 from ironloop.dist.wrap import checkpoint_activations, compile_model
 from ironloop.engine import carry, steps
+from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
 from ironloop.engine.early_stop import BestTracker
 from ironloop.engine.optim import Loss, resolve_optimizer, resolve_scheduler
@@ -118,7 +119,10 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                                guard.policy if guard is not None else None)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
+    average = build_average(cfg.average, raw_model, cfg.dist.strategy)  # before any wrapper
     wrapped, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
+    if average is not None:
+        average.reset()  # the weights DDP broadcast from rank 0
     if cfg.train.compile:
         wrapped = compile_model(wrapped, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
@@ -130,7 +134,7 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                      grad_scaler(precision, device), step_fn, stateful, device, precision,
                      cfg.clip, counters.total_steps,
                      schedule_steps=counters.total_steps if finite else 0, guard=guard,
-                     check_labels=check_labels), strategy
+                     check_labels=check_labels, average=average), strategy
 
 
 def _restore(state: RunState, guard: GuardHook | None, resumed: dict, source: str,

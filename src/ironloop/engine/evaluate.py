@@ -33,9 +33,7 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     cfg, c, step = run.cfg, run.counters, run.step
     p = c.progress
     started = time.perf_counter()
-    val = {f"val_{k}": v for k, v in evaluate(run, run.data.val).items()}
-    if cfg.eval.perplexity and "val_loss" in val:  # exp of the loss per token (tokens.py)
-        val["val_ppl"] = perplexity(val["val_loss"])
+    val = validation_metrics(run)
     metric = cfg.early_stop.metric
     if metric not in val:
         raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
@@ -56,22 +54,38 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     return val, improved
 
 
+def validation_metrics(run: Run) -> dict[str, float]:
+    """The raw weights' metrics as ``val_<metric>``, and with weight averaging on the averaged
+    weights' as ``val_avg_<metric>``."""
+    val = _prefixed(run, "val_", evaluate(run, run.data.val))
+    if run.step.average is not None:
+        val.update(_prefixed(run, "val_avg_",
+                             evaluate(run, run.data.val, run.step.average.module)))
+    return val
+
+
+def _prefixed(run: Run, prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    out = {f"{prefix}{k}": v for k, v in metrics.items()}
+    if run.cfg.eval.perplexity and "loss" in metrics:  # exp of the loss per token (tokens.py)
+        out[f"{prefix}ppl"] = perplexity(metrics["loss"])
+    return out
+
+
 @torch.inference_mode()
-def evaluate(run: Run, dataset) -> dict[str, float]:
-    """Mean loss and metrics over a dataset, in eval mode; restores the previous mode, also
-    when the step raises."""
-    model = run.step.raw_model
+def evaluate(run: Run, dataset, model: torch.nn.Module | None = None) -> dict[str, float]:
+    """Mean loss and metrics over a dataset, in eval mode (``model``: the raw weights by
+    default); restores the previous mode, also when the step raises."""
+    model = run.step.raw_model if model is None else model
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(run, dataset)
+        return _evaluate(run, dataset, model)
     finally:
         model.train(was_training)
 
 
-def _evaluate(run: Run, dataset) -> dict[str, float]:
+def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
     step, device = run.step, run.step.device
-    model = step.raw_model
     if step.carry is not None:  # a stateful step gets the evaluation state, empty at first
         step.carry.start_evaluation()
     # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's

@@ -184,13 +184,26 @@ def _finish(run: Run, started: float) -> FitResult:
     test = evaluate.evaluate(run, test_set) if test_set is not None and len(test_set) else {}
     results = _results(run, test, train_seconds, restored, started)
     weights = parallel.full_model_state(step.raw_model)  # a collective under FSDP2
+    averaged = _final_average(run)
     if run.world.is_main:
         save_safetensors(weights, run_dir / "final.safetensors")
+        if averaged is not None:
+            save_safetensors(averaged, run_dir / "final_avg.safetensors")
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
             print(table(results["time_split"], run.outputs.timer.steps, step.device,
                         run.outputs.timer.sync, results.get("tokens_per_s")))
     return FitResult(model=step.raw_model, results=results, run_dir=run_dir)
+
+
+def _final_average(run: Run) -> dict | None:
+    """The averaged weights for final_avg.safetensors (SWA: BatchNorm statistics recomputed
+    over the training split), or None without averaging."""
+    average, cfg = run.step.average, run.cfg
+    if average is None:
+        return None
+    batches = run.data.once_over_train(cfg.train.batch_size, run.world.rank, run.world.size)
+    return average.final_weights(batches, run.step.device)
 
 
 def _results(run: Run, test: dict, train_seconds: float, restored: bool,

@@ -18,6 +18,7 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
+    [average.update(), when due]              # engine/average.py: EMA/SWA, on the device
     [settle, when due]                        # engine/settle.py: the guard's lagged read
     [fault knobs] -> [log line] -> on_step_end
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
@@ -40,7 +41,7 @@ Callback hooks (``ironloop.callbacks``), in order over a run::
     on_train_end
 
 ``timer.mark(part)`` after each piece of work charges the time since the previous mark to
-that part (data, copy, forward, backward, optimizer, other, validation; see timing.py).
+that part (data, copy, forward, backward, optimizer, average, other, validation; timing.py).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def train_epoch(run: Run) -> None:
         weights.normalise(step.params, run.world)  # no-op unless the step weights its loss
         step.optimizer_step(p, run.counters.meter, run.world)
         timer.mark("optimizer")
+        if step.average is not None and step.average.due(p.step):
+            step.average.update()  # on the device, no host read (engine/average.py)
+            timer.mark("average")
         bar.update(1)
         after_step(run, bar)
         timer.mark("other")

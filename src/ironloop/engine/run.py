@@ -66,6 +66,7 @@ class RunState:
             sampler={**self.source.state_dict(), "epoch": p.epoch, "offset": p.offset},
             callbacks=callbacks_state(self.callbacks), evaluation=c.last_eval,
             schedule_steps=s.schedule_steps,  # kept when a resume extends the run
+            average=s.average.state_dict() if s.average is not None else None,
             **more)
 
     def restore(self, state: dict, source: str) -> None:
@@ -78,6 +79,8 @@ class RunState:
         c.meter.load_state_dict(rank_meter(state["meter"], self.world.rank, self.world.size))
         c.tracker.load_state_dict(state["tracker"])
         load_callbacks_state(self.callbacks, state.get("callbacks"))
+        if s.average is not None:  # none in a checkpoint from before averaging: a fresh one
+            s.average.load_state_dict(state.get("average"))
         c.last_eval = state.get("evaluation") or {}
         if s.carry is not None:
             s.carry.load_state_dict(state.get("carry"))

@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 
 #: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping.
-PARTS = ("data", "copy", "forward", "backward", "optimizer", "checkpoint", "validation", "other")
+PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "checkpoint", "validation",
+         "other")
 #: Parts that make up a training step (the rest is checkpoints and validation).
-STEP_PARTS = ("data", "copy", "forward", "backward", "optimizer", "other")
+STEP_PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "other")
 
 
 class StepTimer:
@@ -204,6 +205,8 @@ def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
              f"  {'part':<11}{'seconds':>9}{'share':>8}{'ms/step':>10}"]
     for part in PARTS:
         sec = total.get(part, 0.0)
+        if part == "average" and not sec:
+            continue  # a run without weight averaging (average.kind=none)
         per = f"{1000 * sec / steps:.2f}" if steps and part in STEP_PARTS else ""
         lines.append(f"  {part:<11}{sec:9.3f}{100 * sec / whole:7.1f}%{per:>10}")
     step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)

@@ -11,6 +11,7 @@ The optimizer step, in order::
     clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
+    average.update()                          # when due (average.*): the loop calls it
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from ironloop.config import ClipConfig
 from ironloop.dist.world import World
+from ironloop.engine.average import WeightAverage
 from ironloop.engine.carry import StatefulStep
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.precision import autocast
@@ -54,6 +56,7 @@ class TrainStep:
     guard: DeviceGuard | None = None  # the guard's device verdict (guard.enabled)
     check_labels: Callable[[Any], None] | None = None  # a host-side label check, or None
     lr: float = 0.0                  # the LR the last optimizer step used
+    average: WeightAverage | None = None  # the averaged weights (average.kind), or None
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
     # them, not only those requiring grad: a callback may unfreeze a layer later.
     params: list[nn.Parameter] = field(default_factory=list)

@@ -27,7 +27,10 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
 
 def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
     """Export best or last of ``run_dir`` to ``out`` as safetensors: a ``.pt`` file, or a
-    sharded ``.dcp`` directory (FSDP2), whose shards are consolidated here in one process."""
+    sharded ``.dcp`` directory (FSDP2), whose shards are consolidated here in one process.
+    ``avg``: the averaged weights (average.kind) of the last checkpoint."""
+    averaged = which == "avg"
+    which = "last" if averaged else which
     ckpt = run_dir / "checkpoints" / f"{which}.pt"
     if not ckpt.exists() and (run_dir / "checkpoints" / f"{which}.dcp").is_dir():
         ckpt = run_dir / "checkpoints" / f"{which}.dcp"
@@ -43,6 +46,20 @@ def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = Fals
     if out.exists() and not force:
         raise UserError(f"--out {out} already exists; pass --force to replace it, or pick "
                         f"another name")
-    weights = sharded.consolidate_model(ckpt) if ckpt.is_dir() else load_verified(ckpt)["model"]
+    if averaged:
+        weights = _averaged(ckpt)
+    else:
+        weights = sharded.consolidate_model(ckpt) if ckpt.is_dir() else \
+            load_verified(ckpt)["model"]
     save_safetensors(weights, out)
     return out
+
+
+def _averaged(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The averaged model's weights in a checkpoint (AveragedModel's state_dict without its
+    count); its keys are the model's own once ``module.`` is stripped."""
+    average = None if ckpt.is_dir() else load_verified(ckpt).get("average")
+    if average is None:
+        raise UserError(f"{ckpt} holds no averaged weights: the run trained with "
+                        f"average.kind=none; export --which best or --which last instead")
+    return {k: v for k, v in average.items() if k != "n_averaged"}

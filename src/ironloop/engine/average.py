@@ -1,0 +1,131 @@
+"""Weight averaging (``average.*``): an EMA or SWA copy of the model, updated on the device after
+optimizer steps, evaluated beside the raw weights (``val_avg_*``), held in every checkpoint and
+written to ``final_avg.safetensors``.
+
+torch.optim.swa_utils does the math: ``AveragedModel`` holds the copy and its count
+(``n_averaged``), ``get_ema_multi_avg_fn`` / ``get_swa_multi_avg_fn`` update it, ``update_bn``
+recomputes SWA's BatchNorm statistics. ``WeightAverage.update`` is
+``AveragedModel.update_parameters`` step for step, except that the count is also kept on the host:
+torch's reads ``n_averaged`` from the device twice per call, a sync per step on CUDA.
+
+EMA averages the buffers too (BatchNorm's running statistics, as Lightning's and timm's EMA do);
+SWA keeps the raw model's buffers while training and recomputes BatchNorm statistics once, for
+``final_avg.safetensors``, as torch documents. A step the guard skipped left the weights as they
+were; the average still takes them in (it averages the weights after each optimizer step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import (
+    AveragedModel,
+    get_ema_multi_avg_fn,
+    get_swa_multi_avg_fn,
+    update_bn,
+)
+
+from ironloop.config import AverageConfig
+from ironloop.errors import ConfigError
+
+
+class WeightAverage:
+    """The averaged copy of ``model`` and when it is updated (after optimizer step s when
+    ``s >= start_step`` and ``s % every_steps == 0``)."""
+
+    def __init__(self, cfg: AverageConfig, model: nn.Module):
+        self.kind, self.start_step, self.every = cfg.kind, cfg.start_step, cfg.every_steps
+        fn = get_ema_multi_avg_fn(cfg.decay) if cfg.kind == "ema" else get_swa_multi_avg_fn()
+        self.averaged = AveragedModel(model, multi_avg_fn=fn, use_buffers=cfg.kind == "ema")
+        self.averaged.requires_grad_(False)  # never trained: no grads, no optimizer sees it
+        self.source = model
+        self.count = 0  # updates so far, on the host; ``averaged.n_averaged`` on the device
+
+    @property
+    def module(self) -> nn.Module:
+        """The averaged copy of the user's module: what evaluation and export use."""
+        return self.averaged.module
+
+    def due(self, step: int) -> bool:
+        return step >= self.start_step and step % self.every == 0
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(averaged, model) tensors: parameters, and for EMA the buffers too."""
+        avg, model = self.averaged, self.source
+        mine: Iterable[torch.Tensor] = avg.module.parameters()
+        theirs: Iterable[torch.Tensor] = model.parameters()
+        if avg.use_buffers:
+            mine = itertools.chain(mine, avg.module.buffers())
+            theirs = itertools.chain(theirs, model.buffers())
+        return [(a.detach(), m.detach().to(a.device)) for a, m in zip(mine, theirs)]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """``AveragedModel.update_parameters`` with the count read from the host: the first
+        update copies the weights, later ones average them in (foreach kernels, on the
+        device)."""
+        avg = self.averaged
+        pairs = self._pairs()
+        if self.count == 0:
+            for a, m in pairs:
+                a.copy_(m)
+        else:
+            groups: dict[tuple, tuple[list, list]] = {}
+            for a, m in pairs:
+                own, new = groups.setdefault((a.device, a.dtype), ([], []))
+                own.append(a)
+                new.append(m)
+            for own, new in groups.values():
+                # a host int where torch passes the device count: the same weight, no read
+                avg.multi_avg_fn(own, new, self.count)  # type: ignore[misc]
+        if not avg.use_buffers:  # SWA: the buffers follow the raw model's
+            for b_avg, b_model in zip(avg.module.buffers(), self.source.buffers()):
+                b_avg.detach().copy_(b_model.detach().to(b_avg.device))
+        avg.n_averaged += 1  # on the device: kept for AveragedModel's own state_dict
+        self.count += 1
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """An empty average that shows the model's current weights until its first update
+        (a checkpoint from before averaging was on)."""
+        for a, m in self._pairs():
+            a.copy_(m)
+        for b_avg, b_model in zip(self.module.buffers(), self.source.buffers()):
+            b_avg.copy_(b_model)
+        self.averaged.n_averaged.zero_()
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return self.averaged.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's average, or a fresh one from the restored weights when it has none."""
+        if state is None:
+            self.reset()
+            return
+        self.averaged.load_state_dict(state)
+        self.count = int(state["n_averaged"])  # host read, once: the checkpoint's CPU tensor
+
+    def final_weights(self, batches: Iterable | None,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+        """The averaged weights for final_avg.safetensors. SWA: BatchNorm statistics
+        recomputed with one pass over ``batches`` (torch's ``update_bn``: the model gets each
+        batch's first element), when the model has BatchNorm and there are batches."""
+        if self.kind == "swa" and batches is not None:
+            update_bn(batches, self.module, device)
+        return self.module.state_dict()
+
+
+def build_average(cfg: AverageConfig, model: nn.Module, strategy: str) -> WeightAverage | None:
+    """The run's average of the user's module before any wrapper, or None (average.kind=none).
+    ``strategy`` is dist.strategy: FSDP2 shards the parameters, which this copy cannot follow
+    yet."""
+    if cfg.kind == "none":
+        return None
+    if strategy == "fsdp":
+        raise ConfigError(f"average.kind={cfg.kind}: weight averaging does not support "
+                          f"dist.strategy=fsdp yet; use dist.strategy=ddp or average.kind=none")
+    return WeightAverage(cfg, model)

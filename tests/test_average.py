@@ -1,0 +1,250 @@
+"""Weight averaging (engine/average.py): EMA and SWA weights equal torch's own AveragedModel
+updated by hand after the same optimizer steps; the average is evaluated, checkpointed, resumed
+exactly after SIGKILLs, restored by the guard's rollback, and exported."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.optim.swa_utils import (
+    AveragedModel,
+    get_ema_multi_avg_fn,
+    get_swa_multi_avg_fn,
+    update_bn,
+)
+from torch.overrides import TorchFunctionMode
+
+import ironloop
+from ironloop.callbacks import Callback
+from ironloop.config import AverageConfig
+from ironloop.data.loader import EpochSampler
+from ironloop.engine.average import WeightAverage
+from ironloop.errors import ConfigError
+from ironloop.state.io import load_verified, save_atomic
+from tests.conftest import REPO, blobs, cfg, logged_step, run_cli, tiny_mlp
+from tests.test_host_reads import READS
+
+
+def bn_mlp(seed: int = 0) -> nn.Module:
+    """A model with BatchNorm: its buffers are what EMA averages and SWA recomputes."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class HandAveraged(Callback):
+    """torch's AveragedModel, updated with ``update_parameters`` after the same optimizer
+    steps as the run's (from step 2, every ``every`` steps), from on_step_end."""
+
+    def __init__(self, model: nn.Module, kind: str, every: int = 2):
+        self.every = every
+        fn = get_ema_multi_avg_fn(0.9) if kind == "ema" else get_swa_multi_avg_fn()
+        self.avg = AveragedModel(copy.deepcopy(model), multi_avg_fn=fn, use_buffers=kind == "ema")
+
+    def on_step_end(self, run, row):
+        if run.step >= 2 and run.step % self.every == 0:
+            self.avg.update_parameters(run.model)
+
+
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+def test_average_equals_a_hand_written_averaged_model_loop(tmp_path, kind):
+    model, train = bn_mlp(), blobs(200)
+    hand = HandAveraged(model, kind)
+    ironloop.fit(model, train, blobs(60, seed=1),
+                 cfg(tmp_path, average__kind=kind, average__decay=0.9, average__start_step=2,
+                     average__every_steps=2), callbacks=[hand])
+    run = tmp_path / "run"
+    saved = load_verified(run / "checkpoints" / "last.pt")["average"]
+    want = hand.avg.state_dict()
+    assert int(want["n_averaged"]) == 7  # steps 2, 4, ..., 14 of 14
+    assert saved.keys() == want.keys()
+    assert all(torch.equal(saved[k], want[k]) for k in want), kind
+    final = load_file(run / "final_avg.safetensors")
+    if kind == "swa":  # BatchNorm statistics recomputed over the training split, in order
+        update_bn([(train.x[i:i + 32], train.y[i:i + 32]) for i in range(0, 200, 32)],
+                  hand.avg)
+        assert not torch.equal(final["1.running_mean"], saved["module.1.running_mean"])
+    expected = {k.removeprefix("module."): v for k, v in hand.avg.state_dict().items()
+                if k != "n_averaged"}
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected), kind
+    raw = load_file(run / "final.safetensors")  # final.safetensors stays the raw weights
+    assert not torch.equal(raw["0.weight"], final["0.weight"])
+
+
+class AllReads(TorchFunctionMode):
+    """Host reads of tensors (torch's own included, unlike tests/test_host_reads.py's
+    counter): what AveragedModel.update_parameters does twice per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", "") in READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+def test_an_update_reads_nothing_back_from_the_device(kind):
+    model = bn_mlp()
+    average = WeightAverage(AverageConfig(kind=kind), model)
+    with AllReads() as counter:
+        for _ in range(3):
+            average.update()
+    assert counter.reads == 0
+    with AllReads() as counter:  # the counter sees torch's reads of n_averaged
+        for _ in range(3):
+            average.averaged.update_parameters(model)
+    assert counter.reads == 6
+
+
+def test_averaged_weights_are_evaluated_and_monitored(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(200), blobs(60, seed=1),
+                          cfg(tmp_path, average__kind="ema", average__decay=0.5,
+                              early_stop__metric="val_avg_acc"))
+    rows = ironloop.outputs.readers.read_jsonl(tmp_path / "run" / "evals.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert {"val_loss", "val_acc", "val_avg_loss", "val_avg_acc"} <= row.keys()
+        assert row["val_loss"] != row["val_avg_loss"]
+    assert result.results["monitor"] == {"val_avg_acc": max(r["val_avg_acc"] for r in rows)}
+    assert "average" in result.results["time_split"]  # its cost in the step-time breakdown
+
+
+def test_no_average_means_no_average_files_or_columns(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(100), blobs(30, seed=1), cfg(tmp_path, train__epochs=1))
+    run = tmp_path / "run"
+    assert not (run / "final_avg.safetensors").exists()
+    assert load_verified(run / "checkpoints" / "last.pt")["average"] is None
+    row = ironloop.outputs.readers.read_jsonl(run / "evals.jsonl")[0]
+    assert not any(k.startswith("val_avg_") for k in row)
+
+
+def test_a_checkpoint_without_an_average_resumes_with_a_fresh_one(tmp_path):
+    """An older run (no 'average' key) resumes with averaging on: the average starts from the
+    restored weights, not from the model as it was handed in."""
+    ironloop.fit(tiny_mlp(), blobs(200), None, cfg(tmp_path, train__epochs=1))
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    state = load_verified(last)
+    del state["average"]  # as an ironloop from before averaging wrote it
+    save_atomic(state, last)
+    restored = {k: v.clone() for k, v in state["model"].items()}
+
+    class Before(Callback):
+        def on_train_start(self, run, row):
+            self.avg = {k: v.clone() for k, v in run._run.step.average.module.state_dict()
+                        .items()}
+
+    before = Before()
+    ironloop.fit(tiny_mlp(seed=5), blobs(200), None,
+                 cfg(tmp_path, train__epochs=2, average__kind="swa"), resume=True,
+                 allow_config_change=True, callbacks=[before])
+    assert all(torch.equal(before.avg[k], restored[k]) for k in restored)
+
+
+class StatefulHand(HandAveraged):
+    """The hand-written average, saved and restored with the run (a rollback included)."""
+
+    def state_dict(self):
+        return self.avg.state_dict()
+
+    def load_state_dict(self, state):
+        self.avg.load_state_dict(state)
+
+
+@pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
+def test_the_guards_rollback_restores_the_average(tmp_path, rollback_to):
+    """A NaN sample in step 5 rolls back to step 4. The skipped step 5 updated the run's
+    average; the rollback puts it back, so it equals the hand-written one, which never saw the
+    bad step (on_step_end does not fire for it), and counts each good step once."""
+    order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
+    model = tiny_mlp()
+    hand = StatefulHand(model, "ema", every=1)
+    result = ironloop.fit(model, blobs(256), None,
+                          cfg(tmp_path, fault__nan_sample=order[32 * 4 + 5],
+                              guard__max_bad_steps=1, checkpoint__every_steps=2,
+                              guard__rollback_to=rollback_to, average__kind="ema",
+                              average__decay=0.9, average__start_step=2),
+                          callbacks=[hand])
+    assert result.results["rollbacks"] == 1
+    saved = load_verified(tmp_path / "run" / "checkpoints" / "last.pt")["average"]
+    want = hand.avg.state_dict()
+    assert int(saved["n_averaged"]) == result.results["steps"] - 1  # steps 2, 3, ...
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+
+
+def test_fsdp_with_averaging_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="dist.strategy=ddp or average.kind=none"):
+        ironloop.fit(tiny_mlp(), blobs(100), None,
+                     cfg(tmp_path, average__kind="ema", dist__strategy="fsdp"))
+
+
+def test_bad_average_keys_name_the_key():
+    with pytest.raises(ConfigError, match=r"average.decay=1.5: must be in \[0, 1\]"):
+        ironloop.config.load_config(None, ["average.decay=1.5"])
+    with pytest.raises(ConfigError, match="average.kind='ewa': must be one of none, ema, swa"):
+        ironloop.config.load_config(None, ["average.kind=ewa"])
+
+
+def test_export_which_avg_writes_the_averaged_weights(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(100), None,
+                 cfg(tmp_path, train__epochs=1, average__kind="ema", average__decay=0.5))
+    run = tmp_path / "run"
+    res = run_cli("export", str(run), "--out", str(tmp_path / "avg.safetensors"), "--which",
+                  "avg")
+    assert res.returncode == 0, res.stderr
+    avg = load_verified(run / "checkpoints" / "last.pt")["average"]
+    out = load_file(tmp_path / "avg.safetensors")
+    assert out.keys() == {k.removeprefix("module.") for k in avg if k != "n_averaged"}
+    assert all(torch.equal(out[k], avg[f"module.{k}"]) for k in out)
+    plain = tmp_path / "plain"
+    ironloop.fit(tiny_mlp(), blobs(100), None, cfg(plain, train__epochs=1))
+    res = run_cli("export", str(plain / "run"), "--out", str(tmp_path / "x.safetensors"),
+                  "--which", "avg")
+    assert res.returncode == 2 and "average.kind=none" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
+    cmd = [sys.executable, "-m", "ironloop", "train", "data.name=digits", "model.name=mlp",
+           "train.epochs=2", "train.batch_size=32", "checkpoint.every_steps=5",
+           "log.every_steps=1", "log.progress=off", "doctor.preflight=false",
+           "average.kind=swa", "average.start_step=3", f"run.dir={run_dir}", "--resume"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    if kill_at is not None:
+        while proc.poll() is None and logged_step(run_dir) < kill_at:
+            time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+        assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        return
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+
+
+@pytest.mark.slow
+def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    _train(tmp_path, reference)
+    _train(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
+    _train(tmp_path, resumed, kill_at=52)   # epoch 2
+    _train(tmp_path, resumed)
+    for name in ("final.safetensors", "final_avg.safetensors"):
+        a, b = load_file(reference / name), load_file(resumed / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    a = load_verified(reference / "checkpoints" / "last.pt")["average"]
+    b = load_verified(resumed / "checkpoints" / "last.pt")["average"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
