@@ -15,3 +15,8 @@ class DataBundle:
     input_shape: tuple[int, ...]  # one sample's input shape, for the built-in models
     num_classes: int | None       # None: fit() infers it from the model's output
     meta: dict = field(default_factory=dict)  # what a data factory tells the model factory
+
+    @property
+    def first_val(self) -> Any | None:
+        """The validation set, or the first of several ({name: set}): what the doctor checks."""
+        return next(iter(self.val.values()), None) if isinstance(self.val, dict) else self.val

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,7 +42,7 @@ from ironloop.data.stream import (
     first_sample,
     refuse_eval_stream,
 )
-from ironloop.errors import ConfigError, DataError
+from ironloop.errors import ConfigError, DataError, UserError
 
 
 class BatchSource(Protocol):
@@ -136,13 +137,19 @@ class RunData:
 
     source: BatchSource
     train: Any             # the training split (a map-style dataset, or a Stream)
-    val: Any               # map-style, or None
+    val_sets: dict[str, Any]  # the validation sets by name ({"": it} for one unnamed set)
     test: Any              # map-style, or None
     collate_fn: Any        # a DataLoader's own collate_fn, kept for evaluation too
 
+    @property
+    def val(self) -> Any:
+        """The first validation set (the only one, usually), or None."""
+        return next(iter(self.val_sets.values()), None)
+
     def described(self) -> dict:
         """config.yaml's ``used.data``: each split's type and size."""
-        splits = {"train": self.train, "val": self.val, "test": self.test}
+        vals = {f"val_{k}" if k else "val": v for k, v in self.val_sets.items()}
+        splits = {"train": self.train, **vals, "test": self.test}
         return {k: describe(v) for k, v in splits.items() if v is not None}
 
     def first_sample(self):
@@ -177,11 +184,10 @@ def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_siz
               device: torch.device, poison=None) -> RunData:
     """The run's splits and its BatchSource: the one place that tells a stream from a
     map-style dataset. ``poison`` (the fault injector's) may replace the training split."""
-    refuse_eval_stream(val_data, "val_data")
     refuse_eval_stream(test_data, "test_data")
-    val_set = eval_subset(map_style(val_data, "val_data").dataset, cfg, world_size)
+    val_set = validation_sets(val_data, cfg, world_size)
     test_set = map_style(test_data, "test_data").dataset
-    check_needs_val(cfg, val_set)
+    check_needs_val(cfg, next(iter(val_set.values()), None))
     stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
     if stream:
         if poison is not None:
@@ -221,6 +227,31 @@ def _warn_batch_size(cfg: Config, n: int, world_size: int, rank: int) -> None:
               + (f" x {world_size} processes" if world_size > 1 else "")
               + f" is larger than the training split ({n} samples): each epoch is a single "
               f"optimizer step; lower train.batch_size")
+
+
+def validation_sets(val_data, cfg: Config, world_size: int) -> dict[str, Any]:
+    """The validation sets by name: ``{"": it}`` for one set (metrics ``val_<metric>``), the
+    dict's names for a dict (``val_<name>_<metric>``), {} for none."""
+    named = val_data if isinstance(val_data, dict) else {"": val_data}
+    sets = {}
+    for name, data in named.items():
+        if named is val_data:
+            check_set_name(name)
+        what = f"val_data[{name!r}]" if name else "val_data"
+        refuse_eval_stream(data, what)
+        ds = eval_subset(map_style(data, what).dataset, cfg, world_size)
+        if ds is not None:
+            sets[name] = ds
+    return sets
+
+
+def check_set_name(name) -> None:
+    """A validation set's name goes into metric names (``val_<name>_loss``)."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_]*", name) or \
+            name == "avg":
+        raise UserError(f"val_data: the set name {name!r} cannot name metrics; use letters, "
+                        f"digits and _ (e.g. 'noisy'), and not 'avg' (the averaged weights' "
+                        f"prefix)")
 
 
 def eval_subset(val_set, cfg: Config, world_size: int | None = None):

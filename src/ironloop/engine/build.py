@@ -221,7 +221,7 @@ def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
     check = steps.label_checker(num_classes)
     if not data.in_memory():
         return step_fn, check  # checked batch by batch, on the host
-    for ds in (data.train, data.val, data.test):
+    for ds in (data.train, *data.val_sets.values(), data.test):
         if ds is not None:
             check((ds.x[:1], ds.y))
     return step_fn, None

@@ -55,12 +55,17 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
 
 
 def validation_metrics(run: Run) -> dict[str, float]:
-    """The raw weights' metrics as ``val_<metric>``, and with weight averaging on the averaged
-    weights' as ``val_avg_<metric>``."""
-    val = _prefixed(run, "val_", evaluate(run, run.data.val))
-    if run.step.average is not None:
-        val.update(_prefixed(run, "val_avg_",
-                             evaluate(run, run.data.val, run.step.average.module)))
+    """The raw weights' metrics on each validation set as ``val_<metric>`` (one set) or
+    ``val_<set>_<metric>`` (several), then with weight averaging on the averaged weights' as
+    ``val_avg_<metric>`` / ``val_avg_<set>_<metric>``."""
+    sets = run.data.val_sets.items()
+    val = {}
+    for name, dataset in sets:
+        val.update(_prefixed(run, f"val_{name}_" if name else "val_", evaluate(run, dataset)))
+    averaged = run.step.average.module if run.step.average is not None else None
+    for name, dataset in sets if averaged is not None else ():
+        val.update(_prefixed(run, f"val_avg_{name}_" if name else "val_avg_",
+                             evaluate(run, dataset, averaged)))
     return val
 
 

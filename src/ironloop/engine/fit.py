@@ -89,7 +89,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             targets)`` batches.
         train_data, val_data, test_data: a Dataset, a DataLoader (its sampler, collate_fn and
             batch size are kept), a Hugging Face ``datasets.Dataset``, or an (inputs, targets)
-            pair.
+            pair. ``val_data`` may be ``{name: one of those}``: several validation sets, each
+            logged as ``val_<name>_<metric>``.
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
             ``loss.*`` config (``loss.name`` may be 'module:function').
@@ -115,7 +116,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             ``ironloop train`` does); otherwise config.yaml names the user's classes.
     """
     started = time.time()
-    cfg = resolved(as_config(config), train_data, step_fn)  # the one config, from here on
+    cfg = resolved(as_config(config), train_data, step_fn, val_data)  # the one config from here
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
     precision = resolve_precision(cfg.train.precision, device, world.is_main)
@@ -138,11 +139,15 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     return result
 
 
-def resolved(cfg: Config, train_data, step_fn) -> Config:
+def resolved(cfg: Config, train_data, step_fn, val_data=None) -> Config:
     """The run's config, complete before anything reads it: a passed DataLoader keeps its
-    batch size, and the LM step reports perplexity. Written once, to config.yaml and into
+    batch size, the LM step reports perplexity, and with several validation sets the default
+    early_stop.metric (val_loss) is the first set's loss. Written once, to config.yaml and into
     every checkpoint."""
     cfg = resolve_batch_size(cfg, train_data)
+    if isinstance(val_data, dict) and val_data and cfg.early_stop.metric == "val_loss":
+        first = next(iter(val_data))  # no val_loss without an unnamed set
+        cfg = cfg.with_overrides({"early_stop.metric": f"val_{first}_loss"})
     lm = step_fn is steps.lm_step or (step_fn is None and cfg.train.step_fn == "lm")
     if lm and not cfg.eval.perplexity:
         cfg = cfg.with_overrides({"eval.perplexity": True})  # on by default for the LM step

@@ -122,6 +122,9 @@ def _value(key: str, v) -> str:
     return f"{100 * v:.2f}%" if key.endswith("_acc") else f"{v:.4f}"
 
 
+_PLAIN_VAL = ("val_loss", "val_acc", "val_ppl", "val_seconds")
+
+
 def epoch_line(row: dict, plan: Plan, last_eval: dict) -> str:
     """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
     step (eval.every_steps) say which step they come from: they are not this epoch's."""
@@ -135,6 +138,8 @@ def epoch_line(row: dict, plan: Plan, last_eval: dict) -> str:
         parts.append(f"val_acc {100 * row['val_acc']:.2f}%{dated}")
     if row.get("val_ppl") is not None:
         parts.append(f"val_ppl {row['val_ppl']:.2f}")
+    parts += [f"{k} {_value(k, v)}{dated}" for k, v in row.items()  # named sets, averaged
+              if k.startswith("val_") and k not in _PLAIN_VAL and v is not None]
     parts += [f"lr {row['lr']:.2e}", f"{row['seconds']:.1f}s",
               f"{row['samples_per_s']:.0f} samples/s"]
     if row.get("clipped_frac"):

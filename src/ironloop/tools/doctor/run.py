@@ -182,7 +182,7 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     print("preflight: the doctor's quick checks of model and data (doctor.preflight=false "
           "skips them)...", flush=True)
     started = time.perf_counter()
-    s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
+    s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes)
     findings = check(s, quick=True)  # never raises: a check that fails is reported skipped
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
@@ -199,7 +199,7 @@ def doctor_config(cfg: Config, lr_find: bool = False, strict: bool = False) -> l
 
     model, bundle = from_config(cfg)  # the model and data `ironloop train` would build
     started = time.perf_counter()
-    s = subject(model, bundle.train, bundle.val, bundle.test, cfg, bundle.num_classes)
+    s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes)
     findings = check(s, quick=False)
     run_dir = Path(cfg.run.dir)
     if lr_find:
