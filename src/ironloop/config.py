@@ -219,9 +219,17 @@ class EvalConfig(Section):
                           "(0 = all of it)")
     perplexity: bool = fld(False, "log val_ppl = exp(val_loss) (always on with "
                            "train.step_fn=lm)")
+    metrics: dict = fld({}, "whole-split metrics logged as val_<name>: {name: {spec: "
+                        "torchmetrics.classification.MulticlassF1Score, num_classes: 10, ...}}")
 
     def validate(self) -> None:
         self._non_negative("every_steps", "max_batches")
+        for name, spec in self.metrics.items():
+            if not isinstance(spec, dict) or not isinstance(spec.get("spec"), str) or \
+                    ("." not in spec["spec"] and ":" not in spec["spec"]):
+                raise ConfigError(f"eval.metrics.{name}={spec!r}: must be a mapping with spec: "
+                                  f"module.Class and its arguments, e.g. {{spec: torchmetrics."
+                                  f"classification.MulticlassF1Score, num_classes: 10}}")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ironloop.engine import carry, steps
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
 from ironloop.engine.early_stop import BestTracker
+from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.engine.precision import grad_scaler
 from ironloop.engine.preempt import Preemption
@@ -45,10 +46,11 @@ class Given:
 
     def __init__(self, *, loss_fn=None, step_fn=None, num_classes=None, optimizer=None,
                  scheduler=None, callbacks=None, resume=False, overwrite=False,
-                 allow_config_change=False, from_config=False):
+                 allow_config_change=False, from_config=False, metrics=None):
         self.loss_fn, self.step_fn, self.num_classes = loss_fn, step_fn, num_classes
         self.optimizer, self.scheduler, self.callbacks = optimizer, scheduler, callbacks
         self.resume, self.overwrite = resume, overwrite
+        self.metrics = metrics  # {name: torchmetrics-style object}, or None
         self.allow_config_change, self.from_config = allow_config_change, from_config
         self.user_fns = {"loss_fn": loss_fn, "step_fn": step_fn}  # for config.yaml's record
 
@@ -109,11 +111,12 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                guard) -> tuple[TrainStep, str]:
     """The step function, the wrapped model, the optimizer and schedule, the scaler."""
     raw_model, check_labels, step_fn = model, None, given.step_fn
+    metrics = build_metrics(cfg.eval.metrics, given.metrics, device)
     if step_fn is None and cfg.train.step_fn:
         step_fn = steps.named_step(cfg.train.step_fn)  # 'lm' or the user's 'module:function'
     if step_fn is None:
         step_fn, check_labels = classification(cfg, model, device, given.loss_fn,
-                                                given.num_classes, data)
+                                                given.num_classes, data, metrics is not None)
     step_fn, stateful = carry.stateful(step_fn, device, cfg.train.carry_reset)
     step_fn = faults.wrap_step(step_fn, counters.progress,
                                guard.policy if guard is not None else None)
@@ -134,7 +137,7 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                      grad_scaler(precision, device), step_fn, stateful, device, precision,
                      cfg.clip, counters.total_steps,
                      schedule_steps=counters.total_steps if finite else 0, guard=guard,
-                     check_labels=check_labels, average=average), strategy
+                     check_labels=check_labels, average=average, metrics=metrics), strategy
 
 
 def _restore(state: RunState, guard: GuardHook | None, resumed: dict, source: str,
@@ -208,14 +211,14 @@ def _resume_event(log: RunLog, state: RunState, resumed: dict, source: str) -> N
 
 
 def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
-                   data: RunData) -> tuple[Any, Any]:
+                   data: RunData, feed_metrics: bool = False) -> tuple[Any, Any]:
     """The default (inputs, targets) step, and the label check it needs (or None when every
     dataset is an in-memory tensor whose labels were checked here, once, in full)."""
     if num_classes is None:
         num_classes = num_classes_of(model, data.first_sample, device)
     if loss_fn is None and ":" in cfg.loss.name:
         loss_fn = import_spec(cfg.loss.name, "loss.name")
-    step_fn = steps.classification_step(loss_fn or Loss(cfg.loss, num_classes))
+    step_fn = steps.classification_step(loss_fn or Loss(cfg.loss, num_classes), feed_metrics)
     if not num_classes:
         return step_fn, None
     check = steps.label_checker(num_classes)

@@ -13,6 +13,7 @@ from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_dev
 from ironloop.dist import parallel
 from ironloop.dist.world import sum_over_ranks
 from ironloop.engine.run import Run
+from ironloop.engine.steps import METRIC_INPUTS
 from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
 
@@ -101,6 +102,9 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
                          pin_memory=run.cfg.data.pin_memory and device.type == "cuda",
                          collate_fn=run.data.collate_fn, seed_samples=run.cfg.data.seed_samples)
     sums, names, count, batches = None, [], 0, 0
+    split = step.metrics  # whole-split metrics (eval.metrics), or None
+    if split is not None:
+        split.reset()
     # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
     # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
     wide = torch.float32 if device.type == "mps" else torch.float64
@@ -112,6 +116,9 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
         with step.autocast():
             loss, metrics, weight = step.forward(model, batch, "evaluation",
                                                  run.counters.progress)
+        inputs = metrics.pop(METRIC_INPUTS, None)  # (preds, target): fed, not averaged
+        if split is not None:
+            split.update(inputs)
         names = ["loss", *metrics]
         values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
         values = values * n if weight is None else values.to(wide) * weight
@@ -120,7 +127,10 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
         batches += 1
     _pad_forwards(run, dataset, batches)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
-    return sum_over_ranks(names, sums, count, run.world)
+    result = sum_over_ranks(names, sums, count, run.world)
+    if split is not None:  # torchmetrics syncs over the ranks in compute(): every rank calls it
+        result.update(split.compute())
+    return result
 
 
 def _pad_forwards(run: Run, dataset, batches: int) -> None:

@@ -79,7 +79,7 @@ def _holding_run_dir(fn):
 @name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
-        optimizer=None, scheduler=None, callbacks=None,
+        optimizer=None, scheduler=None, callbacks=None, metrics: dict | None = None,
         resume: bool | str | None = False, overwrite: bool = False,
         allow_config_change: bool = False, from_config: bool = False) -> FitResult:
     """Train ``model`` on ``train_data`` and return the trained model and its results.
@@ -107,6 +107,10 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             every optimizer step; a ReduceLROnPlateau steps after every evaluation with the
             monitored metric. Default: the ``schedule.*`` config.
         callbacks: ``ironloop.callbacks.Callback`` objects; see that module for the hooks.
+        metrics: ``{name: metric}``, each with torchmetrics' ``update(preds, target)`` /
+            ``compute()`` / ``reset()`` (e.g. ``MulticlassF1Score(10)``): computed over the whole
+            validation split and logged as ``val_<name>``, besides ``eval.metrics``. A custom
+            step feeds them ``{"metric_inputs": (preds, target)}`` in its metrics dict.
         resume: True = the newest valid checkpoint in run.dir (fresh start when none);
             a path = that checkpoint.
         overwrite: delete a previous run's outputs in run.dir before starting.
@@ -126,7 +130,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
                      poison=faults.poison)
     given = build.Given(loss_fn=loss_fn, step_fn=step_fn, num_classes=num_classes,
                         optimizer=optimizer, scheduler=scheduler, callbacks=callbacks,
-                        resume=resume, overwrite=overwrite,
+                        metrics=metrics, resume=resume, overwrite=overwrite,
                         allow_config_change=allow_config_change, from_config=from_config)
     run, _ = build.build_run(cfg, model.to(device), data, device, world, precision, given,
                              faults)

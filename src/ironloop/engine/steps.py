@@ -27,6 +27,9 @@ StepFn = Callable[[nn.Module, Any], Any]
 BUILT_IN = ("lm",)
 #: Targets equal to this are padding: no loss, no weight (torch's and Hugging Face's default).
 IGNORE_INDEX = -100
+#: The metrics-dict key of a ``(preds, target)`` pair for the whole-split metrics (metrics.py):
+#: fed to them while evaluating, never logged.
+METRIC_INPUTS = "metric_inputs"
 
 
 def unpack(out, where: str = "step_fn") -> tuple[torch.Tensor, dict, Any]:
@@ -72,8 +75,9 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total / valid.clamp(min=1), {}, valid
 
-def classification_step(loss_fn) -> StepFn:
-    """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating."""
+def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
+    """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating;
+    ``feed_metrics``: also the model's outputs and the targets for ``eval.metrics``."""
 
     def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
@@ -88,9 +92,13 @@ def classification_step(loss_fn) -> StepFn:
             if not _is_shape_error(e):
                 raise
             raise misfit(out, y, e) from None
-        if model.training or y.is_floating_point() or out.ndim != 2:
+        if model.training:
             return loss, {}
-        return loss, {"acc": (out.argmax(-1) == y).float().mean()}
+        metrics = {} if y.is_floating_point() or out.ndim != 2 else \
+            {"acc": (out.argmax(-1) == y).float().mean()}
+        if feed_metrics:
+            metrics[METRIC_INPUTS] = (out, y)
+        return loss, metrics
 
     return step
 

@@ -29,6 +29,7 @@ from ironloop.dist.world import World
 from ironloop.engine.average import WeightAverage
 from ironloop.engine.carry import StatefulStep
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
+from ironloop.engine.metrics import SplitMetrics
 from ironloop.engine.precision import autocast
 from ironloop.engine.progress import Meter, Progress
 from ironloop.engine.steps import StepFn, describe, unpack
@@ -57,6 +58,7 @@ class TrainStep:
     check_labels: Callable[[Any], None] | None = None  # a host-side label check, or None
     lr: float = 0.0                  # the LR the last optimizer step used
     average: WeightAverage | None = None  # the averaged weights (average.kind), or None
+    metrics: SplitMetrics | None = None   # whole-split metrics for evaluation (eval.metrics)
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
     # them, not only those requiring grad: a callback may unfreeze a layer later.
     params: list[nn.Parameter] = field(default_factory=list)

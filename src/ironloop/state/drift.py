@@ -32,6 +32,7 @@ FREE: tuple[str, ...] = (
     "profile.",          # timing and traces measure the run, they do not change it
     "doctor.",           # the preflight works on copies and restores the RNG state
     "eval.perplexity",   # one more column, exp(val_loss)
+    "eval.metrics",      # more columns: whole-split metrics read the predictions only
     "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
     "train.compile_mode",
     "train.activation_checkpointing",  # recomputes the same forward in backward: same math

@@ -1,0 +1,119 @@
+"""Whole-split metrics (engine/metrics.py): an F1 over a split equals scikit-learn's f1_score
+on the same predictions, in one process and over 2 gloo ranks; from fit(metrics=...), from
+eval.metrics specs, fed by a custom step, and monitored by early stopping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sklearn.metrics import f1_score
+from torch.nn import functional as F
+from torchmetrics.classification import MulticlassF1Score
+
+import ironloop
+from ironloop.config import load_config
+from ironloop.errors import ConfigError, UserError
+from ironloop.outputs.readers import read_jsonl
+from ironloop.tools.models import from_config
+from tests.conftest import REPO, blobs, cfg, tiny_mlp
+
+F1 = {"spec": "torchmetrics.classification.MulticlassF1Score", "num_classes": 3,
+      "average": "macro"}
+
+
+def sklearn_f1(model, val, average="macro") -> float:
+    with torch.no_grad():
+        preds = model(val.x).argmax(-1)
+    return f1_score(val.y.numpy(), preds.numpy(), average=average)
+
+
+def test_f1_over_a_split_equals_sklearns(tmp_path):
+    """61 samples in batches of 32 and 29: the F1 of the split, not a mean of batch F1s."""
+    val = blobs(61, seed=1)
+    result = ironloop.fit(tiny_mlp(), blobs(200), val,
+                          cfg(tmp_path, eval__metrics={"f1m": F1}, early_stop__metric="val_f1"),
+                          metrics={"f1": MulticlassF1Score(3, average="macro")})
+    last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
+    want = sklearn_f1(result.model, val)
+    assert last["val_f1"] == pytest.approx(want, abs=1e-6)
+    assert last["val_f1m"] == last["val_f1"]  # the config's spec builds the same metric
+    rows = read_jsonl(tmp_path / "run" / "evals.jsonl")
+    assert result.results["monitor"] == {"val_f1": max(r["val_f1"] for r in rows)}
+    with torch.no_grad():  # what the split's F1 is not: a mean over its batches
+        batches = [(val.x[i:i + 32], val.y[i:i + 32]) for i in (0, 32)]
+        per_batch = [f1_score(y.numpy(), result.model(x).argmax(-1).numpy(), average="macro")
+                     for x, y in batches]
+    assert abs(sum(per_batch) / 2 - want) > 1e-4
+
+
+def step_with_inputs(model, batch):
+    """A custom step: it says what the metrics get (here the probabilities)."""
+    x, y = batch
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    if model.training:
+        return loss, {}
+    return loss, {"metric_inputs": (out.softmax(-1), y)}
+
+
+def test_a_custom_step_feeds_the_metrics(tmp_path):
+    val = blobs(61, seed=1)
+    result = ironloop.fit(tiny_mlp(), blobs(200), val, cfg(tmp_path, train__epochs=1),
+                          step_fn=step_with_inputs,
+                          metrics={"f1": MulticlassF1Score(3, average="micro")})
+    last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
+    assert last["val_f1"] == pytest.approx(sklearn_f1(result.model, val, "micro"), abs=1e-6)
+    assert "val_metric_inputs" not in last
+
+
+def test_a_step_that_feeds_nothing_gets_a_one_line_error(tmp_path):
+    def plain(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1]), {}
+
+    with pytest.raises(UserError, match="return {'metric_inputs': \\(preds, target\\)"):
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1), cfg(tmp_path, train__epochs=1),
+                     step_fn=plain, metrics={"f1": MulticlassF1Score(3)})
+
+
+def test_bad_metric_specs_and_names_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="eval.metrics.f1=.*must be a mapping with spec"):
+        load_config(None, ["eval.metrics={f1: MulticlassF1Score}"])
+    with pytest.raises(ConfigError, match="eval.metrics.f1.spec=.*cannot import module"):
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1),
+                     cfg(tmp_path, eval__metrics={"f1": {"spec": "no_such_pkg.F1"}}))
+    with pytest.raises(ConfigError, match="eval.metrics.f1: .*MulticlassF1Score.* failed"):
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1),
+                     cfg(tmp_path / "a", eval__metrics={"f1": {**F1, "num_classes": "x"}}))
+    with pytest.raises(UserError, match="the name 'acc' cannot be used"):
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1), cfg(tmp_path / "b"),
+                     metrics={"acc": MulticlassF1Score(3)})
+    with pytest.raises(UserError, match="has no update"):
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1), cfg(tmp_path / "c"),
+                     metrics={"f1": f1_score})
+
+
+@pytest.mark.slow
+def test_f1_over_2_gloo_ranks_equals_sklearns_on_the_whole_split(tmp_path):
+    """digits' 359 validation samples over 2 ranks (180 + 179): every sample counted once."""
+    run_dir = tmp_path / "run"
+    overrides = ["model.name=mlp", "train.epochs=1", "log.progress=off",
+                 "doctor.preflight=false", f"run.dir={run_dir}",
+                 "eval.metrics={f1: {spec: torchmetrics.classification.MulticlassF1Score, "
+                 "num_classes: 10, average: macro}}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--standalone", "-m", "ironloop", "train", "configs/digits.yaml",
+                          *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-5000:]
+    model, bundle = from_config(load_config(REPO / "configs/digits.yaml", overrides))
+    model.load_state_dict(load_file(run_dir / "final.safetensors"))
+    model.eval()
+    assert len(bundle.val) == 359
+    last = read_jsonl(run_dir / "evals.jsonl")[-1]
+    assert last["val_f1"] == pytest.approx(sklearn_f1(model, bundle.val), abs=1e-6)
