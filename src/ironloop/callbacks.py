@@ -17,6 +17,8 @@ A hook may log its own values with ``run.log_scalars({"name": value})``: one
 ``scalars.jsonl`` line with the step and epoch (and TensorBoard scalars for the numbers).
 ``run.stop()`` ends the run after the current step (or epoch, from ``on_epoch_end``), as
 ``train.max_steps`` would; results.json then says ``"stopped_by_callback": true``.
+``ironloop train`` builds the callbacks ``train.callbacks`` names (``from_specs``), after the
+ones passed to fit().
 A callback that defines ``state_dict`` and ``load_state_dict`` is saved in every checkpoint
 (under ``"callbacks"``) and restored on resume. Its state must be tensors and plain
 containers, as for everything in a checkpoint (``torch.load(weights_only=True)``).
@@ -26,6 +28,9 @@ Callbacks run on every rank; check ``run.world.is_main`` for work only one proce
 from __future__ import annotations
 
 from typing import Any
+
+from ironloop.errors import ConfigError
+from ironloop.specs import import_spec
 
 HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_checkpoint",
          "on_train_end")
@@ -59,6 +64,22 @@ def fire(run, hook: str, metrics: dict[str, Any]) -> None:
         method = getattr(cb, hook, None)
         if method is not None:
             method(run.view, metrics)
+
+
+def from_specs(specs: list) -> list:
+    """The callbacks ``train.callbacks`` names: 'module:Class', or {spec: 'module:Class', and
+    keyword arguments}, each built once."""
+    built = []
+    for spec in specs:
+        spec = spec if isinstance(spec, dict) else {"spec": spec}
+        kwargs = {k: v for k, v in spec.items() if k != "spec"}
+        cls = import_spec(spec["spec"], "train.callbacks")
+        try:
+            built.append(cls(**kwargs))
+        except TypeError as e:
+            raise ConfigError(f"train.callbacks: {spec['spec']}({kwargs}) failed: {e}; check "
+                              f"its arguments") from e
+    return built
 
 
 def _key(i: int, cb) -> str:

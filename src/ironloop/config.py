@@ -93,6 +93,8 @@ class TrainConfig(Section):
     compile_mode: str = fld("default", "torch.compile mode", COMPILE_MODES)
     activation_checkpointing: list = fld([], "block class names whose forward is recomputed "
                                         "in backward (torch.utils.checkpoint), e.g. [Block]")
+    callbacks: list = fld([], "callbacks to build, after fit()'s own: 'module:Class' or "
+                          "{spec: 'module:Class', kwarg: value, ...}")
 
     def validate(self) -> None:
         self._positive("epochs", "batch_size")
@@ -103,6 +105,11 @@ class TrainConfig(Section):
             self._bad("step_fn", "must be 'module:function' (e.g. my_pkg.steps:step) or lm")
         if any(not isinstance(n, str) or not n for n in self.activation_checkpointing):
             self._bad("activation_checkpointing", "must be a list of class names, e.g. [Block]")
+        for spec in self.callbacks:
+            name = spec.get("spec") if isinstance(spec, dict) else spec
+            if not isinstance(name, str) or ":" not in name:
+                self._bad("callbacks", "must be a list of 'module:Class' or {spec: "
+                          "'module:Class', kwarg: value}, e.g. [my_pkg.cbs:Printer]")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ironloop.callbacks import HOOKS, Callback
+from ironloop.callbacks import HOOKS, Callback, from_specs
 from ironloop.config import Config
 from ironloop.data.source import RunData
 from ironloop.dist import parallel
@@ -58,7 +58,8 @@ class Given:
 def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device,
               world: World, precision: str, given: Given, faults: Faults) -> tuple[Run, str]:
     """The finished run, and its parallel strategy ("ddp", "fsdp" or "none")."""
-    callbacks = check_callbacks(given.callbacks)
+    # fit()'s own callbacks, then train.callbacks: positions key their checkpointed state
+    callbacks = check_callbacks([*(given.callbacks or []), *from_specs(cfg.train.callbacks)])
     counters = _counters(cfg, data, device, world)
     guard_device = device_guard(cfg.guard, counters.meter.loss_sum.device,
                                 counters.meter.loss_sum.dtype) if cfg.guard.enabled else None

@@ -89,8 +89,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             targets)`` batches.
         train_data, val_data, test_data: a Dataset, a DataLoader (its sampler, collate_fn and
             batch size are kept), a Hugging Face ``datasets.Dataset``, or an (inputs, targets)
-            pair. ``val_data`` may be ``{name: one of those}``: several validation sets, each
-            logged as ``val_<name>_<metric>``.
+            pair; ``val_data`` also ``{name: one of those}`` (``val_<name>_<metric>``).
         config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
         loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
             ``loss.*`` config (``loss.name`` may be 'module:function').
@@ -107,10 +106,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             every optimizer step; a ReduceLROnPlateau steps after every evaluation with the
             monitored metric. Default: the ``schedule.*`` config.
         callbacks: ``ironloop.callbacks.Callback`` objects; see that module for the hooks.
-        metrics: ``{name: metric}``, each with torchmetrics' ``update(preds, target)`` /
-            ``compute()`` / ``reset()`` (e.g. ``MulticlassF1Score(10)``): computed over the whole
-            validation split and logged as ``val_<name>``, besides ``eval.metrics``. A custom
-            step feeds them ``{"metric_inputs": (preds, target)}`` in its metrics dict.
+        metrics: ``{name: torchmetrics Metric}``, whole-split ``val_<name>`` (engine/metrics.py).
         resume: True = the newest valid checkpoint in run.dir (fresh start when none);
             a path = that checkpoint.
         overwrite: delete a previous run's outputs in run.dir before starting.
