@@ -253,6 +253,35 @@ def plot_validation(eval_rows: list[dict], out) -> Path:
     return _save(fig, out)
 
 
+def averaged_pairs(eval_rows: list[dict]) -> list[tuple[str, str]]:
+    """(raw key, averaged key) for every metric evaluated with both weights (average.kind):
+    val_loss / val_avg_loss, val_clean_acc / val_avg_clean_acc, ..."""
+    keys = dict.fromkeys(k for r in eval_rows for k in r)
+    return [(f"val_{k.removeprefix('val_avg_')}", k) for k in keys
+            if k.startswith("val_avg_") and f"val_{k.removeprefix('val_avg_')}" in keys]
+
+
+def plot_averaged(eval_rows: list[dict], out) -> Path:
+    """Raw and averaged weights per evaluation: losses on the left, the other metrics
+    (accuracy, F1, ...) on the right; raw solid, averaged dashed, one colour per metric."""
+    fig, (left, right) = _figure(1, 2, size=(9.0, 4.0))
+    rows = continuous(eval_rows)
+    drawn = {left: False, right: False}
+    pairs = averaged_pairs(rows)
+    for i, (raw, avg) in enumerate(pairs):
+        ax = left if raw.endswith("_loss") else right
+        for key, style, shade in ((raw, "-", f"C{2 * i}"), (avg, "--", f"C{2 * i + 1}")):
+            xs, ys = _xy(rows, "step", key)
+            if xs:
+                ax.plot(xs, ys, style, marker="o", ms=3, color=shade,
+                        label=key.replace("_", " "))
+                drawn[ax] = True
+    for ax, what in ((left, "loss"), (right, "metric")):
+        _finish(ax, drawn[ax], f"no averaged {what} recorded", xlabel="optimizer step",
+                title=f"Raw and averaged weights: {what}")
+    return _save(fig, out)
+
+
 def plot_resume_curve(metric_rows, epoch_rows, out, resumes: Sequence[dict] = (),
                       crash_step: int | Sequence[int] | None = None) -> Path:
     """Train loss (top) and val acc at each epoch end (bottom) vs step, each as one trajectory,
@@ -398,6 +427,8 @@ def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> lis
         plot_grad_norm(metrics, max_norm, out_dir / "grad_norm.png"),
         plot_grad_norm_hist(metrics, max_norm, out_dir / "grad_norm_hist.png"),
     ]
+    if averaged_pairs(evals):  # average.kind: the raw and the averaged weights' curves
+        paths.append(plot_averaged(evals, out_dir / "averaged.png"))
     if resumes:
         # The loop truncates the logs to the checkpoint on resume, but each resume event
         # records the last step the killed process logged; older logs show step resets.
