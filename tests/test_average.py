@@ -30,6 +30,7 @@ from ironloop.config import AverageConfig
 from ironloop.data.loader import EpochSampler
 from ironloop.engine.average import WeightAverage
 from ironloop.errors import ConfigError
+from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
 from tests.conftest import REPO, blobs, cfg, logged_step, run_cli, tiny_mlp
 from tests.test_host_reads import READS
@@ -112,7 +113,7 @@ def test_averaged_weights_are_evaluated_and_monitored(tmp_path):
     result = ironloop.fit(tiny_mlp(), blobs(200), blobs(60, seed=1),
                           cfg(tmp_path, average__kind="ema", average__decay=0.5,
                               early_stop__metric="val_avg_acc"))
-    rows = ironloop.outputs.readers.read_jsonl(tmp_path / "run" / "evals.jsonl")
+    rows = read_jsonl(tmp_path / "run" / "evals.jsonl")
     assert len(rows) == 2
     for row in rows:
         assert {"val_loss", "val_acc", "val_avg_loss", "val_avg_acc"} <= row.keys()
@@ -126,7 +127,7 @@ def test_no_average_means_no_average_files_or_columns(tmp_path):
     run = tmp_path / "run"
     assert not (run / "final_avg.safetensors").exists()
     assert load_verified(run / "checkpoints" / "last.pt")["average"] is None
-    row = ironloop.outputs.readers.read_jsonl(run / "evals.jsonl")[0]
+    row = read_jsonl(run / "evals.jsonl")[0]
     assert not any(k.startswith("val_avg_") for k in row)
 
 
@@ -248,3 +249,21 @@ def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path)
     a = load_verified(reference / "checkpoints" / "last.pt")["average"]
     b = load_verified(resumed / "checkpoints" / "last.pt")["average"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path):
+    """2 gloo ranks x 32 and one process x 64 take the same steps (tests/test_distributed.py):
+    their averages match too, and so do the averaged weights' validation figures."""
+    from tests.test_distributed import train
+
+    options = ("average.kind=ema", "average.decay=0.9", "checkpoint.enabled=false")
+    one = train(tmp_path / "one", "train.batch_size=64", *options)
+    two = train(tmp_path / "two", "train.batch_size=32", *options, ranks=2)
+    a, b = load_file(one / "final_avg.safetensors"), load_file(two / "final_avg.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    rows = [read_jsonl(d / "evals.jsonl") for d in (one, two)]
+    assert [r["val_avg_acc"] for r in rows[1]] == pytest.approx(
+        [r["val_avg_acc"] for r in rows[0]], abs=1e-6)

@@ -43,6 +43,7 @@ class WeightAverage:
         self.averaged.requires_grad_(False)  # never trained: no grads, no optimizer sees it
         self.source = model
         self.count = 0  # updates so far, on the host; ``averaged.n_averaged`` on the device
+        self._grouped: list[tuple[list, list]] | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -62,23 +63,29 @@ class WeightAverage:
             theirs = itertools.chain(theirs, model.buffers())
         return [(a.detach(), m.detach().to(a.device)) for a, m in zip(mine, theirs)]
 
+    def _groups(self) -> list[tuple[list, list]]:
+        """The pairs grouped by device and dtype, as torch groups them for the foreach
+        kernels; built once (the tensors stay the same objects: loads copy into them)."""
+        if self._grouped is None:
+            groups: dict[tuple, tuple[list, list]] = {}
+            for a, m in self._pairs():
+                own, new = groups.setdefault((a.device, a.dtype), ([], []))
+                own.append(a)
+                new.append(m)
+            self._grouped = list(groups.values())
+        return self._grouped
+
     @torch.no_grad()
     def update(self) -> None:
         """``AveragedModel.update_parameters`` with the count read from the host: the first
         update copies the weights, later ones average them in (foreach kernels, on the
         device)."""
         avg = self.averaged
-        pairs = self._pairs()
         if self.count == 0:
-            for a, m in pairs:
+            for a, m in self._pairs():
                 a.copy_(m)
         else:
-            groups: dict[tuple, tuple[list, list]] = {}
-            for a, m in pairs:
-                own, new = groups.setdefault((a.device, a.dtype), ([], []))
-                own.append(a)
-                new.append(m)
-            for own, new in groups.values():
+            for own, new in self._groups():
                 # a host int where torch passes the device count: the same weight, no read
                 avg.multi_avg_fn(own, new, self.count)  # type: ignore[misc]
         if not avg.use_buffers:  # SWA: the buffers follow the raw model's
