@@ -184,12 +184,6 @@ def test_the_guards_rollback_restores_the_average(tmp_path, rollback_to):
     assert all(torch.equal(saved[k], want[k]) for k in want)
 
 
-def test_fsdp_with_averaging_is_refused_naming_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="dist.strategy=ddp or average.kind=none"):
-        ironloop.fit(tiny_mlp(), blobs(100), None,
-                     cfg(tmp_path, average__kind="ema", dist__strategy="fsdp"))
-
-
 def test_bad_average_keys_name_the_key():
     with pytest.raises(ConfigError, match=r"average.decay=1.5: must be in \[0, 1\]"):
         ironloop.config.load_config(None, ["average.decay=1.5"])
@@ -267,3 +261,30 @@ def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path):
     rows = [read_jsonl(d / "evals.jsonl") for d in (one, two)]
     assert [r["val_avg_acc"] for r in rows[1]] == pytest.approx(
         [r["val_avg_acc"] for r in rows[0]], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly(tmp_path):
+    """FSDP2 on 2 gloo ranks: the average is sharded beside the model, matches one process
+    with the global batch, and a run resumed from its sharded (.dcp) checkpoint ends with the
+    same raw and averaged weights, bit for bit, as one that was not stopped."""
+    from tests.test_distributed import train
+
+    # a constant LR: the first part's schedule would otherwise end with its one epoch
+    common = ("average.kind=ema", "average.decay=0.9", "schedule.name=constant")
+    options = (*common, "train.batch_size=32", "dist.strategy=fsdp")
+    one = train(tmp_path / "one", *common, "train.batch_size=64", "checkpoint.enabled=false")
+    full = train(tmp_path / "full", *options, ranks=2)
+    a, b = load_file(one / "final_avg.safetensors"), load_file(full / "final_avg.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    part = train(tmp_path / "part", *options, "train.epochs=1", ranks=2)
+    assert (part / "checkpoints" / "last.dcp").is_dir()
+    train(part, *options, "--resume", "--allow-config-change", ranks=2)  # epoch 2, from .dcp
+    for name in ("final.safetensors", "final_avg.safetensors"):
+        x, y = load_file(full / name), load_file(part / name)
+        assert all(torch.equal(x[k], y[k]) for k in x), name
+    res = run_cli("export", str(part), "--out", str(tmp_path / "avg.safetensors"), "--which",
+                  "avg")
+    assert res.returncode == 2 and "final_avg.safetensors" in res.stderr

@@ -29,7 +29,8 @@ from torch.optim.swa_utils import (
 )
 
 from ironloop.config import AverageConfig
-from ironloop.errors import ConfigError
+from ironloop.dist import parallel
+from ironloop.errors import CheckpointError
 
 
 class WeightAverage:
@@ -106,33 +107,52 @@ class WeightAverage:
         self.count = 0
 
     def state_dict(self) -> dict:
-        return self.averaged.state_dict()
+        """AveragedModel's state_dict; under FSDP2 each rank's own shards (plain tensors, in
+        its per-rank extras: state/dcp.py), which a resume on as many ranks puts back."""
+        return {k: v.to_local() if parallel.is_sharded(v) else v
+                for k, v in self.averaged.state_dict().items()}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict | None) -> None:
         """A checkpoint's average, or a fresh one from the restored weights when it has none."""
         if state is None:
             self.reset()
             return
-        self.averaged.load_state_dict(state)
+        own = self.averaged.state_dict()
+        if any(parallel.is_sharded(v) for v in own.values()):
+            for k, v in own.items():
+                local = v.to_local() if parallel.is_sharded(v) else v
+                if k not in state or state[k].shape != local.shape:
+                    raise CheckpointError(f"the checkpoint's averaged weights ({k}) are "
+                                          f"another rank count's shards; resume an FSDP run "
+                                          f"with average.kind on as many ranks as wrote it")
+                local.copy_(state[k])
+        else:
+            self.averaged.load_state_dict(state)
         self.count = int(state["n_averaged"])  # host read, once: the checkpoint's CPU tensor
 
     def final_weights(self, batches: Iterable | None,
                       device: torch.device) -> dict[str, torch.Tensor]:
-        """The averaged weights for final_avg.safetensors. SWA: BatchNorm statistics
-        recomputed with one pass over ``batches`` (torch's ``update_bn``: the model gets each
-        batch's first element), when the model has BatchNorm and there are batches."""
-        if self.kind == "swa" and batches is not None:
+        """The averaged weights for final_avg.safetensors (a collective under FSDP2). SWA:
+        BatchNorm statistics recomputed with one pass over ``batches`` (torch's ``update_bn``:
+        the model gets each batch's first element), when the model has BatchNorm and there are
+        batches; not under FSDP2, where ranks with unequal shares would wait on each other."""
+        sharded = parallel.is_fsdp(self.module)
+        if self.kind == "swa" and batches is not None and not sharded:
             update_bn(batches, self.module, device)
-        return self.module.state_dict()
+        return parallel.full_model_state(self.module)
+
+    def shard(self, names: list[str], precision: str) -> None:
+        """FSDP2: shard the copy as the model is (the same blocks, so its parameters have the
+        model's placements and the foreach update runs shard by shard), then start again."""
+        parallel.shard(self.module, names, precision)
+        self._grouped = None
+        self.reset()
 
 
-def build_average(cfg: AverageConfig, model: nn.Module, strategy: str) -> WeightAverage | None:
+def build_average(cfg: AverageConfig, model: nn.Module) -> WeightAverage | None:
     """The run's average of the user's module before any wrapper, or None (average.kind=none).
-    ``strategy`` is dist.strategy: FSDP2 shards the parameters, which this copy cannot follow
-    yet."""
+    Under FSDP2 the caller shards it beside the model (``WeightAverage.shard``)."""
     if cfg.kind == "none":
         return None
-    if strategy == "fsdp":
-        raise ConfigError(f"average.kind={cfg.kind}: weight averaging does not support "
-                          f"dist.strategy=fsdp yet; use dist.strategy=ddp or average.kind=none")
     return WeightAverage(cfg, model)

@@ -123,9 +123,11 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                                guard.policy if guard is not None else None)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(raw_model, cfg.train.activation_checkpointing)
-    average = build_average(cfg.average, raw_model, cfg.dist.strategy)  # before any wrapper
+    average = build_average(cfg.average, raw_model)  # a copy of the module before any wrapper
     wrapped, strategy = parallel.wrap(raw_model, cfg, world, device, precision)
-    if average is not None:
+    if average is not None and strategy == "fsdp":
+        average.shard(cfg.dist.fsdp_modules, precision)
+    elif average is not None:
         average.reset()  # the weights DDP broadcast from rank 0
     if cfg.train.compile:
         wrapped = compile_model(wrapped, cfg.train.compile_mode)  # raw_model stays uncompiled

@@ -125,7 +125,7 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
         sums = values if sums is None else sums + values
         count = count + (n if weight is None else weight)  # samples, or the step's tokens
         batches += 1
-    _pad_forwards(run, dataset, batches)
+    _pad_forwards(run, dataset, batches, model)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     result = sum_over_ranks(names, sums, count, run.world)
     if split is not None:  # torchmetrics syncs over the ranks in compute(): every rank calls it
@@ -133,11 +133,11 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
     return result
 
 
-def _pad_forwards(run: Run, dataset, batches: int) -> None:
+def _pad_forwards(run: Run, dataset, batches: int, model: torch.nn.Module) -> None:
     """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
     discarded forwards on one sample until every rank has run as many."""
     step = run.step
-    owed = parallel.extra_forwards(step.raw_model, run.world, len(dataset),
+    owed = parallel.extra_forwards(model, run.world, len(dataset),
                                    run.cfg.train.batch_size, batches)
     if owed <= 0:
         return
@@ -146,4 +146,4 @@ def _pad_forwards(run: Run, dataset, batches: int) -> None:
     one = to_device(one, step.device, False)
     for _ in range(owed):
         with step.autocast():
-            step.step_fn(step.raw_model, one)
+            step.step_fn(model, one)

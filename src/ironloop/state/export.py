@@ -58,7 +58,10 @@ def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = Fals
 def _averaged(ckpt: Path) -> dict[str, torch.Tensor]:
     """The averaged model's weights in a checkpoint (AveragedModel's state_dict without its
     count); its keys are the model's own once ``module.`` is stripped."""
-    average = None if ckpt.is_dir() else load_verified(ckpt).get("average")
+    if ckpt.is_dir():
+        raise UserError(f"{ckpt} is sharded (FSDP2): each rank holds its own shards of the "
+                        f"average; use the run's final_avg.safetensors instead")
+    average = load_verified(ckpt).get("average")
     if average is None:
         raise UserError(f"{ckpt} holds no averaged weights: the run trained with "
                         f"average.kind=none; export --which best or --which last instead")
