@@ -34,10 +34,11 @@ def sklearn_f1(model, val, average="macro") -> float:
 
 def test_f1_over_a_split_equals_sklearns(tmp_path):
     """61 samples in batches of 32 and 29: the F1 of the split, not a mean of batch F1s."""
-    val = blobs(61, seed=1)
+    val, test = blobs(61, seed=1), blobs(45, seed=2)
     result = ironloop.fit(tiny_mlp(), blobs(200), val,
                           cfg(tmp_path, eval__metrics={"f1m": F1}, early_stop__metric="val_f1"),
-                          metrics={"f1": MulticlassF1Score(3, average="macro")})
+                          test_data=test, metrics={"f1": MulticlassF1Score(3, average="macro")})
+    assert result.results["test_f1"] == pytest.approx(sklearn_f1(result.model, test), abs=1e-6)
     last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
     want = sklearn_f1(result.model, val)
     assert last["val_f1"] == pytest.approx(want, abs=1e-6)

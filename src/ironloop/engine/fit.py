@@ -240,6 +240,8 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         # seconds per part, this process (timing.PARTS)
         "time_split": run.outputs.timer.finish() or None,
     }
+    split = run.step.metrics  # whole-split metrics on the test split too: test_<name>
+    results.update({f"test_{k}": test[k] for k in (split.metrics if split else ()) if k in test})
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": p.epoch + 1, "val_loss": final_val.get("loss")}
     tokens = float(all_reduce_sum(c.meter.tokens.clone(), run.world))  # host sync, once
