@@ -50,7 +50,9 @@ def _doctor(args) -> int:
 def _export(args) -> int:
     from ironloop.state.export import export_run
 
-    out = export_run(Path(args.run_dir), Path(args.out), args.which, force=args.force)
+    # a remote run (checkpoint.remote's URL) keeps its "://"; Path() would fold it
+    run_dir = args.run_dir if "://" in args.run_dir else Path(args.run_dir)
+    out = export_run(run_dir, Path(args.out), args.which, force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -181,7 +183,7 @@ def _add_doctor(sub) -> None:
 
 def _add_export(sub) -> None:
     e = sub.add_parser("export", help="write a run's weights as safetensors")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="a run.dir, or a checkpoint.remote URL (s3://...)")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
     e.add_argument("--which", choices=("best", "last"), default="best")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")

@@ -258,9 +258,19 @@ class CheckpointConfig(Section):
     keep_last: int = fld(3, "rolling step-N.pt files to keep (0 = only last.pt and best.pt)")
     async_write: bool = fld(False, "write in a background thread after a CPU snapshot",
                            key="async")
+    remote: str = fld("", "also upload each checkpoint, in the background, to this fsspec URL "
+                     "(s3://bucket/prefix, gs://..., file:///...); --resume fetches from it "
+                     "when run.dir has nothing newer ('' = off; needs ironloop[remote])")
+    remote_options: dict = fld({}, "keyword arguments for the remote's fsspec filesystem (e.g. "
+                               "{profile: ...}); credentials and endpoints otherwise come the "
+                               "filesystem's usual way (AWS_* variables, AWS_ENDPOINT_URL)")
+    remote_retries: int = fld(5, "retries of a failed upload, with backoff from 0.5 s doubling "
+                              "to 30 s; then it is skipped with a warning, training goes on")
+    remote_wait_s: float = fld(120.0, "at the end of a run (and on SIGTERM), how long pending "
+                               "uploads may still take")
 
     def validate(self) -> None:
-        self._non_negative("every_steps", "keep_last")
+        self._non_negative("every_steps", "keep_last", "remote_retries", "remote_wait_s")
 
 
 @dataclass

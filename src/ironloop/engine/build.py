@@ -35,7 +35,7 @@ from ironloop.guard.verdict import device_guard
 from ironloop.outputs import console, loggers, records
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
-from ironloop.state import dcp as sharded, drift, rundir
+from ironloop.state import dcp as sharded, drift, remote, rundir
 from ironloop.state.manager import CheckpointManager
 
 
@@ -174,10 +174,12 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
     if cfg.checkpoint.enabled and strategy == "fsdp":
         manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints",
                                                    cfg.checkpoint.keep_last,
-                                                   cfg.checkpoint.async_write)
+                                                   cfg.checkpoint.async_write,
+                                                   mirror=_mirror(cfg, world, progress.step))
     elif cfg.checkpoint.enabled and world.is_main and not parallel.is_fsdp(state.step.raw_model):
         manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                    cfg.checkpoint.async_write)
+                                    cfg.checkpoint.async_write,
+                                    mirror=_mirror(cfg, world, progress.step))
     if manager is not None:
         # Checkpoints past the step this run resumed from belong to a future that did not
         # happen: the file and the sharded manager both drop them, saying so.
@@ -187,6 +189,22 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
                       run_dir / "trace" if cfg.profile.trace and world.is_main else None,
                       cfg.profile.trace_steps)
     return Outputs(log, manager, timer, last_saved=progress.step)
+
+
+def _mirror(cfg: Config, world: World, step: int) -> remote.Mirror | None:
+    """checkpoint.remote's uploader; rank 0 first drops remote checkpoints past ``step``."""
+    c = cfg.checkpoint
+    if not c.remote:
+        return None
+    mirror = remote.Mirror(remote.open_remote(c.remote, c.remote_options),
+                           Path(cfg.run.dir) / "checkpoints" / remote.STAGING / f"rank{world.rank}",
+                           c.keep_last, rank=world.rank, world_size=world.size,
+                           retries=c.remote_retries, wait_s=c.remote_wait_s)
+    if world.is_main:
+        for url in mirror.discard_after(step):
+            print(f"notice: removed {url} from the remote: it is past the step this run "
+                  f"resumed from")
+    return mirror
 
 
 def _resume_event(log: RunLog, state: RunState, resumed: dict, source: str) -> None:

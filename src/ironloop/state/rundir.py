@@ -6,6 +6,7 @@ Rank 0 writes; every rank reads the checkpoint it resumes from.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import yaml
 
 from ironloop.config import Config
 from ironloop.dist.world import World, barrier
-from ironloop.errors import UserError
-from ironloop.state import dcp as sharded, drift
+from ironloop.errors import CheckpointError, UserError
+from ironloop.state import dcp as sharded, drift, remote as mirror
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, written_by_ironloop
 from ironloop.state.manager import has_checkpoints
@@ -63,7 +64,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
             if path is not None:  # a directory: a run.dir or its checkpoints/ folder
                 ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
-            found = sharded.latest_any(ckpt_dir, warn)
+            found = latest(ckpt_dir, cfg, world, warn)
             if found is None:
                 if world.is_main:
                     refuse_foreign(run_dir)
@@ -81,6 +82,8 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
                             f"another run.dir")
         if not overwrite:
             refuse_foreign(run_dir)
+        if cfg.checkpoint.remote:
+            fresh_remote(cfg, overwrite)
         if overwrite:  # only the files a run writes; anything else in run.dir stays
             for path in (run_dir / n for n in RUN_OUTPUTS):
                 if path.is_dir():
@@ -95,6 +98,58 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
             raise unwritable(run_dir, e) from e
     barrier(world)
     return state, source
+
+
+def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict] | None:
+    """The newest valid checkpoint to resume from: run.dir's, or, when ``checkpoint.remote``
+    has a newer complete one (a new node, an emptied disk), that one, fetched into run.dir."""
+    if not cfg.checkpoint.remote:
+        return sharded.latest_any(ckpt_dir, warn)
+    remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
+    local, error = None, None
+    try:
+        local = sharded.latest_any(ckpt_dir, warn)
+    except CheckpointError as e:  # every local one is damaged: the remote may hold a good one
+        error = e
+    fetched = None
+    if world.is_main:  # rank 0 fetches; every rank reads run.dir, as for a local resume
+        above = local[1]["progress"]["step"] if local is not None else -1
+        fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn)
+        if fetched is not None:
+            print(f"notice: fetched {remote.show(fetched.name)} into {fetched}: it is newer "
+                  f"than anything in run.dir")
+            if not (ckpt_dir / "best.pt").exists():  # the final restore reads best.pt
+                _fetch_best(remote, ckpt_dir, warn)
+    barrier(world)
+    if fetched is not None or world.distributed:  # read again: the fetched one is the newest
+        return sharded.latest_any(ckpt_dir, lambda msg: None)
+    if error is not None:
+        raise error
+    return local
+
+
+def _fetch_best(remote: mirror.Remote, ckpt_dir: Path, warn) -> None:
+    best = mirror.fetch_newest(remote, ckpt_dir, -1, warn, best=True)
+    if best is not None and best.suffix == ".pt":
+        best.with_name(".best.pt.tmp-fetch").unlink(missing_ok=True)
+        os.link(best, best.with_name(".best.pt.tmp-fetch"))
+        os.replace(best.with_name(".best.pt.tmp-fetch"), ckpt_dir / "best.pt")
+
+
+def fresh_remote(cfg: Config, overwrite: bool) -> None:
+    """A fresh run must not mix its checkpoints with another run's in checkpoint.remote:
+    refused, or with --overwrite, those are deleted (manifests first)."""
+    remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
+    held = sorted(set(remote.manifests()) | set(remote.step_objects()))
+    if held and not overwrite:
+        raise UserError(f"checkpoint.remote {remote.url} already holds a run's checkpoints "
+                        f"(steps {held[0]}..{held[-1]}); pass --resume to continue it, "
+                        f"--overwrite to delete them and start over, or choose another "
+                        f"checkpoint.remote")
+    for step in held:
+        remote.remove_checkpoint(step)
+    if held:
+        print(f"notice: removed {len(held)} checkpoint(s) from {remote.url} (--overwrite)")
 
 
 def best_weights(run_dir: Path, cfg: Config) -> dict | None:
