@@ -29,7 +29,7 @@ from ironloop.errors import UserError
 from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.remote import Mirror, fetch_newest, open_remote
-from tests.conftest import REPO, blobs, cfg, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
 
 STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
 
@@ -338,3 +338,22 @@ def test_s3_kill_9_then_resume_on_an_empty_run_dir_equals_an_uninterrupted_run(
     a = load_file(tmp_path / "plain" / "final.safetensors")
     b = load_file(tmp_path / "run" / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_s3_sigterm_uploads_the_preemption_checkpoint_before_the_exit(tmp_path, s3, s3_server):
+    url, _ = s3
+    proc = _cli(tmp_path / "run", f"checkpoint.remote={url}", "log.every_steps=1",
+                env=s3_server)
+    deadline = time.monotonic() + 300
+    while logged_step(tmp_path / "run") < 5:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached step 5"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    step = next(e["step"] for e in events if e["event"] == "preempted")
+    assert open_remote(url).manifests()[-1] == step  # landed within checkpoint.remote_wait_s
+    assert f"the newest step {step}" in out

@@ -291,6 +291,8 @@ class Mirror:
                 except FileNotFoundError:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"rank {r} never uploaded its files") from None
+                    if self._pending and not job.best:  # rank r may have dropped it too
+                        raise TimeoutError(f"superseded while rank {r} uploads") from None
                     time.sleep(_POLL_S)
         return files
 
