@@ -205,6 +205,9 @@ class Mirror:
             while (self._pending or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             unfinished = [j.step for j in self._pending] + ([-1] if self._busy else [])
+            for job in self._pending:  # not started: dropped (the one in flight may finish)
+                shutil.rmtree(job.staged, ignore_errors=True)
+            self._pending.clear()
         return self._summary(unfinished) if self.rank == 0 else None
 
     def _summary(self, unfinished: list[int]) -> str:

@@ -64,7 +64,9 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
             if path is not None:  # a directory: a run.dir or its checkpoints/ folder
                 ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             warn = (lambda msg: print(f"warning: {msg}")) if world.is_main else (lambda msg: None)
-            found = latest(ckpt_dir, cfg, world, warn)
+            # the remote mirrors this run's own checkpoints, not those of a --resume DIR
+            found = latest(ckpt_dir, cfg, world, warn) if path is None \
+                else sharded.latest_any(ckpt_dir, warn)
             if found is None:
                 if world.is_main:
                     refuse_foreign(run_dir)
