@@ -108,6 +108,20 @@ def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys
     assert "fetched" not in capsys.readouterr().out
 
 
+def test_a_newer_remote_checkpoint_wins_over_an_older_local_one(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(7)])
+    shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "old")
+    _fit(config, resume=True, callbacks=[StopAt(12)])
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # this node still holds step 7 only
+    shutil.copytree(tmp_path / "old", tmp_path / "run" / "checkpoints")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert f"fetched {url}/step-00000012.pt" in capsys.readouterr().out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"][-1] == 12
+
+
 def test_an_incomplete_remote_checkpoint_does_not_count_and_is_cleaned(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     config = _config(tmp_path, checkpoint__remote=url)
