@@ -58,7 +58,8 @@ def _export_remote(url: str, out: Path, which: str, force: bool) -> Path:
     store = remote.open_remote(url)
     with tempfile.TemporaryDirectory(prefix="ironloop-export-") as tmp:
         ckpts = Path(tmp) / "checkpoints"
-        got = remote.fetch_newest(store, ckpts, -1, print, best=which == "best")
+        got = remote.fetch_newest(store, ckpts, -1, lambda msg: print(f"warning: {msg}"),
+                                  best=which == "best")
         if got is None:
             raise UserError(f"{url} holds no complete {which} checkpoint"
                             + (": pass --which last" if which == "best" and store.manifests()

@@ -339,7 +339,7 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
             return _download(remote, manifest, directory)
         except (CheckpointError, ValueError, KeyError, OSError) as e:
             reason = str(e) if isinstance(e, CheckpointError) else _short(e)
-            warn(f"warning: remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
+            warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
                  f"({reason}); falling back to an older one")
     return None
 
