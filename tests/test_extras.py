@@ -13,7 +13,8 @@ from ironloop.errors import UserError
 from ironloop.tools.report import plot_lr
 from tests.conftest import REPO
 
-HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow")
+HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow",
+         "fsspec", "s3fs", "gcsfs")
 
 
 def _pyproject() -> dict:

@@ -83,10 +83,12 @@ def test_each_checkpoint_lands_remotely_with_the_same_bytes_and_a_manifest(tmp_p
     assert not list((local / ".remote-staging").rglob("*.pt"))  # the upload's links are gone
 
 
+@pytest.mark.parametrize("async_write", [False, True])
 def test_resume_into_an_empty_run_dir_fetches_the_newest_and_is_bit_exact(tmp_path, capsys,
-                                                                          uninterrupted):
+                                                                          uninterrupted,
+                                                                          async_write):
     url = f"file://{tmp_path}/remote"
-    config = _config(tmp_path, checkpoint__remote=url)
+    config = _config(tmp_path, checkpoint__remote=url, checkpoint__async=async_write)
     _fit(config, callbacks=[StopAt(12)])
     assert open_remote(url).manifests()[-1] == 12
     shutil.rmtree(tmp_path / "run")  # a new node: run.dir is empty
@@ -175,6 +177,7 @@ class Flaky(MemoryFileSystem):
     protocol = "flaky"
     fails = 0
     gate: threading.Event | None = None
+    refuse_manifests = False  # every manifest write fails (the files still land)
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -188,6 +191,11 @@ class Flaky(MemoryFileSystem):
             raise ConnectionResetError("injected: connection reset by peer")
         return super().put_file(lpath, rpath, **kwargs)
 
+    def pipe_file(self, path, value, *args, **kwargs):
+        if Flaky.refuse_manifests and "/manifests/step-" in path:
+            raise ConnectionResetError("injected: manifest write refused")
+        return super().pipe_file(path, value, *args, **kwargs)
+
 
 fsspec.register_implementation("flaky", Flaky, clobber=True)
 
@@ -195,7 +203,7 @@ fsspec.register_implementation("flaky", Flaky, clobber=True)
 @pytest.fixture
 def flaky(tmp_path):
     yield f"flaky://{tmp_path.name}"
-    Flaky.fails, Flaky.gate = 0, None
+    Flaky.fails, Flaky.gate, Flaky.refuse_manifests = 0, None, False
 
 
 def test_an_upload_that_fails_a_few_times_is_retried_and_lands(tmp_path, flaky, capsys,
@@ -220,6 +228,20 @@ def test_an_upload_that_never_lands_warns_and_training_finishes(tmp_path, flaky,
     assert open_remote(flaky).manifests() == []
     assert _equal(weights, uninterrupted)
     assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+def test_older_remote_checkpoints_are_deleted_only_after_a_newer_manifest_landed(
+        tmp_path, flaky):
+    config = _config(tmp_path, checkpoint__remote=flaky, checkpoint__keep_last=1,
+                     checkpoint__remote_retries=0)
+    _fit(config, callbacks=[StopAt(7)])
+    remote = open_remote(flaky)
+    assert remote.manifests()[-1] == 7
+    kept = remote.manifests()
+    Flaky.refuse_manifests = True  # newer files land, their manifests never do
+    _fit(config, resume=True)
+    assert remote.manifests() == kept  # keep_last=1, yet nothing complete was deleted
+    assert all(f"step-{s:08d}.pt" in remote.names() for s in kept)
 
 
 def test_the_run_ends_while_uploads_are_pending_and_says_so(tmp_path, flaky, capsys):
