@@ -169,7 +169,6 @@ class Mirror:
         self._warn = warn
         self._pending: list[_Job] = []
         self._busy = False
-        self._closing = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
@@ -200,8 +199,6 @@ class Mirror:
         """Wait up to ``wait_s`` for pending uploads; the final line (None on ranks > 0)."""
         deadline = time.monotonic() + self.wait_s
         with self._cond:
-            self._closing = True
-            self._cond.notify_all()
             while (self._pending or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             unfinished = [j.step for j in self._pending] + ([-1] if self._busy else [])
