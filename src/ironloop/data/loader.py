@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
+from ironloop.data.workers import shielded
 
 
 class TensorData(Dataset):
@@ -219,7 +220,7 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, *, num_workers: int, pi
     workers = num_workers > 0
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       pin_memory=pin_memory, collate_fn=collate_fn, generator=gen,
-                      worker_init_fn=_seed_worker if workers else None,
+                      worker_init_fn=shielded(_seed_worker) if workers else None,
                       persistent_workers=persistent and workers)
 
 
