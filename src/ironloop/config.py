@@ -455,6 +455,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}".replace("\n", " ")) from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is "
+                              f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
     return Config.from_dict(raw).with_overrides(overrides or [])
 
 

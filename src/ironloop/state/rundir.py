@@ -105,13 +105,21 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:
                             f"overwrite its outputs; pass --overwrite to start over, or choose "
                             f"another run.dir")
         return
-    if not overwrite and (has_checkpoints(run_dir / "checkpoints")
-                          or (run_dir / "metrics.jsonl").exists()):
+    if not overwrite and (has_checkpoints(run_dir / "checkpoints") or _logged(run_dir)):
         raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
                         f"it, --overwrite to delete its outputs and start over, or choose "
                         f"another run.dir")
     if not overwrite:
         refuse_foreign(run_dir)
+
+
+def _logged(run_dir: Path) -> bool:
+    """metrics.jsonl holds a step: a run that failed before its first log line (a bad input
+    found at step 1) left nothing to lose, and its corrected rerun starts over."""
+    try:
+        return (run_dir / "metrics.jsonl").stat().st_size > 0
+    except FileNotFoundError:
+        return False
 
 
 def _any_checkpoint(path: Path) -> bool:

@@ -1,0 +1,149 @@
+"""Bad inputs that used to crash with a raw exception (issue 29, item 6) end in one line naming
+the bad thing and the fix: exit 2 from the CLI, a UserError subclass from fit()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import ironloop
+from ironloop.cli import main
+from ironloop.errors import ConfigError, DataError, UserError
+from tests.conftest import blobs, tiny_mlp
+from tests.test_preempt import ARGS
+
+FAST = [*ARGS, "train.epochs=1", "train.max_steps=3"]
+
+FACTORIES = '''
+import torch
+from torch import nn
+
+def empty_train():
+    x, y = torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)
+    return torch.utils.data.TensorDataset(x, y), None
+
+def blobs_no_classes():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+    return {"train": torch.utils.data.TensorDataset(x, y), "val": None}
+
+def model_with_default(input_shape, num_classes=4):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], num_classes))
+
+def model_with_a_bug(input_shape, num_classes=4):
+    return nn.Linear(input_shape[0], num_classes, bogus=1)  # a TypeError inside the factory
+
+def flat_output(input_shape, num_classes=4):
+    return nn.Sequential(nn.Linear(input_shape[0], 1), nn.Flatten(0))  # (N,), not (N, C)
+'''
+
+
+def conf(tmp_path, **kw) -> dict:
+    return {"run.dir": str(tmp_path / "run"), "log.progress": "off", "train.epochs": 1,
+            "doctor.preflight": False, **kw}
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ironloop: error: "), err
+    return err[0]
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "my_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_a_data_factory_returning_an_empty_training_set_is_one_line(factories, capsys):
+    assert main(["train", *FAST, "data.name=my_factories:empty_train",
+                 f"run.dir={factories / 'run'}"]) == 2
+    assert "empty training split" in one_line(capsys)
+
+
+def test_a_model_factory_keeps_its_own_num_classes_default_when_the_data_gives_none(
+        factories, capsys):
+    assert main(["train", *FAST, "data.name=my_factories:blobs_no_classes",
+                 "model.name=my_factories:model_with_default",
+                 f"run.dir={factories / 'run'}"]) == 0, capsys.readouterr().err
+
+
+def test_an_error_inside_a_model_factory_is_the_factorys_own(factories, capsys):
+    assert main(["train", *FAST, "data.name=my_factories:blobs_no_classes",
+                 "model.name=my_factories:model_with_a_bug",
+                 f"run.dir={factories / 'run'}"]) == 2
+    line = one_line(capsys)
+    assert "raised TypeError" in line and "bogus" in line and "rejected" not in line, line
+
+
+def test_a_model_with_flat_output_for_a_classification_loss_is_one_line(factories, capsys):
+    assert main(["train", *FAST, "data.name=my_factories:blobs_no_classes",
+                 "model.name=my_factories:flat_output", f"run.dir={factories / 'run'}"]) == 2
+    assert "does not fit the loss" in one_line(capsys)
+    model = nn.Sequential(nn.Linear(8, 1), nn.Flatten(0))
+    with pytest.raises(UserError, match=r"output Tensor\[32\].*does not fit the loss"):
+        ironloop.fit(model, blobs(n=64), None, conf(factories, **{"train.batch_size": 32}))
+    # the failed runs logged no step: the corrected rerun in the same run.dir is accepted
+    assert main(["train", *FAST, "data.name=my_factories:blobs_no_classes",
+                 "model.name=my_factories:model_with_default",
+                 f"run.dir={factories / 'run'}"]) == 0, capsys.readouterr().err
+
+
+def test_an_unknown_early_stop_metric_is_refused_before_any_training(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *FAST, "early_stop.metric=val_bogus", f"run.dir={run_dir}"]) == 2
+    line = one_line(capsys)
+    assert "early_stop.metric='val_bogus'" in line and "val_acc" in line
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert main(["train", *FAST, "early_stop.metric=val_acc", f"run.dir={run_dir}"]) == 0
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run:\n  dir: caf\xe9\n".encode("latin-1"))
+    assert main(["train", str(bad)]) == 2
+    line = one_line(capsys)
+    assert str(bad) in line and "UTF-8" in line
+
+
+class Strings(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return f"text {i}", i % 2
+
+
+def test_string_batches_are_one_line(tmp_path):
+    with pytest.raises(DataError, match="a batch is a str"):
+        ironloop.fit(tiny_mlp(), Strings(), None, conf(tmp_path, **{"train.batch_size": 4}))
+
+
+def test_fit_without_training_data_is_one_line(tmp_path):
+    with pytest.raises(DataError, match="train_data is None"):
+        ironloop.fit(tiny_mlp(), None, None, conf(tmp_path))
+
+
+def test_fit_with_a_function_as_the_model_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="model must be a torch.nn.Module, not function"):
+        ironloop.fit(lambda x: x, blobs(), None, conf(tmp_path))
+
+
+def test_inputs_and_targets_of_different_lengths_are_one_line(tmp_path):
+    with pytest.raises(DataError, match="inputs hold 10 samples and the targets 9"):
+        ironloop.fit(tiny_mlp(), (torch.randn(10, 8), torch.zeros(9, dtype=torch.long)), None,
+                     conf(tmp_path))
+
+
+def test_integer_inputs_into_a_float_model_are_one_line(tmp_path):
+    x, y = torch.randint(0, 5, (32, 8)), torch.randint(0, 3, (32,))
+    with pytest.raises(DataError, match=r"inputs are Tensor\[\d+, 8\] int64.*\.float\(\)"):
+        ironloop.fit(tiny_mlp(), (x, y), None, conf(tmp_path))
+
+
+def test_the_bad_inputs_raise_user_errors_not_config_errors_by_accident():
+    # the hierarchy the CLI relies on: each class here is a UserError (exit 2, one line)
+    assert issubclass(DataError, UserError) and issubclass(ConfigError, UserError)
