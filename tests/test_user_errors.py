@@ -3,12 +3,15 @@ the bad thing and the fix: exit 2 from the CLI, a UserError subclass from fit().
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import ironloop
+from ironloop.callbacks import Callback
 from ironloop.cli import main
 from ironloop.errors import ConfigError, DataError, UserError
 from tests.conftest import blobs, tiny_mlp
@@ -147,3 +150,27 @@ def test_integer_inputs_into_a_float_model_are_one_line(tmp_path):
 def test_the_bad_inputs_raise_user_errors_not_config_errors_by_accident():
     # the hierarchy the CLI relies on: each class here is a UserError (exit 2, one line)
     assert issubclass(DataError, UserError) and issubclass(ConfigError, UserError)
+
+
+class BlockTheMarks(Callback):
+    """After the first checkpoint, trackers.json cannot be replaced any more: a real OSError
+    from the filesystem on the trackers' next hand-over, as a full disk gives one."""
+
+    def on_checkpoint(self, run, info) -> None:
+        marks = Path(run.cfg.run.dir) / "trackers.json"
+        if marks.is_file():
+            marks.unlink()
+            marks.mkdir()
+            (marks / "keep").write_text("")  # a non-empty directory: os.replace fails
+
+
+def test_a_tracker_hand_over_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(
+        tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(UserError, match=r"could not write .*trackers.json.*--resume"):
+        ironloop.fit(tiny_mlp(), blobs(n=128), None,
+                     conf(tmp_path, **{"log.tensorboard": True, "checkpoint.every_steps": 2,
+                                       "train.batch_size": 16, "log.every_steps": 1}),
+                     callbacks=[BlockTheMarks()])
+    assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]
+    assert (run_dir / "checkpoints" / "last.pt").exists()

@@ -101,8 +101,12 @@ def temp_path(path: Path) -> Path:
 def write_atomic(path: Path, text: str) -> None:
     """Write a small text file so a reader never sees half of it."""
     tmp = temp_path(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)  # a full disk leaves no stray temp file behind
+        raise
 
 
 def remove_quietly(path: Path) -> None:
