@@ -4,6 +4,7 @@ the bad thing and the fix: exit 2 from the CLI, a UserError subclass from fit().
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from torch.utils.data import Dataset
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.cli import main
-from ironloop.errors import ConfigError, DataError, UserError
+from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
+from ironloop.outputs import console
+from ironloop.state.io import load_verified
 from tests.conftest import blobs, tiny_mlp
 from tests.test_preempt import ARGS
 
@@ -174,3 +177,26 @@ def test_a_tracker_hand_over_that_cannot_be_written_is_one_line_and_leaves_no_te
                      callbacks=[BlockTheMarks()])
     assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]
     assert (run_dir / "checkpoints" / "last.pt").exists()
+
+
+def test_resuming_past_the_runs_length_says_that_nothing_is_trained():
+    plan = console.Plan(10, 23, 3, window=64)
+    at = SimpleNamespace(step=69, epoch=3, offset=0)
+    line = console.resume_line({"from": "last.pt", "step": 69, "steps_redone": 0}, at, plan, [])
+    assert "at step 69/10" in line and "Nothing to train" in line and "train.max_steps" in line
+    fresh = console.resume_line({"from": "last.pt", "step": 5, "steps_redone": 0}, at, plan, [])
+    assert "Nothing to train" not in fresh
+
+
+def test_an_empty_validation_split_is_warned_about(tmp_path, capsys):
+    empty = (torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    ironloop.fit(tiny_mlp(), blobs(n=32), empty, conf(tmp_path))
+    assert "validation split is empty" in capsys.readouterr().out
+
+
+def test_a_text_file_named_like_a_checkpoint_says_what_it_is(tmp_path):
+    text = tmp_path / "last.pt"
+    text.write_text("hello, this is not a checkpoint\n")
+    with pytest.raises(CheckpointError, match="not a file torch.save wrote: it starts with "
+                                              "'hello, this is not a che"):
+        load_verified(text)

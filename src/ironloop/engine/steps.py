@@ -153,7 +153,8 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
 
     def check(batch) -> None:
         y = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
-        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu":
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu" \
+                or not y.numel():  # an empty split has no label to check
             return
         lo, hi = int(y.min()), int(y.max())  # host tensors: no device sync
         if lo < 0 or hi >= num_classes:
