@@ -200,3 +200,19 @@ def test_a_text_file_named_like_a_checkpoint_says_what_it_is(tmp_path):
     with pytest.raises(CheckpointError, match="not a file torch.save wrote: it starts with "
                                               "'hello, this is not a che"):
         load_verified(text)
+
+
+def test_the_guard_stop_advice_fits_the_run():
+    from ironloop.guard.hook import advice
+
+    quiet = advice(1.0, "fp32")  # clipping on already, and no fp16 to move off
+    assert "clip.max_norm=1.0" not in quiet and "bf16" not in quiet and "optim.lr" in quiet
+    loud = advice(0.0, "fp16")
+    assert "clip.max_norm=1.0" in loud and "bf16 instead of fp16" in loud
+
+
+def test_all_nan_training_data_stops_in_one_line_instead_of_ending_with_0_steps(tmp_path):
+    x, y = torch.full((200, 8), float("nan")), torch.randint(0, 3, (200,))
+    with pytest.raises(UserError, match="skip list and fewer than one batch is left") as e:
+        ironloop.fit(tiny_mlp(), (x, y), None, conf(tmp_path, **{"train.batch_size": 64}))
+    assert "\n" not in str(e.value)

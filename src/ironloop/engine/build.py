@@ -30,7 +30,7 @@ from ironloop.engine.timing import StepTimer
 from ironloop.engine.trainstep import TrainStep
 from ironloop.errors import CheckpointError, UserError
 from ironloop.guard.faults import Faults
-from ironloop.guard.hook import GuardHook
+from ironloop.guard.hook import GuardHook, advice as guard_advice
 from ironloop.guard.verdict import device_guard
 from ironloop.outputs import console, loggers, records
 from ironloop.outputs.runlog import RunLog
@@ -68,7 +68,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
         cfg.guard, Path(cfg.run.dir), cfg.checkpoint.enabled, guard_device,
         meter=counters.meter, progress=counters.progress, data=data.source,
         model=step.raw_model, world=world, state=state,
-        accumulation=cfg.train.accumulation_steps)
+        accumulation=cfg.train.accumulation_steps,
+        advice=guard_advice(cfg.clip.max_norm, step.precision))
     run_dir = Path(cfg.run.dir)
     used = records.used(step.raw_model, step.optimizer, step.scheduler, given.from_config,
                         data.described(), **given.user_fns)
