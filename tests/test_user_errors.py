@@ -216,3 +216,17 @@ def test_all_nan_training_data_stops_in_one_line_instead_of_ending_with_0_steps(
     with pytest.raises(UserError, match="skip list and fewer than one batch is left") as e:
         ironloop.fit(tiny_mlp(), (x, y), None, conf(tmp_path, **{"train.batch_size": 64}))
     assert "\n" not in str(e.value)
+
+
+def test_consecutive_nan_at_steps_give_that_many_bad_steps_in_a_row(tmp_path):
+    import json
+
+    from ironloop.guard.hook import GuardStop
+
+    with pytest.raises(GuardStop):
+        ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                     conf(tmp_path, **{"fault.nan_at_step": [3, 4, 5], "train.batch_size": 16,
+                                       "guard.max_bad_steps": 3, "guard.max_rollbacks": 1}))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text()
+            .splitlines()]
+    assert [r["event"] for r in rows[:4]] == ["bad_step"] * 3 + ["rollback"], rows

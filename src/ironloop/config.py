@@ -268,7 +268,7 @@ class FaultConfig(Section):
     _name = "fault"
     crash_at_step: int = fld(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
     nan_at_step: list = fld([], "guard knob: make the loss NaN on the first attempt at these "
-                               "optimizer steps")
+                               "optimizer steps ([20, 21, 22]: three bad steps in a row)")
     nan_sample: int = fld(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
     oom_at_step: int = fld(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
