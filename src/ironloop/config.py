@@ -278,7 +278,7 @@ class FaultConfig(Section):
     _name = "fault"
     crash_at_step: int = fld(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
     nan_at_step: list = fld([], "guard knob: make the loss NaN on the first attempt at these "
-                               "optimizer steps")
+                               "optimizer steps ([20, 21, 22]: three bad steps in a row)")
     nan_sample: int = fld(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
     oom_at_step: int = fld(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
@@ -465,6 +465,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}".replace("\n", " ")) from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is "
+                              f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
     return Config.from_dict(raw).with_overrides(overrides or [])
 
 

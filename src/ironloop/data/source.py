@@ -166,6 +166,9 @@ def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_siz
     val_set = eval_subset(map_style(val_data, "val_data").dataset, cfg, world_size)
     test_set = map_style(test_data, "test_data").dataset
     check_needs_val(cfg, val_set)
+    if val_set is not None and len(val_set) == 0 and rank == 0:
+        print("warning: the validation split is empty (0 samples): this run reports no val_* "
+              "metric and best.pt tracks nothing; check data.val_fraction or val_data")
     stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
     if stream:
         if poison is not None:

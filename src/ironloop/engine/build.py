@@ -20,7 +20,7 @@ from ironloop.dist.world import World, all_reduce_sum
 from ironloop.dist.wrap import checkpoint_activations, compile_model
 from ironloop.engine import carry, steps
 from ironloop.engine.cadence import Cadence
-from ironloop.engine.early_stop import BestTracker
+from ironloop.engine.early_stop import BestTracker, check_monitor
 from ironloop.engine.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.engine.precision import grad_scaler
 from ironloop.engine.preempt import Preemption
@@ -30,7 +30,7 @@ from ironloop.engine.timing import StepTimer
 from ironloop.engine.trainstep import TrainStep
 from ironloop.errors import CheckpointError, UserError
 from ironloop.guard.faults import Faults
-from ironloop.guard.hook import GuardHook
+from ironloop.guard.hook import GuardHook, advice as guard_advice
 from ironloop.guard.verdict import device_guard
 from ironloop.outputs import console, loggers, records
 from ironloop.outputs.runlog import RunLog
@@ -61,12 +61,15 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
                                 counters.meter.loss_sum.dtype) if cfg.guard.enabled else None
     step, strategy = _step_part(cfg, model, data, device, world, precision, given, counters,
                                 faults, guard_device)
+    check_monitor(cfg.early_stop.metric, _step_kind(cfg, given), cfg.eval.perplexity,
+                  data.val is not None and len(data.val) > 0)
     state = RunState(cfg, step, counters, data.source, world, callbacks)
     guard = None if guard_device is None else GuardHook(
         cfg.guard, Path(cfg.run.dir), cfg.checkpoint.enabled, guard_device,
         meter=counters.meter, progress=counters.progress, data=data.source,
         model=step.raw_model, world=world, state=state,
-        accumulation=cfg.train.accumulation_steps)
+        accumulation=cfg.train.accumulation_steps,
+        advice=guard_advice(cfg.clip.max_norm, step.precision))
     run_dir = Path(cfg.run.dir)
     used = records.used(step.raw_model, step.optimizer, step.scheduler, given.from_config,
                         data.described(), **given.user_fns)
@@ -90,6 +93,13 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     preempt = Preemption(world.distributed, cfg.dist.timeout_s)
     return Run(cfg, world, data, step, counters, state, outputs, guard, cadence, faults,
                callbacks, preempt), strategy
+
+
+def _step_kind(cfg: Config, given: Given) -> str:
+    """'classification', 'lm' or 'user': which step computes the run's metrics."""
+    if given.step_fn is steps.lm_step or (given.step_fn is None and cfg.train.step_fn == "lm"):
+        return "lm"
+    return "classification" if given.step_fn is None and not cfg.train.step_fn else "user"
 
 
 def _counters(cfg: Config, data: RunData, device: torch.device, world: World) -> Counters:

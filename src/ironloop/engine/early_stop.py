@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from ironloop.errors import ConfigError
+
 
 class BestTracker:
     """Tracks the best value of one monitored metric and how long since it improved.
@@ -38,3 +40,17 @@ class BestTracker:
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]
         self.bad_epochs = state["bad_epochs"]
+
+
+def check_monitor(metric: str, step: str, perplexity: bool, validates: bool) -> None:
+    """``early_stop.metric`` against the metrics the run will report, before any training (a
+    mistake found after the first epoch left its outputs behind). ``step``: 'classification'
+    or 'lm' (the built-in steps, whose metrics are known), anything else a user's step_fn,
+    whose metric names only its evaluation tells (checked there)."""
+    known = {"classification": ["val_loss", "val_acc"], "lm": ["val_loss"]}.get(step)
+    if not validates or known is None:
+        return
+    reported = [*known, *(["val_ppl"] if perplexity else [])]
+    if metric not in reported:
+        raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
+                          f"{', '.join(reported)}; monitor one of those")

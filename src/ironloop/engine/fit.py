@@ -34,7 +34,7 @@ from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import ConfigError
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state import lock
@@ -115,6 +115,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             ``ironloop train`` does); otherwise config.yaml names the user's classes.
     """
     started = time.time()
+    _check_arguments(model, train_data)
     cfg = resolved(as_config(config), train_data, step_fn)  # the one config, from here on
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
@@ -136,6 +137,17 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     del run  # the DDP wrapper goes before its process group (see dist.world.shutdown)
     shutdown(world)
     return result
+
+
+def _check_arguments(model, train_data) -> None:
+    """fit()'s two required arguments, each refused in one line before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}; pass the "
+                        f"model instance (a function: wrap it in an nn.Module's forward)")
+    if train_data is None:
+        raise DataError("train_data is None; pass the training split: a Dataset, a "
+                        "DataLoader, a Hugging Face datasets.Dataset or an (inputs, targets) "
+                        "pair")
 
 
 def resolved(cfg: Config, train_data, step_fn) -> Config:

@@ -211,6 +211,10 @@ def _preempted(run: Run) -> None:
     taken_back = settle(run)
     if saved and (taken_back or not run.cadence.saves(p.step)):
         run.save(False)
+    if saved and run.outputs.checkpoints is not None:
+        # "saved": true only once the write is done (an async one too); a failed write raises
+        # here, before the record could claim it
+        run.outputs.checkpoints.wait()
     stop = run.preempt.stopped(p.step, saved)
     if run.outputs.log is not None:
         run.outputs.log.write("events", {"event": "preempted", "signal": stop.signal_name,

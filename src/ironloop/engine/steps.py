@@ -79,7 +79,10 @@ def classification_step(loss_fn) -> StepFn:
         if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
             return output_loss(model(**batch)), {}
         x, y = batch[0], batch[1]
-        out = model(x)
+        try:
+            out = model(x)
+        except RuntimeError as e:
+            raise _int_inputs(x, e) or e from None
         if not isinstance(out, torch.Tensor):
             return output_loss(out), {}
         try:
@@ -98,7 +101,18 @@ def classification_step(loss_fn) -> StepFn:
 def _is_shape_error(e: Exception) -> bool:
     text = str(e).lower()
     return any(w in text for w in ("size", "shape", "dimension", "expected input",
-                                   "expected target"))
+                                   "expected target", "type for target"))
+
+
+def _int_inputs(x, e: RuntimeError) -> DataError | None:
+    """Integer inputs into a model that computes in floats (a Linear or Conv on token ids or
+    raw uint8 pixels): one line naming the inputs and the fix; None for any other error."""
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or "type" not in str(e):
+        return None
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    return DataError(f"the inputs are {describe(x)} but the model computes in floats "
+                     f"({first}); convert them with .float() (scaled, e.g. / 255 for pixels), "
+                     f"or start the model with an nn.Embedding for token ids")
 
 
 def misfit(out: torch.Tensor, y: torch.Tensor, e: Exception) -> UserError:
@@ -139,7 +153,8 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
 
     def check(batch) -> None:
         y = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
-        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu":
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu" \
+                or not y.numel():  # an empty split has no label to check
             return
         lo, hi = int(y.min()), int(y.max())  # host tensors: no device sync
         if lo < 0 or hi >= num_classes:

@@ -49,7 +49,7 @@ from .manager import retention_victims, step_entries
 from .remote import Mirror
 
 MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step-(\d+)\.dcp$")
+STEP_RE = re.compile(r"^step-(\d+)\.dcp$")  # a sharded step directory
 _SHARDED = ("model", "optimizer")  # the keys DCP holds; the rest of the state is per-rank extras
 
 
@@ -100,7 +100,7 @@ def _rmtree(path: Path) -> None:
 
 
 def _step_dirs(directory: Path) -> dict[int, Path]:
-    return {s: p for s, p in step_entries(directory, _STEP_RE).items() if p.is_dir()}
+    return {s: p for s, p in step_entries(directory, STEP_RE).items() if p.is_dir()}
 
 
 # ------------------------------------------------------------------------------------ write --
