@@ -85,9 +85,10 @@ def chromium() -> str | None:
         or shutil.which("chromium-browser")
 
 
-def open_in_browser(path: Path, width: int) -> dict:
-    """Render an HTML file in headless Chromium (Playwright, with the system's browser: no
-    download) at ``width`` px; what a reader would notice. Skips when there is no browser."""
+def open_in_browser(path: Path | str, width: int, wait_until: str = "load") -> dict:
+    """Render an HTML file (or a URL) in headless Chromium (Playwright, with the system's
+    browser: no download) at ``width`` px; what a reader would notice. Skips when there is no
+    browser. ``wait_until="networkidle"`` also waits for what the page's scripts fetch."""
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="playwright is not installed (pip install playwright)")
     exe = chromium()
@@ -100,7 +101,8 @@ def open_in_browser(path: Path, width: int) -> dict:
             page = browser.new_page(viewport={"width": width, "height": 900})
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.resolve().as_uri(), wait_until="load")
+            page.goto(path if isinstance(path, str) else path.resolve().as_uri(),
+                      wait_until=wait_until)
             seen = page.evaluate("""() => ({
                 images: [...document.images].map(i => ({name: i.alt, ok: i.complete
                                                         && i.naturalWidth > 0})),
