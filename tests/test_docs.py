@@ -20,7 +20,7 @@ import pytest
 
 from ironloop import cli
 from ironloop.state.rundir import RUN_OUTPUTS
-from tests.conftest import REPO, open_in_browser
+from tests.conftest import REPO, open_all_in_browser
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +120,23 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("width", [1280, 420])
-@pytest.mark.parametrize("page", ["index.html", "how-to/resume.html", "reference/config.html"])
-def test_pages_render_in_chromium_without_errors_or_sideways_scroll(served, page, width):
-    seen = open_in_browser(f"{served}/{page}", width, wait_until="networkidle")
+PAGES = ("index.html", "how-to/resume.html", "reference/config.html")
+WIDTHS = (1280, 420)
+
+
+@pytest.fixture(scope="module")
+def in_chromium(served) -> dict:
+    """Each page at each width, as headless Chromium renders it (one browser for them all)."""
+    targets = [(f"{served}/{page}", width) for page in PAGES for width in WIDTHS]
+    seen = open_all_in_browser(targets, wait_until="networkidle")
+    return {(page, width): s for (page, width), s in
+            zip([(p, w) for p in PAGES for w in WIDTHS], seen)}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_render_in_chromium_without_errors_or_sideways_scroll(in_chromium, page, width):
+    seen = in_chromium[page, width]
     assert seen["errors"] == []
     assert seen["overflow"] <= 0, f"{page} scrolls sideways by {seen['overflow']} px at {width}"
     assert [i["name"] for i in seen["images"] if not i["ok"]] == []
