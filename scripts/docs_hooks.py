@@ -208,7 +208,9 @@ def run_files_page() -> str:
     missing = [n for n in rundir.RUN_OUTPUTS if n not in RUN_FILES]
     stale = [n for n in RUN_FILES if n not in rundir.RUN_OUTPUTS]
     if missing or stale:
-        raise SystemExit(f"scripts/docs_hooks.py: RUN_FILES must describe exactly "
+        from mkdocs.exceptions import PluginError  # the build stops with this one line
+
+        raise PluginError(f"scripts/docs_hooks.py: RUN_FILES must describe exactly "
                          f"ironloop.state.rundir.RUN_OUTPUTS; missing {missing}, not a run "
                          f"output {stale}: add or remove their lines in RUN_FILES")
     out = ["# Files a run writes", "",
