@@ -102,6 +102,15 @@ def test_the_files_page_lists_every_file_a_run_writes(site):
     assert not missing, f"run outputs missing from reference/run-files.html: {missing}"
 
 
+def test_the_readme_is_a_short_front_page_linking_the_site():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", text)
+    assert len(links) >= 5, "the README links into the site's pages"
+    assert [link for link in links if not (REPO / link).is_file()] == []
+    assert "./scripts/docs" in text
+
+
 @pytest.fixture(scope="module")
 def served(site):
     """The built site over HTTP, as a reader's browser gets it (Material's search index is
