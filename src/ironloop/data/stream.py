@@ -237,7 +237,7 @@ class StreamOrder:
     def set_skip(self, indices) -> None:
         """The guard's skip list names samples by index; a stream has none (``indices`` gives
         the guard nothing to list), so the list stays empty and nothing is skipped: a rollback
-        reads the same samples again (README, "Streams")."""
+        reads the same samples again (docs/how-to/streams.md)."""
         self.skip = sorted(set(indices))
 
     def indices(self, start: int, end: int) -> list[int]:
