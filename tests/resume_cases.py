@@ -113,3 +113,8 @@ class SavedStepCounter(StepCounter):
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = state["seen"]
+
+
+def rank1_counting_data(rank: int = 0):
+    """Under torchrun: a clean dataset on rank 0, the counting one on rank 1."""
+    return splits(CountingData() if rank == 1 else blobs(N, seed=1))

@@ -179,3 +179,21 @@ def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume is exact (9 steps, kill at step 4" in proc.stdout
     assert json.loads((run / "doctor.json").read_text())["resume_check"]["exact"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_accumulation_is_exact(tmp_path, precision):
+    result = resume_check(config(tmp_path, "clean_data", f"train.precision={precision}",
+                                 "train.accumulation_steps=2"), steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
+def test_every_rank_is_checked_under_torchrun(tmp_path):
+    # Rank 0's data is clean, rank 1's keeps a counter: only rank 1's records can tell.
+    result = resume_check(config(tmp_path, "rank1_counting_data", "train.batch_size=8"),
+                          steps=STEPS, nproc=2)
+    assert not result.exact
+    assert result.first.what == "batch" and result.first.detail.startswith("rank 1: ")
+    assert "2 ranks each checked" in result.headline

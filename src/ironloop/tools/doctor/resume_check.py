@@ -268,8 +268,8 @@ def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] |
     scratch = Path(tempfile.mkdtemp(prefix="ironloop-resume-check-"))
     try:
         run_scratch(cfg, plan, scratch, list(callbacks or []), nproc)
-        differences = [d for rank in range(nproc) for d in _ranked(
-            compare_rank(scratch, plan, rank), rank, nproc)]
+        differences = earliest_first([d for rank in range(nproc) for d in _ranked(
+            compare_rank(scratch, plan, rank), rank, nproc)])
         state = read_records(scratch / "straight-rank0.jsonl").state
     except BaseException:
         print(f"resume check: scratch runs kept in {scratch}", file=sys.stderr)
@@ -283,6 +283,19 @@ def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] |
     result.findings = findings_for(result.headline, differences, plan.resume_from, plan.steps,
                                    stateless_callbacks(state))
     return result
+
+
+#: At one step, what differs first: the batch makes the loss differ, the loss the weights (and
+#: under DDP one rank's batch makes every rank's weights differ).
+ORDER = ("batch", "loss", "weights", "steps")
+
+
+def earliest_first(found: list[Difference]) -> list[Difference]:
+    """The ranks' differences by step (the end of the run last), then by what comes first."""
+    def key(d: Difference) -> tuple:
+        what = d.what.removeprefix("fresh ")
+        return (d.step == 0, d.step, ORDER.index(what) if what in ORDER else len(ORDER))
+    return sorted(found, key=key)
 
 
 def _ranked(found: list[Difference], rank: int, nproc: int) -> list[Difference]:
