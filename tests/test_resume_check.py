@@ -197,3 +197,21 @@ def test_every_rank_is_checked_under_torchrun(tmp_path):
     assert not result.exact
     assert result.first.what == "batch" and result.first.detail.startswith("rank 1: ")
     assert "2 ranks each checked" in result.headline
+
+
+def test_preflight_points_a_long_run_to_the_resume_check(tmp_path, capsys):
+    from ironloop.data.bundle import DataBundle
+    from ironloop.tools.doctor.run import preflight
+    from tests.conftest import blobs, tiny_mlp
+
+    bundle = DataBundle(blobs(128), blobs(32, seed=1), None, (8,), 3)
+    for epochs, long in ((10, False), (2000, True)):  # 4 steps an epoch: 40 or 8,000 steps
+        run_dir = tmp_path / str(epochs)
+        preflight(load_config(None, [f"run.dir={run_dir}", f"train.epochs={epochs}",
+                                     "train.batch_size=32"]),
+                  tiny_mlp(), bundle)
+        closing = capsys.readouterr().out.strip().splitlines()[-1]
+        assert closing.startswith("doctor: ")
+        assert ("--resume-check" in closing) is long, closing
+        if long:
+            assert "a long run (8000 steps)" in closing
