@@ -5,6 +5,7 @@ state a crash loses (tests/resume_cases.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,11 @@ def config(tmp_path, data="clean_data", *extra: str):
                               "model.name=mlp", "model.kwargs={hidden: [16]}",
                               "train.batch_size=16", "train.epochs=3", "optim.lr=0.05",
                               "log.every_steps=1", *extra])
+
+
+def check(tmp_path, cfg, **kwargs):
+    """The check, its scratch runs under tmp_path (kept there when the resume is not exact)."""
+    return resume_check(cfg, scratch_root=tmp_path / "scratch", **kwargs)
 
 
 # --- the plan and the comparisons, without a run -------------------------------------------
@@ -90,31 +96,33 @@ def test_state_comparison_names_attributes_that_a_checkpoint_does_not_hold():
 
 @pytest.mark.slow
 def test_clean_pipeline_is_exact(tmp_path):
-    result = resume_check(config(tmp_path), steps=STEPS,
-                          callbacks=[f"{CASES}:SavedStepCounter"])
+    result = check(tmp_path, config(tmp_path), steps=STEPS,
+                   callbacks=[f"{CASES}:SavedStepCounter"])
     assert result.exact, [f.render() for f in result.findings]
     assert result.findings[0].severity == "info"
     assert result.headline == ("resume is exact (9 steps, kill at step 4, resumed from step 3 "
                                "in a new process)")
     assert not (tmp_path / "run" / "checkpoints").exists()  # scratch runs only
+    assert not any((tmp_path / "scratch").iterdir())  # and removed once exact
 
 
 @pytest.mark.slow
 def test_dataset_counter_is_caught_and_blamed_on_the_data(tmp_path):
-    result = resume_check(config(tmp_path, "counting_data"), steps=STEPS)
+    result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
     assert not result.exact
     assert (result.first.step, result.first.what) == (4, "batch")  # the first after the resume
     head = result.findings[0]
     assert head.severity == "error" and "resume is NOT exact" in head.measured
-    assert head.cause.startswith("the batches differ at the first step after the resume: the "
-                                 "data")
+    assert head.cause.startswith("the batches differ at the first step after the resume, so "
+                                 "the data")
     assert any("CountingData.reads" in f.measured for f in result.findings[1:])  # named
+    assert (Path(result.scratch) / "straight-rank0.jsonl").exists()  # kept for a look
 
 
 @pytest.mark.slow
 def test_model_python_counter_is_caught(tmp_path):
-    result = resume_check(config(tmp_path, "clean_data",
-                                 f"model.name={CASES}:counting_model"), steps=STEPS)
+    cfg = config(tmp_path, "clean_data", f"model.name={CASES}:counting_model")
+    result = check(tmp_path, cfg, steps=STEPS)
     assert not result.exact
     assert (result.first.step, result.first.what) == (4, "loss")  # the batches are equal
     assert "CountingScale" in result.first.detail  # the module whose output differs first
@@ -124,7 +132,7 @@ def test_model_python_counter_is_caught(tmp_path):
 
 @pytest.mark.slow
 def test_callback_hidden_state_is_named(tmp_path):
-    result = resume_check(config(tmp_path), steps=STEPS, callbacks=[f"{CASES}:StepCounter"])
+    result = check(tmp_path, config(tmp_path), steps=STEPS, callbacks=[f"{CASES}:StepCounter"])
     assert not result.exact
     assert result.first.what == "callback"  # every step and the checkpoints are equal
     assert "0:StepCounter" in result.first.detail and "seen" in result.first.detail
@@ -133,7 +141,7 @@ def test_callback_hidden_state_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_unseeded_rng_is_blamed_before_any_crash(tmp_path):
-    result = resume_check(config(tmp_path, "unseeded_data"), steps=STEPS)
+    result = check(tmp_path, config(tmp_path, "unseeded_data"), steps=STEPS)
     assert not result.exact
     assert (result.first.step, result.first.what) == (1, "fresh batch")
     assert result.findings[0].cause.startswith("two fresh processes")
@@ -141,8 +149,8 @@ def test_unseeded_rng_is_blamed_before_any_crash(tmp_path):
 
 @pytest.mark.slow
 def test_stream_is_exact(tmp_path):
-    result = resume_check(config(tmp_path, "stream_data", "train.accumulation_steps=2"),
-                          steps=STEPS)
+    cfg = config(tmp_path, "stream_data", "train.accumulation_steps=2")
+    result = check(tmp_path, cfg, steps=STEPS)
     assert result.exact, [f.render() for f in result.findings]
 
 
@@ -155,7 +163,7 @@ def test_tbptt_step_is_exact(tmp_path):
         f"data.root={tmp_path}", f"run.dir={tmp_path / 'run'}",
         "data.kwargs={streams: 4, bptt: 8}", "model.kwargs={dim: 16, hidden: 24}",
         "train.batch_size=4", "train.epochs=2"])
-    result = resume_check(cfg, steps=STEPS)
+    result = check(tmp_path, cfg, steps=STEPS)
     assert result.exact, [f.render() for f in result.findings]
 
 
@@ -167,7 +175,7 @@ def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
     args = ["doctor", f"data.name={CASES}:counting_data", f"run.dir={run}", "model.name=mlp",
             "model.kwargs={hidden: [16]}", "train.batch_size=16", "--resume-check",
             "--steps", str(STEPS)]
-    proc = run_cli(*args)
+    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})  # the kept scratch runs go there
     assert proc.returncode == 1, proc.stderr
     assert "resume is NOT exact" in proc.stdout and "cause: the batches differ" in proc.stdout
     doctor = json.loads((run / "doctor.json").read_text())
@@ -175,7 +183,7 @@ def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
     assert doctor["resume_check"]["exact"] is False
     assert doctor["resume_check"]["first_difference"]["what"] == "batch"
     args[1] = f"data.name={CASES}:clean_data"
-    proc = run_cli(*args)
+    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume is exact (9 steps, kill at step 4" in proc.stdout
     assert json.loads((run / "doctor.json").read_text())["resume_check"]["exact"] is True
@@ -184,16 +192,17 @@ def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_with_accumulation_is_exact(tmp_path, precision):
-    result = resume_check(config(tmp_path, "clean_data", f"train.precision={precision}",
-                                 "train.accumulation_steps=2"), steps=STEPS)
+    cfg = config(tmp_path, "clean_data", f"train.precision={precision}",
+                 "train.accumulation_steps=2")
+    result = check(tmp_path, cfg, steps=STEPS)
     assert result.exact, [f.render() for f in result.findings]
 
 
 @pytest.mark.slow
 def test_every_rank_is_checked_under_torchrun(tmp_path):
     # Rank 0's data is clean, rank 1's keeps a counter: only rank 1's records can tell.
-    result = resume_check(config(tmp_path, "rank1_counting_data", "train.batch_size=8"),
-                          steps=STEPS, nproc=2)
+    cfg = config(tmp_path, "rank1_counting_data", "train.batch_size=8")
+    result = check(tmp_path, cfg, steps=STEPS, nproc=2)
     assert not result.exact
     assert result.first.what == "batch" and result.first.detail.startswith("rank 1: ")
     assert "2 ranks each checked" in result.headline

@@ -259,13 +259,18 @@ def _checkpoints(scratch: Path) -> Difference | None:
 
 
 def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] | None = None,
-                 nproc: int = 1) -> ResumeCheck:
+                 nproc: int = 1, scratch_root: Path | None = None) -> ResumeCheck:
     """Run the check on ``cfg`` (its model.name and data.name are built in each process, as
     ``ironloop train`` builds them); ``callbacks`` are 'module:Class' specs built in each
-    process too. Raises ResumeCheckError when a scratch run fails on its own."""
+    process too. The scratch runs go to a new directory in ``scratch_root`` (default: the
+    system's temporary directory), removed when the resume is exact and kept, for a look at the
+    records and logs, when it is not. Raises ResumeCheckError when a scratch run fails on its
+    own."""
     plan = plan_for(steps)
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="ironloop-resume-check-"))
+    if scratch_root is not None:
+        Path(scratch_root).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="ironloop-resume-check-", dir=scratch_root))
     try:
         run_scratch(cfg, plan, scratch, list(callbacks or []), nproc)
         differences = earliest_first([d for rank in range(nproc) for d in _ranked(

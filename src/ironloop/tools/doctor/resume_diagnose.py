@@ -8,10 +8,9 @@ from ironloop.tools.doctor.resume_compare import Difference
 
 CHECK = "resume_check"
 
-DATA = ("the data: a state the dataset (or its sampler or stream) keeps across reads, which a "
-        "new process starts without: a counter or a cache in __getitem__, an RNG not drawn "
-        "from the global generators ironloop seeds per sample, a sampler that ignores "
-        "set_epoch",
+DATA = ("the data holds a state that a new process starts without (a counter or a cache in "
+        "__getitem__, an RNG that ironloop does not seed per sample, a sampler that ignores "
+        "set_epoch)",
         "make each sample a function of its index (and the epoch): keep no counter or cache "
         "that changes what __getitem__ returns, draw randomness from torch/numpy/random's "
         "global generators (seeded from (seed, epoch, index)), and give a stream or a custom "
@@ -57,7 +56,7 @@ def cause_and_fix(d: Difference, plan_resume_from: int) -> tuple[str, str]:
         first = d.step == plan_resume_from + 1
         where = "at the first step after the resume" if first else \
             f"{d.step - plan_resume_from} steps after the resume"
-        return f"the batches differ {where}: {DATA[0]}", DATA[1]
+        return f"the batches differ {where}, so {DATA[0]}", DATA[1]
     if what == "loss":
         return MODEL
     if what == "checkpoint":
