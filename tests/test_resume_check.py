@@ -224,3 +224,13 @@ def test_preflight_points_a_long_run_to_the_resume_check(tmp_path, capsys):
         assert ("--resume-check" in closing) is long, closing
         if long:
             assert "a long run (8000 steps)" in closing
+
+
+@pytest.mark.slow
+def test_scratch_runs_started_as_new_interpreters_catch_the_counter_too(tmp_path, monkeypatch):
+    # Where nothing can be forked (CUDA initialised in the doctor, no fork): python -m.
+    import ironloop.tools.doctor.resume_check as rc
+
+    monkeypatch.setattr(rc, "fork_threads", lambda *args: None)
+    result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
+    assert (result.first.step, result.first.what) == (4, "batch")

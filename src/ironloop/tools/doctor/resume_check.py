@@ -155,13 +155,14 @@ class Forked:
         os.kill(self.pid, 9)
 
 
-def _launch(spec: dict, scratch: Path, name: str, nproc: int, env: dict):
-    """One scratch run: forked from this process (torch already imported) in one process;
-    under torchrun with ``nproc`` ranks, each rank recording its own file."""
+def _launch(spec: dict, scratch: Path, name: str, nproc: int, env: dict,
+            fork_threads: int | None):
+    """One scratch run: forked from this process with ``fork_threads`` threads, or started as
+    ``python -m`` (under torchrun with ``nproc`` ranks, each rank recording its own file)."""
     spec_path = scratch / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    if nproc == 1 and hasattr(os, "fork"):
-        return Forked(spec_path, scratch / f"{name}.log", int(env["OMP_NUM_THREADS"]))
+    if fork_threads is not None:
+        return Forked(spec_path, scratch / f"{name}.log", fork_threads)
     module = ["-m", "ironloop.tools.doctor.resume_record", str(spec_path)]
     if nproc > 1:
         module = ["-m", "torch.distributed.run", "--standalone",
@@ -181,6 +182,26 @@ def _child_env(parallel: int) -> dict:
     if not env.get("OMP_NUM_THREADS", "").isdigit():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // parallel))
     return env
+
+
+def fork_threads(cfg: Config, nproc: int, env: dict) -> int | None:
+    """The threads of scratch runs forked from this process, or None where they must start as
+    new interpreters: under torchrun, without fork, or once CUDA is initialized here (it does
+    not survive a fork). A process that imported torch before the check may have run OpenMP
+    regions with a team of threads, which GNU OpenMP cannot use again after a fork: its forked
+    runs get one thread (as DataLoader workers do). Otherwise the doctor imports what the runs
+    import first (torch, the loop, the config's modules), once for the three."""
+    if nproc > 1 or not hasattr(os, "fork"):
+        return None
+    fresh = "torch" not in sys.modules
+    from ironloop.tools.doctor.resume_record import warm_imports
+
+    warm_imports(cfg)
+    import torch
+
+    if torch.cuda.is_initialized():
+        return None
+    return int(env["OMP_NUM_THREADS"]) if fresh else 1
 
 
 def _wait(proc: subprocess.Popen, scratch: Path, name: str, expect: int, plan: Plan) -> None:
@@ -206,22 +227,23 @@ def run_scratch(cfg: Config, plan: Plan, scratch: Path, callbacks: list[str],
                 "callbacks": callbacks, "resume": resume}
 
     env = _child_env(parallel=2 * nproc)
-    if nproc == 1 and hasattr(os, "fork"):
-        from ironloop.tools.doctor.resume_record import warm_imports
+    threads = fork_threads(cfg, nproc, env)
 
-        warm_imports(cfg)
-    straight = _launch(spec("straight", False, False, "straight"), scratch, "straight", nproc, env)
-    crashed = _launch(spec("crashed", True, False, "crashed"), scratch, "crashed", nproc, env)
+    def launch(name: str, crash: bool, resume: bool, run: str):
+        return _launch(spec(name, crash, resume, run), scratch, name, nproc, env, threads)
+
+    runs = [launch("straight", False, False, "straight"), launch("crashed", True, False,
+                                                                 "crashed")]
     try:
-        _wait(crashed, scratch, "crashed", 1, plan)  # os._exit(1): fault.crash_at_step
-        _wait(straight, scratch, "straight", 0, plan)
-    finally:
-        for proc in (straight, crashed):
+        _wait(runs[1], scratch, "crashed", 1, plan)  # os._exit(1): fault.crash_at_step
+        _wait(runs[0], scratch, "straight", 0, plan)
+        runs.append(launch("resumed", False, True, "crashed"))  # the crashed run's directory
+        _wait(runs[2], scratch, "resumed", 0, plan)
+    finally:  # an error or Ctrl-C here: no scratch run outlives the check
+        for proc in runs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    resumed = _launch(spec("resumed", False, True, "crashed"), scratch, "resumed", nproc, env)
-    _wait(resumed, scratch, "resumed", 0, plan)
 
 
 def compare_rank(scratch: Path, plan: Plan, rank: int) -> list[Difference]:
