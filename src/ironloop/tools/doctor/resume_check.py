@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ironloop.config import Config
-from ironloop.errors import UserError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.tools.doctor.findings import Finding
 from ironloop.tools.doctor.resume_compare import (
     Difference,
@@ -269,7 +269,10 @@ def _checkpoints(scratch: Path) -> Difference | None:
     from ironloop.state.manager import latest_valid
 
     def last(run: str) -> dict | None:
-        found = latest_valid(scratch / run / "checkpoints", warn=lambda message: None)
+        try:
+            found = latest_valid(scratch / run / "checkpoints", warn=lambda message: None)
+        except CheckpointError:  # sharded (DCP) directories are not single files
+            return None
         return found[1] if found else None
 
     a, b = last("straight"), last("crashed")
