@@ -90,6 +90,8 @@ def test_state_comparison_names_attributes_that_a_checkpoint_does_not_hold():
     assert [d.what for d in found] == ["model", "callback"]
     assert "Scale.calls" in found[0].detail and "0:Counter" in found[1].detail
     assert state_differences(a, a) == []
+    b["globals"]["m.N"] = 2  # a module-level counter in the user's step
+    assert "m.N is 2 after the resume, 1 uninterrupted" in state_differences(a, b)[1].detail
 
 
 # --- real scratch runs --------------------------------------------------------------------
@@ -234,3 +236,14 @@ def test_scratch_runs_started_as_new_interpreters_catch_the_counter_too(tmp_path
     monkeypatch.setattr(rc, "fork_threads", lambda *args: None)
     result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
     assert (result.first.step, result.first.what) == (4, "batch")
+
+
+@pytest.mark.slow
+def test_step_with_a_global_is_caught_and_the_global_named(tmp_path):
+    cfg = config(tmp_path, "clean_data", f"train.step_fn={CASES}:counting_step")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert (result.first.step, result.first.what) == (4, "loss")
+    assert "module" not in result.first.detail  # every module's output is equal: the step
+    assert result.findings[0].cause.startswith("the step: ")
+    assert any("tests.resume_cases.CALLS" in f.measured and "(global)" in f.measured
+               for f in result.findings)

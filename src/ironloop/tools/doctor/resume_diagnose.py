@@ -57,6 +57,9 @@ def cause_and_fix(d: Difference, plan_resume_from: int) -> tuple[str, str]:
         where = "at the first step after the resume" if first else \
             f"{d.step - plan_resume_from} steps after the resume"
         return f"the batches differ {where}, so {DATA[0]}", DATA[1]
+    if what == "loss" and "module" not in d.detail:
+        return ("the step: the batches and every module's output are equal, the loss is not: "
+                "the step keeps a global or some state outside its `state`", MODEL[1])
     if what == "loss":
         return MODEL
     if what == "checkpoint":
@@ -90,4 +93,7 @@ def findings_for(headline: str, differences: list[Difference], resume_from: int,
         if d.what in HIDDEN:
             found.append(Finding(CHECK, "error", f"not restored ({d.what}): {d.detail}",
                                  *HIDDEN[d.what]))
+        elif d.what == "checkpoint":  # where the drift ends up: often names the part
+            found.append(Finding(CHECK, "error", f"also: {d.detail}",
+                                 *cause_and_fix(d, resume_from)))
     return found
