@@ -247,3 +247,9 @@ def test_step_with_a_global_is_caught_and_the_global_named(tmp_path):
     assert result.findings[0].cause.startswith("the step: ")
     assert any("tests.resume_cases.CALLS" in f.measured and "(global)" in f.measured
                for f in result.findings)
+
+
+def test_bad_steps_or_nproc_is_one_line_exit_2(tmp_path):
+    proc = run_cli("doctor", f"run.dir={tmp_path / 'run'}", "--resume-check", "--nproc", "0")
+    assert proc.returncode == 2 and "--nproc 0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

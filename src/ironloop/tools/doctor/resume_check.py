@@ -292,6 +292,9 @@ def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] |
     records and logs, when it is not. Raises ResumeCheckError when a scratch run fails on its
     own."""
     plan = plan_for(steps)
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: the scratch runs need at least 1 process; pass "
+                        f"--nproc 1 (the default) or the ranks the run trains on")
     started = time.perf_counter()
     if scratch_root is not None:
         Path(scratch_root).mkdir(parents=True, exist_ok=True)

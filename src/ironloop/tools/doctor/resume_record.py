@@ -194,7 +194,7 @@ def record_run(spec: dict) -> None:
 
     cfg = Config.from_dict(spec["config"])
     model, bundle = from_config(cfg)
-    callbacks = [import_spec(s, "--callback")() for s in spec.get("callbacks", [])]
+    callbacks = [import_spec(s, "callbacks")() for s in spec.get("callbacks", [])]
     step_fn = run_step(cfg, model, bundle)
     path = Path(spec["record"].format(rank=os.environ.get("RANK", "0")))
     recorder = Recorder(path, model, bundle.train, callbacks, step_fn)
