@@ -186,10 +186,29 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     findings = check(s, quick=True)  # never raises: a check that fails is reported skipped
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
-    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})",
-          flush=True)
+    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})"
+          f"{resume_hint(cfg, len(bundle.train))}", flush=True)
     stop_if_strict(findings, cfg.doctor.strict if strict is None else strict)
     return findings
+
+
+#: Optimizer steps from which the preflight points to the resume check: a run long enough to
+#: be preempted or to crash, and to cost real time if its resume drifts.
+LONG_RUN_STEPS = 5000
+
+
+def resume_hint(cfg: Config, n_train: int) -> str:
+    """For a long run, the closing line's pointer to ``ironloop doctor --resume-check``."""
+    t = cfg.train
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun, rank 0 runs the preflight
+    per_epoch = -(-n_train // (t.batch_size * t.accumulation_steps * ranks))
+    steps = per_epoch * t.epochs
+    if t.max_steps:
+        steps = min(steps, t.max_steps)
+    if steps < LONG_RUN_STEPS:
+        return ""
+    return (f"; a long run ({steps} steps): `ironloop doctor` with these arguments and "
+            f"--resume-check proves in seconds that a crash will cost nothing")
 
 
 def doctor_config(cfg: Config, lr_find: bool = False, strict: bool = False) -> list[Finding]:
