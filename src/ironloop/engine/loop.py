@@ -17,6 +17,8 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     ok = guard verdict, on the device         # guard/verdict.py: no host read
     clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
+                                              # (LBFGS: step(closure), its first call the
+                                              # loss above; trainstep.TrainStep.closure)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [settle, when due]                        # engine/settle.py: the guard's lagged read
     [fault knobs] -> [log line] -> on_step_end
