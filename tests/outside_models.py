@@ -103,3 +103,24 @@ def word_lm(root: str | None = None, streams: int = 4, bptt: int = 7, val_stream
     val = ContiguousStreams(ids[cut:], val_streams, bptt)
     return {"train": ContiguousStreams(ids[:cut], streams, bptt),
             "val": DataLoader(val, batch_size=val_batch or val_streams), "vocab_size": vocab}
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Sequences of two lengths: the default collate cannot stack a batch that mixes them."""
+
+    def __init__(self, blocks: PackedSequences):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int):
+        x, y = self.blocks[i]
+        cut = len(x) - (i % 2)  # every other sample one token shorter
+        return x[:cut], y[:cut]
+
+
+def ragged_val(root: str | None = None, block_size: int = 16) -> dict:
+    """nanoGPT's data with a validation split the evaluation cannot batch."""
+    data = chars(root, block_size)
+    return {**data, "val": Ragged(data["val"])}

@@ -151,6 +151,19 @@ def test_a_preflight_whose_step_raises_stops_the_run_with_that_error(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_validation_batch_that_cannot_be_made_stops_the_run_in_the_preflight(tmp_path):
+    # The crash that came after a whole epoch now comes before the first step.
+    run_dir = tmp_path / "ragged"
+    out = run_cli("train", "data.name=tests.outside_models:ragged_val",
+                  "model.name=tests.outside_models:gpt", "train.step_fn=lm",
+                  "train.batch_size=8", "train.epochs=1", "log.progress=off",
+                  f"run.dir={run_dir}")
+    assert out.returncode != 0
+    assert "stack expects each tensor to be equal size" in out.stderr
+    assert "on the first validation batch" in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 # --- 3. closure optimizers ---------------------------------------------------------------------
 
 def test_lbfgs_trains_with_its_closure_equal_to_the_plain_torch_loop(tmp_path):

@@ -188,7 +188,8 @@ def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_siz
     train = None if stream else map_style(train_data, "train_data")
     collate_fn = train.collate_fn if train else None
     val_set, val_batching = eval_split(val_data, "val_data", cfg, collate_fn, world_size)
-    test_set, test_batching = eval_split(test_data, "test_data", cfg, collate_fn, world_size)
+    test_set, test_batching = eval_split(test_data, "test_data", cfg, collate_fn, world_size,
+                                         subset=False)
     check_needs_val(cfg, val_set)
     batching = {"val": val_batching, "test": test_batching}
     if stream:
@@ -207,12 +208,13 @@ def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_siz
                                device), train_set, val_set, test_set, collate_fn, batching)
 
 
-def eval_split(data, what: str, cfg: Config, train_collate, world_size: int):
+def eval_split(data, what: str, cfg: Config, train_collate, world_size: int,
+               subset: bool = True):
     """(dataset, EvalBatching) of a validation or test split: a passed DataLoader keeps its
     batch size, sampler, collate_fn and drop_last in evaluation, as training keeps a training
     DataLoader's; a plain dataset is batched by train.batch_size with the training collate_fn.
     Stream-shaped data (ContiguousStreams) is checked against its batching here, before any
-    training (data/lm.py)."""
+    training (data/lm.py). ``subset``: eval.max_batches applies (validation, not test)."""
     given = map_style(data, what)
     if isinstance(data, DataLoader):
         batching = EvalBatching(given.batch_size or cfg.train.batch_size, given.sampler,
@@ -224,7 +226,8 @@ def eval_split(data, what: str, cfg: Config, train_collate, world_size: int):
     check_eval_order(given.dataset, what, batching.batch_size, world_size,
                      in_order=batching.sampler is None or type(batching.sampler) is
                      SequentialSampler, from_loader=isinstance(data, DataLoader))
-    dataset = eval_subset(given.dataset, cfg, world_size, batching.batch_size)
+    dataset = eval_subset(given.dataset, cfg, world_size, batching.batch_size) if subset \
+        else given.dataset
     if dataset is not given.dataset:  # a subset's indices are its own: read it in order
         batching = replace(batching, sampler=None)
     return dataset, batching
