@@ -23,6 +23,7 @@ from ironloop.data.loader import EvalSampler
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.tools.doctor.run import check, outcomes, subject
+from ironloop.tools.recipe import train_config
 from tests import outside_models as om
 from tests.conftest import REPO, blobs, cfg, run_cli, tiny_mlp
 
@@ -137,31 +138,30 @@ def test_the_cli_nanogpt_run_trains_with_the_preflight_passing(tmp_path):
     assert results["final_val_ppl"] > 1 and results["steps"] == 6
 
 
+def _train(tmp_path, data: str, model: str):
+    """What `ironloop train` does (the preflight, then fit), in this process."""
+    conf = Config().with_overrides({"data.name": data, "model.name": model,
+                                    "train.step_fn": "lm", "train.batch_size": 8,
+                                    "train.epochs": 1, "log.progress": "off",
+                                    "run.dir": str(tmp_path / "run")})
+    return train_config(conf)
+
+
 def test_a_preflight_whose_step_raises_stops_the_run_with_that_error(tmp_path):
     # forward(idx) returning last-position logits: the LM step's loss cannot take them.
-    run_dir = tmp_path / "last"
-    out = run_cli("train", "data.name=tests.outside_models:chars",
-                  "model.name=tests.outside_models:last_logits", "train.step_fn=lm",
-                  "train.batch_size=8", "train.max_steps=6", "log.progress=off",
-                  f"run.dir={run_dir}")
-    assert out.returncode != 0
-    assert "Expected input batch_size" in out.stderr
-    assert "raised in the preflight, running the run's step on the first training batch" \
-        in out.stderr
-    assert not (run_dir / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match="Expected input batch_size") as e:
+        _train(tmp_path, "tests.outside_models:chars", "tests.outside_models:last_logits")
+    assert any("raised in the preflight, running the run's step on the first training batch"
+               in note for note in e.value.__notes__)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
 
 
 def test_a_validation_batch_that_cannot_be_made_stops_the_run_in_the_preflight(tmp_path):
     # The crash that came after a whole epoch now comes before the first step.
-    run_dir = tmp_path / "ragged"
-    out = run_cli("train", "data.name=tests.outside_models:ragged_val",
-                  "model.name=tests.outside_models:gpt", "train.step_fn=lm",
-                  "train.batch_size=8", "train.epochs=1", "log.progress=off",
-                  f"run.dir={run_dir}")
-    assert out.returncode != 0
-    assert "stack expects each tensor to be equal size" in out.stderr
-    assert "on the first validation batch" in out.stderr
-    assert not (run_dir / "metrics.jsonl").exists()
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size") as e:
+        _train(tmp_path, "tests.outside_models:ragged_val", "tests.outside_models:gpt")
+    assert any("on the first validation batch" in note for note in e.value.__notes__)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # --- 3. closure optimizers ---------------------------------------------------------------------
