@@ -59,16 +59,18 @@ RUN_FILES: dict[str, str] = {
     "step's other metrics, `lr`, `seconds`",
     "scalars.jsonl": "what callbacks log with `run.log_scalars({...})`: `step`, `epoch`, their "
     "values, `time`",
-    "events.jsonl": "one line per resume: the step resumed from, the last step the dead "
-    "process logged, and `steps_redone` (the work the crash cost); one per preemption "
-    "(signal, step)",
+    "events.jsonl": "one line per resume: the step resumed from and its `epoch` (1-based, as "
+    "the console says it), the last step the dead process logged, and `steps_redone` (the "
+    "work the crash cost); one per preemption (signal, step)",
     "guard.jsonl": "one line per bad step, rollback and guard stop (see "
     "[The guard](../how-to/guard.md))",
     "checkpoints": "`last.pt`, `best.pt`, rolling `step-NNNNNNNN.pt` (under FSDP, `.dcp` "
     "directories)",
     "final.safetensors": "the final weights, after any best-weights restore",
     "results.json": "`best_val_acc`, `final_val_acc`, `test_acc`/`test_loss` (datasets with a "
-    "test split), `steps`, `epochs`, `seconds` (sum of the epochs' training + validation), "
+    "test split), `steps`, `epochs` (1-based like the console: the epochs trained in, one "
+    "that `train.max_steps` ended the run inside included), `seconds` (sum of the epochs' "
+    "training + validation, and that open epoch's so far), "
     "`train_seconds` (training time over every process of the run), "
     "`wall_seconds_this_process`, `stopped_mid_epoch` (when `train.max_steps` ended the run "
     "inside an epoch), `bad_steps`, `rollbacks`, `skipped_samples`, `time_split` (seconds per "
@@ -87,7 +89,8 @@ RUN_FILES: dict[str, str] = {
 
 #: Files other commands write into run.dir; --overwrite leaves them (they are not RUN_OUTPUTS).
 OTHER_FILES: dict[str, str] = {
-    "doctor.json": "the preflight's findings (`ironloop doctor` writes it too)",
+    "doctor.json": "the preflight's findings (`ironloop doctor` writes it too; "
+    "`--resume-check` adds `resume_check`)",
     "lr_find.png": "`ironloop doctor --lr-find`'s LR range test",
     "tune.json": "`ironloop tune`'s measurements: `info`, `baseline`, `trials`, `chosen`, "
     "`trajectory_winners`, `speedup`",

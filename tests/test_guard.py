@@ -173,9 +173,9 @@ def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, m
                 json.dumps(str(s.optimizer.state_dict())), s.scheduler.last_epoch,
                 run.counters.progress.step, run.counters.meter.steps)
 
-    def spy_step(self, progress, meter, world):
+    def spy_step(self, progress, meter, world, *closure):
         seen.append((snap(runs[0]), runs[0].guard.policy.bad_steps))
-        step(self, progress, meter, world)
+        step(self, progress, meter, world, *closure)
 
     def spy_after(run, bar):
         after(run, bar)  # log.every_steps=1: every step settles here

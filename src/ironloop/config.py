@@ -109,7 +109,8 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     _name = "optim"
     name: str = fld("adamw", "optimizer", ("adamw", "adam", "sgd"))
-    lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
+    lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr); 0 "
+                    "freezes the weights, also on a resume")
     weight_decay: float = fld(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
     momentum: float = fld(0.9, "sgd momentum")
     decay_bias_and_norm: bool = fld(False, "also decay biases and norm weights (usually wrong)")
@@ -119,8 +120,8 @@ class OptimConfig(Section):
     foreach: bool | None = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
 
     def validate(self) -> None:
-        self._positive("lr", "eps")
-        self._non_negative("weight_decay", "momentum")
+        self._positive("eps")
+        self._non_negative("lr", "weight_decay", "momentum")
         if len(self.betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float))
                                        or not 0.0 <= b < 1.0 for b in self.betas):
             self._bad("betas", "must be two numbers in [0, 1), e.g. [0.9, 0.95]")

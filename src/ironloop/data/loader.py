@@ -174,11 +174,20 @@ class EvalSampler(EpochSampler):
     nothing needs dropping: the last global batch is split as far as it goes and a rank whose
     share is empty simply gets no batch (e.g. 359 samples, batch 179, 2 ranks: the 359th
     sample goes to rank 0 alone, instead of being silently left out of val_acc).
+
+    ``drop_last`` (a passed val DataLoader's): only whole global batches are evaluated, so every
+    batch on every rank has ``batch_size`` samples, as the DataLoader would give one process.
     """
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0,
+                 world_size: int = 1, order=None, drop_last: bool = False):
+        super().__init__(n, batch_size, seed, shuffle, rank, world_size, order)
+        self.drop_last = drop_last
 
     @property
     def usable(self) -> int:
-        return self.n - len(self.skip)
+        n = self.order.size(self.epoch, self.skip)
+        return n - n % self.global_batch if self.drop_last else n
 
     def index_batches(self) -> Iterator[torch.Tensor]:
         for batch in super().index_batches():
@@ -186,7 +195,7 @@ class EvalSampler(EpochSampler):
                 yield batch
 
     def __len__(self) -> int:
-        left = max(0, self.n - self.offset)
+        left = max(0, self.usable - self.offset)
         if left == 0:
             return 0
         chunks = -(-left // self.global_batch)

@@ -27,7 +27,7 @@ from ironloop.engine.preempt import Preemption
 from ironloop.engine.progress import Counters, Meter, Progress
 from ironloop.engine.run import Outputs, Run, RunState
 from ironloop.engine.timing import StepTimer
-from ironloop.engine.trainstep import TrainStep
+from ironloop.engine.trainstep import TrainStep, check_closure
 from ironloop.errors import CheckpointError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.guard.hook import GuardHook, advice as guard_advice
@@ -133,6 +133,8 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
         wrapped = compile_model(wrapped, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
     optimizer = resolve_optimizer(given.optimizer, raw_model, cfg.optim)
+    check_closure(optimizer, cfg.train.accumulation_steps, precision, world,
+                  stateful is not None)  # LBFGS: what its closure can honour
     scheduler, schedule_on = resolve_scheduler(given.scheduler, optimizer, cfg.schedule,
                                                counters.steps_per_epoch, counters.total_steps)
     finite = cfg.schedule.name in drift.FINITE_SCHEDULES
@@ -140,7 +142,8 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                      grad_scaler(precision, device), step_fn, stateful, device, precision,
                      cfg.clip, counters.total_steps,
                      schedule_steps=counters.total_steps if finite else 0, guard=guard,
-                     check_labels=check_labels), strategy
+                     check_labels=check_labels,
+                     frozen=given.optimizer is None and cfg.optim.lr == 0), strategy
 
 
 def _restore(state: RunState, guard: GuardHook | None, resumed: dict, source: str,
@@ -222,7 +225,7 @@ def _resume_event(log: RunLog, state: RunState, resumed: dict, source: str) -> N
     changed."""
     p = state.counters.progress
     log.catch_up(p.step)  # each tracker gets the rows it does not hold yet
-    event = {"event": "resume", "step": p.step, "epoch": p.epoch, "from": source,
+    event = {"event": "resume", "step": p.step, "epoch": p.epoch + 1, "from": source,
              "last_logged_step": log.last_logged_step,
              # work lost to the crash: logged past the checkpoint, redone
              "steps_redone": max(0, log.last_logged_step - p.step), "time": time.time()}

@@ -10,6 +10,7 @@ import torch
 
 from ironloop.callbacks import fire
 from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
+from ironloop.data.source import EvalBatching, eval_loader
 from ironloop.dist import parallel
 from ironloop.dist.world import sum_over_ranks
 from ironloop.engine.run import Run
@@ -33,7 +34,7 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     cfg, c, step = run.cfg, run.counters, run.step
     p = c.progress
     started = time.perf_counter()
-    val = {f"val_{k}": v for k, v in evaluate(run, run.data.val).items()}
+    val = {f"val_{k}": v for k, v in evaluate(run, run.data.val, "val").items()}
     if cfg.eval.perplexity and "val_loss" in val:  # exp of the loss per token (tokens.py)
         val["val_ppl"] = perplexity(val["val_loss"])
     metric = cfg.early_stop.metric
@@ -57,30 +58,28 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
 
 
 @torch.inference_mode()
-def evaluate(run: Run, dataset) -> dict[str, float]:
-    """Mean loss and metrics over a dataset, in eval mode; restores the previous mode, also
-    when the step raises."""
+def evaluate(run: Run, dataset, split: str = "val") -> dict[str, float]:
+    """Mean loss and metrics over a dataset (the run's ``split``, batched as its DataLoader
+    said), in eval mode; restores the previous mode, also when the step raises."""
     model = run.step.raw_model
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(run, dataset)
+        return _evaluate(run, dataset, split)
     finally:
         model.train(was_training)
 
 
-def _evaluate(run: Run, dataset) -> dict[str, float]:
+def _evaluate(run: Run, dataset, split: str) -> dict[str, float]:
     step, device = run.step, run.step.device
     model = step.raw_model
     if step.carry is not None:  # a stateful step gets the evaluation state, empty at first
         step.carry.start_evaluation()
-    # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's
-    # backward, and evaluation has none.
-    sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
-                          shuffle=False, rank=run.world.rank, world_size=run.world.size)
-    loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
-                         pin_memory=run.cfg.data.pin_memory and device.type == "cuda",
-                         collate_fn=run.data.collate_fn, seed_samples=run.cfg.data.seed_samples)
+    # Every sample exactly once over all ranks (a drop_last tail aside): the training
+    # sampler's tail drop is for DDP's backward, and evaluation has none.
+    batching = run.data.batching.get(split) or \
+        EvalBatching(run.cfg.train.batch_size, None, run.data.collate_fn)
+    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
     sums, names, count, batches = None, [], 0, 0
     # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
     # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
@@ -99,21 +98,21 @@ def _evaluate(run: Run, dataset) -> dict[str, float]:
         sums = values if sums is None else sums + values
         count = count + (n if weight is None else weight)  # samples, or the step's tokens
         batches += 1
-    _pad_forwards(run, dataset, batches)
+    _pad_forwards(run, dataset, batches, batching)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     return sum_over_ranks(names, sums, count, run.world)
 
 
-def _pad_forwards(run: Run, dataset, batches: int) -> None:
+def _pad_forwards(run: Run, dataset, batches: int, batching: EvalBatching) -> None:
     """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
     discarded forwards on one sample until every rank has run as many."""
     step = run.step
     owed = parallel.extra_forwards(step.raw_model, run.world, len(dataset),
-                                   run.cfg.train.batch_size, batches)
+                                   batching.batch_size, batches)
     if owed <= 0:
         return
     one = next(iter(make_loader(dataset, EvalSampler(1, 1, 0, False), num_workers=0,
-                                pin_memory=False, collate_fn=run.data.collate_fn)))
+                                pin_memory=False, collate_fn=batching.collate_fn)))
     one = to_device(one, step.device, False)
     for _ in range(owed):
         with step.autocast():

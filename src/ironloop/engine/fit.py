@@ -193,7 +193,8 @@ def _finish(run: Run, started: float) -> FitResult:
     if restored and c.best_state is not None:
         step.raw_model.load_state_dict(c.best_state)
     test_set = run.data.test
-    test = evaluate.evaluate(run, test_set) if test_set is not None and len(test_set) else {}
+    test = evaluate.evaluate(run, test_set, "test") if test_set is not None and \
+        len(test_set) else {}
     results = _results(run, test, train_seconds, restored, started)
     weights = parallel.full_model_state(step.raw_model)  # a collective under FSDP2
     if run.world.is_main:
@@ -217,17 +218,22 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
     final_val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
     epochs = read_jsonl(Path(cfg.run.dir) / "epochs.jsonl") if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
+    # the open epoch's training so far and its final evaluation (loop.end_mid_epoch)
+    open_seconds = train_seconds - c.meter.epoch_mark.get("train_seconds", 0.0) + \
+        last.get("seconds", 0.0) if mid_epoch else 0.0
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
         "final_val_acc": final_val.get("acc", accs[-1] if accs else None),
         "best_epoch": tracker.best_epoch + 1 if tracker.best_epoch >= 0 else None,
         "monitor": {cfg.early_stop.metric: tracker.best},
         "test_acc": test.get("acc"), "test_loss": test.get("loss"),
-        "steps": p.step, "epochs": p.epoch,
+        # 1-based like the console: the epochs the run trained in, the open one included
+        "steps": p.step, "epochs": p.epoch + (1 if mid_epoch else 0),
         "stopped_early": tracker.should_stop, "restored_best": restored,
         "stopped_by_callback": c.stop_requested,
         "precision": run.step.precision, "device": str(run.step.device),
-        "seconds": sum(r.get("seconds", 0.0) for r in epochs),
+        # as epochs.jsonl counts them (training + epoch-end validation), the open epoch too
+        "seconds": sum(r.get("seconds", 0.0) for r in epochs) + open_seconds,
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.policy.totals() if run.guard is not None else {}),

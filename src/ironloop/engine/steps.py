@@ -10,6 +10,8 @@ evaluation average per unit: the mean over every token of the window, not a mean
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +52,10 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
 
     ``(inputs, targets)`` batches of token ids, targets already shifted, padding marked -100:
     the model returns logits ``(..., vocab)``, ``(logits, ...)`` or an object with ``.logits``.
+    A model whose ``forward`` has a ``targets`` parameter (nanoGPT's ``forward(idx,
+    targets=None)``, which returns only the last position's logits without targets) is called
+    as ``model(inputs, targets=targets)`` and its own loss is used (``(logits, loss)``, or
+    ``.loss``), weighted by the targets that count (``>= 0``: nanoGPT ignores -1, torch -100).
     A dict batch goes to a Hugging Face causal LM (``model(**batch)``, which shifts ``labels``
     itself); its ``.loss`` is weighted by the labels that count.
     """
@@ -60,6 +66,8 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
             return loss, {}, None
         return loss, {}, (labels[..., 1:] != IGNORE_INDEX).sum()  # HF shifts by one inside
     x, y = batch[0], batch[1]
+    if takes_targets(model):
+        return own_loss(model(x, targets=y)), {}, (y >= 0).sum()
     out = model(x)
     logits = out if isinstance(out, torch.Tensor) else \
         out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
@@ -71,6 +79,39 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
     total = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten(),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total / valid.clamp(min=1), {}, valid
+
+
+def takes_targets(model: nn.Module) -> bool:
+    """Whether the user's module (under any DDP or compile wrapper) has ``forward(...,
+    targets)``: it computes its own loss (nanoGPT)."""
+    inner: Any = model
+    while True:
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            inner = inner.module
+        elif isinstance(getattr(inner, "_orig_mod", None), nn.Module):  # torch.compile's
+            inner = inner._orig_mod
+        else:
+            return _forward_takes_targets(inner.__class__)
+
+
+@functools.cache
+def _forward_takes_targets(cls: Any) -> bool:  # once per class: not per step
+    try:
+        return "targets" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # a forward with no readable signature
+        return False
+
+
+def own_loss(out) -> torch.Tensor:
+    """The loss a ``forward(idx, targets)`` model returned: ``(logits, loss)``, or ``.loss``."""
+    if isinstance(out, (tuple, list)) and len(out) > 1 and isinstance(out[1], torch.Tensor) \
+            and out[1].ndim == 0:
+        return out[1]
+    if isinstance(out, (tuple, list, torch.Tensor)):
+        raise UserError(f"train.step_fn=lm: the model's forward takes targets, and returned "
+                        f"{describe(out)} when given them; return (logits, loss) with the loss "
+                        f"a scalar mean over the tokens, as nanoGPT does")
+    return output_loss(out)
 
 def classification_step(loss_fn) -> StepFn:
     """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating."""
