@@ -313,6 +313,6 @@ def test_the_demo_runs_with_one_thread_per_process(tmp_path):
     assert (repo / "threads.txt").read_text().split() == ["1", "1"]  # train, then report
 
 
-def test_readme_documents_the_outside_code_cases():
-    text = (REPO / "README.md").read_text()
+def test_the_docs_document_the_outside_code_cases():
+    text = "".join(p.read_text() for p in (REPO / "docs").rglob("*.md"))
     assert re.search(r"LBFGS", text) and "forward(idx, targets" in text
