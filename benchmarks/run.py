@@ -31,7 +31,7 @@ from _common import TINY, machine  # noqa: E402
 STANDALONE = ["gpu", "tune_speedup"]
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
             "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
-            "lab_time"]
+            "lab_time", "remote_stall", "resume_check_time"]
 BEGIN = "<!-- benchmarks/run.py writes from here: edits below this line are overwritten -->"
 END = "<!-- benchmarks/run.py writes up to here -->"
 

@@ -85,27 +85,39 @@ def chromium() -> str | None:
         or shutil.which("chromium-browser")
 
 
-def open_in_browser(path: Path, width: int) -> dict:
-    """Render an HTML file in headless Chromium (Playwright, with the system's browser: no
-    download) at ``width`` px; what a reader would notice. Skips when there is no browser."""
+def open_in_browser(path: Path | str, width: int, wait_until: str = "load") -> dict:
+    """Render an HTML file (or a URL) in headless Chromium (Playwright, with the system's
+    browser: no download) at ``width`` px; what a reader would notice. Skips when there is no
+    browser. ``wait_until="networkidle"`` also waits for what the page's scripts fetch."""
+    return open_all_in_browser([(path, width)], wait_until)[0]
+
+
+def open_all_in_browser(targets: list[tuple[Path | str, int]], wait_until: str = "load") -> list:
+    """``open_in_browser`` for each (file or URL, width), in one browser: a launch is seconds."""
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="playwright is not installed (pip install playwright)")
     exe = chromium()
     if exe is None:
         pytest.skip("no Chromium: apt-get install chromium, or set IRONLOOP_CHROMIUM")
-    errors: list[str] = []
+    results = []
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
         try:
-            page = browser.new_page(viewport={"width": width, "height": 900})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.resolve().as_uri(), wait_until="load")
-            seen = page.evaluate("""() => ({
-                images: [...document.images].map(i => ({name: i.alt, ok: i.complete
-                                                        && i.naturalWidth > 0})),
-                overflow: document.documentElement.scrollWidth - window.innerWidth,
-                text: document.body.innerText})""")
+            for path, width in targets:
+                errors: list[str] = []
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.on("console", lambda m, errors=errors: errors.append(m.text)
+                        if m.type == "error" else None)
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.goto(path if isinstance(path, str) else path.resolve().as_uri(),
+                          wait_until=wait_until)
+                seen = page.evaluate("""() => ({
+                    images: [...document.images].map(i => ({name: i.alt, ok: i.complete
+                                                            && i.naturalWidth > 0})),
+                    overflow: document.documentElement.scrollWidth - window.innerWidth,
+                    text: document.body.innerText})""")
+                page.close()
+                results.append({**seen, "errors": errors})
         finally:
             browser.close()
-    return {**seen, "errors": errors}
+    return results

@@ -274,16 +274,15 @@ def test_an_error_in_the_users_forward_keeps_its_traceback_and_gains_context(tmp
     assert info.traceback[-1].name == "forward"  # the user's frame is still the last one
 
 
-def test_readme_byo_example_runs(tmp_path, monkeypatch):
+def test_docs_byo_example_runs(tmp_path, monkeypatch):
     import re
 
     from tests.conftest import REPO
 
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Bring your own model, data, step, optimizer and callbacks")[1]
-    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    text = (REPO / "docs" / "how-to" / "bring-your-own.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - our own README
+    exec(compile(block, "docs/how-to/bring-your-own.md", "exec"), {})  # noqa: S102 - our docs
     run = tmp_path / "runs" / "readme-lm"
     evals = read_jsonl(run / "evals.jsonl")
     assert [e["step"] for e in evals] == [40, 80, 120] and evals[-1]["val_loss"] < 1.0

@@ -37,8 +37,8 @@ def test_yaml_float_without_dot_is_accepted(tmp_path):
     ("bogus.key=1", "bogus.key", "section one of"),
     ("train.epochs=abc", "train.epochs", "expected an integer"),
     ("train.batch_size=1.5", "train.batch_size", "expected an integer"),
-    ("optim.lr=0", "optim.lr", "must be > 0"),
-    ("optim.lr=-1e-3", "optim.lr", "must be > 0"),
+    ("optim.eps=0", "optim.eps", "must be > 0"),
+    ("optim.lr=-1e-3", "optim.lr", "must be >= 0"),  # 0 is accepted: it freezes the weights
     ("train.accumulation_steps=0", "train.accumulation_steps", "must be >= 1"),
     ("schedule.name=linear", "schedule.name", "constant, warmup_cosine, onecycle"),
     ("optim.name=lion", "optim.name", "adamw, adam, sgd"),

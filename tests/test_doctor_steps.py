@@ -8,6 +8,7 @@ from __future__ import annotations
 import textwrap
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -15,7 +16,7 @@ from torch.utils.data import Dataset
 
 from ironloop.config import Config
 from ironloop.data.loader import TensorData
-from ironloop.tools.doctor.run import check, outcomes, render, subject
+from ironloop.tools.doctor.run import check, outcomes, subject
 from tests.conftest import REPO
 
 V, T = 12, 6
@@ -113,18 +114,18 @@ def test_an_rnn_whose_forward_needs_hidden_is_checked_through_its_step():
     assert outcomes(found)["probabilities"] == "skipped"  # it reads raw outputs: needs no step
 
 
-def test_an_rnn_without_its_step_is_reported_skipped_not_passed_and_never_raises():
-    # The default step calls model(x): the forward's missing `hidden` is each check's reason.
-    found = check(subject(RNN(), tokens(128), tokens(32, seed=1), None, config()))
+def test_an_rnn_without_its_step_is_an_error_finding_and_stops_the_preflight():
+    # The default step calls model(x): the run itself would die at step 1 on the missing
+    # `hidden`, so the doctor says so as an error, and the preflight raises it (issue 36).
+    s = subject(RNN(), tokens(128), tokens(32, seed=1), None, config())
+    found = check(s)
     got = outcomes(found)
-    assert all(got[name] == "skipped" for name in MODEL_CHECKS), got
-    reasons = [f.measured for f in found if f.check == "initial_loss"]
-    assert "missing 1 required positional argument: 'hidden'" in reasons[0]
-    summary = render(found, verbose=False).splitlines()[-1]
-    passed = sum(v == "passed" for v in got.values())
-    skipped = sum(v == "skipped" for v in got.values())
-    assert f" {passed} passed, {skipped} skipped: " in summary, summary
-    assert "initial_loss (it raised TypeError" in summary
+    assert got["step"] == "error", got
+    assert not any(name in got for name in MODEL_CHECKS), got  # they would only repeat it
+    step = next(f.measured for f in found if f.check == "step")
+    assert "missing 1 required positional argument: 'hidden'" in step
+    with pytest.raises(TypeError, match="hidden"):
+        check(s, raise_step=True)
 
 
 def test_a_model_returning_logits_and_loss_is_checked_through_its_step():

@@ -93,7 +93,7 @@ def test_max_steps_mid_epoch_then_a_longer_resume_continues_the_same_epoch(tmp_p
     full = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "full")})
     short = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 4})
     assert not (tmp_path / "run" / "epochs.jsonl").read_text()  # epoch 1 is still open
-    assert short.results["epochs"] == 0 and short.results["stopped_mid_epoch"]["epoch"] == 1
+    assert short.results["epochs"] == 1 and short.results["stopped_mid_epoch"]["epoch"] == 1
     model = tiny_mlp()
     ironloop.fit(model, blobs(), None, conf, resume=True, allow_config_change=True)
     for k, v in full.model.state_dict().items():

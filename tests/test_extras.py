@@ -14,7 +14,7 @@ from ironloop.tools.report import plot_lr
 from tests.conftest import REPO
 
 HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow",
-         "torchmetrics")
+         "fsspec", "s3fs", "gcsfs", "torchmetrics")
 
 
 def _pyproject() -> dict:

@@ -1,5 +1,5 @@
 """The package's shape: imports run downward through the phases, with no circles and no private
-names borrowed across modules (README, "How the code is laid out").
+names borrowed across modules (docs/explanation/layout.md).
 
 Every import counts, the lazy ones inside functions too: a circle through a lazy import is still
 a circle a reader has to untangle.

@@ -207,9 +207,9 @@ def test_evaluation_gives_the_mode_back_when_its_step_raises(tmp_path, monkeypat
     modes_at_exit = []
     real = evaluate_module.evaluate
 
-    def watched(run, dataset):
+    def watched(run, dataset, *split):
         try:
-            return real(run, dataset)
+            return real(run, dataset, *split)
         finally:
             modes_at_exit.append([m.training for m in run.step.raw_model.modules()])
 

@@ -40,17 +40,25 @@ def _train(args) -> int:
 
 def _doctor(args) -> int:
     from ironloop.config import load_config
+
+    cfg = load_config(*_config_and_overrides(args.config, args.overrides))
+    if args.resume_check:  # before torch's import: the scratch runs import it themselves
+        from ironloop.tools.doctor.resume_check import DEFAULT_STEPS, doctor_resume_check
+
+        steps = DEFAULT_STEPS if args.steps is None else args.steps
+        return 0 if doctor_resume_check(cfg, steps, args.nproc).exact else 1
     from ironloop.tools.doctor.run import doctor_config
 
-    doctor_config(load_config(*_config_and_overrides(args.config, args.overrides)),
-                  lr_find=args.lr_find, strict=args.strict)
+    doctor_config(cfg, lr_find=args.lr_find, strict=args.strict)
     return 0
 
 
 def _export(args) -> int:
     from ironloop.state.export import export_run
 
-    out = export_run(Path(args.run_dir), Path(args.out), args.which, force=args.force)
+    # a remote run (checkpoint.remote's URL) keeps its "://"; Path() would fold it
+    run_dir = args.run_dir if "://" in args.run_dir else Path(args.run_dir)
+    out = export_run(run_dir, Path(args.out), args.which, force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -172,6 +180,16 @@ def _add_doctor(sub) -> None:
     d.add_argument("--lr-find", action="store_true",
                    help="also run the LR range test and write run.dir/lr_find.png")
     d.add_argument("--strict", action="store_true", help="exit 2 when a check finds an error")
+    d.add_argument("--resume-check", action="store_true",
+                   help="instead of the checks: train --steps steps uninterrupted, and again "
+                   "killed between checkpoints and resumed in a new process, in a scratch "
+                   "directory; exit 0 when the two runs are bit-identical, 1 when not, naming "
+                   "the first step and the thing that differs")
+    d.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="optimizer steps of the resume check (default 24)")
+    d.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="run the resume check's scratch runs under torchrun with N processes "
+                   "(every rank is compared)")
     # The same command line as `train` works: its run-directory flags mean nothing here.
     for flag in ("--overwrite", "--allow-config-change"):
         d.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +199,7 @@ def _add_doctor(sub) -> None:
 
 def _add_export(sub) -> None:
     e = sub.add_parser("export", help="write a run's weights as safetensors")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="a run.dir, or a checkpoint.remote URL (s3://...)")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
     e.add_argument("--which", choices=("best", "last", "avg"), default="best",
                    help="avg: the averaged weights (average.kind) of the last checkpoint")
@@ -224,7 +242,8 @@ def _add_lab(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train", "tune", "doctor"):  # overrides and flags in any order
-        valued = ("--budget",) if argv[0] == "tune" else ()
+        valued = ("--budget",) if argv[0] == "tune" else ("--steps", "--nproc") \
+            if argv[0] == "doctor" else ()
         argv = [argv[0], *train_argv(argv[1:], valued=valued)]
     args = parser().parse_args(argv)
     try:

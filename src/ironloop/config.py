@@ -93,8 +93,8 @@ class TrainConfig(Section):
     compile_mode: str = fld("default", "torch.compile mode", COMPILE_MODES)
     activation_checkpointing: list = fld([], "block class names whose forward is recomputed "
                                         "in backward (torch.utils.checkpoint), e.g. [Block]")
-    callbacks: list = fld([], "callbacks to build, after fit()'s own: 'module:Class' or "
-                          "{spec: 'module:Class', kwarg: value, ...}")
+    callbacks: list = fld([], "callbacks to build, after fit()'s own: each 'module:Class', or "
+                          "a mapping of spec: 'module:Class' and its keyword arguments")
 
     def validate(self) -> None:
         self._positive("epochs", "batch_size")
@@ -116,7 +116,8 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     _name = "optim"
     name: str = fld("adamw", "optimizer", ("adamw", "adam", "sgd"))
-    lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr)")
+    lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr); 0 "
+                    "freezes the weights, also on a resume")
     weight_decay: float = fld(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
     momentum: float = fld(0.9, "sgd momentum")
     decay_bias_and_norm: bool = fld(False, "also decay biases and norm weights (usually wrong)")
@@ -126,8 +127,8 @@ class OptimConfig(Section):
     foreach: bool | None = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
 
     def validate(self) -> None:
-        self._positive("lr", "eps")
-        self._non_negative("weight_decay", "momentum")
+        self._positive("eps")
+        self._non_negative("lr", "weight_decay", "momentum")
         if len(self.betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float))
                                        or not 0.0 <= b < 1.0 for b in self.betas):
             self._bad("betas", "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
@@ -273,9 +274,19 @@ class CheckpointConfig(Section):
     keep_last: int = fld(3, "rolling step-N.pt files to keep (0 = only last.pt and best.pt)")
     async_write: bool = fld(False, "write in a background thread after a CPU snapshot",
                            key="async")
+    remote: str = fld("", "also upload each checkpoint, in the background, to this fsspec URL "
+                     "(s3://bucket/prefix, gs://..., file:///...); --resume fetches from it "
+                     "when run.dir has nothing newer ('' = off; needs ironloop[remote])")
+    remote_options: dict = fld({}, "keyword arguments for the remote's fsspec filesystem (e.g. "
+                               "{profile: ...}); credentials and endpoints otherwise come the "
+                               "filesystem's usual way (AWS_* variables, AWS_ENDPOINT_URL)")
+    remote_retries: int = fld(5, "retries of a failed upload, with backoff from 0.5 s doubling "
+                              "to 30 s; then it is skipped with a warning, training goes on")
+    remote_wait_s: float = fld(120.0, "at the end of a run (and on SIGTERM), how long pending "
+                               "uploads may still take")
 
     def validate(self) -> None:
-        self._non_negative("every_steps", "keep_last")
+        self._non_negative("every_steps", "keep_last", "remote_retries", "remote_wait_s")
 
 
 @dataclass
@@ -283,7 +294,7 @@ class FaultConfig(Section):
     _name = "fault"
     crash_at_step: int = fld(0, "lab knob: os._exit(1) right after optimizer step N (0 = off)")
     nan_at_step: list = fld([], "guard knob: make the loss NaN on the first attempt at these "
-                               "optimizer steps")
+                               "optimizer steps ([20, 21, 22]: three bad steps in a row)")
     nan_sample: int = fld(-1, "guard knob: make sample I's input NaN on every read (-1 = off)")
 
     oom_at_step: int = fld(0, "test knob: raise torch.OutOfMemoryError after step N (0 = off)")
@@ -490,6 +501,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}".replace("\n", " ")) from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is "
+                              f"{e.object[e.start:e.start + 1]!r}); save it as UTF-8") from None
     return Config.from_dict(raw).with_overrides(overrides or [])
 
 

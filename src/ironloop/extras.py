@@ -2,8 +2,8 @@
 
 ``pip install ironloop`` brings torch, numpy, pyyaml, tqdm and safetensors. The rest are extras:
 ``data`` (scikit-learn, mnist1d: the embedded datasets), ``plots`` (matplotlib: reports and the
-lab), ``tensorboard``, ``wandb``, ``mlflow``, ``stream`` (torchdata: training on a stream);
-``all`` has every one.
+lab), ``tensorboard``, ``wandb``, ``mlflow``, ``stream`` (torchdata: training on a stream),
+``remote`` (fsspec, s3fs, gcsfs: checkpoint.remote); ``all`` has every one.
 """
 
 from __future__ import annotations

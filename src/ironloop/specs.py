@@ -52,3 +52,27 @@ def accepted(factory, **optional: Any) -> dict[str, Any]:
     names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                    inspect.Parameter.KEYWORD_ONLY)}
     return {k: v for k, v in optional.items() if k in names}
+
+
+def call_factory(factory, what: str, key: str, **kwargs: Any) -> Any:
+    """``factory(**kwargs)``, its mistakes told apart: arguments its signature does not take are
+    the config's ("check {key}"); anything raised inside it is the factory's own error, named
+    with the line that raised it."""
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{what} rejected its arguments: {e}; check {key}") from None
+    except ValueError:  # a builtin without a signature: let the call say
+        pass
+    try:
+        return factory(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{what} raised {type(e).__name__}{where}: {first}; fix the "
+                          f"factory") from e

@@ -26,6 +26,7 @@ class MapData(NamedTuple):
     collate_fn: Any = None        # a DataLoader's own collate_fn, kept
     batch_size: int | None = None  # a DataLoader's batch size
     sampler: Any = None           # a DataLoader's sampler; None: ironloop's shuffled order
+    drop_last: bool = False       # a DataLoader's drop_last (evaluation honours it)
 
 
 def map_style(data, what: str) -> MapData:
@@ -63,12 +64,13 @@ def _from_loader(loader: DataLoader, what: str) -> MapData:
     sampler = loader.sampler
     if is_hf_dataset(dataset):
         return MapData(map_style(dataset, what).dataset, _own_collate(loader),
-                       loader.batch_size, sampler)
+                       loader.batch_size, sampler, loader.drop_last)
     tensors = as_tensor_data(dataset)
     if tensors is not None and loader.collate_fn is default_collate:
-        return MapData(tensors, None, loader.batch_size, sampler)
+        return MapData(tensors, None, loader.batch_size, sampler, loader.drop_last)
     keep = not isinstance(dataset, TensorData)
-    return MapData(dataset, _own_collate(loader) if keep else None, loader.batch_size, sampler)
+    return MapData(dataset, _own_collate(loader) if keep else None, loader.batch_size, sampler,
+                   loader.drop_last)
 
 
 def _own_collate(loader: DataLoader):

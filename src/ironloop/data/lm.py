@@ -79,6 +79,26 @@ def check_order(dataset, shuffle: bool, global_batch: int) -> None:
                           f"takes one chunk of every stream")
 
 
+def check_eval_order(dataset, what: str, batch_size: int, world_size: int, in_order: bool,
+                     from_loader: bool) -> None:
+    """Evaluation reads ContiguousStreams as training does: in order, one chunk of every stream
+    per batch. Refused before training otherwise: a batch that mixes chunks crashes on the
+    short last chunk, or mixes streams and reports a wrong loss."""
+    if not isinstance(dataset, ContiguousStreams):
+        return
+    how = "its DataLoader's" if from_loader else "train.batch_size, its"
+    if not in_order:
+        raise ConfigError(f"{what}: its DataLoader's sampler would read ContiguousStreams' "
+                          f"chunks out of order; pass it with shuffle=False and no sampler")
+    if batch_size * world_size != dataset.streams:
+        ranks = f" x {world_size} processes" if world_size > 1 else ""
+        raise ConfigError(f"{what} has {dataset.streams} streams but evaluates in batches of "
+                          f"{batch_size}{ranks} ({how} batch size); pass it as "
+                          f"DataLoader({what.removesuffix('_data')}, batch_size="
+                          f"{dataset.streams // world_size or 1}) so that each batch takes one "
+                          f"chunk of every stream")
+
+
 class PackedSequences(Dataset):
     """Non-overlapping blocks of ``seq_len + 1`` tokens of one long sequence: (inputs, targets)
     of ``seq_len`` each. The tail shorter than a block is dropped."""

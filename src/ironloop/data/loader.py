@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
+from ironloop.data.workers import shielded
+from ironloop.errors import DataError
 
 
 class TensorData(Dataset):
@@ -30,7 +32,8 @@ class TensorData(Dataset):
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
         if len(x) != len(y):
-            raise ValueError(f"inputs ({len(x)}) and targets ({len(y)}) differ in length")
+            raise DataError(f"the inputs hold {len(x)} samples and the targets {len(y)}; "
+                            f"pass one target per input (the same first dimension)")
         self.x, self.y = x, y
 
     def __len__(self) -> int:
@@ -171,11 +174,20 @@ class EvalSampler(EpochSampler):
     nothing needs dropping: the last global batch is split as far as it goes and a rank whose
     share is empty simply gets no batch (e.g. 359 samples, batch 179, 2 ranks: the 359th
     sample goes to rank 0 alone, instead of being silently left out of val_acc).
+
+    ``drop_last`` (a passed val DataLoader's): only whole global batches are evaluated, so every
+    batch on every rank has ``batch_size`` samples, as the DataLoader would give one process.
     """
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0,
+                 world_size: int = 1, order=None, drop_last: bool = False):
+        super().__init__(n, batch_size, seed, shuffle, rank, world_size, order)
+        self.drop_last = drop_last
 
     @property
     def usable(self) -> int:
-        return self.n - len(self.skip)
+        n = self.order.size(self.epoch, self.skip)
+        return n - n % self.global_batch if self.drop_last else n
 
     def index_batches(self) -> Iterator[torch.Tensor]:
         for batch in super().index_batches():
@@ -183,7 +195,7 @@ class EvalSampler(EpochSampler):
                 yield batch
 
     def __len__(self) -> int:
-        left = max(0, self.n - self.offset)
+        left = max(0, self.usable - self.offset)
         if left == 0:
             return 0
         chunks = -(-left // self.global_batch)
@@ -219,7 +231,7 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, *, num_workers: int, pi
     workers = num_workers > 0
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                       pin_memory=pin_memory, collate_fn=collate_fn, generator=gen,
-                      worker_init_fn=_seed_worker if workers else None,
+                      worker_init_fn=shielded(_seed_worker) if workers else None,
                       persistent_workers=persistent and workers)
 
 
@@ -284,7 +296,9 @@ def batch_size_of(batch) -> int:
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
+    raise DataError(f"a batch is a {type(batch).__name__}, which holds no tensor to count "
+                    f"its samples by; make the dataset return tensors (tokenize text in it or "
+                    f"in a collate_fn), or pass a step_fn with a collate_fn that does")
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):

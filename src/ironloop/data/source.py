@@ -16,15 +16,15 @@ import math
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import Subset
+from torch.utils.data import DataLoader, SequentialSampler, Subset
 
 from ironloop.config import Config
 from ironloop.data.inputs import map_style
-from ironloop.data.lm import check_order
+from ironloop.data.lm import ContiguousStreams, check_eval_order, check_order
 from ironloop.data.loader import (
     EpochLoader,
     EpochSampler,
@@ -131,6 +131,18 @@ class MapSource:
         self.loader.close()  # the workers that persisted across epochs exit
 
 
+@dataclass(frozen=True)
+class EvalBatching:
+    """How an evaluation split is batched: what its DataLoader said (batch size, sampler,
+    collate_fn, drop_last), else the run's batch size, in order, with the training collate_fn.
+    Per process, like ``train.batch_size``."""
+
+    batch_size: int
+    sampler: Any = None      # the DataLoader's sampler; None: the split in order
+    collate_fn: Any = None
+    drop_last: bool = False
+
+
 @dataclass
 class RunData:
     """A run's data: the training batches and the evaluation splits."""
@@ -140,6 +152,8 @@ class RunData:
     val_sets: dict[str, Any]  # the validation sets by name ({"": it} for one unnamed set)
     test: Any              # map-style, or None
     collate_fn: Any        # a DataLoader's own collate_fn, kept for evaluation too
+    # "val", "test": how each is batched in evaluation (a passed DataLoader's own batching)
+    batching: dict[str, EvalBatching] = field(default_factory=dict)
 
     @property
     def val(self) -> Any:
@@ -185,23 +199,70 @@ def open_data(cfg: Config, train_data, val_data, test_data, rank: int, world_siz
     """The run's splits and its BatchSource: the one place that tells a stream from a
     map-style dataset. ``poison`` (the fault injector's) may replace the training split."""
     refuse_eval_stream(test_data, "test_data")
-    val_set = validation_sets(val_data, cfg, world_size)
-    test_set = map_style(test_data, "test_data").dataset
-    check_needs_val(cfg, next(iter(val_set.values()), None))
     stream = as_stream(train_data, "train_data")  # an IterableDataset: data/stream.py
+    train = None if stream else map_style(train_data, "train_data")
+    collate_fn = train.collate_fn if train else None
+    val_sets, val_batching = validation_sets(val_data, cfg, collate_fn, world_size)
+    test_set, test_batching = eval_split(test_data, "test_data", cfg, collate_fn, world_size,
+                                         subset=False)
+    val_set = next(iter(val_sets.values()), None)
+    check_needs_val(cfg, val_set)
+    if val_set is not None and len(val_set) == 0 and rank == 0:
+        print("warning: the validation split is empty (0 samples): this run reports no val_* "
+              "metric and best.pt tracks nothing; check data.val_fraction or val_data")
+    batching = {**val_batching, "test": test_batching}
     if stream:
         if poison is not None:
             poison(stream)  # refuses: a stream's samples have no index to poison
         order = build_order(cfg, stream, rank, world_size, device)
-        return RunData(order, stream, val_set, test_set, None)
-    train_set, collate_fn, _, sampler = map_style(train_data, "train_data")
+        return RunData(order, stream, val_sets, test_set, None, batching)
+    assert train is not None
+    train_set = train.dataset
     if len(train_set) == 0:
         raise DataError("the training split is empty (0 samples): check the dataset's path, "
                         "filter or split (data.val_fraction); there is nothing to train on")
     if poison is not None:
         train_set = poison(train_set)
-    return RunData(_map_source(cfg, train_set, sampler, collate_fn, rank, world_size, device),
-                   train_set, val_set, test_set, collate_fn)
+    return RunData(_map_source(cfg, train_set, train.sampler, collate_fn, rank, world_size,
+                               device), train_set, val_sets, test_set, collate_fn, batching)
+
+
+def eval_split(data, what: str, cfg: Config, train_collate, world_size: int,
+               subset: bool = True):
+    """(dataset, EvalBatching) of a validation or test split: a passed DataLoader keeps its
+    batch size, sampler, collate_fn and drop_last in evaluation, as training keeps a training
+    DataLoader's; a plain dataset is batched by train.batch_size with the training collate_fn.
+    Stream-shaped data (ContiguousStreams) is checked against its batching here, before any
+    training (data/lm.py). ``subset``: eval.max_batches applies (validation, not test)."""
+    given = map_style(data, what)
+    if isinstance(data, DataLoader):
+        batching = EvalBatching(given.batch_size or cfg.train.batch_size, given.sampler,
+                                given.collate_fn, given.drop_last)
+    else:
+        batching = EvalBatching(cfg.train.batch_size, None, train_collate)
+    if given.dataset is None:
+        return None, batching
+    check_eval_order(given.dataset, what, batching.batch_size, world_size,
+                     in_order=batching.sampler is None or type(batching.sampler) is
+                     SequentialSampler, from_loader=isinstance(data, DataLoader))
+    dataset = eval_subset(given.dataset, cfg, world_size, batching.batch_size) if subset \
+        else given.dataset
+    if dataset is not given.dataset:  # a subset's indices are its own: read it in order
+        batching = replace(batching, sampler=None)
+    return dataset, batching
+
+
+def eval_loader(dataset, batching: EvalBatching, cfg: Config, rank: int, world_size: int,
+                device: torch.device):
+    """The batches of an evaluation split on this rank, as ``batching`` says: every sample of
+    it (all but a drop_last tail) exactly once over all ranks."""
+    order, _ = order_of(batching.sampler, len(dataset), cfg.run.seed, shuffle=False)
+    sampler = EvalSampler(len(dataset), batching.batch_size, cfg.run.seed, shuffle=False,
+                          rank=rank, world_size=world_size, order=order,
+                          drop_last=batching.drop_last)
+    return make_loader(dataset, sampler, num_workers=cfg.data.num_workers,
+                       pin_memory=cfg.data.pin_memory and device.type == "cuda",
+                       collate_fn=batching.collate_fn, seed_samples=cfg.data.seed_samples)
 
 
 def _map_source(cfg: Config, train_set, user_sampler, collate_fn, rank: int, world_size: int,
@@ -229,20 +290,23 @@ def _warn_batch_size(cfg: Config, n: int, world_size: int, rank: int) -> None:
               f"optimizer step; lower train.batch_size")
 
 
-def validation_sets(val_data, cfg: Config, world_size: int) -> dict[str, Any]:
+def validation_sets(val_data, cfg: Config, train_collate, world_size: int
+                    ) -> tuple[dict[str, Any], dict[str, EvalBatching]]:
     """The validation sets by name: ``{"": it}`` for one set (metrics ``val_<metric>``), the
-    dict's names for a dict (``val_<name>_<metric>``), {} for none."""
+    dict's names for a dict (``val_<name>_<metric>``), {} for none; and how each is batched,
+    under "val" (one set) or "val_<name>"."""
     named = val_data if isinstance(val_data, dict) else {"": val_data}
-    sets = {}
+    sets, batching = {}, {}
     for name, data in named.items():
         if named is val_data:
             check_set_name(name)
         what = f"val_data[{name!r}]" if name else "val_data"
         refuse_eval_stream(data, what)
-        ds = eval_subset(map_style(data, what).dataset, cfg, world_size)
-        if ds is not None:
-            sets[name] = ds
-    return sets
+        dataset, batching[f"val_{name}" if name else "val"] = eval_split(
+            data, what, cfg, train_collate, world_size)
+        if dataset is not None:
+            sets[name] = dataset
+    return sets, batching
 
 
 def check_set_name(name) -> None:
@@ -254,13 +318,17 @@ def check_set_name(name) -> None:
                         f"prefix)")
 
 
-def eval_subset(val_set, cfg: Config, world_size: int | None = None):
+def eval_subset(val_set, cfg: Config, world_size: int | None = None,
+                batch_size: int | None = None):
     """With eval.max_batches, the same fixed random subset of the val split at every
-    evaluation (independent of run.seed), so evaluations compare like with like."""
+    evaluation (independent of run.seed), so evaluations compare like with like; of
+    stream-shaped data, its first ``eval.max_batches`` chunks of every stream."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    cap = cfg.eval.max_batches * cfg.train.batch_size * world_size
+    cap = cfg.eval.max_batches * (batch_size or cfg.train.batch_size) * world_size
     if val_set is None or not cap or cap >= len(val_set):
         return val_set
+    if isinstance(val_set, ContiguousStreams):  # a random subset would cut the streams
+        return Subset(val_set, range(cap))
     gen = torch.Generator().manual_seed(derive_seed("eval-subset"))
     idx = torch.randperm(len(val_set), generator=gen)[:cap].sort().values
     if isinstance(val_set, TensorData):  # keep the one-slice batch path
@@ -322,5 +390,5 @@ def _has_nonfinite(obj) -> bool:
     return False
 
 
-__all__ = ["BatchSource", "MapSource", "RunData", "StreamOrder", "open_data",
-           "resolve_batch_size"]
+__all__ = ["BatchSource", "EvalBatching", "MapSource", "RunData", "StreamOrder", "eval_loader",
+           "eval_split", "open_data", "resolve_batch_size"]

@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ironloop.data.loader import derive_seed
+from ironloop.data.workers import shielded
 from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.extras import require
 
@@ -236,7 +237,7 @@ class StreamOrder:
     def set_skip(self, indices) -> None:
         """The guard's skip list names samples by index; a stream has none (``indices`` gives
         the guard nothing to list), so the list stays empty and nothing is skipped: a rollback
-        reads the same samples again (README, "Streams")."""
+        reads the same samples again (docs/how-to/streams.md)."""
         self.skip = sorted(set(indices))
 
     def indices(self, start: int, end: int) -> list[int]:
@@ -281,6 +282,8 @@ class StreamOrder:
             if loader.generator is not None:
                 loader.generator.manual_seed(derive_seed(self.seed, self.epoch, "loader"))
             set_epoch(getattr(loader, "sampler", None), self.epoch)
+            if loader.num_workers:  # its workers leave stop signals to this process
+                loader.worker_init_fn = shielded(loader.worker_init_fn)
         else:
             dataset = Replayed(s.dataset) if self.replay else s.dataset
             cls = require("torchdata.stateful_dataloader", "stream",
@@ -290,7 +293,8 @@ class StreamOrder:
                 warnings.simplefilter("ignore")  # torchdata's "set_vital is deprecated"
                 loader = cls(dataset, batch_size=self.batch_size, drop_last=True,
                              num_workers=self.num_workers, pin_memory=self.pin_memory,
-                             collate_fn=s.collate_fn, generator=gen)
+                             collate_fn=s.collate_fn, generator=gen,
+                             worker_init_fn=shielded() if self.num_workers else None)
         set_epoch(s.dataset, self.epoch)
         if self.pending is not None:
             loader.load_state_dict(self.pending)

@@ -8,8 +8,8 @@ import torch
 
 from ironloop.data.bundle import DataBundle
 from ironloop.data.stream import as_stream, first_sample, is_stream
-from ironloop.errors import ConfigError
-from ironloop.specs import accepted, import_spec
+from ironloop.errors import ConfigError, DataError
+from ironloop.specs import accepted, call_factory, import_spec
 
 SPLITS = ("train", "val", "test")
 
@@ -30,11 +30,8 @@ def user_data(cfg) -> DataBundle:
     # disjoint share of a stream (HF: split_dataset_by_node(ds, rank, world_size)).
     where = {"rank": int(os.environ.get("RANK", "0")),
              "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
-    try:
-        out = factory(**{**accepted(factory, root=cfg.root, **where), **cfg.kwargs})
-    except TypeError as e:
-        raise ConfigError(f"data factory {cfg.name!r} rejected its arguments: {e}; "
-                          f"check data.kwargs") from e
+    out = call_factory(factory, f"data factory {cfg.name!r}", "data.kwargs",
+                       **{**accepted(factory, root=cfg.root, **where), **cfg.kwargs})
     meta = {}
     if isinstance(out, dict):  # {"train": ..., "val": ..., "test": ..., anything else: metadata}
         if "train" not in out:
@@ -48,14 +45,32 @@ def user_data(cfg) -> DataBundle:
                           f"with metadata for the model factory")
     train, val, test = (*out, None)[:3]
     if isinstance(train, (tuple, list)):  # an (inputs, targets) pair of tensors
+        if not len(train[0]):
+            raise DataError(f"data factory {cfg.name!r} returned an empty training split "
+                            f"(inputs of length 0); return at least one training sample")
         x = train[0][0]
     elif is_stream(train):  # read off a copy: the stream itself stays at its start
         stream = as_stream(train, "train")
         sample = first_sample(stream) if stream is not None else None
         x = sample[0] if sample else None
     else:
-        sample = getattr(train, "dataset", train)[0]  # a DataLoader's dataset, or the Dataset
+        dataset = getattr(train, "dataset", train)  # a DataLoader's dataset, or the Dataset
+        if train is None or _empty(dataset):
+            raise DataError(f"data factory {cfg.name!r} returned an empty training split "
+                            f"({_what(train)}); return at least one training sample")
+        sample = dataset[0]
         x = sample[0] if isinstance(sample, (tuple, list)) else sample
     shape = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
     return DataBundle(train=train, val=val, test=test, input_shape=shape,
                       num_classes=meta.get("num_classes"), meta=meta)
+
+
+def _empty(dataset) -> bool:
+    try:
+        return len(dataset) == 0
+    except TypeError:  # no __len__: read as it comes
+        return False
+
+
+def _what(train) -> str:
+    return "None" if train is None else f"a {type(train).__name__} of length 0"

@@ -21,7 +21,7 @@ from ironloop.dist.wrap import checkpoint_activations, compile_model
 from ironloop.engine import carry, steps
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
-from ironloop.engine.early_stop import BestTracker
+from ironloop.engine.early_stop import BestTracker, check_monitor
 from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import Loss, resolve_optimizer, resolve_scheduler
 from ironloop.engine.precision import grad_scaler
@@ -29,15 +29,15 @@ from ironloop.engine.preempt import Preemption
 from ironloop.engine.progress import Counters, Meter, Progress
 from ironloop.engine.run import Outputs, Run, RunState
 from ironloop.engine.timing import StepTimer
-from ironloop.engine.trainstep import TrainStep
+from ironloop.engine.trainstep import TrainStep, check_closure
 from ironloop.errors import CheckpointError, UserError
 from ironloop.guard.faults import Faults
-from ironloop.guard.hook import GuardHook
+from ironloop.guard.hook import GuardHook, advice as guard_advice
 from ironloop.guard.verdict import device_guard
 from ironloop.outputs import console, loggers, records
 from ironloop.outputs.runlog import RunLog
 from ironloop.specs import import_spec
-from ironloop.state import dcp as sharded, drift, rundir
+from ironloop.state import dcp as sharded, drift, remote, rundir
 from ironloop.state.manager import CheckpointManager
 
 
@@ -65,12 +65,16 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
                                 counters.meter.loss_sum.dtype) if cfg.guard.enabled else None
     step, strategy = _step_part(cfg, model, data, device, world, precision, given, counters,
                                 faults, guard_device)
+    check_monitor(cfg.early_stop.metric, _step_kind(cfg, given), cfg.eval.perplexity,
+                  data.val is not None and len(data.val) > 0, _prefixes(data, step),
+                  tuple(step.metrics.metrics) if step.metrics is not None else ())
     state = RunState(cfg, step, counters, data.source, world, callbacks)
     guard = None if guard_device is None else GuardHook(
         cfg.guard, Path(cfg.run.dir), cfg.checkpoint.enabled, guard_device,
         meter=counters.meter, progress=counters.progress, data=data.source,
         model=step.raw_model, world=world, state=state,
-        accumulation=cfg.train.accumulation_steps)
+        accumulation=cfg.train.accumulation_steps,
+        advice=guard_advice(cfg.clip.max_norm, step.precision))
     run_dir = Path(cfg.run.dir)
     used = records.used(step.raw_model, step.optimizer, step.scheduler, given.from_config,
                         data.described(), **given.user_fns)
@@ -94,6 +98,21 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     preempt = Preemption(world.distributed, cfg.dist.timeout_s)
     return Run(cfg, world, data, step, counters, state, outputs, guard, cadence, faults,
                callbacks, preempt), strategy
+
+
+def _step_kind(cfg: Config, given: Given) -> str:
+    """'classification', 'lm' or 'user': which step computes the run's metrics."""
+    if given.step_fn is steps.lm_step or (given.step_fn is None and cfg.train.step_fn == "lm"):
+        return "lm"
+    return "classification" if given.step_fn is None and not cfg.train.step_fn else "user"
+
+
+def _prefixes(data: RunData, step: TrainStep) -> tuple[str, ...]:
+    """The metric-name prefixes evaluation reports: per validation set, then the same for the
+    averaged weights (engine/evaluate.py's validation_metrics)."""
+    sets = [f"{name}_" if name else "" for name in data.val_sets]
+    weights = ["val_", "val_avg_"] if step.average is not None else ["val_"]
+    return tuple(f"{w}{s}" for w in weights for s in sets)
 
 
 def _counters(cfg: Config, data: RunData, device: torch.device, world: World) -> Counters:
@@ -133,6 +152,8 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
         wrapped = compile_model(wrapped, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
     optimizer = resolve_optimizer(given.optimizer, raw_model, cfg.optim)
+    check_closure(optimizer, cfg.train.accumulation_steps, precision, world,
+                  stateful is not None)  # LBFGS: what its closure can honour
     scheduler, schedule_on = resolve_scheduler(given.scheduler, optimizer, cfg.schedule,
                                                counters.steps_per_epoch, counters.total_steps)
     finite = cfg.schedule.name in drift.FINITE_SCHEDULES
@@ -140,7 +161,8 @@ def _step_part(cfg: Config, model: nn.Module, data: RunData, device: torch.devic
                      grad_scaler(precision, device), step_fn, stateful, device, precision,
                      cfg.clip, counters.total_steps,
                      schedule_steps=counters.total_steps if finite else 0, guard=guard,
-                     check_labels=check_labels, average=average, metrics=metrics), strategy
+                     check_labels=check_labels, average=average, metrics=metrics,
+                     frozen=given.optimizer is None and cfg.optim.lr == 0), strategy
 
 
 def _restore(state: RunState, guard: GuardHook | None, resumed: dict, source: str,
@@ -184,10 +206,12 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
     if cfg.checkpoint.enabled and strategy == "fsdp":
         manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints",
                                                    cfg.checkpoint.keep_last,
-                                                   cfg.checkpoint.async_write)
+                                                   cfg.checkpoint.async_write,
+                                                   mirror=_mirror(cfg, world, progress.step))
     elif cfg.checkpoint.enabled and world.is_main and not parallel.is_fsdp(state.step.raw_model):
         manager = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                    cfg.checkpoint.async_write)
+                                    cfg.checkpoint.async_write,
+                                    mirror=_mirror(cfg, world, progress.step))
     if manager is not None:
         # Checkpoints past the step this run resumed from belong to a future that did not
         # happen: the file and the sharded manager both drop them, saying so.
@@ -199,12 +223,28 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
     return Outputs(log, manager, timer, last_saved=progress.step)
 
 
+def _mirror(cfg: Config, world: World, step: int) -> remote.Mirror | None:
+    """checkpoint.remote's uploader; rank 0 first drops remote checkpoints past ``step``."""
+    c = cfg.checkpoint
+    if not c.remote:
+        return None
+    mirror = remote.Mirror(remote.open_remote(c.remote, c.remote_options),
+                           Path(cfg.run.dir) / "checkpoints" / remote.STAGING / f"rank{world.rank}",
+                           c.keep_last, rank=world.rank, world_size=world.size,
+                           retries=c.remote_retries, wait_s=c.remote_wait_s)
+    if world.is_main:
+        for url in mirror.discard_after(step):
+            print(f"notice: removed {url} from the remote: it is past the step this run "
+                  f"resumed from")
+    return mirror
+
+
 def _resume_event(log: RunLog, state: RunState, resumed: dict, source: str) -> None:
     """events.jsonl's resume line and the console's: from where, what is redone, what
     changed."""
     p = state.counters.progress
     log.catch_up(p.step)  # each tracker gets the rows it does not hold yet
-    event = {"event": "resume", "step": p.step, "epoch": p.epoch, "from": source,
+    event = {"event": "resume", "step": p.step, "epoch": p.epoch + 1, "from": source,
              "last_logged_step": log.last_logged_step,
              # work lost to the crash: logged past the checkpoint, redone
              "steps_redone": max(0, log.last_logged_step - p.step), "time": time.time()}

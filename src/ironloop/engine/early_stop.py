@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from ironloop.errors import ConfigError
+
 
 class BestTracker:
     """Tracks the best value of one monitored metric and how long since it improved.
@@ -38,3 +40,21 @@ class BestTracker:
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]
         self.bad_epochs = state["bad_epochs"]
+
+
+def check_monitor(metric: str, step: str, perplexity: bool, validates: bool,
+                  prefixes: tuple[str, ...] = ("val_",), extra: tuple[str, ...] = ()) -> None:
+    """``early_stop.metric`` against the metrics the run will report, before any training (a
+    mistake found after the first epoch left its outputs behind). ``step``: 'classification'
+    or 'lm' (the built-in steps, whose metrics are known), anything else a user's step_fn,
+    whose metric names only its evaluation tells (checked there). ``prefixes``: one per
+    validation set and weight set (val_, val_clean_, val_avg_, ...); ``extra``: the
+    whole-split metrics' names."""
+    known = {"classification": ["loss", "acc"], "lm": ["loss"]}.get(step)
+    if not validates or known is None:
+        return
+    names = [*known, *(["ppl"] if perplexity else []), *extra]
+    reported = [f"{p}{n}" for p in prefixes for n in names]
+    if metric not in reported:
+        raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
+                          f"{', '.join(reported)}; monitor one of those")

@@ -10,6 +10,7 @@ import torch
 
 from ironloop.callbacks import fire
 from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
+from ironloop.data.source import EvalBatching, eval_loader
 from ironloop.dist import parallel
 from ironloop.dist.world import sum_over_ranks
 from ironloop.engine.run import Run
@@ -59,14 +60,16 @@ def validation_metrics(run: Run) -> dict[str, float]:
     """The raw weights' metrics on each validation set as ``val_<metric>`` (one set) or
     ``val_<set>_<metric>`` (several), then with weight averaging on the averaged weights' as
     ``val_avg_<metric>`` / ``val_avg_<set>_<metric>``."""
-    sets = run.data.val_sets.items()
+    # (the key of the set's batching in data/source.py, its name, the set)
+    sets = [(f"val_{name}" if name else "val", name, ds)
+            for name, ds in run.data.val_sets.items()]
     val = {}
-    for name, dataset in sets:
-        val.update(_prefixed(run, f"val_{name}_" if name else "val_", evaluate(run, dataset)))
+    for split, _, dataset in sets:
+        val.update(_prefixed(run, f"{split}_", evaluate(run, dataset, split)))
     averaged = run.step.average.module if run.step.average is not None else None
-    for name, dataset in sets if averaged is not None else ():
+    for split, name, dataset in sets if averaged is not None else ():
         val.update(_prefixed(run, f"val_avg_{name}_" if name else "val_avg_",
-                             evaluate(run, dataset, averaged)))
+                             evaluate(run, dataset, split, averaged)))
     return val
 
 
@@ -78,33 +81,33 @@ def _prefixed(run: Run, prefix: str, metrics: dict[str, float]) -> dict[str, flo
 
 
 @torch.inference_mode()
-def evaluate(run: Run, dataset, model: torch.nn.Module | None = None) -> dict[str, float]:
-    """Mean loss and metrics over a dataset, in eval mode (``model``: the raw weights by
-    default); restores the previous mode, also when the step raises."""
+def evaluate(run: Run, dataset, split: str = "val",
+             model: torch.nn.Module | None = None) -> dict[str, float]:
+    """Mean loss and metrics over a dataset (the run's ``split``, batched as its DataLoader
+    said), in eval mode (``model``: the raw weights by default); restores the previous mode,
+    also when the step raises."""
     model = run.step.raw_model if model is None else model
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(run, dataset, model)
+        return _evaluate(run, dataset, split, model)
     finally:
         model.train(was_training)
 
 
-def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
+def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str, float]:
     step, device = run.step, run.step.device
     if step.carry is not None:  # a stateful step gets the evaluation state, empty at first
         step.carry.start_evaluation()
-    # Every sample exactly once over all ranks: the training sampler's tail drop is for DDP's
-    # backward, and evaluation has none.
-    sampler = EvalSampler(len(dataset), run.cfg.train.batch_size, run.cfg.run.seed,
-                          shuffle=False, rank=run.world.rank, world_size=run.world.size)
-    loader = make_loader(dataset, sampler, num_workers=run.cfg.data.num_workers,
-                         pin_memory=run.cfg.data.pin_memory and device.type == "cuda",
-                         collate_fn=run.data.collate_fn, seed_samples=run.cfg.data.seed_samples)
+    # Every sample exactly once over all ranks (a drop_last tail aside): the training
+    # sampler's tail drop is for DDP's backward, and evaluation has none.
+    batching = run.data.batching.get(split) or \
+        EvalBatching(run.cfg.train.batch_size, None, run.data.collate_fn)
+    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
     sums, names, count, batches = None, [], 0, 0
-    split = step.metrics  # whole-split metrics (eval.metrics), or None
-    if split is not None:
-        split.reset()
+    whole = step.metrics  # whole-split metrics (eval.metrics), or None
+    if whole is not None:
+        whole.reset()
     # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
     # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
     wide = torch.float32 if device.type == "mps" else torch.float64
@@ -117,32 +120,33 @@ def _evaluate(run: Run, dataset, model: torch.nn.Module) -> dict[str, float]:
             loss, metrics, weight = step.forward(model, batch, "evaluation",
                                                  run.counters.progress)
         inputs = metrics.pop(METRIC_INPUTS, None)  # (preds, target): fed, not averaged
-        if split is not None:
-            split.update(inputs)
+        if whole is not None:
+            whole.update(inputs)
         names = ["loss", *metrics]
         values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
         values = values * n if weight is None else values.to(wide) * weight
         sums = values if sums is None else sums + values
         count = count + (n if weight is None else weight)  # samples, or the step's tokens
         batches += 1
-    _pad_forwards(run, dataset, batches, model)
+    _pad_forwards(run, dataset, batches, batching, model)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     result = sum_over_ranks(names, sums, count, run.world)
-    if split is not None:  # torchmetrics syncs over the ranks in compute(): every rank calls it
-        result.update(split.compute())
+    if whole is not None:  # torchmetrics syncs over the ranks in compute(): every rank calls it
+        result.update(whole.compute())
     return result
 
 
-def _pad_forwards(run: Run, dataset, batches: int, model: torch.nn.Module) -> None:
+def _pad_forwards(run: Run, dataset, batches: int, batching: EvalBatching,
+                  model: torch.nn.Module) -> None:
     """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
     discarded forwards on one sample until every rank has run as many."""
     step = run.step
-    owed = parallel.extra_forwards(model, run.world, len(dataset),
-                                   run.cfg.train.batch_size, batches)
+    owed = parallel.extra_forwards(model, run.world, len(dataset), batching.batch_size,
+                                   batches)
     if owed <= 0:
         return
     one = next(iter(make_loader(dataset, EvalSampler(1, 1, 0, False), num_workers=0,
-                                pin_memory=False, collate_fn=run.data.collate_fn)))
+                                pin_memory=False, collate_fn=batching.collate_fn)))
     one = to_device(one, step.device, False)
     for _ in range(owed):
         with step.autocast():

@@ -34,7 +34,7 @@ from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
 from ironloop.engine.timing import table
-from ironloop.errors import ConfigError
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state import lock
@@ -97,8 +97,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             anything that is not ``(inputs, targets)`` classification. Loss and metrics are
             means over the batch's weight (its samples, or the tokens a third value gives:
             see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py).
-            Default: ``train.step_fn`` ('module:function' or 'lm'), else the classification
-            step.
+            Default: ``train.step_fn`` ('module:function' or 'lm'), else classification.
         num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
         optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
             returning one. Default: the ``optim.*`` config.
@@ -116,6 +115,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
             ``ironloop train`` does); otherwise config.yaml names the user's classes.
     """
     started = time.time()
+    _check_arguments(model, train_data)
     cfg = resolved(as_config(config), train_data, step_fn, val_data)  # the one config from here
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
@@ -137,6 +137,17 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     del run  # the DDP wrapper goes before its process group (see dist.world.shutdown)
     shutdown(world)
     return result
+
+
+def _check_arguments(model, train_data) -> None:
+    """fit()'s two required arguments, each refused in one line before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}; pass the "
+                        f"model instance (a function: wrap it in an nn.Module's forward)")
+    if train_data is None:
+        raise DataError("train_data is None; pass the training split: a Dataset, a "
+                        "DataLoader, a Hugging Face datasets.Dataset or an (inputs, targets) "
+                        "pair")
 
 
 def resolved(cfg: Config, train_data, step_fn, val_data=None) -> Config:
@@ -186,7 +197,8 @@ def _finish(run: Run, started: float) -> FitResult:
     if restored and c.best_state is not None:
         step.raw_model.load_state_dict(c.best_state)
     test_set = run.data.test
-    test = evaluate.evaluate(run, test_set) if test_set is not None and len(test_set) else {}
+    test = evaluate.evaluate(run, test_set, "test") if test_set is not None and \
+        len(test_set) else {}
     results = _results(run, test, train_seconds, restored, started)
     weights = parallel.full_model_state(step.raw_model)  # a collective under FSDP2
     averaged = _final_average(run)
@@ -223,17 +235,22 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
     final_val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
     epochs = read_jsonl(Path(cfg.run.dir) / "epochs.jsonl") if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
+    # the open epoch's training so far and its final evaluation (loop.end_mid_epoch)
+    open_seconds = train_seconds - c.meter.epoch_mark.get("train_seconds", 0.0) + \
+        last.get("seconds", 0.0) if mid_epoch else 0.0
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
         "final_val_acc": final_val.get("acc", accs[-1] if accs else None),
         "best_epoch": tracker.best_epoch + 1 if tracker.best_epoch >= 0 else None,
         "monitor": {cfg.early_stop.metric: tracker.best},
         "test_acc": test.get("acc"), "test_loss": test.get("loss"),
-        "steps": p.step, "epochs": p.epoch,
+        # 1-based like the console: the epochs the run trained in, the open one included
+        "steps": p.step, "epochs": p.epoch + (1 if mid_epoch else 0),
         "stopped_early": tracker.should_stop, "restored_best": restored,
         "stopped_by_callback": c.stop_requested,
         "precision": run.step.precision, "device": str(run.step.device),
-        "seconds": sum(r.get("seconds", 0.0) for r in epochs),
+        # as epochs.jsonl counts them (training + epoch-end validation), the open epoch too
+        "seconds": sum(r.get("seconds", 0.0) for r in epochs) + open_seconds,
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.policy.totals() if run.guard is not None else {}),

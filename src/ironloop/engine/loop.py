@@ -17,6 +17,8 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     ok = guard verdict, on the device         # guard/verdict.py: no host read
     clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
+                                              # (LBFGS: step(closure), its first call the
+                                              # loss above; trainstep.TrainStep.closure)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [average.update(), when due]              # engine/average.py: EMA/SWA, on the device
     [settle, when due]                        # engine/settle.py: the guard's lagged read
@@ -121,19 +123,20 @@ def train_epoch(run: Run) -> None:
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
         timer.mark("copy")  # near 0: the copy ran while the previous step computed
-        micro_step(run, batch, n_micro, window, last, weights)
+        loss = micro_step(run, batch, n_micro, window, last, weights)
         micro += 1
         if not last:
             continue
         micro = 0
         weights.normalise(step.params, run.world)  # no-op unless the step weights its loss
-        step.optimizer_step(p, run.counters.meter, run.world)
+        # LBFGS's closure recomputes this batch; None for any other optimizer
+        step.optimizer_step(p, run.counters.meter, run.world, step.closure(batch, loss))
         timer.mark("optimizer")
         if step.average is not None and step.average.due(p.step):
             step.average.update()  # on the device, no host read (engine/average.py)
             timer.mark("average")
-        bar.update(1)
         after_step(run, bar)
+        bar.update(1)  # after the log line: a progress line shows this step's loss and LR
         timer.mark("other")
         if run.preempt.should_stop():  # a bool, no device sync
             _preempted(run)  # saves this step and raises Preempted
@@ -144,9 +147,9 @@ def train_epoch(run: Run) -> None:
 
 
 def micro_step(run: Run, batch, n_micro: int, window: int, last: bool,
-               weights: WindowWeight) -> None:
+               weights: WindowWeight):
     """Forward and backward of one micro-batch, its loss scaled so that the window's
-    gradients sum to the window's mean gradient."""
+    gradients sum to the window's mean gradient. Returns the micro-batch's loss."""
     step, world, timer = run.step, run.world.size, run.outputs.timer
     accum = run.cfg.train.accumulation_steps
     # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
@@ -167,6 +170,7 @@ def micro_step(run: Run, batch, n_micro: int, window: int, last: bool,
         step.backward(scaled)
     timer.mark("backward")
     run.counters.meter.add_micro(loss, n_micro, weight)
+    return loss
 
 
 def after_step(run: Run, bar: EpochProgress) -> None:
@@ -215,10 +219,14 @@ def _preempted(run: Run) -> None:
     taken_back = settle(run)
     if saved and (taken_back or not run.cadence.saves(p.step)):
         run.save(False)
+    if saved and run.outputs.checkpoints is not None:
+        # "saved": true only once the write is done (an async one too); a failed write raises
+        # here, before the record could claim it
+        run.outputs.checkpoints.wait()
     stop = run.preempt.stopped(p.step, saved)
     if run.outputs.log is not None:
         run.outputs.log.write("events", {"event": "preempted", "signal": stop.signal_name,
-                                         "step": p.step, "epoch": p.epoch, "saved": saved,
+                                         "step": p.step, "epoch": p.epoch + 1, "saved": saved,
                                          "time": time.time()})
     raise stop
 

@@ -10,6 +10,8 @@ evaluation average per unit: the mean over every token of the window, not a mean
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,10 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
 
     ``(inputs, targets)`` batches of token ids, targets already shifted, padding marked -100:
     the model returns logits ``(..., vocab)``, ``(logits, ...)`` or an object with ``.logits``.
+    A model whose ``forward`` has a ``targets`` parameter (nanoGPT's ``forward(idx,
+    targets=None)``, which returns only the last position's logits without targets) is called
+    as ``model(inputs, targets=targets)`` and its own loss is used (``(logits, loss)``, or
+    ``.loss``), weighted by the targets that count (``>= 0``: nanoGPT ignores -1, torch -100).
     A dict batch goes to a Hugging Face causal LM (``model(**batch)``, which shifts ``labels``
     itself); its ``.loss`` is weighted by the labels that count.
     """
@@ -63,6 +69,8 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
             return loss, {}, None
         return loss, {}, (labels[..., 1:] != IGNORE_INDEX).sum()  # HF shifts by one inside
     x, y = batch[0], batch[1]
+    if takes_targets(model):
+        return own_loss(model(x, targets=y)), {}, (y >= 0).sum()
     out = model(x)
     logits = out if isinstance(out, torch.Tensor) else \
         out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
@@ -75,6 +83,40 @@ def lm_step(model: nn.Module, batch) -> tuple[torch.Tensor, dict, torch.Tensor |
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total / valid.clamp(min=1), {}, valid
 
+
+def takes_targets(model: nn.Module) -> bool:
+    """Whether the user's module (under any DDP or compile wrapper) has ``forward(...,
+    targets)``: it computes its own loss (nanoGPT)."""
+    inner: Any = model
+    while True:
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            inner = inner.module
+        elif isinstance(getattr(inner, "_orig_mod", None), nn.Module):  # torch.compile's
+            inner = inner._orig_mod
+        else:
+            return _forward_takes_targets(inner.__class__)
+
+
+@functools.cache
+def _forward_takes_targets(cls: Any) -> bool:  # once per class: not per step
+    try:
+        return "targets" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # a forward with no readable signature
+        return False
+
+
+def own_loss(out) -> torch.Tensor:
+    """The loss a ``forward(idx, targets)`` model returned: ``(logits, loss)``, or ``.loss``."""
+    if isinstance(out, (tuple, list)) and len(out) > 1 and isinstance(out[1], torch.Tensor) \
+            and out[1].ndim == 0:
+        return out[1]
+    if isinstance(out, (tuple, list, torch.Tensor)):
+        raise UserError(f"train.step_fn=lm: the model's forward takes targets, and returned "
+                        f"{describe(out)} when given them; return (logits, loss) with the loss "
+                        f"a scalar mean over the tokens, as nanoGPT does")
+    return output_loss(out)
+
+
 def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
     """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating;
     ``feed_metrics``: also the model's outputs and the targets for ``eval.metrics``."""
@@ -83,7 +125,10 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
         if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
             return output_loss(model(**batch)), {}
         x, y = batch[0], batch[1]
-        out = model(x)
+        try:
+            out = model(x)
+        except RuntimeError as e:
+            raise _int_inputs(x, e) or e from None
         if not isinstance(out, torch.Tensor):
             return output_loss(out), {}
         try:
@@ -106,7 +151,18 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
 def _is_shape_error(e: Exception) -> bool:
     text = str(e).lower()
     return any(w in text for w in ("size", "shape", "dimension", "expected input",
-                                   "expected target"))
+                                   "expected target", "type for target"))
+
+
+def _int_inputs(x, e: RuntimeError) -> DataError | None:
+    """Integer inputs into a model that computes in floats (a Linear or Conv on token ids or
+    raw uint8 pixels): one line naming the inputs and the fix; None for any other error."""
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or "type" not in str(e):
+        return None
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    return DataError(f"the inputs are {describe(x)} but the model computes in floats "
+                     f"({first}); convert them with .float() (scaled, e.g. / 255 for pixels), "
+                     f"or start the model with an nn.Embedding for token ids")
 
 
 def misfit(out: torch.Tensor, y: torch.Tensor, e: Exception) -> UserError:
@@ -147,7 +203,8 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
 
     def check(batch) -> None:
         y = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
-        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu":
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.device.type != "cpu" \
+                or not y.numel():  # an empty split has no label to check
             return
         lo, hi = int(y.min()), int(y.max())  # host tensors: no device sync
         if lo < 0 or hi >= num_classes:

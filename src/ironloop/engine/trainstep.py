@@ -16,6 +16,7 @@ The optimizer step, in order::
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,40 @@ from ironloop.engine.metrics import SplitMetrics
 from ironloop.engine.precision import autocast
 from ironloop.engine.progress import Meter, Progress
 from ironloop.engine.steps import StepFn, describe, unpack
+from ironloop.errors import ConfigError
 from ironloop.guard.hook import lr_scaled
 from ironloop.guard.verdict import DeviceGuard, forget_unscale, masked_step
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
+
+
+def takes_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (torch.optim.LBFGS)."""
+    try:
+        param = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no readable signature: called without one, as before
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def check_closure(optimizer: torch.optim.Optimizer, accumulation: int, precision: str,
+                  world: World, stateful: bool) -> None:
+    """A closure optimizer evaluates its closure several times per step, on one batch: refuse,
+    at build time, what that cannot honour."""
+    if not takes_closure(optimizer):
+        return
+    name = type(optimizer).__name__
+    why = ("train.accumulation_steps > 1: its closure recomputes one batch, not a window; set "
+           "train.accumulation_steps=1" if accumulation > 1 else
+           "train.precision=fp16: GradScaler does not support closures; use bf16 or fp32"
+           if precision == "fp16" else
+           "several processes: each rank's closure count follows its own loss, and DDP would "
+           "wait; train it in one process" if world.size > 1 else
+           "a stateful step: each closure call would move its state again; carry the state "
+           "in the model, or use another optimizer" if stateful else None)
+    if why is not None:
+        raise ConfigError(f"optimizer {name} takes a closure (step(closure)), which ironloop "
+                          f"cannot run with {why}")
 
 
 @dataclass
@@ -57,6 +88,7 @@ class TrainStep:
     guard: DeviceGuard | None = None  # the guard's device verdict (guard.enabled)
     check_labels: Callable[[Any], None] | None = None  # a host-side label check, or None
     lr: float = 0.0                  # the LR the last optimizer step used
+    frozen: bool = False             # optim.lr=0: every step at LR 0, whatever a resumed schedule
     average: WeightAverage | None = None  # the averaged weights (average.kind), or None
     metrics: SplitMetrics | None = None   # whole-split metrics for evaluation (eval.metrics)
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
@@ -65,6 +97,30 @@ class TrainStep:
 
     def __post_init__(self) -> None:
         self.params = list(self.raw_model.parameters())
+        self.takes_closure = takes_closure(self.optimizer)  # LBFGS: step(closure)
+
+    def closure(self, batch, loss: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """A closure optimizer's closure for this step (None for any other optimizer). Its
+        first call returns the loss whose gradients the loop has just made, checked by the
+        guard and clipped; each later call (LBFGS evaluates several per step) zeroes the
+        gradients and recomputes loss and gradients on the same batch, clipped the same way:
+        torch's closure (zero_grad, forward, backward), with the clip after the backward."""
+        if not self.takes_closure:
+            return None
+        first = [loss.detach()]
+
+        def closure() -> torch.Tensor:
+            if first:
+                return first.pop()
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.autocast():
+                again = unpack(self.step_fn(self.model, batch))[0]
+            again.backward()
+            params = [p for p in self.params if p.grad is not None]
+            clip_to_norm(params, grad_norm_of(params), self.clip.max_norm, self.clip.mode)
+            return again.detach()
+
+        return closure
 
     def autocast(self):
         return autocast(self.precision, self.device)
@@ -85,10 +141,12 @@ class TrainStep:
     def backward(self, scaled: torch.Tensor) -> None:
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
-    def optimizer_step(self, progress: Progress, meter: Meter, world: World) -> None:
+    def optimizer_step(self, progress: Progress, meter: Meter, world: World,
+                       closure: Callable[[], torch.Tensor] | None = None) -> None:
         """unscale -> norm -> guard verdict -> clip -> step -> scaler update -> per-step
         scheduler. The step is counted as good; the guard's verdict stays on the device, a bad
-        step changes nothing there, and the settle takes it back from the counters later."""
+        step changes nothing there, and the settle takes it back from the counters later.
+        ``closure``: a closure optimizer's (``closure``), passed to its ``step``."""
         opt, scaler, guard = self.optimizer, self.scaler, self.guard
         skipped = None
         if scaler is not None:
@@ -115,6 +173,8 @@ class TrainStep:
             elif scaler is not None:
                 scaler.step(opt)
                 scaler.update()
+            elif closure is not None:
+                opt.step(closure)  # type: ignore[arg-type]  # LBFGS's closure returns a tensor
             else:
                 opt.step()
             self.lr = float(opt.param_groups[0]["lr"])  # the LR this step used, for the logs
@@ -124,7 +184,11 @@ class TrainStep:
 
     @property
     def lr_factor(self) -> float:
-        """The guard's LR factor after rollbacks (1 without a guard)."""
+        """The guard's LR factor after rollbacks (1 without a guard); 0 with optim.lr=0, so a
+        resume that sets it freezes the weights although the optimizer and schedule state come
+        back from the checkpoint with their own LR."""
+        if self.frozen:
+            return 0.0
         return 1.0 if self.guard is None else self.guard.policy.lr_factor
 
     def step_schedule(self, step: int) -> None:

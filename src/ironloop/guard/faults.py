@@ -69,15 +69,28 @@ class PoisonLoss:
     """Wraps a step function: the training loss of the FIRST attempt at each listed optimizer
     step is NaN (a transient fault). The guard skips that attempt; the retry of the same step
     number, on the next window, is clean. A rollback to before the step makes it a first
-    attempt again, so it fires again."""
+    attempt again, so it fires again.
+
+    A bad attempt is not a step, so the k-th bad attempt in a row at step n stands for step
+    n + k: a run of consecutive numbers ([20, 21, 22]) gives that many bad steps in a row (the
+    guard's rollback), as a user listing them expects."""
 
     def __init__(self, step_fn, steps: set[int], progress: _Position, streak: _Streak | None):
         self.step_fn, self.steps, self.progress, self.streak = step_fn, steps, progress, streak
+        self.fired: set[int] = set()  # listed numbers spent since the last rollback
+        self._last = progress.step
 
     def __call__(self, model, batch):
         loss, *rest = self.step_fn(model, batch)  # (loss, metrics[, weight])
-        if model.training and self.progress.step + 1 in self.steps and \
-                (self.streak is None or self.streak.consecutive == 0):
+        if not model.training:
+            return loss, *rest
+        if self.progress.step < self._last:  # a rollback: the listed steps are first again
+            self.fired.clear()
+        self._last = self.progress.step
+        streak = 0 if self.streak is None else self.streak.consecutive
+        at = self.progress.step + 1 + streak
+        if at in self.steps and at not in self.fired:
+            self.fired.add(at)
             loss = loss * float("nan")
         return (loss, *rest)
 

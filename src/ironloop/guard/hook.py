@@ -86,6 +86,9 @@ class Window(Protocol):
     @property
     def global_batch(self) -> int: ...
 
+    @property
+    def usable(self) -> int: ...
+
     def indices(self, start: int, end: int) -> list[int]: ...
 
     def set_skip(self, indices) -> None: ...
@@ -121,8 +124,9 @@ class GuardHook:
 
     def __init__(self, cfg, run_dir: Path, checkpoints: bool, device: DeviceGuard, *,
                  meter, progress, data: Window, model: nn.Module, world: World,
-                 state: RunState, accumulation: int):
+                 state: RunState, accumulation: int, advice: str = ""):
         self.cfg, self.device, self.run_dir = cfg, device, Path(run_dir)
+        self.advice = advice or "Try a lower optim.lr"  # what a stop suggests (see ``advice``)
         self.policy: Guard = device.policy
         self.meter, self.progress, self.data, self.model = meter, progress, data, model
         self.world, self.state, self.accumulation = world, state, accumulation
@@ -262,6 +266,10 @@ class GuardHook:
         self.load_state_dict(keep)
         added = self.policy.roll_back()
         self.data.set_skip(self.policy.skip)
+        if self.data.usable < self.data.global_batch:  # nothing left to train on
+            self._stop(step, f"{len(self.policy.skip)} training samples are on the skip list "
+                             f"and fewer than one batch is left (the data itself is bad: "
+                             f"NaN or inf inputs or targets?)")
         self.device.rebase(self.meter, self.progress.offset)
         p = self.progress
         if self.log is not None:  # one timeline in the logs, as after a resume
@@ -293,9 +301,8 @@ class GuardHook:
         why = why or (f"{g.max_bad_steps} bad step(s) in a row again after {g.rollbacks} "
                       f"rollback(s) (guard.max_rollbacks={g.max_rollbacks})")
         msg = (f"the guard stopped the run at step {step}: {why}"
-               f"; recent bad steps: {recent}. Try a lower optim.lr, clip.max_norm=1.0, "
-               f"train.precision=bf16 instead of fp16, and inspect the samples listed in "
-               f"{self.run_dir / 'guard.jsonl'}; every checkpoint in "
+               f"; recent bad steps: {recent}. {self.advice}, and inspect the samples "
+               f"listed in {self.run_dir / 'guard.jsonl'}; every checkpoint in "
                f"{self.run_dir / 'checkpoints'} is intact")
         self._write({"event": "stop", "step": step, "rollbacks": g.rollbacks,
                      "bad_steps": g.bad_steps, "message": msg})
@@ -325,3 +332,16 @@ def _sharded(model: nn.Module) -> bool:
 def _num(x: float):
     """A finite float as is; nan/inf as strings, so guard.jsonl stays strict JSON."""
     return x if math.isfinite(x) else str(x)
+
+
+def advice(max_norm: float | None, precision: str) -> str:
+    """What a guard stop suggests, for this run: clipping only when it is off (or loose), bf16
+    only for an fp16 run."""
+    tips = ["a lower optim.lr"]
+    if not max_norm:
+        tips.append("clip.max_norm=1.0")
+    elif max_norm > 1.0:
+        tips.append(f"a tighter clip.max_norm than {max_norm:g}")
+    if precision == "fp16":
+        tips.append("train.precision=bf16 instead of fp16")
+    return "Try " + ", ".join(tips)

@@ -164,6 +164,10 @@ def resume_line(event: dict, p: Position, plan: Plan, changed: list[tuple]) -> s
                  f"process had logged after this checkpoint")
     else:
         line += "; the previous process logged no step past it"
-    if not changed:
-        return line + "; config unchanged"
-    return line + "; config changed: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
+    line += "; config unchanged" if not changed else "; config changed: " + ", ".join(
+        f"{k} {a!r} -> {b!r}" for k, a, b in changed)
+    if event["step"] >= plan.total_steps:  # a finished run, or a shorter max_steps
+        line += (f". Nothing to train: step {event['step']} is already at or past the run's "
+                 f"{plan.total_steps} steps; raise train.max_steps or train.epochs to train "
+                 f"further")
+    return line

@@ -86,10 +86,7 @@ class RunLog:
                 data = data[f.write(data):]
         except OSError as e:  # a full disk or quota: cut the torn line, stop like a checkpoint
             os.ftruncate(f.fileno(), size)
-            raise UserError(f"could not write {self.dir / (name + '.jsonl')}: "
-                            f"{e.strerror or e}. The logs end at their last complete line and "
-                            f"the checkpoints are intact; free disk space (or point run.dir at "
-                            f"a disk with room), then --resume") from None
+            raise _no_room(self.dir / (name + ".jsonl"), e) from None
         if name != "events":
             for logger in self.loggers:
                 logger.write(name, row)
@@ -107,7 +104,10 @@ class RunLog:
 
     def _mark(self) -> None:
         if self.loggers:
-            durable.write_marks(self.dir, {lg.name: lg.confirmed() for lg in self.loggers})
+            try:
+                durable.write_marks(self.dir, {lg.name: lg.confirmed() for lg in self.loggers})
+            except OSError as e:  # the trackers' hand-over mark: stops as metrics.jsonl does
+                raise _no_room(self.dir / durable.MARKS, e) from None
 
     def rewind(self, step: int, epoch: int) -> None:
         """Drop the JSONL lines past ``step``/``epoch`` (a guard rollback), as a resume does;
@@ -140,3 +140,10 @@ class RunLog:
         for logger in self.loggers:
             logger.close()
         self._mark()
+
+
+def _no_room(path: Path, e: OSError) -> UserError:
+    """The one line for a log file that could not be written (a full disk, a quota)."""
+    return UserError(f"could not write {path}: {e.strerror or e}. The logs end at their last "
+                     f"complete line and the checkpoints are intact; free disk space (or point "
+                     f"run.dir at a disk with room), then --resume")

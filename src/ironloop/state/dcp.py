@@ -46,9 +46,10 @@ from ironloop.state.dcp_safe import (
 
 from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
+from .remote import Mirror
 
 MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step-(\d+)\.dcp$")
+STEP_RE = re.compile(r"^step-(\d+)\.dcp$")  # a sharded step directory
 _SHARDED = ("model", "optimizer")  # the keys DCP holds; the rest of the state is per-rank extras
 
 
@@ -99,7 +100,7 @@ def _rmtree(path: Path) -> None:
 
 
 def _step_dirs(directory: Path) -> dict[int, Path]:
-    return {s: p for s, p in step_entries(directory, _STEP_RE).items() if p.is_dir()}
+    return {s: p for s, p in step_entries(directory, STEP_RE).items() if p.is_dir()}
 
 
 # ------------------------------------------------------------------------------------ write --
@@ -111,12 +112,17 @@ class ShardedCheckpointManager:
     (over a process group of its own, so its collectives never interleave with training's); the
     directory is committed (manifest, rename, links) when that write is done, at the next save
     or at ``close``.
+
+    With a ``mirror`` (``checkpoint.remote``), each rank hands its own files of a committed
+    checkpoint to its mirror, which uploads them in the background; rank 0 writes the manifest.
     """
 
-    def __init__(self, directory: Path, keep_last: int, async_write: bool = False):
+    def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
+                 mirror: Mirror | None = None):
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_write = async_write
+        self.mirror = mirror
         # (the async_save future, its directory, step, best); async_save's return is typed as a
         # Future or an AsyncSaveResponse, which only a staging checkpointer returns.
         self._pending: tuple[Any, Path, int, bool] | None = None
@@ -174,13 +180,21 @@ class ShardedCheckpointManager:
         self._commit(tmp, step, best)
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            line = self.mirror.close() if self.mirror is not None else None
+            if line:  # rank 0's: what is remote
+                print(line)
 
     def _commit(self, tmp: Path, step: int, best: bool) -> None:
         _barrier()  # every rank's extras and shards are in tmp
         if _rank() == 0:
             self._publish(tmp, step, best)
         _barrier()  # no rank runs ahead to a resume point that is not on disk yet
+        if self.mirror is not None:  # last.dcp: the step directory is gone with keep_last=0
+            own = own_files(self.directory / "last.dcp", _rank())
+            self.mirror.push(step, {f"{step_name(step)}/{p.name}": p for p in own}, "dcp", best)
 
     def _publish(self, tmp: Path, step: int, best: bool) -> None:
         files = sorted(p for p in tmp.iterdir() if p.is_file())
@@ -203,6 +217,16 @@ class ShardedCheckpointManager:
         for victim in retention_victims(list(steps), self.keep_last):
             if victim != step or self.keep_last == 0:  # keep 0: last.dcp holds its links
                 _rmtree(steps[victim])
+
+
+def own_files(path: Path, rank: int) -> list[Path]:
+    """The files of a sharded checkpoint that ``rank`` wrote: its extras and its DCP shards
+    (``__{rank}_*.distcp``); rank 0 also owns ``.metadata``, the manifest and anything else."""
+    def owner(name: str) -> int:
+        m = re.match(r"^(?:extras-rank(\d+)\.pt|__(\d+)_.*\.distcp)$", name)
+        return int(m.group(1) or m.group(2)) if m else 0
+
+    return sorted(p for p in path.iterdir() if p.is_file() and owner(p.name) == rank)
 
 
 def _swap(new: Path, target: Path) -> None:

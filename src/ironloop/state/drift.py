@@ -97,7 +97,10 @@ def check(old: dict, new: dict, allow: bool, say=print,
     same_window = window is not None and window == global_window(new, worlds[1])
 
     def free_key(key: str) -> bool:
-        return is_free(key) or (key in WINDOW and same_window)
+        return is_free(key) or (key in WINDOW and same_window) or frozen(key)
+
+    def frozen(key: str) -> bool:  # optim.lr=0 freezes the weights from here: nothing changes
+        return key == "optim.lr" and flatten(new).get(key) == 0
 
     free = [c for c in found if free_key(c[0])]
     bound = [c for c in found if not free_key(c[0])]
@@ -108,7 +111,8 @@ def check(old: dict, new: dict, allow: bool, say=print,
             "or pass --allow-config-change (fit(..., allow_config_change=True)) to accept them")
     for c in free:
         why = (f"the same {window} samples per optimizer step over {worlds[1]} rank(s)"
-               if c[0] in WINDOW else "cannot change the weights")
+               if c[0] in WINDOW else "every step from here runs at LR 0: the weights stay "
+               "as they are" if frozen(c[0]) else "cannot change the weights")
         say(f"notice: resuming with {_fmt(c)} ({why})")
     for c in bound:
         if c[0] in LENGTH:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from ironloop.errors import UserError
-from ironloop.state import dcp as sharded
+from ironloop.state import dcp as sharded, remote
 from ironloop.state.io import load_verified, strip_prefixes, temp_path
 
 
@@ -25,11 +26,19 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def export_run(run_dir: Path, out: Path, which: str = "best", force: bool = False) -> Path:
+def export_run(run_dir: Path | str, out: Path, which: str = "best", force: bool = False) -> Path:
     """Export best or last of ``run_dir`` to ``out`` as safetensors: a ``.pt`` file, or a
     sharded ``.dcp`` directory (FSDP2), whose shards are consolidated here in one process.
-    ``avg``: the averaged weights (average.kind) of the last checkpoint."""
+    ``run_dir`` may be a checkpoint.remote URL: its newest complete (best) checkpoint is
+    fetched and verified first. ``avg``: the averaged weights (average.kind) of the last
+    checkpoint, from a local run directory."""
     averaged = which == "avg"
+    if remote.is_remote(run_dir):
+        if averaged:
+            raise UserError("export --which avg reads a local run directory; export best or "
+                            "last from the remote, or copy the run's final_avg.safetensors")
+        return _export_remote(str(run_dir), out, which, force)
+    run_dir = Path(run_dir)
     which = "last" if averaged else which
     ckpt = run_dir / "checkpoints" / f"{which}.pt"
     if not ckpt.exists() and (run_dir / "checkpoints" / f"{which}.dcp").is_dir():
@@ -66,3 +75,17 @@ def _averaged(ckpt: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{ckpt} holds no averaged weights: the run trained with "
                         f"average.kind=none; export --which best or --which last instead")
     return {k: v for k, v in average.items() if k != "n_averaged"}
+
+
+def _export_remote(url: str, out: Path, which: str, force: bool) -> Path:
+    store = remote.open_remote(url)
+    with tempfile.TemporaryDirectory(prefix="ironloop-export-") as tmp:
+        ckpts = Path(tmp) / "checkpoints"
+        got = remote.fetch_newest(store, ckpts, -1, lambda msg: print(f"warning: {msg}"),
+                                  best=which == "best")
+        if got is None:
+            raise UserError(f"{url} holds no complete {which} checkpoint"
+                            + (": pass --which last" if which == "best" and store.manifests()
+                               else "; is it a checkpoint.remote URL?"))
+        os.replace(got, ckpts / f"{which}{got.suffix}")
+        return export_run(Path(tmp), out, which, force)

@@ -101,8 +101,12 @@ def temp_path(path: Path) -> Path:
 def write_atomic(path: Path, text: str) -> None:
     """Write a small text file so a reader never sees half of it."""
     tmp = temp_path(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)  # a full disk leaves no stray temp file behind
+        raise
 
 
 def remove_quietly(path: Path) -> None:
@@ -178,6 +182,20 @@ def _short(e: BaseException) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def _not_torch(path: Path) -> str | None:
+    """What a file that torch.save did not write starts with (torch writes a zip, or a pickle
+    in the legacy format); None when it looks like one of those (then it is damaged)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return None
+    if head.startswith((b"PK", b"\x80")):
+        return None
+    text = head.decode("utf-8", errors="replace").split("\n")[0]
+    return f"not a file torch.save wrote: it starts with {text!r}"
+
+
 def load_checked(path: Path, map_location: Any) -> dict:
     """Load and verify, raising LoadFailure (a CheckpointError's message plus a short reason)."""
     def damaged(reason: str) -> LoadFailure:
@@ -207,7 +225,7 @@ def load_checked(path: Path, map_location: Any) -> dict:
                           "check the path and its permissions") from None
     except Exception as e:  # noqa: BLE001 - truncated zip, random bytes, EOF: not loadable
         empty = path.is_file() and path.stat().st_size == 0
-        raise damaged("empty file" if empty else _short(e)) from None
+        raise damaged("empty file" if empty else _not_torch(path) or _short(e)) from None
     if not isinstance(state, dict) or not isinstance(state.get("integrity"), dict):
         raise LoadFailure(path, "not an ironloop checkpoint",
                           f"{path} is not an ironloop checkpoint (no integrity record); "

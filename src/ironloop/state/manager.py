@@ -29,6 +29,7 @@ from .io import (
     temp_path,
     write_failed,
 )
+from .remote import Mirror
 from .snapshot import snapshot
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
@@ -67,10 +68,13 @@ class CheckpointManager:
     full disk) is raised by the next ``save`` or by ``wait``/``close``. The CPU copy is kept and
     reused by the next save (one checkpoint's worth of host memory), which makes the stall a
     plain memory copy.
+
+    With a ``mirror`` (``checkpoint.remote``), each checkpoint is handed to it once it is
+    durable here; the mirror uploads it in its own thread.
     """
 
     def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str], None] | None = None, mirror: Mirror | None = None):
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         self.directory = Path(directory)
@@ -81,6 +85,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: Any = None  # the last async snapshot: reused as the next one's buffers
+        self.mirror = mirror
 
     def discard_after(self, step: int) -> list[Path]:
         """Delete what a resume from ``step`` leaves behind: step files newer than it (an
@@ -116,8 +121,12 @@ class CheckpointManager:
             raise err
 
     def close(self) -> None:
-        self.wait()
-        self._staging = None
+        try:
+            self.wait()
+        finally:
+            self._staging = None
+            if self.mirror is not None:  # pending uploads get checkpoint.remote_wait_s
+                print(self.mirror.close())
 
     def _background(self, state: dict, step: int, best: bool) -> None:
         try:
@@ -147,6 +156,8 @@ class CheckpointManager:
             except OSError as e:
                 self._warn(f"could not delete old checkpoint {steps[victim]} ({e.strerror}); "
                            "delete it by hand if disk space runs short")
+        if self.mirror is not None:  # hard links: the upload reads them in its own thread
+            self.mirror.push(step, {step_name(step): primary}, "file", best)
 
     def _point(self, target: Path, primary: Path) -> None:
         """Make ``target`` name the same content as ``primary``, atomically.

@@ -10,11 +10,12 @@ equivalent to a bigger batch.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import nn
 
 from ironloop.errors import ConfigError
-from ironloop.specs import accepted, import_spec
+from ironloop.specs import accepted, call_factory, import_spec
 
 
 def mlp(input_shape, num_classes, hidden=(256, 128), dropout=0.0) -> nn.Module:
@@ -95,15 +96,13 @@ def build_model(name: str, input_shape: tuple, num_classes: int | None, kwargs: 
     else:
         raise ConfigError(f"model.name={name!r}: unknown model; choose one of "
                           f"{', '.join(MODELS)} or give your own as 'module:factory'")
-    try:
-        offered = accepted(factory, **{**(meta or {}), "input_shape": tuple(input_shape),
-                                       "num_classes": num_classes})
-        model = factory(**{**offered, **kwargs})
-    except TypeError as e:
-        raise ConfigError(f"model factory {name!r} rejected its arguments: {e}; "
-                          f"check model.kwargs") from e
-    except Exception as e:
-        raise ConfigError(f"model factory {name!r} raised {type(e).__name__}: {e}") from e
+    known: dict[str, Any] = {"input_shape": tuple(input_shape)}
+    if num_classes is not None:  # unknown: the factory's own default (or its error) stands
+        known["num_classes"] = num_classes
+    meta = {k: v for k, v in (meta or {}).items() if not (k == "num_classes" and v is None)}
+    offered = accepted(factory, **{**meta, **known})
+    model = call_factory(factory, f"model factory {name!r}", "model.kwargs",
+                         **{**offered, **kwargs})
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model factory {name!r} returned a {type(model).__name__}, "
                           f"not a torch.nn.Module; return the model instance")

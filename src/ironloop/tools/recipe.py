@@ -8,6 +8,7 @@ from pathlib import Path
 from ironloop.config import Config
 from ironloop.engine.fit import FitResult, fit
 from ironloop.state import lock
+from ironloop.state.rundir import check_run_dir
 from ironloop.tools.doctor.run import preflight
 from ironloop.tools.models import from_config
 
@@ -16,8 +17,12 @@ def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = Fals
                  allow_config_change: bool = False) -> FitResult:
     """What ``ironloop train`` does: data.name + model.name from the config, then fit()."""
     model, bundle = from_config(cfg)
-    # run.dir's lock before the preflight writes doctor.json there (fit() takes it again)
-    with lock.hold(Path(cfg.run.dir), os.environ.get("RANK", "0") == "0"):
+    main = os.environ.get("RANK", "0") == "0"
+    # run.dir's lock, and the checks that can refuse run.dir, before the preflight writes
+    # doctor.json there: a refused run leaves run.dir as it was (fit() takes and checks again)
+    with lock.hold(Path(cfg.run.dir), main):
+        if main:
+            check_run_dir(Path(cfg.run.dir), resume, overwrite)
         preflight(cfg, model, bundle, resume=resume)  # the doctor's quick checks; --strict stops
         return fit(model, bundle.train, bundle.val, cfg, test_data=bundle.test,
                    num_classes=bundle.num_classes, resume=resume, overwrite=overwrite,

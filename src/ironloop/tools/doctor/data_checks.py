@@ -61,6 +61,25 @@ def check_labels(s: Subject, cap: int | None = None) -> list[Finding]:
     return out
 
 
+#: A dict sample's keys that hold targets, not inputs (Hugging Face style).
+LABEL_KEYS = ("labels", "label")
+
+
+def _input_parts(sample) -> list:
+    """A sample's inputs: the first of (inputs, targets), or every value of a dict sample but
+    its labels (Hugging Face style: input_ids, attention_mask, ...)."""
+    if isinstance(sample, dict):
+        return [v for k, v in sample.items() if k not in LABEL_KEYS]
+    return [sample[0]]
+
+
+def _float_row(sample) -> torch.Tensor | None:
+    """A sample's float inputs as one flat row, or None when it has none."""
+    parts = [torch.as_tensor(v) for v in _input_parts(sample)]
+    floats = [p.flatten() for p in parts if p.is_floating_point()]
+    return torch.cat(floats) if floats else None
+
+
 def _inputs(dataset, cap: int | None) -> torch.Tensor | None:
     """The float inputs of a dataset, one row per sample (the first ``cap`` when not in
     memory), or None when they are not float tensors of one shape."""
@@ -68,8 +87,9 @@ def _inputs(dataset, cap: int | None) -> torch.Tensor | None:
         x = dataset.x
     else:
         n = len(dataset) if cap is None else min(cap, len(dataset))
-        xs = [dataset[i][0] for i in range(n)]
-        if not xs or not all(isinstance(t, torch.Tensor) and t.shape == xs[0].shape for t in xs):
+        rows = [_float_row(dataset[i]) for i in range(n)]
+        xs = [t for t in rows if t is not None]
+        if not xs or len(xs) < len(rows) or any(t.shape != xs[0].shape for t in xs):
             return None
         x = torch.stack(xs)
     return x.reshape(len(x), -1) if x.is_floating_point() and len(x) else None
@@ -100,9 +120,10 @@ def _hashes(dataset, cap: int | None) -> list[bytes]:
         rows: Iterable[Any] = x.reshape(len(x), -1).numpy()
     else:
         n = len(dataset) if cap is None else min(cap, len(dataset))
-        rows = [torch.as_tensor(dataset[i][0]).detach().cpu().contiguous().numpy()
-                for i in range(n)]
-    return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
+        rows = [b"".join(torch.as_tensor(v).detach().cpu().contiguous().numpy().tobytes()
+                         for v in _input_parts(dataset[i])) for i in range(n)]
+    return [hashlib.blake2b(r if isinstance(r, bytes) else r.tobytes(),
+                            digest_size=16).digest() for r in rows]
 
 
 def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:

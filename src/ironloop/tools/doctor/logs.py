@@ -9,7 +9,7 @@ from pathlib import Path
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 from ironloop.tools.doctor.findings import Finding
 
-#: Thresholds, named so the README and the findings quote the same numbers.
+#: Thresholds, named so the docs (docs/how-to/doctor.md) and the findings quote the same numbers.
 FLAT = 0.05            # train loss fell by less than 5% after epoch 1
 RISE = 0.05            # val loss 5% above its minimum, two or more epochs later
 HIGH_ACC = 0.95        # val accuracy at epoch 1

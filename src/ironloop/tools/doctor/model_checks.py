@@ -132,6 +132,9 @@ def check_probabilities(s: Subject, batch) -> list[Finding]:
 def check_overfit_batch(s: Subject, batch, steps: int) -> list[Finding]:
     """3. Overfit one batch: the loss on one fixed batch must fall by 10x within ``steps``
     optimizer steps, on a copy of the model and optimizer (the real run is untouched)."""
+    tokens = token_targets(batch)
+    if tokens is not None:
+        return _overfit_tokens(s, batch, steps, tokens)
     model, opt = s.copy()
     floor = loss_floor(s)
     first = last = None
@@ -163,6 +166,60 @@ def check_overfit_batch(s: Subject, batch, steps: int) -> list[Finding]:
                     "labels do not match, or part of the network does not learn",
                     "raise optim.lr, check the output layer against the labels, and look at "
                     "the dead_parameters and probabilities findings")]
+
+
+def token_targets(batch) -> torch.Tensor | None:
+    """A language model's batch: its target token ids (a target per position, so 2-D or
+    more), from (inputs, targets) or a dict's ``labels``; None for any other batch."""
+    y = batch.get("labels") if isinstance(batch, dict) else \
+        batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+    if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.ndim < 2:
+        return None
+    return y
+
+
+def unigram_entropy(tokens: torch.Tensor) -> float:
+    """The entropy (nats) of the tokens' frequencies, padding (< 0) left out: the loss of a
+    model that learnt only which tokens are common in this batch."""
+    t = tokens[tokens >= 0].flatten().cpu()  # host copy: the doctor, not the hot path
+    p = torch.bincount(t).double()
+    p = p[p > 0] / p.sum()
+    return float(-(p * p.log()).sum())
+
+
+def _overfit_tokens(s: Subject, batch, steps: int, tokens: torch.Tensor) -> list[Finding]:
+    """The overfit check for a language model: a real LM does not come 10x closer to 0 in a
+    few dozen steps, but one that learns at all gets at least halfway from its first loss
+    down to the batch's unigram entropy (what predicting common tokens alone is worth)."""
+    model, opt = s.copy()
+    floor = unigram_entropy(tokens)
+    first = last = float("nan")
+    for step in range(steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = s.loss(model, batch)[0]
+        last = float(loss.detach())  # host sync: the doctor, not the hot path
+        first = last if step == 0 else first
+        if not math.isfinite(last) or last > 3 * first + 1:
+            return [Finding("overfit_batch", "error",
+                            f"training on one batch of {batch_size_of(batch)} sequences "
+                            f"diverged: loss {first:.4f} -> {last:.4g} at step {step}",
+                            "the learning rate is too high for this model",
+                            f"lower optim.lr (try {s.cfg.optim.lr / 10:g})")]
+        if last <= floor or last - floor <= 0.5 * (first - floor):
+            return [info("overfit_batch", f"loss on one batch of {batch_size_of(batch)} "
+                         f"sequences fell {first:.4f} -> {last:.4f} in {step} steps (the "
+                         f"batch's unigram entropy: {floor:.3f}): pass")]
+        if step < steps:
+            loss.backward()
+            clip_gradients(model.parameters(), s.cfg.clip.max_norm, s.cfg.clip.mode)
+            opt.step()
+    return [Finding("overfit_batch", "warning",
+                    f"the loss on one batch of {batch_size_of(batch)} sequences fell only "
+                    f"{first:.4f} -> {last:.4f} in {steps} steps (target: halfway to the "
+                    f"batch's unigram entropy, {floor:.3f})",
+                    "the model cannot learn even the token frequencies of one batch: the LR "
+                    "is too low, or part of the network does not learn",
+                    "raise optim.lr, and look at the dead_parameters finding")]
 
 
 def check_dead_parameters(s: Subject, batch) -> list[Finding]:

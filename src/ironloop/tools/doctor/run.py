@@ -13,6 +13,7 @@ from torch import nn
 
 from ironloop.config import Config
 from ironloop.data.inputs import map_style
+from ironloop.data.source import eval_split
 from ironloop.data.stream import is_stream
 from ironloop.engine.build import infer_num_classes
 from ironloop.engine.optim import Loss
@@ -46,8 +47,10 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
     device = resolve_device(cfg.run.device)
     # What fit() would train on: a DataLoader (a CLI factory may return one) is taken apart.
     train, loader_collate = map_style(train, "train")[:2]
-    val, test = map_style(val, "val").dataset, map_style(test, "test").dataset
     collate_fn = collate_fn or loader_collate
+    # Validation as evaluation batches it; stream-shaped data that cannot be is refused here.
+    val, val_batching = eval_split(val, "val_data", cfg, collate_fn, 1)
+    test = map_style(test, "test").dataset
     if step_fn is None and cfg.train.step_fn:
         step_fn = named_step(cfg.train.step_fn)
     user_step = step_fn is not None
@@ -59,18 +62,20 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
     return Subject(model=model, cfg=cfg, train=train, val=val, test=test,
                    num_classes=num_classes, loss_fn=loss_fn, device=device,
                    collate_fn=collate_fn, step_fn=step_fn or classification_step(loss_fn),
-                   user_step=user_step)
+                   user_step=user_step, val_batching=val_batching)
 
 
-def check(s: Subject, quick: bool = True) -> list[Finding]:
+def check(s: Subject, quick: bool = True, raise_step: bool = False) -> list[Finding]:
     """Every check but the LR range test, on copies: the model, the data and the global RNG
     states are as they were afterwards. ``quick`` bounds the samples read from datasets that
-    are not in memory."""
+    are not in memory. When the run's step itself raises (``probe_step``), the model checks
+    are not run: with ``raise_step`` (the preflight) the error is raised, as the run would
+    raise it; otherwise it is an error finding."""
     with preserved_rng():
-        return _check(s, quick)
+        return _check(s, quick, raise_step)
 
 
-def _check(s: Subject, quick: bool) -> list[Finding]:
+def _check(s: Subject, quick: bool, raise_step: bool = False) -> list[Finding]:
     cfg = s.cfg.doctor
     # A dataset that is not in memory may decode on every read: the quick checks read at most
     # doctor.max_batches batches' worth of samples of it.
@@ -86,6 +91,16 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     except Exception as e:  # noqa: BLE001 - reported, never raised: the run says it properly
         return [*findings, Finding("model", "skipped", f"no training batch to check with: it "
                                    f"raised {type(e).__name__}: {e}", "", "")]
+    try:
+        probe_step(s, batch)  # what the run would raise at step 1 or at its first evaluation
+    except Exception as e:
+        if raise_step:
+            raise
+        return [*findings, Finding("step", "error", f"the run's step raised "
+                                   f"{type(e).__name__}: {e}",
+                                   "the run would stop with this error at its first step or "
+                                   "its first evaluation", "fix the model's forward or pass "
+                                   "the step it needs (train.step_fn)")]
     small = head(batch, OVERFIT_BATCH)
     findings += _guard("initial_loss", mc.check_initial_loss, s, batch)
     findings += _guard("probabilities", mc.check_probabilities, s, batch)
@@ -95,6 +110,36 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
                        budget=0.05 if quick else 0.3)
     findings += _guard("memory", mc.check_memory, s, batch, search=cfg.memory_search)
     return findings
+
+
+def probe_step(s: Subject, batch) -> None:
+    """The run's step once on the first training batch (train mode, with a backward) and once
+    on the first validation batch as evaluation batches it (eval mode), on a copy. What raises
+    here would stop the run at its first step or its first evaluation (after a whole epoch,
+    perhaps), so it is raised now, in seconds, and never listed as a skipped check."""
+    model, _ = s.copy()
+    try:
+        s.loss(model, batch)[0].backward()
+    except torch.OutOfMemoryError:
+        return  # the memory check reports it, with the fixes
+    except Exception as e:  # noqa: BLE001 - re-raised, with where it happened
+        raise _noted(e, "the first training batch") from None
+    try:
+        val = s.val_batch()
+        if val is not None:
+            model.eval()
+            with torch.inference_mode():
+                s.loss(model, val)
+    except Exception as e:  # noqa: BLE001 - re-raised, with where it happened
+        raise _noted(e, "the first validation batch") from None
+
+
+def _noted(e: Exception, where: str) -> Exception:
+    # A one-line error says it all; a traceback gains a line (Python 3.11+: add_note).
+    if not isinstance(e, UserError) and hasattr(e, "add_note"):
+        e.add_note(f"ironloop: raised in the preflight, running the run's step on {where}; "
+                   f"the run itself would raise the same")
+    return e
 
 
 def _guard(name: str, fn, *args, **kwargs) -> list[Finding]:
@@ -183,13 +228,33 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
           "skips them)...", flush=True)
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes)
-    findings = check(s, quick=True)  # never raises: a check that fails is reported skipped
+    # A check that fails is reported skipped; the run's own step raising stops the run here.
+    findings = check(s, quick=True, raise_step=True)
     seconds = time.perf_counter() - started
     write_json(findings, out, seconds)
-    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})",
-          flush=True)
+    print(render(findings, verbose=False) + f" ({seconds:.2f} s; details in {out})"
+          f"{resume_hint(cfg, len(bundle.train))}", flush=True)
     stop_if_strict(findings, cfg.doctor.strict if strict is None else strict)
     return findings
+
+
+#: Optimizer steps from which the preflight points to the resume check: a run long enough to
+#: be preempted or to crash, and to cost real time if its resume drifts.
+LONG_RUN_STEPS = 5000
+
+
+def resume_hint(cfg: Config, n_train: int) -> str:
+    """For a long run, the closing line's pointer to ``ironloop doctor --resume-check``."""
+    t = cfg.train
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun, rank 0 runs the preflight
+    per_epoch = -(-n_train // (t.batch_size * t.accumulation_steps * ranks))
+    steps = per_epoch * t.epochs
+    if t.max_steps:
+        steps = min(steps, t.max_steps)
+    if steps < LONG_RUN_STEPS:
+        return ""
+    return (f"; a long run ({steps} steps): `ironloop doctor` with these arguments and "
+            f"--resume-check proves in seconds that a crash will cost nothing")
 
 
 def doctor_config(cfg: Config, lr_find: bool = False, strict: bool = False) -> list[Finding]:

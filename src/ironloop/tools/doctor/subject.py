@@ -12,6 +12,7 @@ from torch import nn
 
 from ironloop.config import Config
 from ironloop.data.loader import EpochSampler, TensorData, make_loader, to_device
+from ironloop.data.source import eval_loader
 from ironloop.engine.carry import Carry, takes_state
 from ironloop.engine.optim import build_optimizer
 from ironloop.engine.steps import unpack
@@ -30,6 +31,7 @@ class Subject:
     collate_fn: Any = None
     step_fn: Any = None          # the run's step: every check computes its loss through it
     user_step: bool = False      # the user's step_fn (or the built-in LM step), not the default
+    val_batching: Any = None     # how evaluation batches val (data/source.py's EvalBatching)
 
     def loader(self, batch_size: int | None = None, num_workers: int = 0):
         """The training data in the run's own order (epoch 0), in the main process."""
@@ -41,6 +43,14 @@ class Subject:
     def batch(self, size: int | None = None):
         """The first training batch of the run, on the device."""
         return to_device(next(iter(self.loader(size))), self.device, False)
+
+    def val_batch(self):
+        """The first validation batch as evaluation reads it (its DataLoader's batching), on
+        the device; None without validation data."""
+        if self.val is None or not len(self.val) or self.val_batching is None:
+            return None
+        loader = eval_loader(self.val, self.val_batching, self.cfg, 0, 1, self.device)
+        return to_device(next(iter(loader)), self.device, False)
 
     def copy(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """A deep copy of the model in train mode and a fresh optimizer built from the config:

@@ -1,0 +1,130 @@
+"""What ``checkpoint.remote`` costs the training loop, against a slow remote.
+
+The same run (an MLP on Gaussian blobs, AdamW, a checkpoint every few steps) trains three
+ways: without a remote, and mirrored to a ``file://``-like store throttled to a few MB/s, so
+each upload takes far longer than the local save. The step-time breakdown (``profile``) gives
+the 'checkpoint' part (what the loop waits for at each save) and the time per optimizer step;
+the uploads run in the mirror's thread, and the run's end gives them ``remote_wait_s``, which
+``close`` reports (not counted as training time). Target: the 'checkpoint' part per save with
+the slow remote within 25% (or 2 ms) of the one without.
+
+    python benchmarks/remote_stall.py [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from torch import nn
+
+from ironloop import fit
+from ironloop.callbacks import Callback
+from ironloop.data.loader import TensorData
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import TINY, size, summary
+
+MB_PER_S = 4.0
+
+
+class Throttled(LocalFileSystem):
+    """file:// at ``MB_PER_S``: each upload sleeps as long as a link that slow would take."""
+
+    protocol = "throttled"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("throttled://"))
+
+    def put_file(self, lpath, rpath, **kwargs):
+        time.sleep(Path(lpath).stat().st_size / (MB_PER_S * 1e6))
+        return super().put_file(lpath, rpath, **kwargs)
+
+
+fsspec.register_implementation("throttled", Throttled, clobber=True)
+
+
+class Saves(Callback):
+    def __init__(self):
+        self.n = 0
+
+    def on_checkpoint(self, run, metrics: dict) -> None:
+        self.n += 1
+
+
+def one_run(root: Path, width: int, steps: int, every: int, remote: str) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(steps * 32, 64, generator=g), torch.randint(0, 10, (steps * 32,),
+                                                                   generator=g)
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10))
+    config = {"run.dir": str(root / "run"), "train.epochs": 1, "train.batch_size": 32,
+              "data.val_fraction": 0.0, "log.progress": "off", "log.every_steps": 50,
+              "checkpoint.every_steps": every, "checkpoint.keep_last": 2,
+              "checkpoint.remote": remote, "checkpoint.remote_wait_s": 600.0,
+              "profile.breakdown": True}
+    out, saves = io.StringIO(), Saves()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        results = fit(model, TensorData(x, y), None, config, callbacks=[saves]).results
+    wall = time.perf_counter() - start
+    return {"checkpoint_ms_per_save": 1e3 * results["time_split"]["checkpoint"] / saves.n,
+            "ms_per_step": 1e3 * results["train_seconds"] / results["steps"],
+            "wall_s": wall, "line": next((line for line in out.getvalue().splitlines()
+                                          if line.startswith("remote:")), "")}
+
+
+def run(quick: bool) -> dict:
+    torch.set_num_threads(1)
+    width = size(1024, 512, 64, quick)
+    steps, every = size(400, 200, 20, quick), size(20, 20, 5, quick)
+    reps = size(5, 3, 1, quick)
+    rows: dict[str, list[dict]] = {"none": [], "slow": []}
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(reps):  # interleaved, so drifting machine load hits both alike
+            for kind in rows:
+                root = Path(d) / f"{kind}-{rep}"
+                remote = f"throttled://{root}/remote" if kind == "slow" else ""
+                rows[kind].append(one_run(root, width, steps, every, remote))
+        mb = sum(p.stat().st_size for p in (Path(d) / "none-0" / "run" / "checkpoints")
+                 .glob("step-*.pt")) / 2e6
+    med = {k: statistics.median(r["checkpoint_ms_per_save"] for r in v) for k, v in rows.items()}
+    return {
+        "name": "remote_stall",
+        "description": f"the loop's wait per checkpoint ({mb:.1f} MB) and per step, without a "
+                       f"remote and with checkpoint.remote throttled to {MB_PER_S:g} MB/s "
+                       f"(an upload takes {mb / MB_PER_S:.2f} s)",
+        "results": [
+            summary("no remote: 'checkpoint' part per save", [r["checkpoint_ms_per_save"]
+                                                               for r in rows["none"]], "ms"),
+            summary("slow remote: 'checkpoint' part per save", [r["checkpoint_ms_per_save"]
+                                                                 for r in rows["slow"]], "ms"),
+            summary("no remote: training time per step", [r["ms_per_step"]
+                                                          for r in rows["none"]], "ms"),
+            summary("slow remote: training time per step", [r["ms_per_step"]
+                                                            for r in rows["slow"]], "ms"),
+            summary("no remote: fit() wall time", [r["wall_s"] for r in rows["none"]]),
+            summary("slow remote: fit() wall time (end waits for uploads)",
+                    [r["wall_s"] for r in rows["slow"]]),
+        ],
+        "ratio": {"checkpoint part, slow remote / none": med["slow"] / med["none"]},
+        "target": "'checkpoint' part per save with the slow remote within 25% (or 2 ms) of none",
+        "met": None if TINY else med["slow"] <= max(1.25 * med["none"], med["none"] + 2.0),
+        "notes": f"{steps} steps, a save every {every}; the slow runs' last line: "
+                 f"{rows['slow'][-1]['line']}",
+    }
+
+
+if __name__ == "__main__":
+    from _common import main
+    main(run)

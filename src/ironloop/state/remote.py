@@ -1,0 +1,371 @@
+"""Checkpoints that outlive the node: a mirror of ``run.dir/checkpoints`` in object storage.
+
+``checkpoint.remote`` is an fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``file:///...``).
+The local run.dir stays the working copy; each checkpoint that lands there is uploaded by a
+background thread (``Mirror``), so the loop never waits on the network. The remote holds:
+
+* the checkpoint's files under their local names and with the same bytes: ``step-N.pt``, or
+  the files of ``step-N.dcp/`` (a sharded checkpoint, each rank uploading its own);
+* ``manifests/step-N.json``, written LAST: the step, the kind, whether it was a best save, and
+  the blake2b digest and size of every file. An object store has no rename, so the manifest is
+  the commit: a checkpoint without one (an upload cut short by a kill) does not exist.
+
+Retention follows ``keep_last`` (at least the newest is kept) plus the newest best save; older
+checkpoints are deleted, manifest first, only after the newer manifest landed. A failed upload
+is retried with backoff and warned about, never raised: training goes on with its local copy.
+``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint newer than the
+local one, checks every digest and falls back past damaged ones with a one-line reason each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ironloop.errors import CheckpointError, UserError
+from ironloop.extras import require
+
+from .io import fsync_dir, remove_quietly
+
+MANIFESTS = "manifests"
+FORMAT = 1
+STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
+_MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
+_STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+_BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_remote(location: str | Path) -> bool:
+    return isinstance(location, str) and "://" in location
+
+
+# ----------------------------------------------------------------------------------- store --
+class Remote:
+    """One remote checkpoint folder: paths relative to it, and the few operations used."""
+
+    def __init__(self, fs: Any, root: str, url: str):
+        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def show(self, rel: str) -> str:
+        """``rel`` as the user's URL spells it, for messages."""
+        return f"{self.url}/{rel}"
+
+    def put(self, local: Path, rel: str) -> None:
+        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
+        self.fs.put_file(str(local), self.path(rel))
+
+    def write(self, rel: str, data: bytes) -> None:
+        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(self.path(rel), data)
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def get(self, rel: str, local: Path) -> None:
+        self.fs.get_file(self.path(rel), str(local))
+
+    def delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)
+
+    def names(self, rel: str = "") -> list[str]:
+        """The base names directly under ``rel`` ([] when it does not exist)."""
+        self.fs.invalidate_cache()  # another process (another rank, another node) writes too
+        try:
+            found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    def manifests(self) -> list[int]:
+        """The steps with a complete checkpoint (a manifest), oldest first."""
+        return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, self.names(MANIFESTS))
+                      if m)
+
+    def manifest(self, step: int) -> dict:
+        return json.loads(self.read(f"{MANIFESTS}/step-{step:08d}.json"))
+
+    def step_objects(self) -> dict[int, list[str]]:
+        """step -> the checkpoint names (``step-N.pt``, ``step-N.dcp``) at the remote's top."""
+        found: dict[int, list[str]] = {}
+        for name in self.names():
+            m = _STEP_OBJECT_RE.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(name)
+        return found
+
+    def remove_checkpoint(self, step: int) -> None:
+        """Manifest first: from then on the checkpoint does not count, whatever is left."""
+        self.delete(f"{MANIFESTS}/step-{step:08d}.json")
+        for name in self.names(MANIFESTS):
+            if name.startswith(f"step-{step:08d}.rank"):
+                self.delete(f"{MANIFESTS}/{name}")
+        for name in self.step_objects().get(step, []):
+            self.delete(name)
+
+
+def open_remote(url: str, options: dict | None = None) -> Remote:
+    """The fsspec filesystem for ``url``; fsspec (and s3fs, gcsfs) are imported only here."""
+    fsspec = require("fsspec", "remote", f"checkpoint.remote={url}")
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    except ImportError as e:  # fsspec names the package: "Install s3fs to access S3"
+        raise UserError(f"checkpoint.remote={url} needs a package that is not installed "
+                        f"({str(e).splitlines()[0]}): pip install 'ironloop[remote]'") from None
+    except (ValueError, TypeError) as e:
+        raise UserError(f"checkpoint.remote={url} cannot be opened ({e}); check the URL and "
+                        f"checkpoint.remote_options") from None
+    return Remote(fs, root, url)
+
+
+# ---------------------------------------------------------------------------------- upload --
+@dataclass
+class _Job:
+    step: int
+    kind: str  # "file" or "dcp"
+    best: bool
+    staged: Path  # a folder of hard links, named as on the remote
+    rank: int = 0
+    world_size: int = 1
+    files: dict[str, dict] = field(default_factory=dict)
+
+
+class Mirror:
+    """Uploads checkpoints in a background thread; ``push`` only hard-links the files.
+
+    A checkpoint may be deleted locally (retention) before its upload starts, so ``push`` keeps
+    hard links to it in ``staging``. When uploads fall behind, a pending checkpoint that a newer
+    one supersedes is dropped, unless it is a best save. ``close`` gives what is pending a
+    bounded time and returns the line that says what is remote.
+    """
+
+    def __init__(self, remote: Remote, staging: Path, keep_last: int, *, rank: int = 0,
+                 world_size: int = 1, retries: int = 5, wait_s: float = 120.0,
+                 warn: Callable[[str], object] = print):
+        self.remote, self.staging, self.keep = remote, Path(staging), max(keep_last, 1)
+        self.rank, self.world_size, self.retries, self.wait_s = rank, world_size, retries, wait_s
+        self._warn = warn
+        self._pending: list[_Job] = []
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
+        self.failed: list[int] = []
+        shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
+
+    # -- the training side: never touches the network ------------------------------------
+    def push(self, step: int, files: dict[str, Path], kind: str, best: bool) -> None:
+        """Queue ``files`` (remote name -> local path) as the checkpoint of ``step``."""
+        staged = self.staging / f"step-{step:08d}-{time.monotonic_ns()}"
+        for name, src in files.items():
+            dst = staged / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:  # no hard links on this filesystem: a copy
+                shutil.copyfile(src, dst)
+        job = _Job(step, kind, best, staged, self.rank, self.world_size)
+        with self._cond:
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="ironloop-remote",
+                                                daemon=True)  # a bounded wait, then abandoned
+                self._thread.start()
+            self._cond.notify_all()
+
+    def close(self) -> str | None:
+        """Wait up to ``wait_s`` for pending uploads; the final line (None on ranks > 0)."""
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            while (self._pending or self._busy) and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            unfinished = [j.step for j in self._pending] + ([-1] if self._busy else [])
+            for job in self._pending:  # not started: dropped (the one in flight may finish)
+                shutil.rmtree(job.staged, ignore_errors=True)
+            self._pending.clear()
+        return self._summary(unfinished) if self.rank == 0 else None
+
+    def _summary(self, unfinished: list[int]) -> str:
+        where = self.remote.url
+        done = sorted(set(self.uploaded))
+        head = (f"remote: {len(done)} checkpoint(s) uploaded to {where}, the newest step "
+                f"{done[-1]}" if done else f"remote: no checkpoint uploaded to {where}")
+        if self.failed:
+            head += f"; failed after {self.retries} retries: steps {sorted(set(self.failed))}"
+        if unfinished:
+            head += (f"; {len(unfinished)} upload(s) unfinished after {self.wait_s:g} s "
+                     f"(checkpoint.remote_wait_s): the local copies in run.dir are complete")
+        return head
+
+    # -- the background thread ------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                # superseded: a newer checkpoint waits behind it and it is not a best save
+                while len(self._pending) > 1 and not self._pending[0].best:
+                    shutil.rmtree(self._pending.pop(0).staged, ignore_errors=True)
+                job = self._pending.pop(0)
+                self._busy = True
+            try:
+                self._upload(job)
+            except Exception as e:  # noqa: BLE001 - an upload never stops training
+                self.failed.append(job.step)
+                self._warn(f"warning: remote checkpoint step {job.step} was not uploaded to "
+                           f"{self.remote.url} ({_short(e)}); the local copy is intact and "
+                           f"training goes on")
+            finally:
+                shutil.rmtree(job.staged, ignore_errors=True)
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _retry(self, what: str, fn: Callable[[], object]) -> Any:
+        delay = _BACKOFF_S
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:  # any store or network error is retried
+                if attempt == self.retries:
+                    raise
+                self._warn(f"warning: uploading {what} to {self.remote.url} failed ({_short(e)});"
+                           f" retry {attempt + 1} of {self.retries} in {delay:g} s")
+                time.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+        return None
+
+    def _upload(self, job: _Job) -> None:
+        for local in sorted(p for p in job.staged.rglob("*") if p.is_file()):
+            name = local.relative_to(job.staged).as_posix()
+            job.files[name] = {"blake2b": file_digest(local), "size": local.stat().st_size}
+            self._retry(name, functools.partial(self.remote.put, local, name))
+        marker = f"{MANIFESTS}/step-{job.step:08d}"
+        if job.rank > 0:  # rank 0 writes the manifest once every rank's marker is there
+            body = json.dumps({"rank": job.rank, "files": job.files}).encode()
+            self._retry(f"{marker}.rank{job.rank}.json",
+                        lambda: self.remote.write(f"{marker}.rank{job.rank}.json", body))
+            self.uploaded.append(job.step)
+            return
+        files = {**job.files, **self._other_ranks(job)}
+        manifest = {"format": FORMAT, "step": job.step, "kind": job.kind, "best": job.best,
+                    "world_size": job.world_size, "files": files, "time": time.time()}
+        body = json.dumps(manifest, indent=1).encode()
+        self._retry(f"{marker}.json", lambda: self.remote.write(f"{marker}.json", body))
+        self.uploaded.append(job.step)
+        self._retry("retention", lambda: self._retain(job.step))
+
+    def _other_ranks(self, job: _Job) -> dict[str, dict]:
+        """The files ranks 1.. uploaded for this step, from their markers (polled: no
+        collective may run in a background thread)."""
+        files: dict[str, dict] = {}
+        deadline = time.monotonic() + max(self.wait_s, 60.0)
+        for r in range(1, job.world_size):
+            rel = f"{MANIFESTS}/step-{job.step:08d}.rank{r}.json"
+            while True:
+                try:
+                    files.update(json.loads(self.remote.read(rel))["files"])
+                    break
+                except FileNotFoundError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {r} never uploaded its files") from None
+                    if self._pending and not job.best:  # rank r may have dropped it too
+                        raise TimeoutError(f"superseded while rank {r} uploads") from None
+                    time.sleep(_POLL_S)
+        return files
+
+    def _retain(self, newest: int) -> None:
+        """Delete remote checkpoints past ``keep_last`` (never the newest best save), each
+        manifest first; only checkpoints older than the one that just landed."""
+        steps = [s for s in self.remote.manifests() if s <= newest]
+        best = [s for s in reversed(steps) if self.remote.manifest(s).get("best")][:1]
+        for step in steps[: max(len(steps) - self.keep, 0)]:
+            if step not in best:
+                self.remote.remove_checkpoint(step)
+
+    def discard_after(self, step: int) -> list[str]:
+        """At the start of a run: remove remote checkpoints past ``step`` (an abandoned future,
+        or uploads a kill cut short), with or without their manifest. Returns their URLs."""
+        gone = set(s for s in self.remote.manifests() if s > step)
+        gone |= {s for s in self.remote.step_objects() if s > step}
+        for s in sorted(gone):
+            self.remote.remove_checkpoint(s)
+        return [self.remote.show(f"step-{s:08d}") for s in sorted(gone)]
+
+
+def _short(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# ---------------------------------------------------------------------------------- resume --
+def fetch_newest(remote: Remote, directory: Path, above: int,
+                 warn: Callable[[str], object], best: bool = False) -> Path | None:
+    """Download the newest complete remote checkpoint with a step above ``above`` into
+    ``directory`` (a best save with ``best``), checking every file's digest; damaged or
+    incomplete ones are skipped with a one-line reason each. Returns its local path, or None
+    when there is none."""
+    steps = [s for s in reversed(remote.manifests()) if s > above]
+    for step in steps:
+        try:
+            manifest = remote.manifest(step)
+            if best and not manifest.get("best"):
+                continue
+            return _download(remote, manifest, directory)
+        except (CheckpointError, ValueError, KeyError, OSError) as e:
+            reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+            warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
+                 f"({reason}); falling back to an older one")
+    return None
+
+
+def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
+    step, files = int(manifest["step"]), manifest["files"]
+    tmp = directory / f".remote-step-{step:08d}.tmp-{os.getpid()}"
+    directory.mkdir(parents=True, exist_ok=True)  # only now: an empty run.dir stays empty
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for name, want in files.items():
+            local = tmp / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                remote.get(name, local)
+            except FileNotFoundError:
+                raise CheckpointError(f"{name} missing") from None
+            if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
+                raise CheckpointError(f"{name} checksum mismatch")
+        top = {name.split("/", 1)[0] for name in files}
+        if len(top) != 1:
+            raise CheckpointError("its manifest names more than one checkpoint")
+        name = top.pop()
+        target = directory / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(tmp / name, target)
+        fsync_dir(directory)
+        return target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_quietly(tmp)

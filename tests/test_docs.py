@@ -1,0 +1,152 @@
+"""The docs site: ./scripts/docs's build (mkdocs --strict) with no warnings; its generated reference
+holds every config key, CLI command and flag, fit()'s parameters and the files a run writes; the
+README is a short front page that links into it; the pages render in a real browser."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import html
+import http.server
+import inspect
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ironloop import cli
+from ironloop.state.rundir import RUN_OUTPUTS
+from tests.conftest import REPO, open_all_in_browser
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[Path, str]:
+    """The site, built as ./scripts/docs builds it (that script only adds the .venv); and the
+    build's log."""
+    out = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                        str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return out, r.stdout + r.stderr
+
+
+def _text(fragment: str) -> str:
+    """What a reader sees of an HTML fragment: tags dropped, entities decoded, spaces squeezed."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+def _sections(page: str, tag: str = "h2") -> dict[str, str]:
+    """An HTML page cut at its ``tag`` headings: {heading text: the HTML up to the next one}."""
+    parts = re.split(rf"(<{tag}[^>]*>.*?</{tag}>)", page, flags=re.S)
+    return {_text(parts[i]).rstrip("¶ "): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_the_site_builds_with_no_warnings(site):
+    _, log = site
+    assert not [line for line in log.splitlines() if "WARNING" in line], log
+
+
+def test_every_key_of_train_help_is_on_the_config_page_with_its_doc(site):
+    out = subprocess.run([sys.executable, "-m", "ironloop", "train", "help"], cwd=REPO,
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    keys = dict(re.match(r"(\S+) = .*?  # (.*)$", line).groups() for line in out.splitlines())
+    assert len(keys) > 50  # the parse above read the help, not an empty page
+    page = (site[0] / "reference" / "config.html").read_text()
+    rows = {m.group(1): _text(m.group(0)) for m in
+            re.finditer(r'<tr>\s*<td><code id="([^"]+)">.*?</tr>', page, re.S)}
+    missing = sorted(set(keys) - set(rows))
+    assert not missing, f"config keys missing from reference/config.html: {missing}"
+    wrong = [k for k, doc in keys.items() if " ".join(doc.split()) not in rows[k]]
+    assert not wrong, f"keys whose doc differs from `ironloop train help`: {wrong}"
+
+
+def test_every_cli_command_and_flag_is_on_the_cli_page(site):
+    page = (site[0] / "reference" / "cli.html").read_text()
+    sections = _sections(page)
+    top = cli.parser()
+    subparsers = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) >= {"train", "doctor", "export", "report", "tune", "lab"}
+    for name, sub in subparsers.choices.items():
+        assert f"ironloop {name}" in sections, f"no section for `ironloop {name}` in cli.html"
+        text = _text(sections[f"ironloop {name}"])
+        for action in sub._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            for flag in action.option_strings or [action.metavar or action.dest]:
+                assert flag in text, f"`ironloop {name}`: {flag} missing from cli.html"
+    assert "--version" in _text(page)
+
+
+def test_fit_has_an_api_page_listing_its_parameters(site):
+    import ironloop
+
+    page = (site[0] / "reference" / "api.html").read_text()
+    fit_section = _sections(page, "h3")["fit"]
+    table = _text(fit_section[fit_section.index("Parameters"):])
+    params = list(inspect.signature(ironloop.fit).parameters)
+    assert "train_data" in params and "callbacks" in params
+    missing = [p for p in params if p not in table]
+    assert not missing, f"fit() parameters missing from the API page's table: {missing}"
+    for name in ("tune", "Callback", "RunView", "Config", "UserError", "ConfigError", "Preempted"):
+        assert re.search(rf'<h3 id="[^"]*\b{name}"', page), f"{name} has no entry in api.html"
+
+
+def test_the_files_page_lists_every_file_a_run_writes(site):
+    text = _text((site[0] / "reference" / "run-files.html").read_text())
+    missing = [n for n in RUN_OUTPUTS if n not in text]
+    assert not missing, f"run outputs missing from reference/run-files.html: {missing}"
+
+
+def test_the_readme_is_a_short_front_page_linking_the_site():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", text)
+    assert len(links) >= 5, "the README links into the site's pages"
+    assert [link for link in links if not (REPO / link).is_file()] == []
+    assert "./scripts/docs" in text
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    """The built site over HTTP, as a reader's browser gets it (Material's search index is
+    fetched by a script, which a file:// page may not do)."""
+    handler = functools.partial(_QuietHandler, directory=str(site[0]))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # one line per request would bury pytest's output
+        pass
+
+
+PAGES = ("index.html", "how-to/resume.html", "reference/config.html")
+WIDTHS = (1280, 420)
+
+
+@pytest.fixture(scope="module")
+def in_chromium(served) -> dict:
+    """Each page at each width, as headless Chromium renders it (one browser for them all)."""
+    targets = [(f"{served}/{page}", width) for page in PAGES for width in WIDTHS]
+    seen = open_all_in_browser(targets, wait_until="networkidle")
+    return {(page, width): s for (page, width), s in
+            zip([(p, w) for p in PAGES for w in WIDTHS], seen)}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_render_in_chromium_without_errors_or_sideways_scroll(in_chromium, page, width):
+    seen = in_chromium[page, width]
+    assert seen["errors"] == []
+    assert seen["overflow"] <= 0, f"{page} scrolls sideways by {seen['overflow']} px at {width}"
+    assert [i["name"] for i in seen["images"] if not i["ok"]] == []
+    assert len(seen["text"]) > 500  # the page's content, not an error page

@@ -1,0 +1,418 @@
+"""checkpoint.remote: the background mirror to object storage (fsspec) and resume from it.
+
+The fast cases use ``file://`` and an in-memory filesystem; the S3 cases run against moto's
+standalone server, started here on 127.0.0.1 (no other network is needed), through s3fs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from safetensors.torch import load_file
+
+from ironloop import fit
+from ironloop.callbacks import Callback
+from ironloop.errors import UserError
+from ironloop.state import dcp as sharded
+from ironloop.state.export import export_run
+from ironloop.state.remote import Mirror, fetch_newest, open_remote
+from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
+
+STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
+
+
+class StopAt(Callback):
+    """Ends the run after ``step`` (saved there, as train.max_steps would): the interruption."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        if run.step >= self.step:
+            run.stop()
+
+
+def _config(tmp_path: Path, run: str = "run", **more) -> dict:
+    base = {"run__dir": str(tmp_path / run), "train__epochs": 4,
+            "checkpoint__every_steps": 5, "checkpoint__keep_last": 3}
+    return cfg(tmp_path, **{**base, **more})
+
+
+def _fit(config: dict, **kw):
+    return fit(tiny_mlp(), blobs(), blobs(64, seed=1), config, **kw).model.state_dict()
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def uninterrupted(tmp_path) -> dict:
+    return _fit(_config(tmp_path, "plain"))
+
+
+# -------------------------------------------------------------------------------- file:// --
+def test_each_checkpoint_lands_remotely_with_the_same_bytes_and_a_manifest(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    _fit(_config(tmp_path, checkpoint__remote=url, checkpoint__keep_last=2))
+    remote = open_remote(url)
+    steps = remote.manifests()
+    assert steps[-1] == STEPS
+    older = steps[:-2]  # past keep_last: only the newest best save may stay
+    assert len(older) <= 1 and all(remote.manifest(s)["best"] for s in older)
+    local = tmp_path / "run" / "checkpoints"
+    for step in steps:
+        manifest = remote.manifest(step)
+        name = f"step-{step:08d}.pt"
+        assert list(manifest["files"]) == [name] and manifest["kind"] == "file"
+        mine = local / name if (local / name).exists() else local / "best.pt"  # an older best
+        assert (tmp_path / "remote" / name).read_bytes() == mine.read_bytes()
+    assert not list((local / ".remote-staging").rglob("*.pt"))  # the upload's links are gone
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_resume_into_an_empty_run_dir_fetches_the_newest_and_is_bit_exact(tmp_path, capsys,
+                                                                          uninterrupted,
+                                                                          async_write):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url, checkpoint__async=async_write)
+    _fit(config, callbacks=[StopAt(12)])
+    assert open_remote(url).manifests()[-1] == 12
+    shutil.rmtree(tmp_path / "run")  # a new node: run.dir is empty
+    resumed = _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert f"fetched {url}/step-00000012.pt" in out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [12]
+    assert _equal(resumed, uninterrupted)
+
+
+def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    open_remote(url).remove_checkpoint(12)  # the remote lags one checkpoint behind
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [12]
+    assert "fetched" not in capsys.readouterr().out
+
+
+def test_a_newer_remote_checkpoint_wins_over_an_older_local_one(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(7)])
+    shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "old")
+    _fit(config, resume=True, callbacks=[StopAt(12)])
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # this node still holds step 7 only
+    shutil.copytree(tmp_path / "old", tmp_path / "run" / "checkpoints")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert f"fetched {url}/step-00000012.pt" in capsys.readouterr().out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"][-1] == 12
+
+
+def test_an_incomplete_remote_checkpoint_does_not_count_and_is_cleaned(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    remote = open_remote(url)
+    # what a kill mid-upload leaves: the next checkpoint's file, no manifest
+    remote.put(tmp_path / "run" / "checkpoints" / "step-00000012.pt", "step-00000015.pt")
+    shutil.rmtree(tmp_path / "run")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert "fetched" in capsys.readouterr().out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [12]
+    assert 15 not in remote.step_objects()  # removed: past the step this run resumed from
+
+
+def test_a_fresh_run_into_a_remote_holding_checkpoints_is_refused_then_overwritten(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    _fit(_config(tmp_path, checkpoint__remote=url), callbacks=[StopAt(5)])
+    with pytest.raises(UserError, match=r"checkpoint\.remote .* already holds .* --resume"):
+        _fit(_config(tmp_path, "other", checkpoint__remote=url))
+    assert open_remote(url).manifests() == [5]
+    _fit(_config(tmp_path, "other", checkpoint__remote=url), overwrite=True,
+         callbacks=[StopAt(3)])
+    assert open_remote(url).manifests() == [3]
+
+
+def test_export_reads_a_remote_run(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    weights = _fit(_config(tmp_path, checkpoint__remote=url), callbacks=[StopAt(12)])
+    out = export_run(url, tmp_path / "m.safetensors", "last")
+    exported = load_file(out)
+    assert all(torch.equal(exported[k], weights[k]) for k in weights)
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(UserError, match=r"pip install 'ironloop\[remote\]'"):
+        _fit(_config(tmp_path, checkpoint__remote="s3://bucket/run"))
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    with pytest.raises(UserError, match=r"s3fs.*pip install 'ironloop\[remote\]'"):
+        open_remote("s3://bucket/run")
+
+
+# ------------------------------------------------------------- a store that fails or stalls --
+class Flaky(MemoryFileSystem):
+    """memory:// that fails the next ``fails`` uploads, and holds each upload until ``gate``
+    is set (when there is one)."""
+
+    protocol = "flaky"
+    fails = 0
+    gate: threading.Event | None = None
+    refuse_manifests = False  # every manifest write fails (the files still land)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("flaky://"))
+
+    def put_file(self, lpath, rpath, **kwargs):
+        if Flaky.gate is not None:
+            Flaky.gate.wait(120)
+        if Flaky.fails > 0:
+            Flaky.fails -= 1
+            raise ConnectionResetError("injected: connection reset by peer")
+        return super().put_file(lpath, rpath, **kwargs)
+
+    def pipe_file(self, path, value, *args, **kwargs):
+        if Flaky.refuse_manifests and "/manifests/step-" in path:
+            raise ConnectionResetError("injected: manifest write refused")
+        return super().pipe_file(path, value, *args, **kwargs)
+
+
+fsspec.register_implementation("flaky", Flaky, clobber=True)
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    yield f"flaky://{tmp_path.name}"
+    Flaky.fails, Flaky.gate, Flaky.refuse_manifests = 0, None, False
+
+
+def test_an_upload_that_fails_a_few_times_is_retried_and_lands(tmp_path, flaky, capsys,
+                                                               uninterrupted):
+    Flaky.fails = 2
+    weights = _fit(_config(tmp_path, checkpoint__remote=flaky))
+    out = capsys.readouterr().out
+    assert "retry 1 of 5" in out and "retry 2 of 5" in out and "retry 3" not in out
+    assert "injected: connection reset" in out
+    assert open_remote(flaky).manifests()[-1] == STEPS
+    assert _equal(weights, uninterrupted)  # training never noticed
+
+
+def test_an_upload_that_never_lands_warns_and_training_finishes(tmp_path, flaky, capsys,
+                                                                uninterrupted):
+    Flaky.fails = 10**6
+    weights = _fit(_config(tmp_path, checkpoint__remote=flaky,
+                           checkpoint__remote_retries=1))
+    out = capsys.readouterr().out
+    assert "was not uploaded" in out and "the local copy is intact" in out
+    assert "remote: no checkpoint uploaded" in out
+    assert open_remote(flaky).manifests() == []
+    assert _equal(weights, uninterrupted)
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+def test_older_remote_checkpoints_are_deleted_only_after_a_newer_manifest_landed(
+        tmp_path, flaky):
+    config = _config(tmp_path, checkpoint__remote=flaky, checkpoint__keep_last=1,
+                     checkpoint__remote_retries=0)
+    _fit(config, callbacks=[StopAt(7)])
+    remote = open_remote(flaky)
+    assert remote.manifests()[-1] == 7
+    kept = remote.manifests()
+    Flaky.refuse_manifests = True  # newer files land, their manifests never do
+    _fit(config, resume=True)
+    assert remote.manifests() == kept  # keep_last=1, yet nothing complete was deleted
+    assert all(f"step-{s:08d}.pt" in remote.names() for s in kept)
+
+
+def test_the_run_ends_while_uploads_are_pending_and_says_so(tmp_path, flaky, capsys):
+    Flaky.gate = threading.Event()  # every upload hangs until the test lets it go
+    try:
+        _fit(_config(tmp_path, checkpoint__remote=flaky, checkpoint__remote_wait_s=0.2))
+        out = capsys.readouterr().out
+        assert "upload(s) unfinished after 0.2 s" in out
+        assert (tmp_path / "run" / "results.json").exists()  # fit() returned
+    finally:
+        Flaky.gate.set()
+
+
+def test_pending_uploads_finish_within_the_wait_at_the_end(tmp_path, flaky, capsys):
+    Flaky.gate = threading.Event()
+    threading.Timer(0.5, Flaky.gate.set).start()  # the store is slow, not gone
+    _fit(_config(tmp_path, checkpoint__remote=flaky))
+    out = capsys.readouterr().out
+    assert f"the newest step {STEPS}" in out and "unfinished" not in out
+    assert open_remote(flaky).manifests()[-1] == STEPS
+
+
+# ------------------------------------------------------------------------------- sharded --
+def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1)
+    manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=0, mirror=mirror)
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"format_version": 1, "progress": {"step": 0, "epoch": 0, "offset": 0}}
+    for step in (3, 6):
+        manager.save({**state, "progress": {**state["progress"], "step": step}}, model, opt,
+                     step, best=step == 3)
+    manager.close()
+    remote = open_remote(url)
+    assert remote.manifests() == [3, 6]  # 6 the newest, 3 the newest best
+    manifest = remote.manifest(6)
+    assert manifest["kind"] == "dcp"
+    assert {"step-00000006.dcp/.metadata", "step-00000006.dcp/manifest.json",
+            "step-00000006.dcp/extras-rank0.pt"} <= set(manifest["files"])
+    got = fetch_newest(remote, tmp_path / "new" / "checkpoints", -1, print)
+    assert got is not None and sharded.verify(got) == 6
+
+
+# ------------------------------------------------------------------------------------- S3 --
+@pytest.fixture(scope="module")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """A fresh bucket on the loopback server; the environment a user would set."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"b-{tmp_path.name.lower().replace('_', '-')}"[:60].rstrip("-")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/run", fs
+
+
+def test_s3_damaged_newest_checkpoint_is_skipped_and_the_one_before_resumes(
+        tmp_path, s3, capsys, uninterrupted):
+    url, fs = s3
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    steps = open_remote(url).manifests()  # which older ones stay depends on upload speed:
+    assert steps[-1] == 12 and len(steps) >= 2  # a pending one a newer one supersedes is dropped
+    before = steps[-2]
+    key = f"{url}/step-00000012.pt"
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the stored object
+    fs.pipe_file(key, bytes(data))
+    shutil.rmtree(tmp_path / "run")
+    resumed = _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert (f"\nwarning: remote checkpoint {url}/step-00000012 is damaged (step-00000012.pt "
+            "checksum mismatch); falling back to an older one\n") in out
+    assert f"fetched {url}/step-{before:08d}.pt" in out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [before]
+    assert _equal(resumed, uninterrupted)
+    assert open_remote(url).manifests()[-1] == STEPS
+
+
+CLI_ARGS = ["configs/digits.yaml", "model.name=mlp", "model.kwargs={hidden: [256, 256]}",
+            "train.epochs=8", "checkpoint.every_steps=10", "checkpoint.keep_last=2",
+            "log.progress=off", "doctor.preflight=false"]
+
+
+def _cli(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ironloop", "train", *CLI_ARGS,
+                             f"run.dir={run_dir}", *extra], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+@pytest.mark.slow
+def test_s3_kill_9_then_resume_on_an_empty_run_dir_equals_an_uninterrupted_run(
+        tmp_path, s3, s3_server):
+    url, _ = s3
+    plain = _cli(tmp_path / "plain")
+    victim = _cli(tmp_path / "run", f"checkpoint.remote={url}", "--resume", env=s3_server)
+    remote = open_remote(url)
+    deadline = time.monotonic() + 300
+    while not remote.manifests():  # the first checkpoint is remote: kill the node
+        assert victim.poll() is None, victim.communicate()
+        assert time.monotonic() < deadline, "no checkpoint reached the remote"
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=60)
+    assert victim.returncode == -signal.SIGKILL
+    killed_at = remote.manifests()[-1]
+    shutil.rmtree(tmp_path / "run")  # a new node: nothing local
+    again = _cli(tmp_path / "run", f"checkpoint.remote={url}", "--resume", env=s3_server)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert f"fetched {url}/" in out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [killed_at]
+    _, err = plain.communicate(timeout=300)
+    assert plain.returncode == 0, err
+    a = load_file(tmp_path / "plain" / "final.safetensors")
+    b = load_file(tmp_path / "run" / "final.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_s3_sigterm_uploads_the_preemption_checkpoint_before_the_exit(tmp_path, s3, s3_server):
+    url, _ = s3
+    proc = _cli(tmp_path / "run", f"checkpoint.remote={url}", "log.every_steps=1",
+                env=s3_server)
+    deadline = time.monotonic() + 300
+    while logged_step(tmp_path / "run") < 5:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached step 5"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    step = next(e["step"] for e in events if e["event"] == "preempted")
+    assert open_remote(url).manifests()[-1] == step  # landed within checkpoint.remote_wait_s
+    assert f"the newest step {step}" in out
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(tmp_path):
+    from tests.test_distributed import train
+
+    url = f"file://{tmp_path}/remote"
+    extra = ("dist.strategy=fsdp", "train.batch_size=32", "checkpoint.every_steps=10",
+             f"checkpoint.remote={url}", "--resume")
+    train(tmp_path / "run", *extra, ranks=2)
+    remote = open_remote(url)
+    newest = remote.manifest(remote.manifests()[-1])
+    assert newest["kind"] == "dcp" and newest["world_size"] == 2
+    names = {name.split("/", 1)[1] for name in newest["files"]}
+    assert {"extras-rank0.pt", "extras-rank1.pt", ".metadata", "manifest.json"} <= names
+    assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1"}  # both ranks
+    first = load_file(tmp_path / "run" / "final.safetensors")
+    shutil.rmtree(tmp_path / "run")  # a new node: the run is complete, remotely only
+    log = train(tmp_path / "run", *extra, ranks=2).parent / "run.log"
+    assert f"fetched {url}/step-" in log.read_text()
+    again = load_file(tmp_path / "run" / "final.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)

@@ -1,0 +1,255 @@
+"""``ironloop doctor --resume-check``: real scratch runs, a real kill (os._exit in the crashed
+process) and a resume in a new process, on pipelines that are exact and on pipelines that keep
+state a crash loses (tests/resume_cases.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ironloop.config import load_config
+from ironloop.errors import UserError
+from ironloop.tools.doctor.resume_check import Plan, plan_for, resume_check
+from ironloop.tools.doctor.resume_compare import (
+    checkpoint_difference,
+    first_step_difference,
+    state_differences,
+)
+from tests.conftest import run_cli
+
+CASES = "tests.resume_cases"
+#: 6 steps an epoch: 9 steps cross an epoch end; checkpoints at 3, 6, 9, the kill at 4.
+STEPS = 9
+
+
+def config(tmp_path, data="clean_data", *extra: str):
+    return load_config(None, [f"data.name={CASES}:{data}", f"run.dir={tmp_path / 'run'}",
+                              "model.name=mlp", "model.kwargs={hidden: [16]}",
+                              "train.batch_size=16", "train.epochs=3", "optim.lr=0.05",
+                              "log.every_steps=1", *extra])
+
+
+def check(tmp_path, cfg, **kwargs):
+    """The check, its scratch runs under tmp_path (kept there when the resume is not exact)."""
+    return resume_check(cfg, scratch_root=tmp_path / "scratch", **kwargs)
+
+
+# --- the plan and the comparisons, without a run -------------------------------------------
+
+def test_plan_kills_between_checkpoints_and_resumes_from_the_one_before():
+    for steps in range(3, 60):
+        p = plan_for(steps)
+        assert p.resume_from < p.kill < p.steps
+        assert p.resume_from >= 1 and (p.every == 1 or p.kill % p.every)
+    assert plan_for(24) == Plan(24, 8, 12) and plan_for(24).resume_from == 8
+    with pytest.raises(UserError, match="--steps 2"):
+        plan_for(2)
+
+
+def _rec(batch="b", loss=1.0, weights="w", modules=(("fc (Linear)", "h"),)):
+    return {"batches": [batch], "losses": [loss], "weights": weights,
+            "modules": [list(m) for m in modules]}
+
+
+def test_step_comparison_blames_the_batch_before_the_loss_and_names_the_module():
+    a = {1: _rec(), 2: _rec(), 3: _rec()}
+    assert first_step_difference(a, dict(a), range(1, 4)) is None
+    d = first_step_difference(a, {**a, 2: _rec(batch="x", loss=2.0)}, range(1, 4))
+    assert (d.step, d.what) == (2, "batch")
+    d = first_step_difference(a, {**a, 3: _rec(loss=2.0, modules=(("fc (Linear)", "z"),))},
+                              range(1, 4))
+    assert (d.step, d.what) == (3, "loss") and "fc (Linear)" in d.detail
+    d = first_step_difference(a, {**a, 2: _rec(weights="v")}, range(1, 4))
+    assert (d.step, d.what) == (2, "weights")
+    assert first_step_difference(a, {1: a[1]}, range(1, 4)).what == "steps"
+
+
+def test_checkpoint_comparison_names_the_first_key_that_differs():
+    a = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}},
+         "meter": {"train_seconds": 1.0}, "config": {"run": {"dir": "a"}}}
+    b = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}},
+         "meter": {"train_seconds": 2.0}, "config": {"run": {"dir": "b"}}}
+    assert checkpoint_difference(a, b) is None  # timings and the config differ between runs
+    b["optimizer"]["state"][0]["step"] = torch.tensor(5.0)
+    assert checkpoint_difference(a, b) == "optimizer.state.0.step"
+    b["model"]["w"] = torch.tensor([1.0, 1.0, 1.0 + 1e-7])
+    assert checkpoint_difference(a, b) == "model.w"
+
+
+def test_state_comparison_names_attributes_that_a_checkpoint_does_not_hold():
+    a = {"model": {"Scale.calls": 9}, "data": {}, "globals": {"m.N": 1},
+         "callbacks": {"0:Counter": {"state_dict": False, "attributes": {"seen": 9}},
+                       "1:Saved": {"state_dict": True, "attributes": {"seen": 9}}}}
+    b = {"model": {"Scale.calls": 4}, "data": {}, "globals": {"m.N": 1},
+         "callbacks": {"0:Counter": {"state_dict": False, "attributes": {"seen": 4}},
+                       "1:Saved": {"state_dict": True, "attributes": {"seen": 9}}}}
+    found = state_differences(a, b)
+    assert [d.what for d in found] == ["model", "callback"]
+    assert "Scale.calls" in found[0].detail and "0:Counter" in found[1].detail
+    assert state_differences(a, a) == []
+    b["globals"]["m.N"] = 2  # a module-level counter in the user's step
+    assert "m.N is 2 after the resume, 1 uninterrupted" in state_differences(a, b)[1].detail
+
+
+# --- real scratch runs --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_clean_pipeline_is_exact(tmp_path):
+    result = check(tmp_path, config(tmp_path), steps=STEPS,
+                   callbacks=[f"{CASES}:SavedStepCounter"])
+    assert result.exact, [f.render() for f in result.findings]
+    assert result.findings[0].severity == "info"
+    assert result.headline == ("resume is exact (9 steps, kill at step 4, resumed from step 3 "
+                               "in a new process)")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # scratch runs only
+    assert not any((tmp_path / "scratch").iterdir())  # and removed once exact
+
+
+@pytest.mark.slow
+def test_dataset_counter_is_caught_and_blamed_on_the_data(tmp_path):
+    result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
+    assert not result.exact
+    assert (result.first.step, result.first.what) == (4, "batch")  # the first after the resume
+    head = result.findings[0]
+    assert head.severity == "error" and "resume is NOT exact" in head.measured
+    assert head.cause.startswith("the batches differ at the first step after the resume, so "
+                                 "the data")
+    assert any("CountingData.reads" in f.measured for f in result.findings[1:])  # named
+    assert (Path(result.scratch) / "straight-rank0.jsonl").exists()  # kept for a look
+
+
+@pytest.mark.slow
+def test_model_python_counter_is_caught(tmp_path):
+    cfg = config(tmp_path, "clean_data", f"model.name={CASES}:counting_model")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert not result.exact
+    assert (result.first.step, result.first.what) == (4, "loss")  # the batches are equal
+    assert "CountingScale" in result.first.detail  # the module whose output differs first
+    assert result.findings[0].cause.startswith("the model or the step")
+    assert any("CountingScale.calls" in f.measured for f in result.findings)
+
+
+@pytest.mark.slow
+def test_callback_hidden_state_is_named(tmp_path):
+    result = check(tmp_path, config(tmp_path), steps=STEPS, callbacks=[f"{CASES}:StepCounter"])
+    assert not result.exact
+    assert result.first.what == "callback"  # every step and the checkpoints are equal
+    assert "0:StepCounter" in result.first.detail and "seen" in result.first.detail
+    assert "state_dict" in result.findings[0].fix
+
+
+@pytest.mark.slow
+def test_unseeded_rng_is_blamed_before_any_crash(tmp_path):
+    result = check(tmp_path, config(tmp_path, "unseeded_data"), steps=STEPS)
+    assert not result.exact
+    assert (result.first.step, result.first.what) == (1, "fresh batch")
+    assert result.findings[0].cause.startswith("two fresh processes")
+
+
+@pytest.mark.slow
+def test_stream_is_exact(tmp_path):
+    cfg = config(tmp_path, "stream_data", "train.accumulation_steps=2")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
+def test_tbptt_step_is_exact(tmp_path):
+    from tests.test_tbptt_lstm import CORPUS
+
+    (tmp_path / "input.txt").write_text(CORPUS)
+    cfg = load_config("configs/tbptt_lstm.yaml", [
+        f"data.root={tmp_path}", f"run.dir={tmp_path / 'run'}",
+        "data.kwargs={streams: 4, bptt: 8}", "model.kwargs={dim: 16, hidden: 24}",
+        "train.batch_size=4", "train.epochs=2"])
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
+def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "doctor.json").write_text(json.dumps({"seconds": 1.0, "findings": ["kept"]}))
+    args = ["doctor", f"data.name={CASES}:counting_data", f"run.dir={run}", "model.name=mlp",
+            "model.kwargs={hidden: [16]}", "train.batch_size=16", "--resume-check",
+            "--steps", str(STEPS)]
+    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})  # the kept scratch runs go there
+    assert proc.returncode == 1, proc.stderr
+    assert "resume is NOT exact" in proc.stdout and "cause: the batches differ" in proc.stdout
+    doctor = json.loads((run / "doctor.json").read_text())
+    assert doctor["findings"] == ["kept"]  # the other checks' findings stay
+    assert doctor["resume_check"]["exact"] is False
+    assert doctor["resume_check"]["first_difference"]["what"] == "batch"
+    args[1] = f"data.name={CASES}:clean_data"
+    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resume is exact (9 steps, kill at step 4" in proc.stdout
+    assert json.loads((run / "doctor.json").read_text())["resume_check"]["exact"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_accumulation_is_exact(tmp_path, precision):
+    cfg = config(tmp_path, "clean_data", f"train.precision={precision}",
+                 "train.accumulation_steps=2")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
+def test_every_rank_is_checked_under_torchrun(tmp_path):
+    # Rank 0's data is clean, rank 1's keeps a counter: only rank 1's records can tell.
+    cfg = config(tmp_path, "rank1_counting_data", "train.batch_size=8")
+    result = check(tmp_path, cfg, steps=STEPS, nproc=2)
+    assert not result.exact
+    assert result.first.what == "batch" and result.first.detail.startswith("rank 1: ")
+    assert "2 ranks each checked" in result.headline
+
+
+def test_preflight_points_a_long_run_to_the_resume_check(tmp_path, capsys):
+    from ironloop.data.bundle import DataBundle
+    from ironloop.tools.doctor.run import preflight
+    from tests.conftest import blobs, tiny_mlp
+
+    bundle = DataBundle(blobs(128), blobs(32, seed=1), None, (8,), 3)
+    for epochs, long in ((10, False), (2000, True)):  # 4 steps an epoch: 40 or 8,000 steps
+        run_dir = tmp_path / str(epochs)
+        preflight(load_config(None, [f"run.dir={run_dir}", f"train.epochs={epochs}",
+                                     "train.batch_size=32"]),
+                  tiny_mlp(), bundle)
+        closing = capsys.readouterr().out.strip().splitlines()[-1]
+        assert closing.startswith("doctor: ")
+        assert ("--resume-check" in closing) is long, closing
+        if long:
+            assert "a long run (8000 steps)" in closing
+
+
+@pytest.mark.slow
+def test_scratch_runs_started_as_new_interpreters_catch_the_counter_too(tmp_path, monkeypatch):
+    # Where nothing can be forked (CUDA initialised in the doctor, no fork): python -m.
+    import ironloop.tools.doctor.resume_check as rc
+
+    monkeypatch.setattr(rc, "fork_threads", lambda *args: None)
+    result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
+    assert (result.first.step, result.first.what) == (4, "batch")
+
+
+@pytest.mark.slow
+def test_step_with_a_global_is_caught_and_the_global_named(tmp_path):
+    cfg = config(tmp_path, "clean_data", f"train.step_fn={CASES}:counting_step")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert (result.first.step, result.first.what) == (4, "loss")
+    assert "module" not in result.first.detail  # every module's output is equal: the step
+    assert result.findings[0].cause.startswith("the step: ")
+    assert any("tests.resume_cases.CALLS" in f.measured and "(global)" in f.measured
+               for f in result.findings)
+
+
+def test_bad_steps_or_nproc_is_one_line_exit_2(tmp_path):
+    proc = run_cli("doctor", f"run.dir={tmp_path / 'run'}", "--resume-check", "--nproc", "0")
+    assert proc.returncode == 2 and "--nproc 0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
