@@ -21,7 +21,7 @@ from torch import nn
 import ironloop
 from examples.slow_reads import SlowReads
 from ironloop.config import Config
-from ironloop.engine.timing import advice
+from ironloop.engine.timing import RunSettings, advice
 from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
@@ -37,19 +37,79 @@ def measure(median: float, lo: float, hi: float) -> Measure:
 # -- the decisions --------------------------------------------------------------------------------
 
 
-def test_a_winner_must_clear_the_noise():
-    base = measure(100, 95, 104)
-    assert tune_mod.beats(measure(150, 140, 160), base)
-    assert not tune_mod.beats(measure(104, 100, 108), base)   # under 5%
-    assert not tune_mod.beats(measure(106, 90, 120), base)    # its spread reaches the baseline
-    assert not tune_mod.beats(measure(106, 101, 110), measure(100, 80, 107))  # inside the spread
+def test_a_winner_is_faster_in_every_pair_beyond_the_noise():
+    assert tune_mod.paired([1.9, 1.4, 2.3, 1.7]).wins
+    verdict = tune_mod.paired([1.3, 1.25, 1.4, 1.35])
+    assert verdict.wins and verdict.median == pytest.approx(1.325)
+    assert verdict.spread == (1.25, 1.4)
+    # one pair that says slower: one recheck that happened to be low no longer decides,
+    # but neither does one lucky pair
+    assert not tune_mod.paired([1.9, 0.97, 2.3, 1.7]).wins
+    assert "1 of 4 pairs not faster" in tune_mod.paired([1.9, 0.97, 2.3, 1.7]).why
+    assert not tune_mod.paired([3.0, 2.5]).wins  # the budget ran out: 2 of 4 pairs
+    assert not tune_mod.paired([1.03, 1.04, 1.02, 1.06]).wins  # agree, but within 5%
+    assert not tune_mod.paired([]).wins
+
+
+def test_pairs_are_interleaved_and_stop_at_the_first_that_disagrees():
+    """The A/B order of the paired runs, and the ratio each pair gives (the config's projected
+    time over the setting's), on measurements fed in."""
+    order, rates = [], iter([100, 180, 190, 100, 100, 95, 100, 200])
+    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner.est_s, tuner.left = 0.0, lambda: 1e9
+    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
+
+    def fake(overrides, extra_s=0.0):
+        order.append("B" if overrides.get("data.num_workers") else "A")
+        return measure(next(rates), 0, 0)
+
+    tuner.measure = fake
+    row = tune_rows.Row("data.num_workers=2", {"data.num_workers": 2})
+    verdict = tuner._pairs(row, {}, 0.0)
+    assert order == ["A", "B", "B", "A", "A", "B"]  # A B, B A, A B: stopped at the slower pair
+    assert verdict.ratios == pytest.approx([1.8, 1.9, 0.95]) and not verdict.wins
 
 
 def test_what_tune_tries():
+    assert tune_rows.thread_counts(0, 2, current=2) == [1, 2]
+    assert tune_rows.thread_counts(2, 2, current=2) == [1, 2]  # leave the workers the cores
+    assert tune_rows.thread_counts(1, 2, current=1) == [1]
+    assert tune_rows.thread_counts(4, 16, current=16) == [12, 16]
     assert tune_rows.worker_counts(0, 2) == [1, 2]
     assert tune_rows.worker_counts(2, 16) == [0, 1, 4, 8, 16]
     assert tune_rows.micro_batches(32, 4) == [(64, 2), (128, 1)]
     assert tune_rows.micro_batches(32, 1) == [] and tune_rows.micro_batches(32, 3) == []
+
+
+def test_workers_and_threads_are_tried_together(monkeypatch):
+    monkeypatch.setattr(tune_rows, "cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    subject = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4), SlowReads(n=8, delay=0))
+    rows = {r.setting: r for r in tune_rows.loader_rows(subject, {})}
+    assert set(rows) == {"run.threads=1", "data.num_workers=1", "data.num_workers=1 run.threads=1",
+                         "data.num_workers=2", "data.num_workers=2 run.threads=1"}
+    assert rows["data.num_workers=2 run.threads=1"].overrides == {"data.num_workers": 2,
+                                                                 "run.threads": 1}
+    assert rows["data.num_workers=2 run.threads=1"].kind == "free"  # drift's FREE: see there
+    assert "round differently" in rows["run.threads=1"].note
+    assert not rows["data.num_workers=2"].note
+    # in-memory tensors: no worker rows, but the threads are still tried
+    tensors = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4),
+                               (torch.randn(8, 16), torch.zeros(8, dtype=torch.long)))
+    assert [r.setting for r in tune_rows.loader_rows(tensors, {}) if r.status != "skipped"] == \
+        ["run.threads=1"]
+
+
+def test_a_trial_is_measured_in_seconds_of_work_not_a_count_of_steps():
+    from ironloop.tools.tune.trials import Plan, windows
+
+    plan = tune_mod.plan_for(step_s=0.1, seconds=2.0)  # the baseline: 20 steps of 0.1 s
+    assert plan.measure_s == pytest.approx(plan.window * plan.repeats * 0.1)
+    assert plan.cap > 10 * plan.steps  # room for a setting many times faster
+    # a setting 4x faster stamps 4x the steps in the same seconds: equal windows over them all
+    fast = windows(plan, stamped=plan.warmup + 4 * plan.window * plan.repeats)
+    assert fast.window == 4 * plan.window and fast.repeats == plan.repeats
+    assert windows(Plan(1, 3, 2), stamped=100).window == 3  # a fixed plan stays fixed
 
 
 def test_windows_count_the_ragged_last_step_of_an_epoch():
@@ -116,9 +176,10 @@ def test_data_wait_advice_names_ironloop_tune(monkeypatch):
                                      "train.epochs=3"])
     slow = {"data": 1.0, "copy": 0.01, "forward": 1, "backward": 1, "optimizer": 0.3,
             "checkpoint": 0.0, "validation": 0.0, "other": 0.01}
-    lines = advice(slow)
+    run = RunSettings(cores=2)
+    lines = advice(slow, run)
     assert any("ironloop tune configs/x.yaml train.epochs=3" in a for a in lines), lines
-    assert not any("ironloop tune" in a for a in advice({**slow, "data": 0.01}))
+    assert not any("ironloop tune" in a for a in advice({**slow, "data": 0.01}, run))
 
 
 # -- real tunes -------------------------------------------------------------------------------

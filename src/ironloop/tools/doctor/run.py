@@ -78,7 +78,7 @@ def _check(s: Subject, quick: bool) -> list[Finding]:
     findings = [*_guard("labels", data.check_labels, s, cap),
                 *_guard("finite_inputs", data.check_finite_inputs, s, cap),
                 *_guard("leakage", data.check_leakage, s, cap),
-                *_guard("threads", env_checks.check_threads)]
+                *_guard("threads", env_checks.check_threads, s.cfg)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
     try:
