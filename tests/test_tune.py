@@ -64,10 +64,42 @@ def test_pairs_are_interleaved_and_stop_at_the_first_that_disagrees():
         return measure(next(rates), 0, 0)
 
     tuner.measure = fake
-    row = tune_rows.Row("data.num_workers=2", {"data.num_workers": 2})
-    verdict = tuner._pairs(row, {}, 0.0)
+    verdict = tuner._pairs({}, {"data.num_workers": 2}, 0.0)
     assert order == ["A", "B", "B", "A", "A", "B"]  # A B, B A, A B: stopped at the slower pair
     assert verdict.ratios == pytest.approx([1.8, 1.9, 0.95]) and not verdict.wins
+
+
+def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
+    """The screen is one measurement each: here the load made 2 workers look slower than the
+    threads alone. The threads win their pairs against the config, then the workers win theirs
+    against the threads: the workers (with the threads) are chosen, at the product of the two
+    medians. Measurements are fed in by config."""
+    import types
+
+    speed = {(): 100.0, (("run.threads", 1),): 150.0,
+             (("data.num_workers", 2), ("run.threads", 1)): 250.0}
+    screened: set = set()
+
+    def fake(overrides, extra_s=0.0):
+        key = tuple(sorted(overrides.items()))
+        first = key not in screened
+        screened.add(key)
+        return measure(120.0 if first and len(key) == 2 else speed[key], 0, 0)
+
+    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner.est_s, tuner.left, tuner.measure, tuner.rows = 0.0, lambda: 1e9, fake, []
+    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
+    tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
+    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0),
+                         projected_s=10.0)
+    tuner.baseline = base
+    threads = tune_rows.Row("run.threads=1", {"run.threads": 1})
+    both = tune_rows.Row("data.num_workers=2 run.threads=1",
+                         {"data.num_workers": 2, "run.threads": 1})
+    winner = tuner.group([threads, both], {}, base)
+    assert winner is both and both.won and not threads.won
+    assert both.gain == pytest.approx(1.5 * 250 / 150)
+    assert both.pairs["against"] == {"run.threads": 1} and "beat it" in threads.verdict
 
 
 def test_what_tune_tries():
@@ -253,9 +285,9 @@ SUBJECTS = textwrap.dedent('''
 
 
     def narrow():
-        """Compute-bound, and no setting can speed it up: many small ops (each under torch's
-        grain size, so a second intra-op thread never joins in), fed by cheap reads that
-        workers only slow down with their copies."""
+        """Compute-bound, and no setting can speed it up: many small ops, too small to split
+        over a second intra-op thread (it only adds synchronisation: on a busy machine it is
+        far slower), fed by cheap reads that workers only slow down with their copies."""
         layers = [nn.Linear(256, 32), nn.ReLU()]
         for _ in range(12):
             layers += [nn.Linear(32, 32), nn.ReLU()]

@@ -60,8 +60,9 @@ NOISE = 0.05
 #: chance alone a setting no faster than the config wins all four with odds of 1 in 16, and
 #: its median must also clear NOISE.
 PAIRS = 4
-#: Settings of one group that get the paired runs, fastest screen first.
-CONFIRMS = 2
+#: Settings of one group that get the paired runs, fastest screen first (a loser's pairs
+#: usually stop at the first).
+CONFIRMS = 3
 #: Seconds held back for a compile trial, beyond a trial's usual share.
 COMPILE_RESERVE = 30.0
 #: CUDA: the largest micro-batch's peak may use at most this share of the device's memory.
@@ -140,6 +141,8 @@ def plan_for(step_s: float, seconds: float) -> Plan:
 
 class Tuner:
     """Runs the rows within the budget and keeps the table; decisions use the functions above."""
+
+    pairs = PAIRS  # paired runs a winner must win (tune.json's info says how many)
 
     def __init__(self, subject: Subject, budget: float, bar):
         self.subject, self.bar = subject, bar
@@ -226,8 +229,9 @@ class Tuner:
 
     def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0) -> Row | None:
         """Run the rows on top of ``current`` (the screen); the fastest ones that project more
-        than NOISE faster than ``best`` are measured in pairs against ``current``, and the
-        first whose pairs agree (``paired``) is the group's winner."""
+        than NOISE faster than ``best`` are measured in pairs, fastest first: the first against
+        ``current``, each after a winner against the winner. The last to win its pairs is the
+        group's winner (a screen is one measurement: its order may be the load's)."""
         for row in rows:
             self.run_row(row, current, extra_s)
         ok = [r for r in rows if r.status == "ok"]
@@ -236,39 +240,43 @@ class Tuner:
         contenders = sorted((r for r in ok if r.verdict == "faster"), key=lambda r: r.run_s)
         for r in contenders[CONFIRMS:]:
             r.verdict = "faster, but other settings were faster still"
+        winner: Row | None = None
         for r in contenders[:CONFIRMS]:
-            verdict = self._pairs(r, current, extra_s)
-            r.pairs = verdict.to_dict()
-            if verdict.wins:
-                r.won, r.gain = True, verdict.median
-                r.verdict = (f"{'chosen' if r.kind == 'free' else 'winner'} (paired: median "
-                             f"{verdict.median:.2f}x, {verdict.spread[0]:.2f}-"
-                             f"{verdict.spread[1]:.2f}x, {verdict.why})")
-                for other in contenders[:CONFIRMS]:
-                    if other is not r and not other.pairs:
-                        other.verdict = "faster once; another setting won its pairs first"
-                return r
-            r.verdict = (f"faster once, not in the paired runs ({verdict.why}; "
-                         f"{_ratios(verdict.ratios)}): within the machine's noise")
-        return None
+            against = {**current, **(winner.overrides if winner else {})}
+            verdict = self._pairs(against, {**current, **r.overrides}, extra_s)
+            r.pairs = {**verdict.to_dict(), "against": against}
+            if not verdict.wins:
+                r.verdict = (f"faster once, not in the paired runs against "
+                             f"{_name(winner, 'the config')} ({verdict.why}; "
+                             f"{_ratios(verdict.ratios)}): within the machine's noise")
+                continue
+            r.won, r.gain = True, verdict.median * (winner.gain if winner else 1.0)
+            r.verdict = (f"{'chosen' if r.kind == 'free' else 'winner'} (paired against "
+                         f"{_name(winner, 'the config')}: median {verdict.median:.2f}x, "
+                         f"{verdict.spread[0]:.2f}-{verdict.spread[1]:.2f}x, {verdict.why})")
+            if winner is not None:
+                winner.won = False
+                winner.verdict = winner.verdict.replace("chosen (", "won its pairs (", 1) \
+                    .replace("winner (", "won its pairs (", 1) + f"; {r.setting} beat it"
+            winner = r
+        return winner
 
-    def _pairs(self, row: Row, current: dict, extra_s: float) -> Paired:
-        """Up to PAIRS interleaved measurements of ``current`` (A) and the setting (B), in
-        the order A B, B A, A B, B A; stops at the first pair that says not faster, since the
-        rule needs them all."""
-        setting = {**current, **row.overrides}
+    def _pairs(self, a: dict, b: dict, extra_s: float) -> Paired:
+        """Up to PAIRS interleaved measurements of config ``a`` (A) and ``b`` (B), in the order
+        A B, B A, A B, B A; stops at the first pair that says B is not faster, since the rule
+        needs them all."""
         ratios: list[float] = []
         for i in range(PAIRS):
             if self.left() < 2 * self.est_s + extra_s:
                 break  # the budget holds: fewer pairs than PAIRS never win
             try:
                 if i % 2 == 0:
-                    a, b = self.measure(current), self.measure(setting, extra_s)
+                    ma, mb = self.measure(a), self.measure(b, extra_s)
                 else:
-                    b, a = self.measure(setting, extra_s), self.measure(current)
+                    mb, ma = self.measure(b, extra_s), self.measure(a)
             except TrialFailed as e:
                 return Paired(ratios, False, 1.0, (1.0, 1.0), f"a paired trial failed: {e}")
-            ratios.append(self.projected(a, current) / self.projected(b, setting))
+            ratios.append(self.projected(ma, a) / self.projected(mb, b))
             if ratios[-1] <= 1.0:
                 break
         return paired(ratios)
@@ -314,6 +322,10 @@ def _verdict(row: Row, best: Row) -> str:
         return ("faster steps, but the compile does not pay for itself in this run"
                 if faster_steps and row.overrides.get("train.compile") else "slower")
     return "within noise"
+
+
+def _name(row: Row | None, default: str) -> str:
+    return row.setting if row is not None else default
 
 
 def _ratios(ratios: list[float]) -> str:

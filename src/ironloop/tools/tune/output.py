@@ -79,7 +79,8 @@ def context(subject, tuner, budget: float, path: Path | None, overrides: list[st
             "train_samples": subject.samples, "planned_samples": tuner.samples,
             "tokens_per_sample": tokens_per_sample(subject.train),
             "plan": {"warmup_steps": tuner.plan.warmup, "window_steps": tuner.plan.window,
-                     "windows": tuner.plan.repeats, "trial_estimate_s": round(tuner.est_s, 2)}}
+                     "windows": tuner.plan.repeats, "measure_s": round(tuner.plan.measure_s, 3),
+                     "pairs": tuner.pairs, "trial_estimate_s": round(tuner.est_s, 2)}}
 
 
 # -- the terminal -------------------------------------------------------------------------------
