@@ -247,7 +247,7 @@ def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(t
     assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
     assert all(r > 1 for r in won.pairs["ratios"])
     assert result.speedup == pytest.approx(won.pairs["median"], rel=1e-3)
-    assert "x base" in out and "run time at 2 epochs" in out and "chosen (paired: median" in out
+    assert "x base" in out and "run time at 2 epochs" in out and "chosen (paired against" in out
     doc = json.loads((tmp_path / "run/tune.json").read_text())
     assert doc["chosen"] == result.chosen and doc["speedup"] == pytest.approx(result.speedup,
                                                                                rel=1e-3)
