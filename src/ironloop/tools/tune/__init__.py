@@ -11,12 +11,13 @@ On the user's own model, data and step, within a time budget::
     train.compile last, when the budget and the run's length can repay a compile
     -> the table, RUN_DIR/tune.json, RUN_DIR/tuned.yaml
 
-Each group is measured once per setting (a screen); the fastest setting that projects more
-than ``NOISE`` faster than the config it would replace is then measured in pairs against a
-fresh measurement of that config, interleaved (A B, B A, A B, B A: a load that drifts during
-the pairs favours neither side). It wins when every one of ``PAIRS`` paired ratios says it is
-faster and their median is more than ``NOISE`` faster (``paired``): one lucky or unlucky
-measurement cannot decide. Nothing else is applied: when nothing wins, tuned.yaml is the input.
+Each group is measured once per setting (a screen); the fastest settings that project more
+than ``NOISE`` faster than the config they would replace are then measured in pairs against a
+fresh measurement of that config (after a first winner: of the winner), interleaved (A B, B A,
+A B, B A: a load that drifts during the pairs favours neither side). A setting wins when every
+one of ``PAIRS`` paired ratios says it is faster and their median is more than ``NOISE`` faster
+(``paired``): one lucky or unlucky measurement cannot decide. Nothing else is applied: when
+nothing wins, tuned.yaml is the input.
 A trial that fails is reported and skipped. Settings that change the training trajectory are
 reported apart and applied only with ``apply_trajectory_changes``.
 """
@@ -108,15 +109,16 @@ def paired(ratios: list[float], pairs: int = PAIRS, margin: float = NOISE) -> Pa
     med = statistics.median(ratios) if ratios else 1.0
     spread = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
     slower = sum(r <= 1.0 for r in ratios)
+    wins = not slower and len(ratios) >= pairs and med > 1 + margin
     if slower:
         why = f"{slower} of {len(ratios)} pairs not faster"
     elif len(ratios) < pairs:
         why = f"{len(ratios)} of {pairs} pairs measured"
-    elif med <= 1 + margin:
+    elif not wins:
         why = f"median {med:.2f}x is within {100 * margin:.0f}%"
     else:
         why = f"{len(ratios)} of {pairs} pairs faster"
-    return Paired(list(ratios), why.endswith("faster") and not slower, med, spread, why)
+    return Paired(list(ratios), wins, med, spread, why)
 
 
 def planned_samples(cfg: Config, n: int) -> int:
