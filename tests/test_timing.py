@@ -88,6 +88,9 @@ def test_advice_names_the_bottleneck():
     assert advice(balanced, PLAIN) == []
     slow_data = {**balanced, "data": 1.0}
     assert any("raise data.num_workers (now 0; 2 cores)" in a for a in advice(slow_data, PLAIN))
+    # torch's default 2 threads on 2 cores: the workers it advises need one of them
+    (line,) = advice(slow_data, RunSettings(cores=2, threads=2))
+    assert "raise data.num_workers" in line and "set run.threads=1 (now 2)" in line
     slow_opt = {**balanced, "optimizer": 5.0}
     assert any("set optim.fused=true" in a for a in advice(slow_opt, PLAIN))
     stall = {**balanced, "checkpoint": 3.0}

@@ -252,14 +252,15 @@ def advice(total: dict[str, float], run: RunSettings) -> list[str]:
 def _data_advice(data: float, run: RunSettings) -> str:
     if data <= 0.10:
         return ""
-    steps = []
+    steps, workers = [], run.num_workers
     if run.num_workers < run.cores:
         steps.append(f"raise data.num_workers (now {run.num_workers}; {run.cores} cores)")
-    if run.device == "cpu" and run.num_workers and run.threads > max(1, run.cores -
-                                                                      run.num_workers):
+        workers = max(run.num_workers + 1, min(run.cores, 2))  # the workers that would run
+    leave = max(1, run.cores - workers)
+    if run.device == "cpu" and workers and run.threads > leave:
         # torch's threads spin-wait between ops on the cores the workers need
-        steps.append(f"set run.threads={max(1, run.cores - run.num_workers)} (now "
-                     f"{run.threads}) so torch leaves the workers their cores")
+        steps.append(f"set run.threads={leave} (now {run.threads}) so torch leaves the "
+                     f"workers their cores")
     if run.device == "cuda" and not run.pin_memory:
         steps.append("set data.pin_memory=true")
     if not steps:
