@@ -201,15 +201,15 @@ def check_input_bound(s: Subject, batch, max_batches: int = 8,
         return [Finding("input_bound", sev,
                         f"{measured}: loading would take {100 * share:.0f}% of each step",
                         "with data.num_workers=0 the model waits while each batch is loaded "
-                        "and collated in the main process", _loader_fix(s, load, step))]
+                        "and collated in the main process", loader_fix(s, load, step))]
     if effective > step:
         return [Finding("input_bound", "warning", f"{measured}: the loader is slower",
                         "the model waits for data: the DataLoader cannot keep up",
-                        _loader_fix(s, load, step))]
+                        loader_fix(s, load, step))]
     return [info("input_bound", measured)]
 
 
-def _loader_fix(s: Subject, load: float, step: float) -> str:
+def loader_fix(s: Subject, load: float, step: float) -> str:
     """The loader's next open steps: more workers while cores are left, the main process's
     threads off the workers' cores (CPU), pinned memory (CUDA, when off); else a cheaper
     __getitem__."""
