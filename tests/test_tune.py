@@ -240,9 +240,10 @@ def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(t
               "log.progress": "off"}
     result = ironloop.tune(model, data, config, budget=40)
     out = capsys.readouterr().out
-    assert result.chosen.get("data.num_workers", 0) >= 2, out
-    # one thread now, and on 2 cores the rows with 2 workers keep it at one: no threads change
-    assert result.chosen.get("run.threads", 1) == 1, out
+    workers = result.chosen.get("data.num_workers", 0)
+    assert workers >= 2, out
+    # the threads that go with them leave the workers their cores (on 2 cores: one, as now)
+    assert result.chosen.get("run.threads", 1) <= max(1, tune_rows.cpus() - workers), out
     (won,) = [r for r in result.rows if r.won and r.kind == "free"]
     assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
     assert all(r > 1 for r in won.pairs["ratios"])
