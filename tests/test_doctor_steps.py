@@ -215,5 +215,47 @@ def test_threads_times_processes_over_the_cores_is_flagged(monkeypatch):
     assert env_checks.check_threads()[0].severity == "info"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     (f,) = env_checks.check_threads()
-    assert f.severity == "warning" and "2 torch thread(s) x 4 process(es) on 2 core(s)" in \
-        f.measured and "OMP_NUM_THREADS=1" in f.fix
+    assert f.severity == "warning" and "2 torch thread(s) (torch's default) x 4 process(es) " \
+        "on 2 core(s)" in f.measured and "run.threads=1" in f.fix
+
+
+def test_the_threads_check_reads_the_run_s_threads_and_workers(monkeypatch):
+    from ironloop.config import Config
+    from ironloop.tools.doctor import env_checks
+
+    monkeypatch.setattr(env_checks, "cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cpu = Config().with_overrides({"run.device": "cpu"})
+    (f,) = env_checks.check_threads(cpu.with_overrides({"data.num_workers": 2}))
+    assert "run.threads=1" in f.fix and "2 DataLoader worker(s)" in f.measured
+    # the run already sets the threads that leave the workers their cores: nothing to advise
+    (f,) = env_checks.check_threads(cpu.with_overrides({"data.num_workers": 2,
+                                                        "run.threads": 1}))
+    assert f.severity == "info" and not f.fix and "(run.threads)" in f.measured
+    (f,) = env_checks.check_threads(cpu.with_overrides({"run.threads": 4}))
+    assert f.severity == "warning" and "run.threads=2" in f.fix
+
+
+def test_the_input_bound_fix_names_only_the_steps_still_open(monkeypatch):
+    """The doctor's loader fix checks the run's workers, threads and pinning before it
+    recommends them (the step-time advice's rule, tests/test_timing.py)."""
+    from types import SimpleNamespace
+
+    from ironloop.config import Config
+    from ironloop.tools.doctor import data_checks
+
+    monkeypatch.setattr(data_checks, "cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def fix(device, **keys):
+        s = SimpleNamespace(cfg=Config().with_overrides(keys), device=device)
+        return data_checks.loader_fix(s, load=0.1, step=0.01)
+
+    first = fix(cpu)
+    assert "set data.num_workers=2" in first and "run.threads=1 (now 2" in first
+    done = fix(cpu, **{"data.num_workers": 2, "run.threads": 1})
+    assert "already have the 2 cores" in done and "=" not in done.split(";")[0], done
+    assert "data.pin_memory=true" in fix(cuda, **{"data.pin_memory": False})
+    assert "pin_memory" not in fix(cuda, **{"data.pin_memory": True})

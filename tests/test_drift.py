@@ -100,3 +100,15 @@ def test_max_steps_mid_epoch_then_a_longer_resume_continues_the_same_epoch(tmp_p
         assert torch.equal(model.state_dict()[k], v), k  # same epoch, same order
     epochs = [json.loads(x) for x in (tmp_path / "run" / "epochs.jsonl").read_text().splitlines()]
     assert [(e["epoch"], e["step"]) for e in epochs] == [(1, 7)]
+
+
+def test_a_resume_with_other_threads_goes_on_with_a_notice(tmp_path, capsys):
+    """run.threads is FREE: the same math split over other threads (CPU reductions may round
+    differently in the last bits, as on another device), so a resume on a machine with other
+    cores is not refused."""
+    assert drift.is_free("run.threads")
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1, run__threads=1),
+                 resume=True)
+    assert "notice: resuming with run.threads: 0 -> 1 (cannot change the weights)" in \
+        capsys.readouterr().out

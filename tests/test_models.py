@@ -57,7 +57,8 @@ def test_user_factory_gets_shape_classes_and_kwargs(user_module):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("my_models:boom", "my_models:boom' raised RuntimeError: no GPU today"),
+    # the factory's own error, named with where it was raised (not "check model.kwargs")
+    ("my_models:boom", "my_models:boom' raised RuntimeError at .*test_models.py:48: no GPU today"),
     ("my_models:not_a_module", "returned a str, not a torch.nn.Module"),
     ("my_models:missing", "has no callable 'missing'"),
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import ironloop
+from ironloop.config import Config
 from ironloop.data.loader import TensorData
 from ironloop.engine import timing
-from ironloop.engine.timing import PARTS, StepTimer, advice
+from ironloop.engine.timing import PARTS, RunSettings, StepTimer, advice
 
 from .conftest import blobs, cfg, tiny_mlp
 
@@ -74,16 +77,90 @@ def test_disabled_timer_records_nothing(clock):
     assert t.end_epoch() == {} and t.finish() == {}
 
 
+#: A plain CPU run: no workers, one thread each on 2 cores, torch's per-tensor optimizer loop.
+PLAIN = RunSettings(device="cpu", num_workers=0, cores=2, threads=1, optimizer="loop",
+                    fused_open=True)
+
+
 def test_advice_names_the_bottleneck():
     balanced = {"data": 0.01, "copy": 0.01, "forward": 1, "backward": 1, "optimizer": 0.3,
                 "checkpoint": 0.05, "validation": 0.2, "other": 0.01}
-    assert advice(balanced) == []
+    assert advice(balanced, PLAIN) == []
     slow_data = {**balanced, "data": 1.0}
-    assert any("data.num_workers" in a for a in advice(slow_data))
+    assert any("raise data.num_workers (now 0; 2 cores)" in a for a in advice(slow_data, PLAIN))
+    # torch's default 2 threads on 2 cores: the workers it advises need one of them
+    (line,) = advice(slow_data, RunSettings(cores=2, threads=2))
+    assert "raise data.num_workers" in line and "set run.threads=1 (now 2)" in line
     slow_opt = {**balanced, "optimizer": 5.0}
-    assert any("fused" in a for a in advice(slow_opt))
+    assert any("set optim.fused=true" in a for a in advice(slow_opt, PLAIN))
     stall = {**balanced, "checkpoint": 3.0}
-    assert any("checkpoint.async=true" in a for a in advice(stall))
+    assert any("set checkpoint.async=true" in a for a in advice(stall, PLAIN))
+
+
+#: Every part a bottleneck: each advice line is called for.
+EVERYTHING_SLOW = {"data": 3.0, "copy": 3.0, "forward": 2.0, "backward": 8.0, "optimizer": 12.0,
+                   "checkpoint": 30.0, "validation": 0.0, "other": 0.0}
+#: "key=value" as a line recommends it; the value of the run's own setting for that key.
+RECOMMENDED = re.compile(r"(data\.num_workers|data\.pin_memory|optim\.fused|optim\.foreach|"
+                         r"checkpoint\.async|train\.precision|run\.threads)=(\w+)")
+
+
+def _has(run: RunSettings, key: str) -> str:
+    return {"data.num_workers": str(run.num_workers),
+            "data.pin_memory": str(run.pin_memory).lower(),
+            "optim.fused": str(run.optimizer == "fused").lower(),
+            "optim.foreach": str(run.optimizer == "foreach").lower(),
+            "checkpoint.async": str(run.checkpoint_async).lower(),
+            "train.precision": run.precision, "run.threads": str(run.threads)}[key]
+
+
+#: Every combination of what a run may already use (864 of them).
+RUNS = [RunSettings(device=d, num_workers=w, cores=c, threads=t, pin_memory=pin, optimizer=k,
+                    fused_open=fo, checkpoint_async=ca, checkpoint_every_steps=ce, precision=p,
+                    bf16_open=b)
+        for d, (w, c), t, pin, (k, fo), (ca, ce), (p, b) in itertools.product(
+            ("cpu", "cuda"), ((0, 2), (2, 2), (3, 16)), (1, 2), (False, True),
+            (("fused", True), ("foreach", True), ("foreach", False), ("loop", False)),
+            ((False, 0), (True, 0), (True, 50)), (("fp32", True), ("bf16", True),
+                                                  ("fp32", False)))]
+
+
+def test_advice_never_recommends_a_setting_the_run_already_has():
+    for run in RUNS:
+        lines = advice(EVERYTHING_SLOW, run)
+        for line in lines:
+            for key, value in RECOMMENDED.findall(line):
+                assert value != _has(run, key), (key, run, line)
+        text = " ".join(lines)
+        if run.num_workers >= run.cores:
+            assert "raise data.num_workers" not in text, (run, text)
+        if run.optimizer == "fused" or (run.optimizer == "foreach" and not run.fused_open):
+            assert "optimizer step is" not in text, (run, text)  # nothing left: no line
+        if run.checkpoint_async and not run.checkpoint_every_steps:
+            assert "checkpoint writes" not in text, (run, text)
+        if run.device != "cuda":
+            assert "pin_memory" not in text and "bf16" not in text, (run, text)
+    # and each bottleneck does get a line where a step is open
+    assert len(advice(EVERYTHING_SLOW, RUNS[-1])) >= 3
+
+
+def test_the_default_adamw_is_seen_as_fused_and_gets_no_fused_advice():
+    """The issue's case: a tiny MLP whose optimizer step is 40% of step time, with ironloop's
+    default AdamW, which it builds fused=True where torch has the kernel (CPU included)."""
+    from ironloop.engine import optim
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = optim.build_optimizer(model, Config().optim)
+    run = RunSettings(device="cpu", cores=2, threads=1, optimizer=optim.kernel(opt),
+                      fused_open=optim.fused_open(opt))
+    split = {"data": 0.01, "copy": 0.0, "forward": 0.15, "backward": 0.2, "optimizer": 0.4,
+             "checkpoint": 0.0, "validation": 0.0, "other": 0.24}
+    assert run.optimizer == "fused"
+    assert not any("optim" in a for a in advice(split, run)), advice(split, run)
+    loop = optim.build_optimizer(model, Config().optim.__class__(foreach=False, fused=False))
+    assert optim.kernel(loop) == "loop" and optim.fused_open(loop)
+    (line,) = advice(split, RunSettings(cores=2, optimizer="loop", fused_open=True))
+    assert "set optim.fused=true (now the loop kernel)" in line
 
 
 class TimedData(TensorData):

@@ -1,9 +1,9 @@
-"""ironloop tune: the decisions (pure), and three real tunes on this machine.
+"""ironloop tune: the decisions (pure, on measurements fed in), and real tunes on this machine.
 
-The real tunes compare figures measured inside one test run (ratios), never absolute times.
-The loader-bound dataset sleeps per sample: an I/O-like latency (disk, network) that worker
-processes overlap whatever the machine's load, which busy-looping work would not on 2 shared
-cores.
+The real tunes assert what tune decides, never a time. The loader-bound dataset sleeps per
+sample: an I/O-like latency (disk, network) that worker processes overlap whatever the
+machine's load, which busy-looping work would not on 2 shared cores (that case is a benchmark:
+examples/cpu_reads.yaml, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 import ironloop
 from examples.slow_reads import SlowReads
 from ironloop.config import Config
-from ironloop.engine.timing import advice
+from ironloop.engine.timing import RunSettings, advice
 from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
@@ -37,19 +37,111 @@ def measure(median: float, lo: float, hi: float) -> Measure:
 # -- the decisions --------------------------------------------------------------------------------
 
 
-def test_a_winner_must_clear_the_noise():
-    base = measure(100, 95, 104)
-    assert tune_mod.beats(measure(150, 140, 160), base)
-    assert not tune_mod.beats(measure(104, 100, 108), base)   # under 5%
-    assert not tune_mod.beats(measure(106, 90, 120), base)    # its spread reaches the baseline
-    assert not tune_mod.beats(measure(106, 101, 110), measure(100, 80, 107))  # inside the spread
+def test_a_winner_is_faster_in_every_pair_beyond_the_noise():
+    assert tune_mod.paired([1.9, 1.4, 2.3, 1.7]).wins
+    verdict = tune_mod.paired([1.3, 1.25, 1.4, 1.35])
+    assert verdict.wins and verdict.median == pytest.approx(1.325)
+    assert verdict.spread == (1.25, 1.4)
+    # one pair that says slower: one recheck that happened to be low no longer decides,
+    # but neither does one lucky pair
+    assert not tune_mod.paired([1.9, 0.97, 2.3, 1.7]).wins
+    assert "1 of 4 pairs not faster" in tune_mod.paired([1.9, 0.97, 2.3, 1.7]).why
+    assert not tune_mod.paired([3.0, 2.5]).wins  # the budget ran out: 2 of 4 pairs
+    assert not tune_mod.paired([1.03, 1.04, 1.02, 1.06]).wins  # agree, but within 5%
+    assert not tune_mod.paired([]).wins
+
+
+def test_pairs_are_interleaved_and_stop_at_the_first_that_disagrees():
+    """The A/B order of the paired runs, and the ratio each pair gives (the config's projected
+    time over the setting's), on measurements fed in."""
+    order, rates = [], iter([100, 180, 190, 100, 100, 95, 100, 200])
+    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner.est_s, tuner.left = 0.0, lambda: 1e9
+    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
+
+    def fake(overrides, extra_s=0.0):
+        order.append("B" if overrides.get("data.num_workers") else "A")
+        return measure(next(rates), 0, 0)
+
+    tuner.measure = fake
+    verdict = tuner._pairs({}, {"data.num_workers": 2}, 0.0)
+    assert order == ["A", "B", "B", "A", "A", "B"]  # A B, B A, A B: stopped at the slower pair
+    assert verdict.ratios == pytest.approx([1.8, 1.9, 0.95]) and not verdict.wins
+
+
+def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
+    """The screen is one measurement each: here the load made 2 workers look slower than the
+    threads alone. The threads win their pairs against the config, then the workers win theirs
+    against the threads: the workers (with the threads) are chosen, at the product of the two
+    medians. Measurements are fed in by config."""
+    import types
+
+    speed = {(): 100.0, (("run.threads", 1),): 150.0,
+             (("data.num_workers", 2), ("run.threads", 1)): 250.0}
+    screened: set = set()
+
+    def fake(overrides, extra_s=0.0):
+        key = tuple(sorted(overrides.items()))
+        first = key not in screened
+        screened.add(key)
+        return measure(120.0 if first and len(key) == 2 else speed[key], 0, 0)
+
+    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner.est_s, tuner.left, tuner.measure, tuner.rows = 0.0, lambda: 1e9, fake, []
+    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
+    tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
+    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0),
+                         projected_s=10.0)
+    tuner.baseline = base
+    threads = tune_rows.Row("run.threads=1", {"run.threads": 1})
+    both = tune_rows.Row("data.num_workers=2 run.threads=1",
+                         {"data.num_workers": 2, "run.threads": 1})
+    winner = tuner.group([threads, both], {}, base)
+    assert winner is both and both.won and not threads.won
+    assert both.gain == pytest.approx(1.5 * 250 / 150)
+    assert both.pairs["against"] == {"run.threads": 1} and "beat it" in threads.verdict
 
 
 def test_what_tune_tries():
+    assert tune_rows.thread_counts(0, 2, current=2) == [1, 2]
+    assert tune_rows.thread_counts(2, 2, current=2) == [1, 2]  # leave the workers the cores
+    assert tune_rows.thread_counts(1, 2, current=1) == [1]
+    assert tune_rows.thread_counts(4, 16, current=16) == [12, 16]
     assert tune_rows.worker_counts(0, 2) == [1, 2]
     assert tune_rows.worker_counts(2, 16) == [0, 1, 4, 8, 16]
     assert tune_rows.micro_batches(32, 4) == [(64, 2), (128, 1)]
     assert tune_rows.micro_batches(32, 1) == [] and tune_rows.micro_batches(32, 3) == []
+
+
+def test_workers_and_threads_are_tried_together(monkeypatch):
+    monkeypatch.setattr(tune_rows, "cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    subject = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4), SlowReads(n=8, delay=0))
+    rows = {r.setting: r for r in tune_rows.loader_rows(subject, {})}
+    assert set(rows) == {"run.threads=1", "data.num_workers=1", "data.num_workers=1 run.threads=1",
+                         "data.num_workers=2", "data.num_workers=2 run.threads=1"}
+    assert rows["data.num_workers=2 run.threads=1"].overrides == {"data.num_workers": 2,
+                                                                 "run.threads": 1}
+    assert rows["data.num_workers=2 run.threads=1"].kind == "free"  # drift's FREE: see there
+    assert "round differently" in rows["run.threads=1"].note
+    assert not rows["data.num_workers=2"].note
+    # in-memory tensors: no worker rows, but the threads are still tried
+    tensors = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4),
+                               (torch.randn(8, 16), torch.zeros(8, dtype=torch.long)))
+    assert [r.setting for r in tune_rows.loader_rows(tensors, {}) if r.status != "skipped"] == \
+        ["run.threads=1"]
+
+
+def test_a_trial_is_measured_in_seconds_of_work_not_a_count_of_steps():
+    from ironloop.tools.tune.trials import Plan, windows
+
+    plan = tune_mod.plan_for(step_s=0.1, seconds=2.0)  # the baseline: 20 steps of 0.1 s
+    assert plan.measure_s == pytest.approx(plan.window * plan.repeats * 0.1)
+    assert plan.cap > 10 * plan.steps  # room for a setting many times faster
+    # a setting 4x faster stamps 4x the steps in the same seconds: equal windows over them all
+    fast = windows(plan, stamped=plan.warmup + 4 * plan.window * plan.repeats)
+    assert fast.window == 4 * plan.window and fast.repeats == plan.repeats
+    assert windows(Plan(1, 3, 2), stamped=100).window == 3  # a fixed plan stays fixed
 
 
 def test_windows_count_the_ragged_last_step_of_an_epoch():
@@ -116,19 +208,13 @@ def test_data_wait_advice_names_ironloop_tune(monkeypatch):
                                      "train.epochs=3"])
     slow = {"data": 1.0, "copy": 0.01, "forward": 1, "backward": 1, "optimizer": 0.3,
             "checkpoint": 0.0, "validation": 0.0, "other": 0.01}
-    lines = advice(slow)
+    run = RunSettings(cores=2)
+    lines = advice(slow, run)
     assert any("ironloop tune configs/x.yaml train.epochs=3" in a for a in lines), lines
-    assert not any("ironloop tune" in a for a in advice({**slow, "data": 0.01}))
+    assert not any("ironloop tune" in a for a in advice({**slow, "data": 0.01}, run))
 
 
 # -- real tunes -------------------------------------------------------------------------------
-
-
-def _rate(run_dir) -> float:
-    """Training samples/s over the run's epochs (results.json and epochs.jsonl)."""
-    epochs = [json.loads(x) for x in (run_dir / "epochs.jsonl").read_text().splitlines()]
-    return sum(e["samples_per_s"] * e["train_seconds"] for e in epochs) / \
-        sum(e["train_seconds"] for e in epochs)
 
 
 @pytest.fixture
@@ -142,30 +228,33 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_loader_bound_tune_picks_workers_and_the_speedup_holds(tmp_path, capsys, one_thread):
-    data = SlowReads(n=160, delay=0.01)  # 10 ms a read: an effect that machine load cannot hide
+def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(tmp_path, capsys,
+                                                                              one_thread):
+    """10 ms a read, 8 reads a step: two workers halve the wait whatever the machine's load (a
+    sleep needs no core), a gain the paired runs find every time. Whether the tuned config
+    then trains faster is a figure, measured by benchmarks/tune_speedup.py (BENCHMARKS.md),
+    not asserted here."""
+    data = SlowReads(n=160, delay=0.01)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     config = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 8,
               "log.progress": "off"}
-    result = ironloop.tune(model, data, config, budget=20)
+    result = ironloop.tune(model, data, config, budget=40)
     out = capsys.readouterr().out
-    assert result.chosen.get("data.num_workers", 0) > 0, out
-    assert result.speedup > 1.2, out
-    assert "x base" in out and "run time at 2 epochs" in out
+    workers = result.chosen.get("data.num_workers", 0)
+    assert workers >= 2, out
+    # the threads that go with them leave the workers their cores (on 2 cores: one, as now)
+    assert result.chosen.get("run.threads", 1) <= max(1, tune_rows.cpus() - workers), out
+    (won,) = [r for r in result.rows if r.won and r.kind == "free"]
+    assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
+    assert all(r > 1 for r in won.pairs["ratios"])
+    assert result.speedup == pytest.approx(won.pairs["median"], rel=1e-3)
+    assert "x base" in out and "run time at 2 epochs" in out and "chosen (paired against" in out
     doc = json.loads((tmp_path / "run/tune.json").read_text())
     assert doc["chosen"] == result.chosen and doc["speedup"] == pytest.approx(result.speedup,
                                                                                rel=1e-3)
     tuned = Config.from_dict(yaml.safe_load((tmp_path / "run/tuned.yaml").read_text()))
     assert tuned.data.num_workers == result.chosen["data.num_workers"]
     assert not (tmp_path / "run/checkpoints").exists()  # trials wrote elsewhere
-
-    # Train both configs: the tuned one is faster by about what tune measured.
-    ironloop.fit(model, data, None, {**config, "run.dir": str(tmp_path / "base")})
-    ironloop.fit(model, data, None, tuned.with_overrides({"run.dir": str(tmp_path / "tuned")}))
-    real = _rate(tmp_path / "tuned") / _rate(tmp_path / "base")
-    # Half the claimed gain at least: on 2 cores shared by a dozen jobs (load 20) the workers
-    # themselves wait for a core, and both figures shrink together.
-    assert real > 1.1 and real > 1 + 0.5 * (result.speedup - 1), (real, result.speedup, out)
 
 
 SUBJECTS = textwrap.dedent('''
@@ -196,9 +285,14 @@ SUBJECTS = textwrap.dedent('''
         return Rows(n, crash), Rows(64, crash)
 
 
-    def wide():
-        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                             nn.Linear(1024, 10))
+    def narrow():
+        """Compute-bound, and no setting can speed it up: many small ops, too small to split
+        over a second intra-op thread (it only adds synchronisation: on a busy machine it is
+        far slower), fed by cheap reads that workers only slow down with their copies."""
+        layers = [nn.Linear(256, 32), nn.ReLU()]
+        for _ in range(12):
+            layers += [nn.Linear(32, 32), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(32, 10))
 
 
     def small():
@@ -212,7 +306,7 @@ def _cli_subject(tmp_path, extra: str = "") -> str:
         # a compute-bound run
         run: {{dir: run}}
         data: {{name: "tune_subjects:data"{extra}}}
-        model: {{name: "tune_subjects:wide"}}
+        model: {{name: "tune_subjects:narrow"}}
         train: {{epochs: 2, batch_size: 64}}
         log: {{progress: "off"}}
     """))
@@ -229,7 +323,7 @@ def _env():
 @pytest.mark.slow
 def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
     config = _cli_subject(tmp_path)
-    proc = run_cli("tune", config, "--budget", "25", cwd=tmp_path, env=_env())
+    proc = run_cli("tune", config, "--budget", "30", cwd=tmp_path, env=_env())
     assert proc.returncode == 0, proc.stderr
     assert "no trajectory-free setting was faster beyond the noise" in proc.stdout, proc.stdout
     assert (tmp_path / "run/tuned.yaml").read_text() == (tmp_path / config).read_text()
@@ -265,7 +359,7 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
     data = (torch.randn(8192, 8, generator=g), torch.randint(0, 3, (8192,), generator=g))
     config = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 4,
               "train.accumulation_steps": 8, "log.progress": "off"}
-    result = ironloop.tune(nn.Linear(8, 3), data, config, budget=15,
+    result = ironloop.tune(nn.Linear(8, 3), data, config, budget=40,
                            apply_trajectory_changes=True)
     out = capsys.readouterr().out
     assert result.chosen == {}, out  # in-memory tensors: no worker trials, nothing else to win

@@ -32,6 +32,12 @@ class RunConfig(Section):
     seed: int = fld(0, "seeds python, numpy, torch, the data order and the loader workers")
     device: str = fld("auto", "where to train; auto picks cuda, then mps, then cpu",
                      ("auto", "cpu", "cuda", "mps"))
+    threads: int = fld(0, "the process's intra-op CPU threads (torch.set_num_threads) for the "
+                       "run; 0 = torch's default (OMP_NUM_THREADS, else one per core)")
+
+    def validate(self) -> None:
+        if self.threads < 0:
+            self._bad("threads", "must be >= 0 (0 = torch's default)")
 
 
 @dataclass

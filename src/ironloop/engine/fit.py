@@ -6,11 +6,13 @@ classes (BestTracker, EpochSampler, build_scheduler) and the loop itself lives i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,11 @@ from ironloop.dist.world import (
     name_timeouts,
     shutdown,
 )
-from ironloop.engine import build, evaluate, loop, steps
+from ironloop.engine import build, evaluate, loop, optim, steps
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
-from ironloop.engine.timing import table
+from ironloop.engine.timing import RunSettings, table
 from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
@@ -75,7 +77,32 @@ def _holding_run_dir(fn):
     return wrapper
 
 
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """``run.threads``: torch's intra-op threads for the run (0 = leave torch's default), set
+    before anything is built and given back afterwards, since one process may call fit() more
+    than once (tune's trials, notebooks). DataLoader workers set their own to 1."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(before)
+
+
+def _with_threads(fn):
+    @functools.wraps(fn)
+    def wrapper(model, train_data, val_data=None, config=None, **kwargs):
+        with cpu_threads(as_config(config).run.threads):
+            return fn(model, train_data, val_data, config, **kwargs)
+
+    return wrapper
+
+
 @_holding_run_dir
+@_with_threads
 @name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
         loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
@@ -209,7 +236,7 @@ def _finish(run: Run, started: float) -> FitResult:
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
             print(table(results["time_split"], run.outputs.timer.steps, step.device,
-                        run.outputs.timer.sync, results.get("tokens_per_s")))
+                        run.outputs.timer.sync, settings_of(run), results.get("tokens_per_s")))
     return FitResult(model=step.raw_model, results=results, run_dir=run_dir)
 
 
@@ -221,6 +248,20 @@ def _final_average(run: Run) -> dict | None:
         return None
     batches = run.data.once_over_train(cfg.train.batch_size, run.world.rank, run.world.size)
     return average.final_weights(batches, run.step.device)
+
+
+def settings_of(run: Run) -> RunSettings:
+    """What the run uses, for the time table's advice (it names only what is still open)."""
+    cfg, device = run.cfg, run.step.device
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return RunSettings(
+        device=device.type, num_workers=cfg.data.num_workers, cores=cores,
+        threads=torch.get_num_threads(), pin_memory=cfg.data.pin_memory,
+        optimizer=optim.kernel(run.step.optimizer), fused_open=optim.fused_open(run.step.optimizer),
+        checkpoint_async=cfg.checkpoint.async_write,
+        checkpoint_every_steps=cfg.checkpoint.every_steps, precision=run.step.precision,
+        bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def _results(run: Run, test: dict, train_seconds: float, restored: bool,
@@ -249,6 +290,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         "stopped_early": tracker.should_stop, "restored_best": restored,
         "stopped_by_callback": c.stop_requested,
         "precision": run.step.precision, "device": str(run.step.device),
+        "threads": torch.get_num_threads(),  # run.threads, or torch's default it resolved to
         # as epochs.jsonl counts them (training + epoch-end validation), the open epoch too
         "seconds": sum(r.get("seconds", 0.0) for r in epochs) + open_seconds,
         "train_seconds": train_seconds,  # every process's training time, without validation

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
@@ -48,6 +50,29 @@ def _fused_fits(model: nn.Module) -> bool:
     devices = _get_fused_kernels_supported_devices()
     return all(p.is_floating_point() and not is_sharded(p) and p.device.type in devices
                for p in model.parameters() if p.requires_grad)
+
+
+def kernel(opt: torch.optim.Optimizer) -> str:
+    """The kernel ``opt`` steps with: fused, foreach, or loop (one tensor at a time). torch's
+    default (neither set) is foreach when every parameter is on CUDA, else the loop."""
+    if opt.defaults.get("fused"):
+        return "fused"
+    foreach = opt.defaults.get("foreach")
+    if foreach is None:
+        foreach = all(p.is_cuda for g in opt.param_groups for p in g["params"])
+    return "foreach" if foreach else "loop"
+
+
+def fused_open(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch has a fused kernel for this optimizer's class and parameters."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # private
+
+    if "fused" not in inspect.signature(type(opt).__init__).parameters:
+        return False
+    devices = _get_fused_kernels_supported_devices()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return bool(params) and all(p.is_floating_point() and not is_sharded(p)
+                                and p.device.type in devices for p in params)
 
 
 def resolve_optimizer(given, model: nn.Module, cfg) -> torch.optim.Optimizer:

@@ -35,6 +35,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -193,7 +194,7 @@ class Trace:
 
 
 def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
-          tokens_per_s: float | None = None) -> str:
+          run: RunSettings, tokens_per_s: float | None = None) -> str:
     """The run's time split as a text table, plus the advice its numbers call for; and the
     training throughput in tokens/s when the step reports its tokens."""
     if not total:
@@ -216,35 +217,105 @@ def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
                      f"of step time")
     if tokens_per_s:
         lines.append(f"  tokens/s (training, every process): {tokens_per_s:,.0f}")
-    lines += [f"  advice: {a}" for a in advice(total)]
+    lines += [f"  advice: {a}" for a in advice(total, run)]
     return "\n".join(lines)
 
 
-def advice(total: dict[str, float]) -> list[str]:
-    """What the numbers call for: one line per bottleneck found (empty when there is none)."""
+@dataclass(frozen=True)
+class RunSettings:
+    """What the run already uses, so that advice names only a step that is still open."""
+
+    device: str = "cpu"           # the device's type: cpu, cuda, mps
+    num_workers: int = 0          # data.num_workers
+    cores: int = 1                # the cores this process may run on
+    threads: int = 1              # torch's intra-op threads in the run (run.threads, resolved)
+    pin_memory: bool = False      # data.pin_memory, as applied (CUDA only)
+    optimizer: str = "loop"       # the optimizer's kernel: fused, foreach, or loop (per tensor)
+    fused_open: bool = False      # a fused kernel exists for this optimizer and device
+    checkpoint_async: bool = False
+    checkpoint_every_steps: int = 0  # 0: at epoch ends only
+    precision: str = "fp32"
+    bf16_open: bool = False       # this device runs bf16 natively (CUDA with bf16 support)
+
+
+def advice(total: dict[str, float], run: RunSettings) -> list[str]:
+    """What the numbers call for, one line per bottleneck, naming only what ``run`` does not
+    do already; a bottleneck with no setting left to change gets no line."""
     step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
     whole = sum(total.values())
     if not step_time or not whole:
         return []
     share = {p: total.get(p, 0.0) / step_time for p in STEP_PARTS}
-    out = []
-    if share["data"] > 0.10:
-        out.append(f"data wait is {100 * share['data']:.0f}% of step time: raise "
-                   f"data.num_workers (e.g. 4) and keep data.pin_memory=true, or make "
-                   f"__getitem__ cheaper; `{tune_command()}` measures the options on this "
-                   f"run and writes a faster config")
-    if share["copy"] > 0.10:
-        out.append(f"host-to-device copies are {100 * share['copy']:.0f}% of step time: keep "
-                   f"data.pin_memory=true, or keep the dataset on the device")
+    lines = [_data_advice(share["data"], run), _copy_advice(share["copy"], run),
+             _optimizer_advice(share, run), _precision_advice(share, run),
+             _checkpoint_advice(total.get("checkpoint", 0.0) / whole, run)]
+    return [line for line in lines if line]
+
+
+def _data_advice(data: float, run: RunSettings) -> str:
+    if data <= 0.10:
+        return ""
+    steps, workers = [], run.num_workers
+    if run.num_workers < run.cores:
+        steps.append(f"raise data.num_workers (now {run.num_workers}; {run.cores} cores)")
+        workers = max(run.num_workers + 1, min(run.cores, 2))  # the workers that would run
+    leave = max(1, run.cores - workers)
+    if run.device == "cpu" and workers and run.threads > leave:
+        # torch's threads spin-wait between ops on the cores the workers need
+        steps.append(f"set run.threads={leave} (now {run.threads}) so torch leaves the "
+                     f"workers their cores")
+    if run.device == "cuda" and not run.pin_memory:
+        steps.append("set data.pin_memory=true")
+    if not steps:
+        steps.append(f"the {run.num_workers} workers already have every core: make "
+                     f"__getitem__ cheaper (decode once and cache, lighter augmentation)")
+    return (f"data wait is {100 * data:.0f}% of step time: {'; '.join(steps)}; "
+            f"`{tune_command()}` measures the options on this run and writes a faster config")
+
+
+def _copy_advice(copy: float, run: RunSettings) -> str:
+    if copy <= 0.10 or run.device != "cuda":
+        return ""
+    step = ("keep the dataset on the device (pinned memory is already on)" if run.pin_memory
+            else "set data.pin_memory=true")
+    return f"host-to-device copies are {100 * copy:.0f}% of step time: {step}"
+
+
+def _optimizer_advice(share: dict[str, float], run: RunSettings) -> str:
+    opt = share["optimizer"]
+    if opt <= 0.3 or opt <= share["forward"] + share["backward"] or run.optimizer == "fused":
+        return ""
+    if run.fused_open:
+        step = f"set optim.fused=true (now the {run.optimizer} kernel)"
+    elif run.optimizer == "loop":
+        step = "set optim.foreach=true (one kernel per step for all tensors)"
+    else:
+        return ""  # foreach, and no fused kernel here: nothing left to switch on
+    return (f"the optimizer step is {100 * opt:.0f}% of step time, more than forward + "
+            f"backward: {step}")
+
+
+def _precision_advice(share: dict[str, float], run: RunSettings) -> str:
     compute = share["forward"] + share["backward"]
-    if share["optimizer"] > 0.3 and share["optimizer"] > compute:
-        out.append(f"the optimizer step is {100 * share['optimizer']:.0f}% of step time, more "
-                   f"than forward + backward: use a fused or foreach optimizer "
-                   f"(torch.optim.AdamW(..., fused=True) on CUDA)")
-    if total.get("checkpoint", 0.0) / whole > 0.10:
-        out.append(f"checkpoint writes stall the run {100 * total['checkpoint'] / whole:.0f}% "
-                   f"of the time: set checkpoint.async=true, or checkpoint less often")
-    return out
+    if compute <= 0.6 or run.precision != "fp32" or not run.bf16_open:
+        return ""
+    return (f"forward + backward are {100 * compute:.0f}% of step time in fp32: "
+            f"train.precision=bf16 runs them faster on this device (it changes the "
+            f"trajectory; `{tune_command()} --apply-trajectory-changes` measures it)")
+
+
+def _checkpoint_advice(stall: float, run: RunSettings) -> str:
+    if stall <= 0.10:
+        return ""
+    every = run.checkpoint_every_steps
+    fewer = f"raise checkpoint.every_steps (now {every}) or set it to 0 (epoch ends only)"
+    if not run.checkpoint_async:
+        step = "set checkpoint.async=true" + (f", or {fewer}" if every else "")
+    elif every:
+        step = f"checkpoint.async is already on: {fewer}"
+    else:
+        return ""  # async, at epoch ends only: nothing left but fewer epochs
+    return f"checkpoint writes stall the run {100 * stall:.0f}% of the time: {step}"
 
 
 def tune_command(argv: list[str] | None = None) -> str:

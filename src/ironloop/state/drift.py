@@ -22,6 +22,9 @@ from ironloop.errors import ConfigError
 FREE: tuple[str, ...] = (
     "run.dir",           # where outputs go (a moved run directory resumes)
     "run.device",        # device-like: same math, other hardware (bits may differ on CUDA)
+    "run.threads",       # the same math split over other threads: CPU reductions may round
+                         # differently in the last bits, as across devices; a resume on a
+                         # machine with other cores must not be refused for it
     "log.",              # what gets written, how often, and where to
     "checkpoint.",       # when and how checkpoints are written, how many are kept
     "data.root",         # where the files are, not which files

@@ -12,6 +12,7 @@ import torch
 
 from ironloop.data.loader import TensorData
 from ironloop.engine.timing import tune_command
+from ironloop.tools.doctor.env_checks import cores
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import Subject, labels_of
 
@@ -217,21 +218,33 @@ def check_input_bound(s: Subject, batch, max_batches: int = 8,
                 f"{1 / max(step, 1e-9):.0f} steps/s on synthetic batches")
     if workers == 0 and load > 0.1 * step:
         share = load / (load + step)
-        need = max(2, min(16, int(load / step * 1.5) + 1))
         sev = "warning" if load > 0.25 * step else "info"
         return [Finding("input_bound", sev,
                         f"{measured}: loading would take {100 * share:.0f}% of each step",
                         "with data.num_workers=0 the model waits while each batch is loaded "
-                        "and collated in the main process",
-                        f"set data.num_workers={need} (and data.pin_memory=true on CUDA), or "
-                        f"make __getitem__ cheaper; `{tune_command()}` measures which is "
-                        f"fastest")]
+                        "and collated in the main process", loader_fix(s, load, step))]
     if effective > step:
-        need = min(32, int(load / step * 1.5) + 1)
         return [Finding("input_bound", "warning", f"{measured}: the loader is slower",
                         "the model waits for data: the DataLoader cannot keep up",
-                        f"raise data.num_workers to about {need}, keep data.pin_memory=true, "
-                        f"or move decoding/augmentation off the critical path; "
-                        f"`{tune_command()}` measures which is fastest")]
+                        loader_fix(s, load, step))]
     return [info("input_bound", measured)]
+
+
+def loader_fix(s: Subject, load: float, step: float) -> str:
+    """The loader's next open steps: more workers while cores are left, the main process's
+    threads off the workers' cores (CPU), pinned memory (CUDA, when off); else a cheaper
+    __getitem__."""
+    workers, n = s.cfg.data.num_workers, cores()
+    need = max(2, min(32, n, int(load / step * 1.5) + 1))
+    steps = [f"set data.num_workers={need}"] if need > workers else []
+    threads = s.cfg.run.threads or torch.get_num_threads()
+    if s.device.type == "cpu" and threads > max(1, n - max(need, workers)):
+        steps.append(f"run.threads={max(1, n - max(need, workers))} (now {threads}: torch's "
+                     f"threads take the cores the workers need)")
+    if s.device.type == "cuda" and not s.cfg.data.pin_memory:
+        steps.append("data.pin_memory=true")
+    fix = (f"{', '.join(steps)}, or make __getitem__ cheaper" if steps else
+           f"the {workers} workers already have the {n} cores: make __getitem__ cheaper "
+           f"or move decoding/augmentation off the critical path")
+    return f"{fix}; `{tune_command()}` measures which is fastest"
 

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from ironloop.config import Config
+from ironloop.engine.precision import resolve_device
 from ironloop.tools.doctor.findings import Finding, info
 
 
@@ -17,19 +19,33 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def check_threads() -> list[Finding]:
-    """9. torch's intra-op threads times the processes on this node against the cores: more
-    threads than cores make them wait on each other (on a busy 2-core machine, digits trained
-    8x slower with torch's default threads)."""
-    threads = torch.get_num_threads()
+def check_threads(cfg: Config | None = None) -> list[Finding]:
+    """9. The run's intra-op threads (``run.threads``, else torch's default) times the
+    processes on this node against the cores: more threads than cores make them wait on each
+    other (on a busy 2-core machine, digits trained 8x slower with torch's default threads).
+    On CPU the DataLoader's workers need cores too: threads that take them all spin-wait on the
+    cores the workers need (a loader-bound run trained 1.5x faster with run.threads=1)."""
+    threads = (cfg.run.threads if cfg is not None else 0) or torch.get_num_threads()
+    workers = cfg.data.num_workers if cfg is not None else 0
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     n = cores()
-    measured = f"{threads} torch thread(s) x {procs} process(es) on {n} core(s)"
-    if threads * procs <= n:
-        return [info("threads", measured)]
+    where = "run.threads" if cfg is not None and cfg.run.threads else "torch's default"
+    measured = f"{threads} torch thread(s) ({where}) x {procs} process(es) on {n} core(s)"
     fit = max(1, n // procs)
-    return [Finding("threads", "warning", f"{measured}: oversubscribed",
-                    "more compute threads than cores: they preempt each other, and every "
-                    "parallel op waits for its slowest thread",
-                    f"set OMP_NUM_THREADS={fit} (or torch.set_num_threads({fit})) so that "
-                    f"threads x processes <= cores")]
+    if threads * procs > n:
+        return [Finding("threads", "warning", f"{measured}: oversubscribed",
+                        "more compute threads than cores: they preempt each other, and every "
+                        "parallel op waits for its slowest thread",
+                        f"set run.threads={fit} (or OMP_NUM_THREADS={fit}) so that threads x "
+                        f"processes <= cores")]
+    leave = max(1, (n - workers) // procs)
+    if workers and threads > leave and _cpu(cfg):
+        return [Finding("threads", "info", f"{measured} and {workers} DataLoader worker(s) "
+                        f"per process", "torch's threads spin-wait between ops on the cores "
+                        "the workers need", f"if the loader is the bottleneck, set "
+                        f"run.threads={leave} (ironloop tune measures it)")]
+    return [info("threads", measured)]
+
+
+def _cpu(cfg: Config | None) -> bool:
+    return cfg is not None and resolve_device(cfg.run.device).type == "cpu"

@@ -83,7 +83,7 @@ def _check(s: Subject, quick: bool, raise_step: bool = False) -> list[Finding]:
     findings = [*_guard("labels", data.check_labels, s, cap),
                 *_guard("finite_inputs", data.check_finite_inputs, s, cap),
                 *_guard("leakage", data.check_leakage, s, cap),
-                *_guard("threads", env_checks.check_threads)]
+                *_guard("threads", env_checks.check_threads, s.cfg)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
     try:

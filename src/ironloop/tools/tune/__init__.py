@@ -4,17 +4,22 @@ On the user's own model, data and step, within a time budget::
 
     probe (3 steps: how long is a step?) -> plan the trials -> baseline
     settings that cannot change the trajectory (state/drift.py's FREE keys), greedily, each on
-    top of the winners so far: data.num_workers -> loader extras -> pin_memory (CUDA)
+    top of the winners so far: data.num_workers x run.threads (together: the main process's
+    threads take the cores the workers need) -> loader extras -> pin_memory (CUDA)
     settings that change it, on top of those: precision -> a larger micro-batch with the same
     global batch -> the largest micro-batch that fits (CUDA)
     train.compile last, when the budget and the run's length can repay a compile
     -> the table, RUN_DIR/tune.json, RUN_DIR/tuned.yaml
 
-A winner must be more than ``NOISE`` faster than the config it would replace and outside the
-spread of both measurements, and it must win again against a fresh measurement of that config
-(the machine's load drifts between trials). Nothing else is applied: when nothing wins,
-tuned.yaml is the input. A trial that fails is reported and skipped. Settings that change the
-training trajectory are reported apart and applied only with ``apply_trajectory_changes``.
+Each group is measured once per setting (a screen); the fastest settings that project more
+than ``NOISE`` faster than the config they would replace are then measured in pairs against a
+fresh measurement of that config (after a first winner: of the winner), interleaved (A B, B A,
+A B, B A: a load that drifts during the pairs favours neither side). A setting wins when every
+one of ``PAIRS`` paired ratios says it is faster and their median is more than ``NOISE`` faster
+(``paired``): one lucky or unlucky measurement cannot decide. Nothing else is applied: when
+nothing wins, tuned.yaml is the input.
+A trial that fails is reported and skipped. Settings that change the training trajectory are
+reported apart and applied only with ``apply_trajectory_changes``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,20 +45,25 @@ from ironloop.tools.tune import output
 from ironloop.tools.tune.rows import (
     Row,
     compile_rows,
-    cpus,
     loader_extra_rows,
     loader_rows,
     micro_batch_rows,
     pin_rows,
     precision_rows,
-    worker_counts,
 )
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
 DEFAULT_BUDGET = 120.0
-#: A winner is more than this much faster (and outside the measured spreads).
+#: A winner is more than this much faster: the median of its paired ratios.
 NOISE = 0.05
+#: Paired measurements (the config, the setting) a winner must win, every one of them: by
+#: chance alone a setting no faster than the config wins all four with odds of 1 in 16, and
+#: its median must also clear NOISE.
+PAIRS = 4
+#: Settings of one group that get the paired runs, fastest screen first (a loser's pairs
+#: usually stop at the first).
+CONFIRMS = 3
 #: Seconds held back for a compile trial, beyond a trial's usual share.
 COMPILE_RESERVE = 30.0
 #: CUDA: the largest micro-batch's peak may use at most this share of the device's memory.
@@ -75,11 +86,39 @@ class TuneResult:
     paths: dict = field(default_factory=dict)  # tune.json, tuned.yaml
 
 
-def beats(new: Measure, old: Measure, margin: float = NOISE) -> bool:
-    """Faster beyond the noise: more than ``margin`` faster, and each median outside the other
-    measurement's spread."""
-    return (new.samples_per_s > old.samples_per_s * (1 + margin)
-            and new.samples_per_s > old.spread[1] and new.spread[0] > old.samples_per_s)
+@dataclass
+class Paired:
+    """The verdict on paired ratios (the config's projected run time over the setting's, one
+    per pair): their median and spread, and whether they agree that the setting is faster."""
+
+    ratios: list[float]
+    wins: bool
+    median: float
+    spread: tuple[float, float]
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"ratios": [round(r, 4) for r in self.ratios], "median": round(self.median, 4),
+                "spread": [round(x, 4) for x in self.spread], "wins": self.wins, "why": self.why}
+
+
+def paired(ratios: list[float], pairs: int = PAIRS, margin: float = NOISE) -> Paired:
+    """Faster beyond the noise: ``pairs`` ratios, each above 1 (every pair agrees), with a
+    median above ``1 + margin``. Fewer ratios than ``pairs`` never win (the budget ran out, or
+    a pair said slower and the rest were not run)."""
+    med = statistics.median(ratios) if ratios else 1.0
+    spread = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
+    slower = sum(r <= 1.0 for r in ratios)
+    wins = not slower and len(ratios) >= pairs and med > 1 + margin
+    if slower:
+        why = f"{slower} of {len(ratios)} pairs not faster"
+    elif len(ratios) < pairs:
+        why = f"{len(ratios)} of {pairs} pairs measured"
+    elif not wins:
+        why = f"median {med:.2f}x is within {100 * margin:.0f}%"
+    else:
+        why = f"{len(ratios)} of {pairs} pairs faster"
+    return Paired(list(ratios), wins, med, spread, why)
 
 
 def planned_samples(cfg: Config, n: int) -> int:
@@ -93,15 +132,19 @@ def planned_samples(cfg: Config, n: int) -> int:
 
 
 def plan_for(step_s: float, seconds: float) -> Plan:
-    """Warm-up and windows that fill about ``seconds`` at ``step_s`` seconds a step."""
+    """Warm-up and windows that fill about ``seconds`` at ``step_s`` seconds a step; every
+    trial then measures the seconds those windows take at that speed (``Plan.measure_s``)."""
     steps = max(3, int(seconds / max(step_s, 1e-6)))
     warmup = 3 if steps >= 30 else 1
     repeats = 5 if steps >= 10 else 2
-    return Plan(warmup, max(1, (steps - warmup) // repeats), repeats)
+    window = max(1, (steps - warmup) // repeats)
+    return Plan(warmup, window, repeats, measure_s=window * repeats * step_s)
 
 
 class Tuner:
     """Runs the rows within the budget and keeps the table; decisions use the functions above."""
+
+    pairs = PAIRS  # paired runs a winner must win (tune.json's info says how many)
 
     def __init__(self, subject: Subject, budget: float, bar):
         self.subject, self.bar = subject, bar
@@ -138,7 +181,9 @@ class Tuner:
         # The probe also paid the process's first-fit costs (lazy imports, first allocations):
         # a trial's own set-up is timed on the baseline instead.
         setup = min(1.0, max(0.0, probe.seconds - 2 * step_s))
-        share = max(1.0, min(10.0, 0.85 * self.left() / (planned_rows + 3) - setup))
+        # Shares for the screen's rows, the baseline, and about one and a half groups' paired
+        # runs (2 trials a pair).
+        share = max(1.0, min(10.0, 0.85 * self.left() / (planned_rows + 1 + 3 * PAIRS) - setup))
         self.plan = plan_for(step_s, share)
         self.est_s = setup + self.plan.steps * step_s
         base = Row("baseline (the config as it is)", {})
@@ -185,55 +230,58 @@ class Tuner:
         return self.samples / m.samples_per_s + starts * m.extra_s
 
     def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0) -> Row | None:
-        """Run the rows on top of ``current``; the fastest that beats ``best`` and wins again
-        against a fresh measurement of ``current`` is the group's winner."""
+        """Run the rows on top of ``current`` (the screen); the fastest ones that project more
+        than NOISE faster than ``best`` are measured in pairs, fastest first: the first against
+        ``current``, each after a winner against the winner. The last to win its pairs is the
+        group's winner (a screen is one measurement: its order may be the load's)."""
         for row in rows:
             self.run_row(row, current, extra_s)
         ok = [r for r in rows if r.status == "ok"]
-        wins = [r for r in ok if beats(r.measured, best.measured)
-                and r.run_s < best.run_s * (1 - NOISE)]
         for r in ok:
-            r.verdict = _verdict(r, best, r in wins)
-        if not wins:
-            return None
-        winner = max(wins, key=lambda r: r.measured.samples_per_s)
-        for r in wins:
-            if r is not winner:
-                r.verdict = "faster, but another setting was faster still"
-        winner.gain = best.run_s / winner.run_s
-        if not self._recheck(winner, current, extra_s):
-            winner.verdict = "faster once, not on the recheck: within the machine's noise"
-            return None
-        winner.won = True
-        winner.verdict = "chosen" if winner.kind == "free" else "winner"
-        recheck = winner.recheck or {}  # _recheck has set it
-        if recheck.get("skipped"):
-            winner.verdict += " (no budget left to recheck it)"
-        else:
-            winner.verdict += (f" (recheck: {recheck['gain']:.2f}x; "
-                               f"counted {winner.gain:.2f}x)")
+            r.verdict = _verdict(r, best)
+        contenders = sorted((r for r in ok if r.verdict == "faster"), key=lambda r: r.run_s)
+        for r in contenders[CONFIRMS:]:
+            r.verdict = "faster, but other settings were faster still"
+        winner: Row | None = None
+        for r in contenders[:CONFIRMS]:
+            against = {**current, **(winner.overrides if winner else {})}
+            verdict = self._pairs(against, {**current, **r.overrides}, extra_s)
+            r.pairs = {**verdict.to_dict(), "against": against}
+            if not verdict.wins:
+                r.verdict = (f"faster once, not in the paired runs against "
+                             f"{_name(winner, 'the config')} ({verdict.why}; "
+                             f"{_ratios(verdict.ratios)}): within the machine's noise")
+                continue
+            r.won, r.gain = True, verdict.median * (winner.gain if winner else 1.0)
+            r.verdict = (f"{'chosen' if r.kind == 'free' else 'winner'} (paired against "
+                         f"{_name(winner, 'the config')}: median {verdict.median:.2f}x, "
+                         f"{verdict.spread[0]:.2f}-{verdict.spread[1]:.2f}x, {verdict.why})")
+            if winner is not None:
+                winner.won = False
+                winner.verdict = winner.verdict.replace("chosen (", "won its pairs (", 1) \
+                    .replace("winner (", "won its pairs (", 1) + f"; {r.setting} beat it"
+            winner = r
         return winner
 
-    def _recheck(self, winner: Row, current: dict, extra_s: float) -> bool:
-        """The load of a shared machine drifts: the winner must win a fresh pair as well, and
-        its gain is the smaller of the two pairs'."""
-        if self.left() < 2 * self.est_s + extra_s:
-            winner.recheck = {"skipped": "budget"}
-            return True
-        try:
-            again = self.measure(current)
-            challenger = self.measure({**current, **winner.overrides}, extra_s)
-        except TrialFailed as e:
-            winner.recheck = {"failed": str(e)}
-            return False
-        projected = [self.projected(again, current),
-                     self.projected(challenger, {**current, **winner.overrides})]
-        winner.recheck = {"current": round(again.samples_per_s, 3),
-                          "setting": round(challenger.samples_per_s, 3),
-                          "gain": round(projected[0] / projected[1], 4)}
-        winner.gain = min(winner.gain, projected[0] / projected[1])
-        return beats(challenger, again) and projected[1] < projected[0] * (1 - NOISE)
-
+    def _pairs(self, a: dict, b: dict, extra_s: float) -> Paired:
+        """Up to PAIRS interleaved measurements of config ``a`` (A) and ``b`` (B), in the order
+        A B, B A, A B, B A; stops at the first pair that says B is not faster, since the rule
+        needs them all."""
+        ratios: list[float] = []
+        for i in range(PAIRS):
+            if self.left() < 2 * self.est_s + extra_s:
+                break  # the budget holds: fewer pairs than PAIRS never win
+            try:
+                if i % 2 == 0:
+                    ma, mb = self.measure(a), self.measure(b, extra_s)
+                else:
+                    mb, ma = self.measure(b, extra_s), self.measure(a)
+            except TrialFailed as e:
+                return Paired(ratios, False, 1.0, (1.0, 1.0), f"a paired trial failed: {e}")
+            ratios.append(self.projected(ma, a) / self.projected(mb, b))
+            if ratios[-1] <= 1.0:
+                break
+        return paired(ratios)
 
     def largest_fit(self, current: dict, device: torch.device) -> Row | None:
         """CUDA: double the micro-batch (no accumulation) until a step runs out of memory or
@@ -266,15 +314,24 @@ class Tuner:
         return row
 
 
-def _verdict(row: Row, best: Row, wins: bool) -> str:
-    """Judged on the run's projected time, which charges a compile and the workers' start-up."""
-    if wins:
+def _verdict(row: Row, best: Row) -> str:
+    """The screen, judged on the run's projected time, which charges a compile and the
+    workers' start-up: "faster" sends the row to the paired runs."""
+    if row.run_s < best.run_s * (1 - NOISE):
         return "faster"
     if row.run_s * (1 - NOISE) > best.run_s:
         faster_steps = row.measured.samples_per_s > best.measured.samples_per_s
         return ("faster steps, but the compile does not pay for itself in this run"
                 if faster_steps and row.overrides.get("train.compile") else "slower")
     return "within noise"
+
+
+def _name(row: Row | None, default: str) -> str:
+    return row.setting if row is not None else default
+
+
+def _ratios(ratios: list[float]) -> str:
+    return "ratios " + ", ".join(f"{r:.2f}" for r in ratios) if ratios else "no pairs"
 
 
 # -- the entry points ---------------------------------------------------------------------------
@@ -292,10 +349,11 @@ def run_tune(subject: Subject, budget: float,
     with preserved_rng(), output.progress_bar(progress, budget) as bar:
         tuner = Tuner(subject, budget, bar)
         baseline = tuner.start(
-            planned_rows=len(worker_counts(subject.cfg.data.num_workers, cpus())) + 5)
+            planned_rows=len(loader_rows(subject, {})) + 5)
         current: dict = {}
         best = baseline
-        # Each group's rows are built on top of the winners so far.
+        # Each group's rows are built on top of the winners so far; workers and threads are
+        # one group, since they share the cores.
         for make_rows in (lambda cur: loader_rows(subject, cur),
                           lambda cur: loader_extra_rows(subject, cur),
                           lambda cur: pin_rows(subject, device)):

@@ -31,10 +31,10 @@ class Row:
     ratio: float | None = None        # samples/s against the baseline
     projected_s: float | None = None  # the whole run's training time at this speed
     verdict: str = ""
-    recheck: dict | None = None       # the fresh pair of measurements a winner had to win
+    pairs: dict | None = None         # the paired runs against the config it would replace
     won: bool = False                 # chosen (free) or the second table's winner
     gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
-                                      # smaller of its two measurements' (first and recheck)
+                                      # median of its paired ratios
 
     @property
     def measured(self) -> Measure:
@@ -59,8 +59,8 @@ class Row:
         if self.measure is not None:
             out.update(self.measure.to_dict(), ratio=_round(self.ratio),
                        projected_s=_round(self.projected_s))
-        if self.recheck is not None:
-            out["recheck"] = self.recheck
+        if self.pairs is not None:
+            out["pairs"] = self.pairs
         if self.won:
             out["gain"] = round(self.gain, 4)
         return out
@@ -83,16 +83,40 @@ def cpus() -> int:
     return os.cpu_count() or 1  # None when it cannot be determined
 
 
+#: What a row that changes run.threads says in the table.
+THREADS_NOTE = "run.threads: CPU reductions may round differently in the last bits"
+
+
+def thread_counts(workers: int, cpus: int, current: int) -> list[int]:
+    """The main process's intra-op threads to try with ``workers`` workers: the current count,
+    the cores the workers leave free, and (without workers) one, which spin-waits on no busy
+    core."""
+    options = {current, max(1, cpus - workers)} | ({1} if workers == 0 else set())
+    return sorted(options)
+
+
 def loader_rows(subject: Subject, current: dict) -> list[Row]:
+    """data.num_workers x run.threads, every pair but the current one: the main process's
+    threads spin-wait between ops on the cores the workers need, so each is tried with the
+    other."""
     cfg = subject.cfg.with_overrides(current)
     data = subject.train
+    now_w, now_t = cfg.data.num_workers, cfg.run.threads or torch.get_num_threads()
+    rows, workers = [], [now_w, *worker_counts(now_w, cpus())]
     if isinstance(data, (TensorData, tuple, list)) or \
             type(data) is torch.utils.data.TensorDataset:
-        return [Row("data.num_workers", {}, status="skipped",
-                    reason="in-memory tensors are sliced in the main process: workers only "
-                    "add copies")]
-    return [Row(f"data.num_workers={w}", {"data.num_workers": w})
-            for w in worker_counts(cfg.data.num_workers, cpus())]
+        rows.append(Row("data.num_workers", {}, status="skipped",
+                        reason="in-memory tensors are sliced in the main process: workers "
+                        "only add copies"))
+        workers = [now_w]
+    for w in sorted(workers):
+        for t in thread_counts(w, cpus(), now_t):
+            overrides = {**({"data.num_workers": w} if w != now_w else {}),
+                         **({"run.threads": t} if t != now_t else {})}
+            if overrides:
+                rows.append(Row(" ".join(f"{k}={v}" for k, v in overrides.items()), overrides,
+                                note=THREADS_NOTE if "run.threads" in overrides else ""))
+    return rows
 
 
 def loader_extra_rows(subject: Subject, current: dict) -> list[Row]:

@@ -3,9 +3,11 @@
 A trial is the real loop with ``train.max_steps`` set, checkpoints off, no validation, loggers
 off and ``run.dir`` in a temporary directory, so it never writes into the user's run directory.
 A callback stamps the clock after every optimizer step. The first ``warmup`` steps (workers
-starting, compilation, the allocator warming up) are left out, and the rest are cut into
-``repeats`` windows of ``window`` steps: a trial's figure is the median of its windows'
-samples/s, and the windows' min-max is its spread.
+starting, compilation, the allocator warming up) are left out. A trial is measured in work, not
+steps: it runs until its steady steps have taken ``measure_s`` seconds (so a setting 3x faster
+than the baseline is measured over 3x the steps, not over a third of the time, which its
+workers' prefetched batches would fill), and those steps are cut into ``repeats`` windows: a
+trial's figure is the median of its windows' samples/s, and the windows' min-max is its spread.
 """
 
 from __future__ import annotations
@@ -36,12 +38,22 @@ class Plan:
     """How many optimizer steps a trial runs and how they are cut into measured windows."""
 
     warmup: int   # steps left out: workers starting, compilation, first allocations
-    window: int   # steps per measured window
+    window: int   # steps per measured window (at the baseline's speed, when measure_s is set)
     repeats: int  # measured windows
+    measure_s: float = 0.0  # seconds of steady steps to measure; 0: window x repeats steps
+
+    #: With ``measure_s``, a trial may take this many times the planned steps (a faster setting)
+    FASTER = 64
 
     @property
     def steps(self) -> int:
         return self.warmup + self.window * self.repeats
+
+    @property
+    def cap(self) -> int:
+        """The trial's train.max_steps: the planned steps, or room for a faster setting."""
+        return self.steps if not self.measure_s else \
+            self.warmup + self.FASTER * self.window * self.repeats
 
 
 @dataclass
@@ -100,11 +112,16 @@ class _Overrun(Exception):
     """Raised from the clock callback to end a trial that ran past its deadline."""
 
 
-class _Clock(Callback):
-    """Stamps the clock after every optimizer step; ends the trial at its deadline."""
+class _Enough(Exception):
+    """Raised from the clock callback once the trial has measured its ``measure_s``."""
 
-    def __init__(self, deadline: float):
-        self.deadline = deadline
+
+class _Clock(Callback):
+    """Stamps the clock after every optimizer step; ends the trial at its deadline, or once
+    its steady steps (after ``plan.warmup``) have taken ``plan.measure_s``."""
+
+    def __init__(self, deadline: float, plan: Plan | None = None):
+        self.deadline, self.plan = deadline, plan
         self.start = 0.0
         self.stamps: list[float] = []
 
@@ -116,6 +133,10 @@ class _Clock(Callback):
         self.stamps.append(now)
         if now > self.deadline:
             raise _Overrun
+        p = self.plan
+        if p is not None and p.measure_s and len(self.stamps) >= p.warmup + 2 * p.repeats \
+                and now - self.stamps[p.warmup - 1] >= p.measure_s:
+            raise _Enough
 
 
 def samples_in_step(step: int, n: int, window: int) -> int:
@@ -162,27 +183,29 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
     n = subject.samples
     started = time.perf_counter()
     plan = loader_warmup(plan, subject.cfg.with_overrides(overrides))
-    clock = _Clock(deadline)
+    clock = _Clock(deadline, plan)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     split = None
     with tempfile.TemporaryDirectory(prefix="ironloop-tune-") as tmp:
-        cfg = trial_config(subject.cfg, overrides, plan.steps, Path(tmp), n)
+        cfg = trial_config(subject.cfg, overrides, plan.cap, Path(tmp), n)
         try:
             # fit() prints its time table and notices: the tune prints its own table.
             with contextlib.redirect_stdout(io.StringIO()):
                 result = fit(subject.make_model(), subject.train, None, cfg,
                              callbacks=[clock], **subject.fit_kwargs)
             split = result.results.get("time_split")
-        except _Overrun:
+        except (_Overrun, _Enough):
             pass
         except Exception as e:  # noqa: BLE001 - OOM, worker crash, compile error: fail the trial
             raise TrialFailed(one_line(e)) from None
         finally:
             _clean_up(cfg)
     step_samples = cfg.train.batch_size * cfg.train.accumulation_steps
-    plan = replace(plan, warmup=settled(clock.stamps, clock.start, plan, buffered(cfg)))
+    plan = windows(plan, len(clock.stamps))
+    plan = windows(replace(plan, warmup=settled(clock.stamps, clock.start, plan,
+                                                buffered(cfg))), len(clock.stamps))
     rates = window_rates(clock.stamps, plan.warmup, plan.window, n, step_samples)
     if len(rates) < min(2, plan.repeats):
         raise TrialFailed(f"stopped at its time limit after {len(clock.stamps)} of {plan.steps} "
@@ -196,6 +219,13 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
                    extra_s=max(0.0, warm - plan.warmup * step_s),
                    seconds=time.perf_counter() - started, peak_mb=_peak_mb(cuda),
                    time_split=split)
+
+
+def windows(plan: Plan, stamped: int) -> Plan:
+    """A trial measured in seconds: its steady steps, cut into ``repeats`` equal windows."""
+    if not plan.measure_s:
+        return plan
+    return replace(plan, window=max(1, (stamped - plan.warmup) // plan.repeats))
 
 
 def settled(stamps: list[float], start: float, plan: Plan, depth: int) -> int:

@@ -1,0 +1,51 @@
+"""fit()'s own wiring: run.threads is applied before the run is built, recorded, and given
+back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ironloop
+from ironloop.callbacks import Callback
+from ironloop.errors import ConfigError
+from tests.conftest import blobs, cfg, tiny_mlp
+
+
+class Threads(Callback):
+    """Records torch's intra-op threads at every step and at the start."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def on_train_start(self, run, metrics: dict) -> None:
+        self.seen.append(torch.get_num_threads())
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        self.seen.append(torch.get_num_threads())
+
+
+def test_run_threads_is_applied_for_the_run_recorded_and_given_back(tmp_path):
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    spy = Threads()
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, run__threads=want),
+                          callbacks=[spy])
+    assert spy.seen and set(spy.seen) == {want}
+    assert result.results["threads"] == want
+    assert json.loads((tmp_path / "run/results.json").read_text())["threads"] == want
+    assert torch.get_num_threads() == before  # a second fit() in this process starts as before
+
+
+def test_run_threads_0_leaves_torch_s_default_and_records_it(tmp_path):
+    before = torch.get_num_threads()
+    spy = Threads()
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path), callbacks=[spy])
+    assert set(spy.seen) == {before} and result.results["threads"] == before
+
+
+def test_negative_run_threads_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"run\.threads.*must be >= 0"):
+        ironloop.Config().with_overrides({"run.threads": -1})
