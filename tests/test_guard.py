@@ -563,3 +563,25 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_reported(tmp_path
     assert all(math.isfinite(m["loss"]) for m in rows(run_dir / "metrics.jsonl"))
     state = load_verified(run_dir / "checkpoints" / "last.pt")
     assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {7.0}
+
+
+def test_the_spike_threshold_is_median_plus_factor_robust_sigmas_and_equal_is_no_spike():
+    """History 1..5: median 3, MAD 1, sigma 1.4826 (the normal's MAD scale): factor 1 puts the
+    threshold at 4.4826; a value exactly at a threshold is not above it."""
+    for factor, below, above in ((1, 4.48, 4.49), (3, 3 + 3 * 1.4826, 7.46)):
+        for loss, verdict in ((below, None), (above, "spike")):
+            pure, _, judge = _verdict_and_guard(factor=factor, window=5, warmup=0)
+            for i, v in enumerate([1.0, 2.0, 3.0, 4.0, 5.0]):
+                assert judge(v, 1.0) and pure.observe(i, v, 1.0) is None
+            assert judge(loss, 1.0) == (verdict is None), (factor, loss)
+            assert pure.observe(5, loss, 1.0) == verdict, (factor, loss)
+
+
+def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change():
+    """The memory rollback keeps a state_dict while training goes on: a bad step after it
+    must not reach into it."""
+    g = Guard(max_bad_steps=5)
+    g.observe(1, math.nan, 1.0, lambda: [1, 2])
+    saved = g.state_dict()
+    g.observe(2, math.nan, 1.0, lambda: [3, 4])
+    assert saved["pending"] == [[1, 2]] and saved["consecutive"] == 1

@@ -40,11 +40,16 @@ import os, sys
 from pathlib import Path
 from ironloop.state import lock
 with lock.hold(Path(sys.argv[1])):
-    if sys.argv[2] == "fork" and os.fork() == 0:
+    if sys.argv[2] == "fork":
         # A DataLoader worker forked while the lock is held: it shares the lock's open file
-        # description and outlives the holder's block.
-        sys.stdin.buffer.read()
-        os._exit(0)
+        # description and outlives the holder's block. It lives until the holder exits (its
+        # pipe's write end closes then); it never reads stdin, which is the holder's.
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
     print("held", flush=True)
     sys.stdin.buffer.read(1)  # until the test writes a byte (or closes the pipe)
 print("released", flush=True)
@@ -55,7 +60,7 @@ sys.stdin.buffer.read()  # the fork case: live on (the worker too) until the pip
 @pytest.fixture
 def holders(tmp_path):
     """Start processes that hold a run.dir's lock; every one is gone after the test, passed
-    or failed (its forked worker reads the same pipe, so closing it ends both)."""
+    or failed (closing its stdin ends it, and its forked worker ends with it)."""
     started: list[subprocess.Popen] = []
     script = tmp_path / "holder.py"
     script.write_text(HOLDER)
