@@ -1,5 +1,7 @@
 """BestTracker: a pure decision, no model."""
 
+import pytest
+
 from ironloop.engine.early_stop import BestTracker
 
 
@@ -27,3 +29,24 @@ def test_state_dict_round_trip():
     u = BestTracker("max", patience=3)
     u.load_state_dict(t.state_dict())
     assert u.state_dict() == t.state_dict() == {"best": 0.7, "best_epoch": 0, "bad_epochs": 1}
+
+
+def test_a_tie_with_the_best_or_a_gain_of_exactly_min_delta_is_no_improvement():
+    """A val_acc that sits at its best must run out of patience (and keep best_epoch where the
+    best was first reached); a gain of exactly min_delta is not more than min_delta."""
+    t = BestTracker("max", patience=2)
+    assert t.update(0.75, 0)
+    assert not t.update(0.75, 1) and not t.update(0.75, 2)  # ties
+    assert t.should_stop and t.best_epoch == 0
+    u = BestTracker("min", patience=3, min_delta=0.25)  # exact in binary: no rounding
+    assert u.update(1.0, 0)
+    assert not u.update(0.75, 1) and u.best == 1.0 and u.bad_epochs == 1
+    assert u.update(0.5, 2) and u.best_epoch == 2  # a gain of 0.5 > 0.25
+
+
+def test_a_first_epoch_that_is_no_improvement_counts_one_bad_epoch():
+    t = BestTracker("min", patience=2)
+    assert not t.update(float("nan"), 0) and t.bad_epochs == 1 and not t.should_stop
+    assert not t.update(float("nan"), 1) and t.should_stop and t.best_epoch == -1  # no best
+    with pytest.raises(ValueError, match="'min' or 'max', got 'low'"):
+        BestTracker("low")

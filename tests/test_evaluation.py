@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 from torch.utils.data import Dataset
 
 import ironloop
+from ironloop.data.loader import TensorData
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified
 from tests.conftest import blobs, cfg, plateau_recorder, tiny_mlp
@@ -77,3 +79,50 @@ def test_progress_bar_total_respects_max_steps(tmp_path, capsys):
                  cfg(tmp_path, train__epochs=3, train__max_steps=3, log__progress="on"))
     err = capsys.readouterr().err
     assert "0/3 " in err and "/7" not in err  # an epoch is 7 steps; the run is 3
+
+
+def test_a_ragged_last_validation_batch_weighs_by_its_samples_not_as_a_batch(tmp_path):
+    """70 samples in batches of 32: 32, 32, 6. val_loss and val_acc are the means over the 70
+    samples, computed here by hand; a mean of the three batch means would weigh the 6 as 32."""
+    import torch
+
+    model, val = tiny_mlp(), blobs(n=70, seed=1)
+    ironloop.fit(model, blobs(n=64), val, cfg(tmp_path, train__epochs=1))
+    logged = read_jsonl(tmp_path / "run" / "epochs.jsonl")[0]
+    with torch.no_grad():
+        out = model(val.x)
+        loss = float(torch.nn.functional.cross_entropy(out, val.y))
+        acc = float((out.argmax(1) == val.y).float().mean())
+        means = [float(torch.nn.functional.cross_entropy(out[i:i + 32], val.y[i:i + 32]))
+                 for i in (0, 32, 64)]
+    assert abs(sum(means) / 3 - loss) > 1e-3  # the test can tell the two apart
+    assert logged["val_loss"] == pytest.approx(loss, rel=1e-5)
+    assert logged["val_acc"] == pytest.approx(acc, rel=1e-6)
+
+
+def test_a_ragged_validation_set_of_per_token_losses_is_the_mean_over_its_tokens(tmp_path):
+    """A step that returns (mean over its valid tokens, metrics, tokens): val_loss is the mean
+    over every valid token of the split (-100 pads vary per sample), not over batches."""
+    import torch
+
+    def tokens(n: int, seed: int) -> TensorData:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 4, 8, generator=g)
+        y = torch.randint(0, 3, (n, 4), generator=g)
+        y[torch.arange(4)[None, :] > torch.arange(n)[:, None] % 4] = -100  # 1 to 4 tokens
+        return TensorData(x, y)
+
+    def step(m, batch):
+        x, y = batch
+        logits = m(x).reshape(-1, 3)
+        loss = torch.nn.functional.cross_entropy(logits, y.reshape(-1), ignore_index=-100)
+        return loss, {}, (y != -100).sum()
+
+    model, val = tiny_mlp(), tokens(70, seed=1)
+    ironloop.fit(model, tokens(64, seed=0), val, cfg(tmp_path, train__epochs=1), step_fn=step)
+    logged = read_jsonl(tmp_path / "run" / "epochs.jsonl")[0]["val_loss"]
+    with torch.no_grad():
+        logits = model(val.x).reshape(-1, 3)
+        by_hand = float(torch.nn.functional.cross_entropy(logits, val.y.reshape(-1),
+                                                          ignore_index=-100))
+    assert logged == pytest.approx(by_hand, rel=1e-5)

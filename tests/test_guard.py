@@ -492,3 +492,98 @@ def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
     again = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
     again.load_state_dict(stats)
     assert again.state_dict() == stats
+
+
+def _verdict_and_guard(factor: float, window: int, warmup: int):
+    from types import SimpleNamespace
+
+    from ironloop.guard.verdict import Verdict
+
+    world = SimpleNamespace(distributed=False)
+    device = Verdict(torch.device("cpu"), torch.float64, factor, window, warmup)
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def judge(loss: float, norm: float) -> bool:
+        ok = device.judge(torch.tensor(loss, dtype=torch.float64), zero,
+                          torch.tensor(norm, dtype=torch.float64), 1, None, world)
+        return bool(ok)  # host read: a test
+
+    return Guard(max_bad_steps=100, spike_factor=factor, spike_window=window,
+                 spike_warmup=warmup), device, judge
+
+
+def test_a_flat_history_floors_sigma_at_one_percent_of_the_median_on_both_guards():
+    """With a constant loss the MAD is 0: only the floor (1% of the median) keeps a rise of
+    a fraction of a percent from being called a spike, on the device and in the reference."""
+    pure, _, judge = _verdict_and_guard(factor=3, window=5, warmup=0)
+    for i in range(5):
+        assert judge(2.0, 1.0) and pure.observe(i, 2.0, 1.0) is None
+    # 2.0 + 3 x 1% x 2.0 = 2.06: 2.04 is noise (a 0.1% floor would call it a spike: 2.006)
+    assert judge(2.04, 1.0) and pure.observe(5, 2.04, 1.0) is None
+    assert judge(2.0, 1.02) and pure.observe(6, 2.0, 1.02) is None  # norms: 1.03
+    assert not judge(2.1, 1.0) and pure.observe(7, 2.1, 1.0) == "spike"
+    assert not judge(2.0, 1.05) and pure.observe(8, 2.0, 1.05) == "spike"
+
+
+def test_the_device_verdict_keeps_the_reference_window_at_every_step_around_warm_up():
+    """Compared after every step from 1 to warm-up + window + 2: the same good-step count,
+    the same window (the first ``spike_warmup`` good steps left out), the same decisions."""
+    warmup, window = 4, 3
+    pure, device, judge = _verdict_and_guard(factor=5, window=window, warmup=warmup)
+    for i in range(warmup + window + 3):
+        loss, norm = 1 + 0.01 * i, 2 - 0.01 * i  # every step's values told apart
+        assert judge(loss, norm) == (pure.observe(i, loss, norm) is None), i
+        state = device.state_dict()
+        assert state["good"] == pure.good == i + 1
+        assert state["losses"] == pytest.approx(pure.losses, abs=1e-12), i
+        assert state["norms"] == pytest.approx(pure.norms, abs=1e-12), i
+        assert len(pure.losses) == min(max(i + 1 - warmup, 0), window)
+
+
+def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_reported(tmp_path):
+    """A detached non-finite term (a logged auxiliary, a NaN constant) leaves every gradient
+    finite: the verdict must still read the loss, skip the step and keep the NaN out of the
+    logged means."""
+    calls = [0]
+
+    def step(m, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        if m.training:
+            calls[0] += 1
+            if calls[0] == 3:
+                loss = loss + torch.tensor(float("nan"))  # no graph: the grads stay finite
+        return loss, {}
+
+    result = ironloop.fit(tiny_mlp(), *split(), cfg(tmp_path, train__epochs=1),
+                          step_fn=step, overwrite=True)
+    run_dir = tmp_path / "run"
+    (line,) = rows(run_dir / "guard.jsonl")
+    assert (line["step"], line["reason"]) == (3, "nonfinite_loss")
+    assert line["nonfinite_grads"] == []
+    assert result.results["bad_steps"] == 1 and result.results["steps"] == 7
+    assert all(math.isfinite(m["loss"]) for m in rows(run_dir / "metrics.jsonl"))
+    state = load_verified(run_dir / "checkpoints" / "last.pt")
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {7.0}
+
+
+def test_the_spike_threshold_is_median_plus_factor_robust_sigmas_and_equal_is_no_spike():
+    """History 1..5: median 3, MAD 1, sigma 1.4826 (the normal's MAD scale): factor 1 puts the
+    threshold at 4.4826; a value exactly at a threshold is not above it."""
+    for factor, below, above in ((1, 4.48, 4.49), (3, 3 + 3 * 1.4826, 7.46)):
+        for loss, verdict in ((below, None), (above, "spike")):
+            pure, _, judge = _verdict_and_guard(factor=factor, window=5, warmup=0)
+            for i, v in enumerate([1.0, 2.0, 3.0, 4.0, 5.0]):
+                assert judge(v, 1.0) and pure.observe(i, v, 1.0) is None
+            assert judge(loss, 1.0) == (verdict is None), (factor, loss)
+            assert pure.observe(5, loss, 1.0) == verdict, (factor, loss)
+
+
+def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change():
+    """The memory rollback keeps a state_dict while training goes on: a bad step after it
+    must not reach into it."""
+    g = Guard(max_bad_steps=5)
+    g.observe(1, math.nan, 1.0, lambda: [1, 2])
+    saved = g.state_dict()
+    g.observe(2, math.nan, 1.0, lambda: [3, 4])
+    assert saved["pending"] == [[1, 2]] and saved["consecutive"] == 1

@@ -403,3 +403,36 @@ def test_tensorboard_events_are_written(tmp_path):
     tags = acc.Tags()["scalars"]
     assert "metrics/loss" in tags and "epochs/val_acc" in tags
     assert [e.step for e in acc.Scalars("epochs/val_acc")] == [7, 14]
+
+
+def test_a_branch_unused_after_its_first_step_is_not_moved_by_adamw_again(tmp_path):
+    """zero_grad(set_to_none=True): a parameter with no gradient in a window has grad None,
+    so AdamW leaves it alone. A zeroed gradient would still move it (momentum, weight decay)."""
+    calls = [0]
+
+    def step(m, batch):
+        x, y = batch
+        out = m["trunk"](x)
+        calls[0] += 1
+        if calls[0] == 1:  # the branch takes part in the first step only
+            out = out + m["branch"](x)
+        return nn.functional.cross_entropy(out, y), {}
+
+    def model():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"trunk": nn.Linear(8, 3), "branch": nn.Linear(8, 3)})
+
+    def trained(steps: int) -> nn.Module:
+        calls[0] = 0
+        m = model()
+        ironloop.fit(m, blobs(n=128), None,
+                     cfg(tmp_path / str(steps), train__epochs=1, train__batch_size=16,
+                         train__max_steps=steps, optim__name="adamw",
+                         optim__weight_decay=0.1), step_fn=step)
+        return m
+
+    first, fourth, untrained = trained(1), trained(4), model()
+    for k, v in first["branch"].state_dict().items():
+        assert not torch.equal(v, untrained["branch"].state_dict()[k])  # step 1 moved it
+        assert torch.equal(fourth["branch"].state_dict()[k], v), k  # steps 2-4 did not
+    assert not torch.equal(first["trunk"].weight, fourth["trunk"].weight)

@@ -20,8 +20,6 @@ from ironloop.errors import Preempted
 from ironloop.state.io import load_verified
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT = 300  # seconds; each run takes a few on an idle machine, far more at load 15
 ARGS = ["configs/digits.yaml", "model.name=mlp", "log.progress=off", "log.every_steps=1",
         "doctor.preflight=false", "checkpoint.every_steps=1000"]
@@ -80,6 +78,7 @@ def signal_and_time(proc: subprocess.Popen, sig: int) -> float:
     return time.monotonic() - sent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_saves_the_step_it_reached_and_the_resume_redoes_none(tmp_path, sig):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
@@ -130,6 +129,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 def test_a_second_signal_while_saving_exits_at_once_and_keeps_the_previous_checkpoint(
         tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
@@ -153,6 +153,7 @@ def test_a_second_signal_while_saving_exits_at_once_and_keeps_the_previous_check
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_agree_on_the_step_save_together_and_resume_it(tmp_path):
     # SIGTERM to torchrun, as Kubernetes and SLURM send it: torchrun forwards it to both ranks,
     # which receive it at different points of a step; they must stop after the same step.
@@ -177,3 +178,38 @@ def test_torchrun_ranks_agree_on_the_step_save_together_and_resume_it(tmp_path):
     resume = [e for e in events(run_dir) if e["event"] == "resume"]
     assert resume[0]["step"] == stop["step"] and resume[0]["steps_redone"] == 0
     assert logged_steps(run_dir) == list(range(1, stop["step"] + 3))
+
+
+class Exited(BaseException):
+    """os._exit, caught: the handler's kill, seen by the test instead of ending it."""
+
+
+def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(monkeypatch):
+    """SLURM and torchrun both forward one SIGTERM: a repeat within DUPLICATE_S is the same
+    request (the run still saves), a second signal after it kills at once. Real signals to
+    this process; the handler's clock and its os._exit are the test's."""
+    from types import SimpleNamespace
+
+    from ironloop.engine import preempt
+
+    now = [100.0]
+
+    def exit_now(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(preempt, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(preempt, "os", SimpleNamespace(write=lambda fd, b: len(b),
+                                                       _exit=exit_now))
+    with preempt.Preemption(distributed=False) as p:
+        assert not p.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += preempt.DUPLICATE_S / 2
+        os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy: not a second request
+        now[0] += preempt.DUPLICATE_S / 2 - 0.01
+        os.kill(os.getpid(), signal.SIGTERM)  # still within DUPLICATE_S of the first
+        assert p.should_stop() and p.signum == signal.SIGTERM
+        now[0] += 0.02  # past DUPLICATE_S since the first: a user's second request
+        with pytest.raises(Exited) as exited:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.value.args == (128 + signal.SIGTERM,)
+    assert signal.getsignal(signal.SIGTERM) != p._on_signal  # handlers given back

@@ -157,3 +157,50 @@ def test_prefixed_checkpoint_keys_load(tmp_path):
     ironloop.fit(model, blobs(), None, cfg(tmp_path), resume=str(path))
     for k, v in state["model"].items():
         assert torch.equal(model.state_dict()[k.split("_orig_mod.")[1]], v)
+
+
+def _same_weights(a, b) -> bool:
+    return all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+
+
+def test_a_resume_continues_the_random_streams_a_step_draws_from(tmp_path):
+    """A step (an augmentation, a collate) that draws from python's random, numpy and torch
+    (dropout): resumed from step 5 it ends bit-exact with the run that never stopped, only if
+    the checkpoint's RNG states are put back (the resume seeds every generator first)."""
+    import random
+
+    import numpy as np
+
+    def step(m, batch):
+        x, y = batch
+        x = x * (1 + 0.5 * random.random()) + float(np.random.randn())  # "augmentation"
+        return torch.nn.functional.cross_entropy(m(x), y), {}
+
+    conf = cfg(tmp_path, train__epochs=1, checkpoint__every_steps=5, checkpoint__keep_last=10)
+    full = ironloop.fit(tiny_mlp(dropout=0.3), blobs(n=320), None, conf, step_fn=step).model
+    resumed = tiny_mlp(dropout=0.3)
+    ironloop.fit(resumed, blobs(n=320), None, {**conf, "run.dir": str(tmp_path / "b")},
+                 step_fn=step,
+                 resume=str(tmp_path / "run" / "checkpoints" / "step-00000005.pt"))
+    assert _same_weights(resumed, full)
+
+
+def test_a_resume_after_a_rollback_keeps_skipping_the_poisoned_window(tmp_path):
+    """The guard's skip list comes back on resume: the sampler leaves the rolled-back window
+    out of the rest of the run, as the run that never stopped did."""
+    from ironloop.data.loader import EpochSampler
+
+    order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
+    conf = cfg(tmp_path, train__epochs=2, checkpoint__every_steps=2, checkpoint__keep_last=50,
+               fault__nan_sample=order[32 * 4 + 5], guard__max_bad_steps=1)
+    full = ironloop.fit(tiny_mlp(), blobs(n=256), None, conf)
+    assert full.results["rollbacks"] == 1 and full.results["skipped_samples"] == 32
+    resumed = tiny_mlp()
+    step6 = tmp_path / "run" / "checkpoints" / "step-00000006.pt"  # after the rollback
+    again = ironloop.fit(resumed, blobs(n=256), None, {**conf, "run.dir": str(tmp_path / "b")},
+                         resume=str(step6))
+    assert (again.results["bad_steps"], again.results["skipped_samples"]) == (1, 32)
+    assert _same_weights(resumed, full.model)
+    skips = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["guard"]["skip"]
+             for d in (tmp_path / "run", tmp_path / "b")]
+    assert skips[0] == skips[1] and len(skips[0]) == 32
