@@ -20,7 +20,6 @@ rename; old step directories are deleted only once the new one is durable under 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -44,7 +43,7 @@ from ironloop.state.dcp_safe import (
     refused_item,
 )
 
-from .io import LoadFailure, fsync_dir, load_checked, save_atomic, write_failed
+from .io import LoadFailure, file_digest, fsync_dir, load_checked, save_atomic, write_failed
 from .manager import retention_victims, step_entries
 from .remote import Mirror
 
@@ -77,14 +76,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.blake2b()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -201,7 +192,7 @@ class ShardedCheckpointManager:
         for p in files:
             _fsync_file(p)
         manifest = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized()
-                    else 1, "files": {p.name: _digest(p) for p in files}}
+                    else 1, "files": {p.name: file_digest(p) for p in files}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -273,7 +264,7 @@ def verify(path: Path) -> int:
         raise LoadFailure(path, "unreadable manifest", f"{path}/{MANIFEST} is damaged") from None
     for name, digest in files.items():
         p = path / name
-        if not p.is_file() or _digest(p) != digest:
+        if not p.is_file() or file_digest(p) != digest:
             raise LoadFailure(path, f"{name} {'missing' if not p.is_file() else 'changed'}",
                               f"{path} is damaged: {name} does not match its manifest digest; "
                               "resume from another checkpoint")

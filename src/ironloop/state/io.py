@@ -73,6 +73,15 @@ def state_digest(state: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ write --
+def file_digest(path: Path) -> str:
+    """blake2b hex digest of a file's bytes, read a MiB at a time (DCP shards, remote copies)."""
+    h = hashlib.blake2b()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def fsync_dir(directory: Path) -> None:
     """fsync a directory so that a rename or link in it survives a power cut.
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from typing import Any
 from ironloop.errors import CheckpointError, UserError
 from ironloop.extras import require
 
-from .io import fsync_dir, remove_quietly
+from .io import file_digest, fsync_dir, remove_quietly
 
 MANIFESTS = "manifests"
 FORMAT = 1
@@ -44,14 +43,6 @@ STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/c
 _MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
 _STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.blake2b()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_remote(location: str | Path) -> bool:
