@@ -19,6 +19,7 @@ from ironloop.cli import main
 from ironloop.errors import CheckpointError
 from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
+from ironloop.state.io import file_digest
 
 
 class Evil:
@@ -52,7 +53,7 @@ def sharded_run(tmp_path):
 def recompute_manifest(path) -> None:
     """What an attacker does: make the manifest's blake2b digests match the files again."""
     manifest = json.loads((path / sharded.MANIFEST).read_text())
-    manifest["files"] = {name: sharded._digest(path / name) for name in manifest["files"]}
+    manifest["files"] = {name: file_digest(path / name) for name in manifest["files"]}
     (path / sharded.MANIFEST).write_text(json.dumps(manifest))
 
 
