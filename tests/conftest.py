@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,24 @@ def logged_step(run_dir: Path) -> int:
         return json.loads(lines[-1])["step"] if lines else 0
     except (FileNotFoundError, ValueError, IndexError):  # JSONDecodeError is a ValueError
         return 0
+
+
+def train_or_kill(cmd: list[str], run_dir: Path, cwd: Path, env: dict,
+                  kill_at: int | None = None) -> None:
+    """Run ``cmd`` (an ``ironloop train`` into run_dir) to its end, or, with ``kill_at``,
+    SIGKILL it once metrics.jsonl holds that step (waiting on the file, not on a clock)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    if kill_at is not None:
+        while proc.poll() is None and logged_step(run_dir) < kill_at:
+            time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+        assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        return
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
 
 
 @pytest.fixture

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +29,7 @@ from ironloop.engine.average import WeightAverage
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
-from tests.conftest import REPO, blobs, cfg, logged_step, run_cli, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, run_cli, tiny_mlp, train_or_kill
 from tests.test_host_reads import READS
 
 
@@ -216,18 +213,7 @@ def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
            "log.every_steps=1", "log.progress=off", "doctor.preflight=false",
            "average.kind=swa", "average.start_step=3", f"run.dir={run_dir}", "--resume"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    if kill_at is not None:
-        while proc.poll() is None and logged_step(run_dir) < kill_at:
-            time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
-        assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        return
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    train_or_kill(cmd, run_dir, tmp_path, env, kill_at)
 
 
 @pytest.mark.slow

@@ -6,10 +6,7 @@ the preflight doctor on)."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ironloop.data.loader import EpochSampler, make_loader
-from tests.conftest import REPO, logged_step
+from tests.conftest import REPO, train_or_kill
 
 AUGMENTED = '''
 import random
@@ -94,18 +91,7 @@ def _train(tmp_path: Path, run_dir: Path, workers: int, kill_at: int | None = No
            f"data.num_workers={workers}",
            f"run.dir={run_dir}", "--resume"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(tmp_path)])}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    if kill_at is not None:
-        while proc.poll() is None and logged_step(run_dir) < kill_at:
-            time.sleep(0.005)
-        assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        return
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    train_or_kill(cmd, run_dir, tmp_path, env, kill_at)
 
 
 @pytest.mark.slow
