@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from ironloop.errors import UserError
 
-
 RENDEZVOUS_TIMEOUT_S = 900.0  # seconds every rank may take to join the process group
 
 

@@ -65,8 +65,9 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
                                 counters.meter.loss_sum.dtype) if cfg.guard.enabled else None
     step, strategy = _step_part(cfg, model, data, device, world, precision, given, counters,
                                 faults, guard_device)
+    validates = data.val is not None and len(data.val) > 0
     check_monitor(cfg.early_stop.metric, _step_kind(cfg, given), cfg.eval.perplexity,
-                  data.val is not None and len(data.val) > 0, _prefixes(data, step),
+                  validates, _prefixes(data, step),
                   tuple(step.metrics.metrics) if step.metrics is not None else ())
     state = RunState(cfg, step, counters, data.source, world, callbacks)
     guard = None if guard_device is None else GuardHook(
@@ -92,9 +93,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
         guard.start(outputs.log, resumed is not None, bool(given.resume),
                     faults.poisons_steps or _watches_steps(callbacks), step.optimizer,
                     manager.wait if manager is not None else None)
-    val = data.val is not None and len(data.val) > 0
-    cadence = Cadence(cfg.log.every_steps, cfg.eval.every_steps if val else 0,
-                      cfg.checkpoint.every_steps, counters.total_steps, val, faults.steps)
+    cadence = Cadence(cfg.log.every_steps, cfg.eval.every_steps if validates else 0,
+                      cfg.checkpoint.every_steps, counters.total_steps, validates, faults.steps)
     preempt = Preemption(world.distributed, cfg.dist.timeout_s)
     return Run(cfg, world, data, step, counters, state, outputs, guard, cadence, faults,
                callbacks, preempt), strategy
@@ -102,7 +102,7 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
 
 def _step_kind(cfg: Config, given: Given) -> str:
     """'classification', 'lm' or 'user': which step computes the run's metrics."""
-    if given.step_fn is steps.lm_step or (given.step_fn is None and cfg.train.step_fn == "lm"):
+    if steps.is_lm(given.step_fn, cfg.train.step_fn):
         return "lm"
     return "classification" if given.step_fn is None and not cfg.train.step_fn else "user"
 

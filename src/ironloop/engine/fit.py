@@ -186,8 +186,7 @@ def resolved(cfg: Config, train_data, step_fn, val_data=None) -> Config:
     if isinstance(val_data, dict) and val_data and cfg.early_stop.metric == "val_loss":
         first = next(iter(val_data))  # no val_loss without an unnamed set
         cfg = cfg.with_overrides({"early_stop.metric": f"val_{first}_loss"})
-    lm = step_fn is steps.lm_step or (step_fn is None and cfg.train.step_fn == "lm")
-    if lm and not cfg.eval.perplexity:
+    if steps.is_lm(step_fn, cfg.train.step_fn) and not cfg.eval.perplexity:
         cfg = cfg.with_overrides({"eval.perplexity": True})  # on by default for the LM step
     return cfg
 

@@ -45,6 +45,12 @@ def unpack(out, where: str = "step_fn") -> tuple[torch.Tensor, dict, Any]:
                     f"(its samples, or its tokens)")
 
 
+def is_lm(step_fn, spec: str) -> bool:
+    """Whether the run trains with the built-in LM step: passed to fit(), or named by
+    ``train.step_fn`` (``spec``) when none is passed."""
+    return step_fn is lm_step or (step_fn is None and spec == "lm")
+
+
 def named_step(spec: str) -> StepFn:
     """The step ``train.step_fn`` names: a built-in (``lm``) or the user's 'module:function'."""
     return lm_step if spec == "lm" else import_spec(spec, "train.step_fn")
