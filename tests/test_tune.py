@@ -102,6 +102,23 @@ def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
     assert both.pairs["against"] == {"run.threads": 1} and "beat it" in threads.verdict
 
 
+def test_a_row_after_a_winner_is_judged_against_the_winner_and_says_so():
+    """The table's "x base" is against the baseline, the screen's verdict against the best so
+    far: a bf16 row at 1.9x the baseline beside a 1.9x winner is "within noise of" that winner,
+    never a bare "within noise" that reads as no gain at all."""
+    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0))
+    workers = tune_rows.Row("data.num_workers=2", {"data.num_workers": 2}, status="ok",
+                            measure=measure(190.0, 0, 0))
+    bf16 = tune_rows.Row("train.precision=bf16", {"train.precision": "bf16"}, status="ok",
+                         measure=measure(188.0, 0, 0))
+    for row, seconds in ((base, 19.0), (workers, 10.0), (bf16, 10.1)):
+        row.projected_s = seconds
+    assert tune_mod._verdict(bf16, base) == "faster"
+    assert tune_mod._verdict(bf16, workers) == "within noise of data.num_workers=2"
+    assert tune_mod._verdict(base, workers) == "slower than data.num_workers=2"
+    assert tune_mod._verdict(workers, bf16) == "within noise of train.precision=bf16"
+
+
 def test_what_tune_tries():
     assert tune_rows.thread_counts(0, 2, current=2) == [1, 2]
     assert tune_rows.thread_counts(2, 2, current=2) == [1, 2]  # leave the workers the cores

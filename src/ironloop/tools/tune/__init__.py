@@ -239,7 +239,7 @@ class Tuner:
         ok = [r for r in rows if r.status == "ok"]
         for r in ok:
             r.verdict = _verdict(r, best)
-        contenders = sorted((r for r in ok if r.verdict == "faster"), key=lambda r: r.run_s)
+        contenders = sorted((r for r in ok if _screened_faster(r, best)), key=lambda r: r.run_s)
         for r in contenders[CONFIRMS:]:
             r.verdict = "faster, but other settings were faster still"
         winner: Row | None = None
@@ -316,14 +316,21 @@ class Tuner:
 
 def _verdict(row: Row, best: Row) -> str:
     """The screen, judged on the run's projected time, which charges a compile and the
-    workers' start-up: "faster" sends the row to the paired runs."""
-    if row.run_s < best.run_s * (1 - NOISE):
-        return "faster"
+    workers' start-up: "faster" sends the row to the paired runs. A row is judged against the
+    best so far, while the table's "x base" is against the baseline: once a setting has won,
+    the verdict names it, so a 1.9x row "within noise" of a 1.9x winner does not read as noise."""
+    than = f" than {best.setting}" if best.overrides else ""
+    if _screened_faster(row, best):
+        return "faster" + than
     if row.run_s * (1 - NOISE) > best.run_s:
         faster_steps = row.measured.samples_per_s > best.measured.samples_per_s
         return ("faster steps, but the compile does not pay for itself in this run"
-                if faster_steps and row.overrides.get("train.compile") else "slower")
-    return "within noise"
+                if faster_steps and row.overrides.get("train.compile") else "slower" + than)
+    return "within noise" + (f" of {best.setting}" if best.overrides else "")
+
+
+def _screened_faster(row: Row, best: Row) -> bool:
+    return row.run_s < best.run_s * (1 - NOISE)
 
 
 def _name(row: Row | None, default: str) -> str:
