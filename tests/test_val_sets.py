@@ -69,7 +69,7 @@ def data(root=None):
 def test_a_data_factory_returns_named_validation_sets(tmp_path):
     (tmp_path / "twoval.py").write_text(FACTORY)
     res = run_cli("train", "data.name=twoval:data", "model.name=mlp", "train.epochs=1",
-                  f"run.dir={tmp_path / 'run'}", "log.progress=off", cwd=tmp_path,
+                  f"run.dir={tmp_path / 'run'}", "log.progress=off",
                   env={"PYTHONPATH": f"{tmp_path}:{ironloop.__path__[0]}/.."})
     assert res.returncode == 0, res.stderr
     row = read_jsonl(tmp_path / "run" / "evals.jsonl")[0]
