@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +42,26 @@ from ironloop.state import dcp as sharded, drift, remote, rundir
 from ironloop.state.manager import CheckpointManager
 
 
+@dataclass(frozen=True)
 class Given:
     """What fit() was handed besides the model and the data (None: from the config)."""
 
-    def __init__(self, *, loss_fn=None, step_fn=None, num_classes=None, optimizer=None,
-                 scheduler=None, callbacks=None, resume=False, overwrite=False,
-                 allow_config_change=False, from_config=False, metrics=None):
-        self.loss_fn, self.step_fn, self.num_classes = loss_fn, step_fn, num_classes
-        self.optimizer, self.scheduler, self.callbacks = optimizer, scheduler, callbacks
-        self.resume, self.overwrite = resume, overwrite
-        self.metrics = metrics  # {name: torchmetrics-style object}, or None
-        self.allow_config_change, self.from_config = allow_config_change, from_config
-        self.user_fns = {"loss_fn": loss_fn, "step_fn": step_fn}  # for config.yaml's record
+    loss_fn: Callable | None = None
+    step_fn: Callable | None = None
+    num_classes: int | None = None
+    optimizer: Any = None  # an Optimizer, or a factory of one (engine/optim.py)
+    scheduler: Any = None  # an LR scheduler, or a factory of one
+    callbacks: list | None = None
+    metrics: dict | None = None  # {name: torchmetrics-style object}
+    resume: bool | str | None = False
+    overwrite: bool = False
+    allow_config_change: bool = False
+    from_config: bool = False
+
+    @property
+    def user_fns(self) -> dict:
+        """The user's own functions, for config.yaml's record."""
+        return {"loss_fn": self.loss_fn, "step_fn": self.step_fn}
 
 
 def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device,
