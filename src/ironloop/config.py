@@ -18,8 +18,9 @@ import yaml
 
 from ironloop.config_fields import (
     Section,
-    coerce,
+    build_section,
     doc_field as fld,  # short: it is on every field below
+    split_override,
     yaml_key,
 )
 from ironloop.errors import ConfigError
@@ -434,7 +435,7 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; "
                               f"known sections: {', '.join(SECTIONS)}")
-        return cls(**{name: _build_section(SECTIONS[name], raw.get(name)) for name in SECTIONS})
+        return cls(**{name: build_section(SECTIONS[name], raw.get(name)) for name in SECTIONS})
 
     def to_dict(self) -> dict:
         return {name: {yaml_key(sec, f.name): getattr(sec, f.name) for f in dataclasses.fields(sec)}
@@ -442,7 +443,7 @@ class Config:
 
     def with_overrides(self, overrides: list[str] | dict) -> Config:
         raw = self.to_dict()
-        items = overrides.items() if isinstance(overrides, dict) else map(_split, overrides)
+        items = overrides.items() if isinstance(overrides, dict) else map(split_override, overrides)
         for dotted, value in items:
             _set_dotted(raw, dotted, value)
         return Config.from_dict(raw)
@@ -451,35 +452,6 @@ class Config:
 #: section name -> its dataclass, read off Config's fields so the two cannot drift apart.
 SECTIONS: dict[str, type[Section]] = {f.name: typing.cast("type[Section]", f.default_factory)
                                       for f in dataclasses.fields(Config)}
-
-
-def _build_section(cls: type[Section], raw: Any) -> Any:
-    name = cls._name
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: must be a mapping of keys, got {raw!r}")
-    by_key = {f.metadata.get("key") or f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in by_key:
-            raise ConfigError(f"unknown config key '{name}.{key}'; "
-                              f"known keys in '{name}': {', '.join(by_key)}")
-        fl = by_key[key]
-        kwargs[fl.name] = coerce(f"{name}.{key}", value, hints[fl.name], fl.metadata)
-    return cls(**kwargs)
-
-
-def _split(item: str) -> tuple[str, Any]:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' is not of the form dotted.key=value "
-                          f"(for example optim.lr=3e-4)")
-    key, text = item.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        return key.strip(), text
 
 
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:

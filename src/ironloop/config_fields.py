@@ -1,6 +1,7 @@
 """The machinery under config.py's sections: a field with its doc, allowed values and YAML key;
-a section that validates itself on construction; and the coercion of parsed YAML to a field's
-type. Every error names the dotted key and what is allowed (a ``ConfigError``, exit code 2).
+a section that validates itself on construction and is built from parsed YAML; the coercion of
+a value to a field's type; and the parse of a ``dotted.key=value`` override. Every error names
+the dotted key and what is allowed (a ``ConfigError``, exit code 2).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import types
 import typing
 from dataclasses import field
 from typing import Any, ClassVar
+
+import yaml
 
 from ironloop.errors import ConfigError
 
@@ -86,3 +89,35 @@ def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
         allowed = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
         raise ConfigError(f"{dotted}={value!r}: expected {want}{allowed}")
     return value
+
+
+def build_section(cls: type[Section], raw: Any) -> Any:
+    """A section from its parsed YAML mapping (None: the defaults), each key coerced to its
+    field's type; an unknown key is named with the keys the section has."""
+    name = cls._name
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: must be a mapping of keys, got {raw!r}")
+    by_key = {f.metadata.get("key") or f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in by_key:
+            raise ConfigError(f"unknown config key '{name}.{key}'; "
+                              f"known keys in '{name}': {', '.join(by_key)}")
+        fl = by_key[key]
+        kwargs[fl.name] = coerce(f"{name}.{key}", value, hints[fl.name], fl.metadata)
+    return cls(**kwargs)
+
+
+def split_override(item: str) -> tuple[str, Any]:
+    """``dotted.key=value`` -> (key, the value parsed as YAML, or the text when it is not)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form dotted.key=value "
+                          f"(for example optim.lr=3e-4)")
+    key, text = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return key.strip(), text
