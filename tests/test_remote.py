@@ -26,10 +26,12 @@ from safetensors.torch import load_file
 from ironloop import fit
 from ironloop.callbacks import Callback
 from ironloop.errors import UserError
+from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
-from ironloop.state.remote import Mirror, fetch_newest, open_remote
+from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
+from ironloop.state.rundir import RUN_OUTPUTS
 from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
 
 STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
@@ -105,6 +107,23 @@ def test_resume_into_an_empty_run_dir_fetches_the_newest_and_is_bit_exact(tmp_pa
     assert _equal(resumed, uninterrupted)
 
 
+def test_each_checkpoint_carries_the_logs_of_its_step_and_retention_deletes_them(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    _fit(_config(tmp_path, checkpoint__remote=url, checkpoint__keep_last=2))
+    remote = open_remote(url)
+    steps = remote.manifests()
+    assert sorted(remote.step_objects()) == steps  # retention took the logs with their step
+    assert remote.names("logs") == [f"step-{s:08d}" for s in steps]
+    for step in steps:
+        logs = remote.manifest(step)["logs"]
+        names = [rel.rsplit("/", 1)[1] for rel in logs]
+        assert {"metrics.jsonl", "epochs.jsonl", "events.jsonl", "run.json"} <= set(names)
+        assert all(rel == f"logs/step-{step:08d}/{n}" for rel, n in zip(logs, names))
+        metrics = read_jsonl(tmp_path / "remote" / "logs" / f"step-{step:08d}" / "metrics.jsonl")
+        assert metrics[-1]["step"] == step  # copied at the save: none of the later rows
+    assert set(LOGS) <= set(RUN_OUTPUTS)  # --overwrite removes what a resume restores
+
+
 def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     config = _config(tmp_path, checkpoint__remote=url)
@@ -137,12 +156,14 @@ def test_an_incomplete_remote_checkpoint_does_not_count_and_is_cleaned(tmp_path,
     remote = open_remote(url)
     # what a kill mid-upload leaves: the next checkpoint's file, no manifest
     remote.put(tmp_path / "run" / "checkpoints" / "step-00000012.pt", "step-00000015.pt")
+    remote.put(tmp_path / "run" / "metrics.jsonl", "logs/step-00000015/metrics.jsonl")
     shutil.rmtree(tmp_path / "run")
     _fit(config, resume=True, callbacks=[StopAt(13)])
     assert "fetched" in capsys.readouterr().out
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
     assert [e["step"] for e in events if e["event"] == "resume"] == [12]
     assert 15 not in remote.step_objects()  # removed: past the step this run resumed from
+    assert "step-00000015" not in remote.names("logs")
 
 
 def test_a_fresh_run_into_a_remote_holding_checkpoints_is_refused_then_overwritten(tmp_path):

@@ -38,10 +38,16 @@ from ironloop.extras import require
 from .io import file_digest, fsync_dir, remove_quietly
 
 MANIFESTS = "manifests"
-FORMAT = 1
+LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
+FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
+#: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
+#: no tb/ files, so TensorBoard must get every row again from the restored JSONL.
+LOGS = ("metrics.jsonl", "epochs.jsonl", "evals.jsonl", "scalars.jsonl", "events.jsonl",
+        "guard.jsonl", "run.json")
 _MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
 _STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
 
 
@@ -99,12 +105,17 @@ class Remote:
         return json.loads(self.read(f"{MANIFESTS}/step-{step:08d}.json"))
 
     def step_objects(self) -> dict[int, list[str]]:
-        """step -> the checkpoint names (``step-N.pt``, ``step-N.dcp``) at the remote's top."""
+        """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
+        ``step-N.dcp`` at the remote's top, and its log snapshot ``logs/step-N``."""
         found: dict[int, list[str]] = {}
         for name in self.names():
             m = _STEP_OBJECT_RE.match(name)
             if m:
                 found.setdefault(int(m.group(1)), []).append(name)
+        for name in self.names(LOGS_DIR):
+            m = _LOG_STEP_RE.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(f"{LOGS_DIR}/{name}")
         return found
 
     def remove_checkpoint(self, step: int) -> None:
@@ -141,6 +152,7 @@ class _Job:
     rank: int = 0
     world_size: int = 1
     files: dict[str, dict] = field(default_factory=dict)
+    logs: dict[str, dict] = field(default_factory=dict)  # logs/step-N/<name>: digest, size
 
 
 class Mirror:
@@ -150,12 +162,16 @@ class Mirror:
     hard links to it in ``staging``. When uploads fall behind, a pending checkpoint that a newer
     one supersedes is dropped, unless it is a best save. ``close`` gives what is pending a
     bounded time and returns the line that says what is remote.
+
+    With ``logs_from`` (run.dir, on rank 0), ``snapshot_logs`` copies the run's ``LOGS`` at each
+    save, and they are uploaded under ``logs/step-N/`` with the checkpoint.
     """
 
     def __init__(self, remote: Remote, staging: Path, keep_last: int, *, rank: int = 0,
                  world_size: int = 1, retries: int = 5, wait_s: float = 120.0,
-                 warn: Callable[[str], object] = print):
+                 warn: Callable[[str], object] = print, logs_from: Path | None = None):
         self.remote, self.staging, self.keep = remote, Path(staging), max(keep_last, 1)
+        self.logs_from = None if logs_from is None else Path(logs_from)
         self.rank, self.world_size, self.retries, self.wait_s = rank, world_size, retries, wait_s
         self._warn = warn
         self._pending: list[_Job] = []
@@ -167,9 +183,26 @@ class Mirror:
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
 
     # -- the training side: never touches the network ------------------------------------
-    def push(self, step: int, files: dict[str, Path], kind: str, best: bool) -> None:
-        """Queue ``files`` (remote name -> local path) as the checkpoint of ``step``."""
+    def snapshot_logs(self, step: int) -> Path | None:
+        """Copies of run.dir's logs as they are now, for the checkpoint of ``step``: called on
+        the training thread at the save, so they hold its rows (the loop keeps appending to
+        the originals, so not hard links). Returns the folder to hand to ``push``, or None
+        (no ``logs_from``: ranks > 0)."""
+        if self.logs_from is None:
+            return None
         staged = self.staging / f"step-{step:08d}-{time.monotonic_ns()}"
+        into = staged / LOGS_DIR / f"step-{step:08d}"
+        into.mkdir(parents=True)
+        for name in LOGS:
+            with contextlib.suppress(FileNotFoundError):  # a run without evals, a guard, ...
+                shutil.copyfile(self.logs_from / name, into / name)
+        return staged
+
+    def push(self, step: int, files: dict[str, Path], kind: str, best: bool,
+             staged: Path | None = None) -> None:
+        """Queue ``files`` (remote name -> local path) as the checkpoint of ``step``, with the
+        log copies ``snapshot_logs`` put in ``staged``."""
+        staged = staged or self.staging / f"step-{step:08d}-{time.monotonic_ns()}"
         for name, src in files.items():
             dst = staged / name
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +284,9 @@ class Mirror:
     def _upload(self, job: _Job) -> None:
         for local in sorted(p for p in job.staged.rglob("*") if p.is_file()):
             name = local.relative_to(job.staged).as_posix()
-            job.files[name] = {"blake2b": file_digest(local), "size": local.stat().st_size}
+            # the logs apart: "files" must name one checkpoint (older readers check that)
+            listed = job.logs if name.startswith(f"{LOGS_DIR}/") else job.files
+            listed[name] = {"blake2b": file_digest(local), "size": local.stat().st_size}
             self._retry(name, functools.partial(self.remote.put, local, name))
         marker = f"{MANIFESTS}/step-{job.step:08d}"
         if job.rank > 0:  # rank 0 writes the manifest once every rank's marker is there
@@ -262,7 +297,8 @@ class Mirror:
             return
         files = {**job.files, **self._other_ranks(job)}
         manifest = {"format": FORMAT, "step": job.step, "kind": job.kind, "best": job.best,
-                    "world_size": job.world_size, "files": files, "time": time.time()}
+                    "world_size": job.world_size, "files": files, "logs": job.logs,
+                    "time": time.time()}
         body = json.dumps(manifest, indent=1).encode()
         self._retry(f"{marker}.json", lambda: self.remote.write(f"{marker}.json", body))
         self.uploaded.append(job.step)
