@@ -62,6 +62,24 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# what the logs' rows must repeat across a resume (wall-clock fields such as time differ)
+ROW_KEYS = {"metrics": ("step", "epoch", "loss", "lr"), "evals": ("step", "val_loss", "val_acc"),
+            "epochs": ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr"),
+            "scalars": ("step", "epoch", "n"), "events": ("event", "step", "epoch")}
+
+
+def _rows(run_dir: Path, name: str) -> list[tuple]:
+    return [tuple(row.get(k) for k in ROW_KEYS[name])
+            for row in read_jsonl(run_dir / f"{name}.jsonl")]
+
+
+class Scalars(Callback):
+    """One scalars.jsonl line per step, so that log is part of the history too."""
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        run.log_scalars({"n": run.step})
+
+
 @pytest.fixture
 def uninterrupted(tmp_path) -> dict:
     return _fit(_config(tmp_path, "plain"))
@@ -122,6 +140,91 @@ def test_each_checkpoint_carries_the_logs_of_its_step_and_retention_deletes_them
         metrics = read_jsonl(tmp_path / "remote" / "logs" / f"step-{step:08d}" / "metrics.jsonl")
         assert metrics[-1]["step"] == step  # copied at the save: none of the later rows
     assert set(LOGS) <= set(RUN_OUTPUTS)  # --overwrite removes what a resume restores
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_a_new_node_resume_restores_the_logs_and_continues_them_as_a_local_resume(
+        tmp_path, capsys, async_write):
+    plain = tmp_path / "plain"
+    _fit(_config(tmp_path, "plain"), callbacks=[Scalars()])
+    runs = {}
+    for where in ("local", "node"):  # the same interruption; one node loses its disk
+        config = _config(tmp_path, where, checkpoint__remote=f"file://{tmp_path}/r-{where}",
+                         checkpoint__async=async_write)
+        _fit(config, callbacks=[StopAt(12), Scalars()])
+        if where == "node":
+            shutil.rmtree(tmp_path / where)
+        _fit(config, resume=True, callbacks=[Scalars()])
+        runs[where] = tmp_path / where
+    for name in ("metrics", "epochs", "scalars"):  # from step 1, each row once
+        assert _rows(runs["node"], name) == _rows(plain, name), name
+    for name in ROW_KEYS:  # evals holds the stop's final evaluation, as a local resume's does
+        assert _rows(runs["node"], name) == _rows(runs["local"], name), name
+    assert len(json.loads((runs["node"] / "run.json").read_text())["resumes"]) == 1
+    assert (f"notice: restored metrics.jsonl, epochs.jsonl, evals.jsonl, scalars.jsonl, "
+            f"events.jsonl, guard.jsonl, run.json from file://{tmp_path}/r-node/logs/"
+            f"step-00000012: the run's logs up to step 12\n") in capsys.readouterr().out
+
+
+def _damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_remote_logs_are_skipped_with_a_warning_and_the_checkpoint_resumes(
+        tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    _damage(tmp_path / "remote" / "logs" / "step-00000012" / "epochs.jsonl")
+    shutil.rmtree(tmp_path / "run")
+    _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert (f"\nwarning: the remote logs {url}/logs/step-00000012 are damaged (logs/"
+            f"step-00000012/epochs.jsonl checksum mismatch); resuming without them: run.dir's "
+            f"logs start at step 12\n") in out
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [12]  # that checkpoint
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["step"] == 13  # none restored
+
+
+def test_a_manifest_without_logs_still_resumes_without_them(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    remote = open_remote(url)
+    for step in remote.manifests():  # what an older ironloop wrote: no logs at all
+        old = {k: v for k, v in remote.manifest(step).items() if k != "logs"}
+        remote.write(f"manifests/step-{step:08d}.json", json.dumps(old).encode())
+    remote.delete("logs")
+    shutil.rmtree(tmp_path / "run")
+    _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert (f"fetched {url}/step-00000012.pt" in out and "notice: the remote checkpoint of "
+            "step 12 holds no logs (an older ironloop wrote it): run.dir's logs start at step "
+            "12\n") in out
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["step"] == 13
+    assert open_remote(url).manifest(STEPS)["logs"]  # its own checkpoints carry them again
+
+
+def test_logs_already_in_run_dir_are_kept_with_a_notice(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(7)])
+    shutil.copytree(tmp_path / "run", tmp_path / "old")
+    _fit(config, resume=True, callbacks=[StopAt(12)])  # on another node
+    shutil.rmtree(tmp_path / "run")  # back on this node, whose disk still holds step 7
+    shutil.copytree(tmp_path / "old", tmp_path / "run")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    out = capsys.readouterr().out
+    assert f"fetched {url}/step-00000012.pt" in out
+    assert (f"notice: kept run.dir's own metrics.jsonl, epochs.jsonl, evals.jsonl, "
+            f"scalars.jsonl, events.jsonl, guard.jsonl, run.json; the remote's logs at step 12 "
+            f"({url}/logs/step-00000012) were not downloaded (delete the local ones to take "
+            f"them)\n") in out
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [*range(1, 8), 13]  # its own, then the run's
 
 
 def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
@@ -401,6 +504,9 @@ def test_s3_kill_9_then_resume_on_an_empty_run_dir_equals_an_uninterrupted_run(
     a = load_file(tmp_path / "plain" / "final.safetensors")
     b = load_file(tmp_path / "run" / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("metrics", "epochs", "evals"):  # the history from step 1, each row once
+        assert _rows(tmp_path / "run", name) == _rows(tmp_path / "plain", name), name
+    assert "notice: restored metrics.jsonl, " in out  # they came back with the checkpoint
 
 
 @pytest.mark.slow

@@ -349,18 +349,20 @@ def _short(e: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------- resume --
 def fetch_newest(remote: Remote, directory: Path, above: int,
-                 warn: Callable[[str], object], best: bool = False) -> Path | None:
+                 warn: Callable[[str], object], best: bool = False,
+                 verified: Callable[[dict], object] | None = None) -> Path | None:
     """Download the newest complete remote checkpoint with a step above ``above`` into
     ``directory`` (a best save with ``best``), checking every file's digest; damaged or
     incomplete ones are skipped with a one-line reason each. Returns its local path, or None
-    when there is none."""
+    when there is none. ``verified`` gets its manifest once its files are checked and before
+    the checkpoint takes its place (a kill in between leaves no checkpoint)."""
     steps = [s for s in reversed(remote.manifests()) if s > above]
     for step in steps:
         try:
             manifest = remote.manifest(step)
             if best and not manifest.get("best"):
                 continue
-            return _download(remote, manifest, directory)
+            return _download(remote, manifest, directory, verified)
         except (CheckpointError, ValueError, KeyError, OSError) as e:
             reason = str(e) if isinstance(e, CheckpointError) else _short(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
@@ -368,7 +370,8 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
     return None
 
 
-def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
+def _download(remote: Remote, manifest: dict, directory: Path,
+              verified: Callable[[dict], object] | None) -> Path:
     step, files = int(manifest["step"]), manifest["files"]
     tmp = directory / f".remote-step-{step:08d}.tmp-{os.getpid()}"
     directory.mkdir(parents=True, exist_ok=True)  # only now: an empty run.dir stays empty
@@ -387,6 +390,8 @@ def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
         if len(top) != 1:
             raise CheckpointError("its manifest names more than one checkpoint")
         name = top.pop()
+        if verified is not None:
+            verified(manifest)
         target = directory / name
         if target.is_dir():
             shutil.rmtree(target)
@@ -396,3 +401,58 @@ def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_quietly(tmp)
+
+
+def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
+    """Put the log snapshot of ``manifest``'s checkpoint into ``run_dir`` (a new node's), each
+    file checked against its digest, so the resume continues the run's history. Returns the
+    one line to print, or None. Never raises: a checkpoint resumes without its logs.
+
+    Nothing local is overwritten: a run.dir with any log of its own keeps them all. A damaged
+    snapshot restores nothing (no history with holes); an older manifest has no ``logs``."""
+    step = int(manifest["step"])
+    where = remote.show(f"{LOGS_DIR}/step-{step:08d}")
+    logs = manifest.get("logs") or {}
+    own = [name for name in LOGS if (run_dir / name).exists()]
+    if own:
+        return None if not logs else (
+            f"notice: kept run.dir's own {', '.join(own)}; the remote's logs at step {step} "
+            f"({where}) were not downloaded (delete the local ones to take them)")
+    if not logs:
+        return (f"notice: the remote checkpoint of step {step} holds no logs (an older "
+                f"ironloop wrote it): run.dir's logs start at step {step}")
+    try:
+        names = _download_logs(remote, logs, run_dir)
+    except (CheckpointError, ValueError, KeyError, OSError) as e:
+        reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+        return (f"warning: the remote logs {where} are damaged ({reason}); resuming without "
+                f"them: run.dir's logs start at step {step}")
+    return f"notice: restored {', '.join(names)} from {where}: the run's logs up to step {step}"
+
+
+def _download_logs(remote: Remote, logs: dict, run_dir: Path) -> list[str]:
+    """Every file of ``logs`` (remote name -> digest and size) into a temp folder, checked,
+    then moved into ``run_dir`` under its base name. The caller found none of them there, and
+    run.dir's lock (state/lock.py) keeps any other process out, so nothing is overwritten."""
+    tmp = run_dir / f".remote-logs.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for rel, want in logs.items():
+            name = rel.rsplit("/", 1)[-1]
+            if name not in LOGS:  # the manifest says where files go: only the known names
+                raise CheckpointError(f"{rel} is not a log a run writes")
+            try:
+                remote.get(rel, tmp / name)
+            except FileNotFoundError:
+                raise CheckpointError(f"{rel} missing") from None
+            if (tmp / name).stat().st_size != want["size"] \
+                    or file_digest(tmp / name) != want["blake2b"]:
+                raise CheckpointError(f"{rel} checksum mismatch")
+        names = [name for name in LOGS if (tmp / name).exists()]
+        for name in names:
+            os.replace(tmp / name, run_dir / name)
+        fsync_dir(run_dir)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
