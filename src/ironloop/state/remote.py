@@ -6,15 +6,25 @@ background thread (``Mirror``), so the loop never waits on the network. The remo
 
 * the checkpoint's files under their local names and with the same bytes: ``step-N.pt``, or
   the files of ``step-N.dcp/`` (a sharded checkpoint, each rank uploading its own);
+* ``logs/step-N/<name>``: copies of the run's append-only logs (``LOGS``: metrics.jsonl,
+  epochs.jsonl, evals.jsonl, scalars.jsonl, events.jsonl, guard.jsonl, run.json) as they were
+  at that save, taken on the training thread (``Mirror.snapshot_logs``), rank 0 only;
 * ``manifests/step-N.json``, written LAST: the step, the kind, whether it was a best save, and
-  the blake2b digest and size of every file. An object store has no rename, so the manifest is
-  the commit: a checkpoint without one (an upload cut short by a kill) does not exist.
+  the blake2b digest and size of every file: the checkpoint's under ``files``, the logs' under
+  ``logs`` (a key of its own, so ``files`` still names one checkpoint; a manifest without it, as
+  older versions wrote, is a checkpoint without logs). An object store has no rename, so the
+  manifest is the commit: a checkpoint without one (an upload cut short by a kill) does not
+  exist.
 
 Retention follows ``keep_last`` (at least the newest is kept) plus the newest best save; older
-checkpoints are deleted, manifest first, only after the newer manifest landed. A failed upload
-is retried with backoff and warned about, never raised: training goes on with its local copy.
-``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint newer than the
-local one, checks every digest and falls back past damaged ones with a one-line reason each.
+checkpoints are deleted with their logs, manifest first, only after the newer manifest landed.
+A failed upload is retried with backoff and warned about, never raised: training goes on with
+its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint
+newer than the local one, checks every digest and falls back past damaged ones with a one-line
+reason each. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
+checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
+warning and the checkpoint resumes without it. The resume then truncates them as any resume
+does (``outputs/runlog.py``), so the history continues from step 1 with each row once.
 """
 
 from __future__ import annotations
