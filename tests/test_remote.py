@@ -26,9 +26,12 @@ from safetensors.torch import load_file
 from ironloop import fit
 from ironloop.callbacks import Callback
 from ironloop.errors import UserError
+from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
-from ironloop.state.remote import Mirror, fetch_newest, open_remote
+from ironloop.state.io import file_digest
+from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
+from ironloop.state.rundir import RUN_OUTPUTS
 from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
 
 STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
@@ -59,6 +62,24 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# what the logs' rows must repeat across a resume (wall-clock fields such as time differ)
+ROW_KEYS = {"metrics": ("step", "epoch", "loss", "lr"), "evals": ("step", "val_loss", "val_acc"),
+            "epochs": ("epoch", "step", "train_loss", "val_loss", "val_acc", "lr"),
+            "scalars": ("step", "epoch", "n"), "events": ("event", "step", "epoch")}
+
+
+def _rows(run_dir: Path, name: str) -> list[tuple]:
+    return [tuple(row.get(k) for k in ROW_KEYS[name])
+            for row in read_jsonl(run_dir / f"{name}.jsonl")]
+
+
+class Scalars(Callback):
+    """One scalars.jsonl line per step, so that log is part of the history too."""
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        run.log_scalars({"n": run.step})
+
+
 @pytest.fixture
 def uninterrupted(tmp_path) -> dict:
     return _fit(_config(tmp_path, "plain"))
@@ -78,8 +99,12 @@ def test_each_checkpoint_lands_remotely_with_the_same_bytes_and_a_manifest(tmp_p
         manifest = remote.manifest(step)
         name = f"step-{step:08d}.pt"
         assert list(manifest["files"]) == [name] and manifest["kind"] == "file"
-        mine = local / name if (local / name).exists() else local / "best.pt"  # an older best
-        assert (tmp_path / "remote" / name).read_bytes() == mine.read_bytes()
+        ours = tmp_path / "remote" / name
+        if (local / name).exists() or step in older:
+            mine = local / name if (local / name).exists() else local / "best.pt"  # older best
+            assert ours.read_bytes() == mine.read_bytes()
+        else:  # the upload after it was superseded (dropped): keep_last deleted it only here
+            assert file_digest(ours) == manifest["files"][name]["blake2b"]
     assert not list((local / ".remote-staging").rglob("*.pt"))  # the upload's links are gone
 
 
@@ -98,6 +123,108 @@ def test_resume_into_an_empty_run_dir_fetches_the_newest_and_is_bit_exact(tmp_pa
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
     assert [e["step"] for e in events if e["event"] == "resume"] == [12]
     assert _equal(resumed, uninterrupted)
+
+
+def test_each_checkpoint_carries_the_logs_of_its_step_and_retention_deletes_them(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    _fit(_config(tmp_path, checkpoint__remote=url, checkpoint__keep_last=2))
+    remote = open_remote(url)
+    steps = remote.manifests()
+    assert sorted(remote.step_objects()) == steps  # retention took the logs with their step
+    assert remote.names("logs") == [f"step-{s:08d}" for s in steps]
+    for step in steps:
+        logs = remote.manifest(step)["logs"]
+        names = [rel.rsplit("/", 1)[1] for rel in logs]
+        assert {"metrics.jsonl", "epochs.jsonl", "events.jsonl", "run.json"} <= set(names)
+        assert all(rel == f"logs/step-{step:08d}/{n}" for rel, n in zip(logs, names))
+        metrics = read_jsonl(tmp_path / "remote" / "logs" / f"step-{step:08d}" / "metrics.jsonl")
+        assert metrics[-1]["step"] == step  # copied at the save: none of the later rows
+    assert set(LOGS) <= set(RUN_OUTPUTS)  # --overwrite removes what a resume restores
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_a_new_node_resume_restores_the_logs_and_continues_them_as_a_local_resume(
+        tmp_path, capsys, async_write):
+    plain = tmp_path / "plain"
+    _fit(_config(tmp_path, "plain"), callbacks=[Scalars()])
+    runs = {}
+    for where in ("local", "node"):  # the same interruption; one node loses its disk
+        config = _config(tmp_path, where, checkpoint__remote=f"file://{tmp_path}/r-{where}",
+                         checkpoint__async=async_write)
+        _fit(config, callbacks=[StopAt(12), Scalars()])
+        if where == "node":
+            shutil.rmtree(tmp_path / where)
+        _fit(config, resume=True, callbacks=[Scalars()])
+        runs[where] = tmp_path / where
+    for name in ("metrics", "epochs", "scalars"):  # from step 1, each row once
+        assert _rows(runs["node"], name) == _rows(plain, name), name
+    for name in ROW_KEYS:  # evals holds the stop's final evaluation, as a local resume's does
+        assert _rows(runs["node"], name) == _rows(runs["local"], name), name
+    assert len(json.loads((runs["node"] / "run.json").read_text())["resumes"]) == 1
+    assert (f"notice: restored metrics.jsonl, epochs.jsonl, evals.jsonl, scalars.jsonl, "
+            f"events.jsonl, guard.jsonl, run.json from file://{tmp_path}/r-node/logs/"
+            f"step-00000012: the run's logs up to step 12\n") in capsys.readouterr().out
+
+
+def _damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_remote_logs_are_skipped_with_a_warning_and_the_checkpoint_resumes(
+        tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    _damage(tmp_path / "remote" / "logs" / "step-00000012" / "epochs.jsonl")
+    shutil.rmtree(tmp_path / "run")
+    _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert (f"\nwarning: the remote logs {url}/logs/step-00000012 are damaged (logs/"
+            f"step-00000012/epochs.jsonl checksum mismatch); resuming without them: run.dir's "
+            f"logs start at step 12\n") in out
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [12]  # that checkpoint
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["step"] == 13  # none restored
+
+
+def test_a_manifest_without_logs_still_resumes_without_them(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    remote = open_remote(url)
+    for step in remote.manifests():  # what an older ironloop wrote: no logs at all
+        old = {k: v for k, v in remote.manifest(step).items() if k != "logs"}
+        remote.write(f"manifests/step-{step:08d}.json", json.dumps(old).encode())
+    remote.delete("logs")
+    shutil.rmtree(tmp_path / "run")
+    _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert (f"fetched {url}/step-00000012.pt" in out and "notice: the remote checkpoint of "
+            "step 12 holds no logs (an older ironloop wrote it): run.dir's logs start at step "
+            "12\n") in out
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["step"] == 13
+    assert open_remote(url).manifest(STEPS)["logs"]  # its own checkpoints carry them again
+
+
+def test_logs_already_in_run_dir_are_kept_with_a_notice(tmp_path, capsys):
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(7)])
+    shutil.copytree(tmp_path / "run", tmp_path / "old")
+    _fit(config, resume=True, callbacks=[StopAt(12)])  # on another node
+    shutil.rmtree(tmp_path / "run")  # back on this node, whose disk still holds step 7
+    shutil.copytree(tmp_path / "old", tmp_path / "run")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    out = capsys.readouterr().out
+    assert f"fetched {url}/step-00000012.pt" in out
+    assert (f"notice: kept run.dir's own metrics.jsonl, epochs.jsonl, evals.jsonl, "
+            f"scalars.jsonl, events.jsonl, guard.jsonl, run.json; the remote's logs at step 12 "
+            f"({url}/logs/step-00000012) were not downloaded (delete the local ones to take "
+            f"them)\n") in out
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [*range(1, 8), 13]  # its own, then the run's
 
 
 def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
@@ -132,12 +259,14 @@ def test_an_incomplete_remote_checkpoint_does_not_count_and_is_cleaned(tmp_path,
     remote = open_remote(url)
     # what a kill mid-upload leaves: the next checkpoint's file, no manifest
     remote.put(tmp_path / "run" / "checkpoints" / "step-00000012.pt", "step-00000015.pt")
+    remote.put(tmp_path / "run" / "metrics.jsonl", "logs/step-00000015/metrics.jsonl")
     shutil.rmtree(tmp_path / "run")
     _fit(config, resume=True, callbacks=[StopAt(13)])
     assert "fetched" in capsys.readouterr().out
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
     assert [e["step"] for e in events if e["event"] == "resume"] == [12]
     assert 15 not in remote.step_objects()  # removed: past the step this run resumed from
+    assert "step-00000015" not in remote.names("logs")
 
 
 def test_a_fresh_run_into_a_remote_holding_checkpoints_is_refused_then_overwritten(tmp_path):
@@ -379,6 +508,9 @@ def test_s3_kill_9_then_resume_on_an_empty_run_dir_equals_an_uninterrupted_run(
     a = load_file(tmp_path / "plain" / "final.safetensors")
     b = load_file(tmp_path / "run" / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("metrics", "epochs", "evals"):  # the history from step 1, each row once
+        assert _rows(tmp_path / "run", name) == _rows(tmp_path / "plain", name), name
+    assert "notice: restored metrics.jsonl, " in out  # they came back with the checkpoint
 
 
 @pytest.mark.slow

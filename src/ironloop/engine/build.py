@@ -233,14 +233,16 @@ def _outputs(cfg: Config, state: RunState, world: World, strategy: str, resume,
 
 
 def _mirror(cfg: Config, world: World, step: int) -> remote.Mirror | None:
-    """checkpoint.remote's uploader; rank 0 first drops remote checkpoints past ``step``."""
+    """checkpoint.remote's uploader (rank 0's also mirrors the logs); rank 0 first drops
+    remote checkpoints past ``step``."""
     c = cfg.checkpoint
     if not c.remote:
         return None
     mirror = remote.Mirror(remote.open_remote(c.remote, c.remote_options),
                            Path(cfg.run.dir) / "checkpoints" / remote.STAGING / f"rank{world.rank}",
                            c.keep_last, rank=world.rank, world_size=world.size,
-                           retries=c.remote_retries, wait_s=c.remote_wait_s)
+                           retries=c.remote_retries, wait_s=c.remote_wait_s,
+                           logs_from=Path(cfg.run.dir) if world.is_main else None)
     if world.is_main:
         for url in mirror.discard_after(step):
             print(f"notice: removed {url} from the remote: it is past the step this run "

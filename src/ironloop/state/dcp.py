@@ -114,9 +114,10 @@ class ShardedCheckpointManager:
         self.keep_last = keep_last
         self.async_write = async_write
         self.mirror = mirror
-        # (the async_save future, its directory, step, best); async_save's return is typed as a
-        # Future or an AsyncSaveResponse, which only a staging checkpointer returns.
-        self._pending: tuple[Any, Path, int, bool] | None = None
+        # (the async_save future, its directory, step, best, the log copies); async_save's
+        # return is typed as a Future or an AsyncSaveResponse, which only a staging
+        # checkpointer returns.
+        self._pending: tuple[Any, Path, int, bool, Path | None] | None = None
         self._group = dist.new_group(backend="gloo") if async_write and dist.is_initialized() \
             else None
         if _rank() == 0:
@@ -142,6 +143,8 @@ class ShardedCheckpointManager:
              best: bool = False) -> None:
         """Write ``state`` (from ``collect_state``) for ``step``; every rank must call this."""
         self.wait()
+        # rank 0's logs as they are at this step: an async write commits at the next save
+        logs = self.mirror.snapshot_logs(step) if self.mirror is not None else None
         tmp = self.directory / f".{step_name(step)}.tmp"
         if _rank() == 0:
             _rmtree(tmp)
@@ -154,21 +157,21 @@ class ShardedCheckpointManager:
             if self.async_write:
                 future = dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp),
                                         process_group=self._group)
-                self._pending = (future, tmp, step, best)
+                self._pending = (future, tmp, step, best, logs)
                 return
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp))
         except OSError as e:
             raise write_failed(tmp, e) from e
-        self._commit(tmp, step, best)
+        self._commit(tmp, step, best, logs)
 
     def wait(self) -> None:
         """Finish an async write: wait for every rank's shards, then commit the directory."""
         if self._pending is None:
             return
-        future, tmp, step, best = self._pending
+        future, tmp, step, best, logs = self._pending
         self._pending = None
         future.result()  # on rank 0 this returns once .metadata is written, after every rank's
-        self._commit(tmp, step, best)
+        self._commit(tmp, step, best, logs)
 
     def close(self) -> None:
         try:
@@ -178,14 +181,15 @@ class ShardedCheckpointManager:
             if line:  # rank 0's: what is remote
                 print(line)
 
-    def _commit(self, tmp: Path, step: int, best: bool) -> None:
+    def _commit(self, tmp: Path, step: int, best: bool, logs: Path | None) -> None:
         _barrier()  # every rank's extras and shards are in tmp
         if _rank() == 0:
             self._publish(tmp, step, best)
         _barrier()  # no rank runs ahead to a resume point that is not on disk yet
         if self.mirror is not None:  # last.dcp: the step directory is gone with keep_last=0
             own = own_files(self.directory / "last.dcp", _rank())
-            self.mirror.push(step, {f"{step_name(step)}/{p.name}": p for p in own}, "dcp", best)
+            self.mirror.push(step, {f"{step_name(step)}/{p.name}": p for p in own}, "dcp", best,
+                             logs)
 
     def _publish(self, tmp: Path, step: int, best: bool) -> None:
         files = sorted(p for p in tmp.iterdir() if p.is_file())

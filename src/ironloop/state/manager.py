@@ -70,7 +70,8 @@ class CheckpointManager:
     plain memory copy.
 
     With a ``mirror`` (``checkpoint.remote``), each checkpoint is handed to it once it is
-    durable here; the mirror uploads it in its own thread.
+    durable here, with the copies of the run's logs it took at the save; the mirror uploads
+    them in its own thread.
     """
 
     def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
@@ -100,14 +101,16 @@ class CheckpointManager:
 
     def save(self, state: dict, step: int, best: bool = False) -> None:
         """Save ``state`` as the checkpoint for ``step``; also as ``best.pt`` if ``best``."""
+        # Here, not in the write: an async write runs on while the loop appends past ``step``.
+        logs = self.mirror.snapshot_logs(step) if self.mirror is not None else None
         if not self.async_write:
-            self._write(state, step, best)
+            self._write(state, step, best, logs)
             return
         self.wait()  # at most one write in flight; a failed previous write is raised here
         # Before returning: the caller may mutate its tensors right away. The previous
         # snapshot's write is done, so its buffers are free to copy into.
         snap = self._staging = snapshot(state, self._staging)
-        self._thread = threading.Thread(target=self._background, args=(snap, step, best),
+        self._thread = threading.Thread(target=self._background, args=(snap, step, best, logs),
                                         name="ironloop-checkpoint", daemon=False)
         self._thread.start()
 
@@ -128,13 +131,13 @@ class CheckpointManager:
             if self.mirror is not None:  # pending uploads get checkpoint.remote_wait_s
                 print(self.mirror.close())
 
-    def _background(self, state: dict, step: int, best: bool) -> None:
+    def _background(self, state: dict, step: int, best: bool, logs: Path | None) -> None:
         try:
-            self._write(state, step, best)
+            self._write(state, step, best, logs)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
 
-    def _write(self, state: dict, step: int, best: bool) -> None:
+    def _write(self, state: dict, step: int, best: bool, logs: Path | None = None) -> None:
         last = self.directory / "last.pt"
         primary = self.directory / step_name(step) if self.keep_last > 0 else last
         save_atomic(state, primary)
@@ -157,7 +160,7 @@ class CheckpointManager:
                 self._warn(f"could not delete old checkpoint {steps[victim]} ({e.strerror}); "
                            "delete it by hand if disk space runs short")
         if self.mirror is not None:  # hard links: the upload reads them in its own thread
-            self.mirror.push(step, {step_name(step): primary}, "file", best)
+            self.mirror.push(step, {step_name(step): primary}, "file", best, logs)
 
     def _point(self, target: Path, primary: Path) -> None:
         """Make ``target`` name the same content as ``primary``, atomically.

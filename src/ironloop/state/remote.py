@@ -6,15 +6,25 @@ background thread (``Mirror``), so the loop never waits on the network. The remo
 
 * the checkpoint's files under their local names and with the same bytes: ``step-N.pt``, or
   the files of ``step-N.dcp/`` (a sharded checkpoint, each rank uploading its own);
+* ``logs/step-N/<name>``: copies of the run's append-only logs (``LOGS``: metrics.jsonl,
+  epochs.jsonl, evals.jsonl, scalars.jsonl, events.jsonl, guard.jsonl, run.json) as they were
+  at that save, taken on the training thread (``Mirror.snapshot_logs``), rank 0 only;
 * ``manifests/step-N.json``, written LAST: the step, the kind, whether it was a best save, and
-  the blake2b digest and size of every file. An object store has no rename, so the manifest is
-  the commit: a checkpoint without one (an upload cut short by a kill) does not exist.
+  the blake2b digest and size of every file: the checkpoint's under ``files``, the logs' under
+  ``logs`` (a key of its own, so ``files`` still names one checkpoint; a manifest without it, as
+  older versions wrote, is a checkpoint without logs). An object store has no rename, so the
+  manifest is the commit: a checkpoint without one (an upload cut short by a kill) does not
+  exist.
 
 Retention follows ``keep_last`` (at least the newest is kept) plus the newest best save; older
-checkpoints are deleted, manifest first, only after the newer manifest landed. A failed upload
-is retried with backoff and warned about, never raised: training goes on with its local copy.
-``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint newer than the
-local one, checks every digest and falls back past damaged ones with a one-line reason each.
+checkpoints are deleted with their logs, manifest first, only after the newer manifest landed.
+A failed upload is retried with backoff and warned about, never raised: training goes on with
+its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint
+newer than the local one, checks every digest and falls back past damaged ones with a one-line
+reason each. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
+checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
+warning and the checkpoint resumes without it. The resume then truncates them as any resume
+does (``outputs/runlog.py``), so the history continues from step 1 with each row once.
 """
 
 from __future__ import annotations
@@ -38,10 +48,16 @@ from ironloop.extras import require
 from .io import file_digest, fsync_dir, remove_quietly
 
 MANIFESTS = "manifests"
-FORMAT = 1
+LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
+FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
+#: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
+#: no tb/ files, so TensorBoard must get every row again from the restored JSONL.
+LOGS = ("metrics.jsonl", "epochs.jsonl", "evals.jsonl", "scalars.jsonl", "events.jsonl",
+        "guard.jsonl", "run.json")
 _MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
 _STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
 
 
@@ -99,12 +115,17 @@ class Remote:
         return json.loads(self.read(f"{MANIFESTS}/step-{step:08d}.json"))
 
     def step_objects(self) -> dict[int, list[str]]:
-        """step -> the checkpoint names (``step-N.pt``, ``step-N.dcp``) at the remote's top."""
+        """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
+        ``step-N.dcp`` at the remote's top, and its log snapshot ``logs/step-N``."""
         found: dict[int, list[str]] = {}
         for name in self.names():
             m = _STEP_OBJECT_RE.match(name)
             if m:
                 found.setdefault(int(m.group(1)), []).append(name)
+        for name in self.names(LOGS_DIR):
+            m = _LOG_STEP_RE.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(f"{LOGS_DIR}/{name}")
         return found
 
     def remove_checkpoint(self, step: int) -> None:
@@ -141,6 +162,7 @@ class _Job:
     rank: int = 0
     world_size: int = 1
     files: dict[str, dict] = field(default_factory=dict)
+    logs: dict[str, dict] = field(default_factory=dict)  # logs/step-N/<name>: digest, size
 
 
 class Mirror:
@@ -150,12 +172,16 @@ class Mirror:
     hard links to it in ``staging``. When uploads fall behind, a pending checkpoint that a newer
     one supersedes is dropped, unless it is a best save. ``close`` gives what is pending a
     bounded time and returns the line that says what is remote.
+
+    With ``logs_from`` (run.dir, on rank 0), ``snapshot_logs`` copies the run's ``LOGS`` at each
+    save, and they are uploaded under ``logs/step-N/`` with the checkpoint.
     """
 
     def __init__(self, remote: Remote, staging: Path, keep_last: int, *, rank: int = 0,
                  world_size: int = 1, retries: int = 5, wait_s: float = 120.0,
-                 warn: Callable[[str], object] = print):
+                 warn: Callable[[str], object] = print, logs_from: Path | None = None):
         self.remote, self.staging, self.keep = remote, Path(staging), max(keep_last, 1)
+        self.logs_from = None if logs_from is None else Path(logs_from)
         self.rank, self.world_size, self.retries, self.wait_s = rank, world_size, retries, wait_s
         self._warn = warn
         self._pending: list[_Job] = []
@@ -167,9 +193,26 @@ class Mirror:
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
 
     # -- the training side: never touches the network ------------------------------------
-    def push(self, step: int, files: dict[str, Path], kind: str, best: bool) -> None:
-        """Queue ``files`` (remote name -> local path) as the checkpoint of ``step``."""
+    def snapshot_logs(self, step: int) -> Path | None:
+        """Copies of run.dir's logs as they are now, for the checkpoint of ``step``: called on
+        the training thread at the save, so they hold its rows (the loop keeps appending to
+        the originals, so not hard links). Returns the folder to hand to ``push``, or None
+        (no ``logs_from``: ranks > 0)."""
+        if self.logs_from is None:
+            return None
         staged = self.staging / f"step-{step:08d}-{time.monotonic_ns()}"
+        into = staged / LOGS_DIR / f"step-{step:08d}"
+        into.mkdir(parents=True)
+        for name in LOGS:
+            with contextlib.suppress(FileNotFoundError):  # a run without evals, a guard, ...
+                shutil.copyfile(self.logs_from / name, into / name)
+        return staged
+
+    def push(self, step: int, files: dict[str, Path], kind: str, best: bool,
+             staged: Path | None = None) -> None:
+        """Queue ``files`` (remote name -> local path) as the checkpoint of ``step``, with the
+        log copies ``snapshot_logs`` put in ``staged``."""
+        staged = staged or self.staging / f"step-{step:08d}-{time.monotonic_ns()}"
         for name, src in files.items():
             dst = staged / name
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +294,9 @@ class Mirror:
     def _upload(self, job: _Job) -> None:
         for local in sorted(p for p in job.staged.rglob("*") if p.is_file()):
             name = local.relative_to(job.staged).as_posix()
-            job.files[name] = {"blake2b": file_digest(local), "size": local.stat().st_size}
+            # the logs apart: "files" must name one checkpoint (older readers check that)
+            listed = job.logs if name.startswith(f"{LOGS_DIR}/") else job.files
+            listed[name] = {"blake2b": file_digest(local), "size": local.stat().st_size}
             self._retry(name, functools.partial(self.remote.put, local, name))
         marker = f"{MANIFESTS}/step-{job.step:08d}"
         if job.rank > 0:  # rank 0 writes the manifest once every rank's marker is there
@@ -262,7 +307,8 @@ class Mirror:
             return
         files = {**job.files, **self._other_ranks(job)}
         manifest = {"format": FORMAT, "step": job.step, "kind": job.kind, "best": job.best,
-                    "world_size": job.world_size, "files": files, "time": time.time()}
+                    "world_size": job.world_size, "files": files, "logs": job.logs,
+                    "time": time.time()}
         body = json.dumps(manifest, indent=1).encode()
         self._retry(f"{marker}.json", lambda: self.remote.write(f"{marker}.json", body))
         self.uploaded.append(job.step)
@@ -313,18 +359,20 @@ def _short(e: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------- resume --
 def fetch_newest(remote: Remote, directory: Path, above: int,
-                 warn: Callable[[str], object], best: bool = False) -> Path | None:
+                 warn: Callable[[str], object], best: bool = False,
+                 verified: Callable[[dict], object] | None = None) -> Path | None:
     """Download the newest complete remote checkpoint with a step above ``above`` into
     ``directory`` (a best save with ``best``), checking every file's digest; damaged or
     incomplete ones are skipped with a one-line reason each. Returns its local path, or None
-    when there is none."""
+    when there is none. ``verified`` gets its manifest once its files are checked and before
+    the checkpoint takes its place (a kill in between leaves no checkpoint)."""
     steps = [s for s in reversed(remote.manifests()) if s > above]
     for step in steps:
         try:
             manifest = remote.manifest(step)
             if best and not manifest.get("best"):
                 continue
-            return _download(remote, manifest, directory)
+            return _download(remote, manifest, directory, verified)
         except (CheckpointError, ValueError, KeyError, OSError) as e:
             reason = str(e) if isinstance(e, CheckpointError) else _short(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
@@ -332,7 +380,8 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
     return None
 
 
-def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
+def _download(remote: Remote, manifest: dict, directory: Path,
+              verified: Callable[[dict], object] | None) -> Path:
     step, files = int(manifest["step"]), manifest["files"]
     tmp = directory / f".remote-step-{step:08d}.tmp-{os.getpid()}"
     directory.mkdir(parents=True, exist_ok=True)  # only now: an empty run.dir stays empty
@@ -351,6 +400,8 @@ def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
         if len(top) != 1:
             raise CheckpointError("its manifest names more than one checkpoint")
         name = top.pop()
+        if verified is not None:
+            verified(manifest)
         target = directory / name
         if target.is_dir():
             shutil.rmtree(target)
@@ -360,3 +411,58 @@ def _download(remote: Remote, manifest: dict, directory: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         remove_quietly(tmp)
+
+
+def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
+    """Put the log snapshot of ``manifest``'s checkpoint into ``run_dir`` (a new node's), each
+    file checked against its digest, so the resume continues the run's history. Returns the
+    one line to print, or None. Never raises: a checkpoint resumes without its logs.
+
+    Nothing local is overwritten: a run.dir with any log of its own keeps them all. A damaged
+    snapshot restores nothing (no history with holes); an older manifest has no ``logs``."""
+    step = int(manifest["step"])
+    where = remote.show(f"{LOGS_DIR}/step-{step:08d}")
+    logs = manifest.get("logs") or {}
+    own = [name for name in LOGS if (run_dir / name).exists()]
+    if own:
+        return None if not logs else (
+            f"notice: kept run.dir's own {', '.join(own)}; the remote's logs at step {step} "
+            f"({where}) were not downloaded (delete the local ones to take them)")
+    if not logs:
+        return (f"notice: the remote checkpoint of step {step} holds no logs (an older "
+                f"ironloop wrote it): run.dir's logs start at step {step}")
+    try:
+        names = _download_logs(remote, logs, run_dir)
+    except (CheckpointError, ValueError, KeyError, OSError) as e:
+        reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+        return (f"warning: the remote logs {where} are damaged ({reason}); resuming without "
+                f"them: run.dir's logs start at step {step}")
+    return f"notice: restored {', '.join(names)} from {where}: the run's logs up to step {step}"
+
+
+def _download_logs(remote: Remote, logs: dict, run_dir: Path) -> list[str]:
+    """Every file of ``logs`` (remote name -> digest and size) into a temp folder, checked,
+    then moved into ``run_dir`` under its base name. The caller found none of them there, and
+    run.dir's lock (state/lock.py) keeps any other process out, so nothing is overwritten."""
+    tmp = run_dir / f".remote-logs.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for rel, want in logs.items():
+            name = rel.rsplit("/", 1)[-1]
+            if name not in LOGS:  # the manifest says where files go: only the known names
+                raise CheckpointError(f"{rel} is not a log a run writes")
+            try:
+                remote.get(rel, tmp / name)
+            except FileNotFoundError:
+                raise CheckpointError(f"{rel} missing") from None
+            if (tmp / name).stat().st_size != want["size"] \
+                    or file_digest(tmp / name) != want["blake2b"]:
+                raise CheckpointError(f"{rel} checksum mismatch")
+        names = [name for name in LOGS if (tmp / name).exists()]
+        for name in names:
+            os.replace(tmp / name, run_dir / name)
+        fsync_dir(run_dir)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -6,6 +6,7 @@ Rank 0 writes; every rank reads the checkpoint it resumes from.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -187,7 +188,9 @@ def _refuse_other_lineage(run_dir: Path, source: Path, step: int) -> None:
 
 def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict] | None:
     """The newest valid checkpoint to resume from: run.dir's, or, when ``checkpoint.remote``
-    has a newer complete one (a new node, an emptied disk), that one, fetched into run.dir."""
+    has a newer complete one (a new node, an emptied disk), that one, fetched into run.dir
+    (``ckpt_dir``'s parent) with the run's logs as they were at its step, when run.dir has
+    none of its own. The resume then truncates them as it does local logs."""
     if not cfg.checkpoint.remote:
         return sharded.latest_any(ckpt_dir, warn)
     remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
@@ -199,7 +202,8 @@ def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict]
     fetched = None
     if world.is_main:  # rank 0 fetches; every rank reads run.dir, as for a local resume
         above = local[1]["progress"]["step"] if local is not None else -1
-        fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn)
+        logs = functools.partial(_restore_logs, remote, ckpt_dir.parent)
+        fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn, verified=logs)
         if fetched is not None:
             print(f"notice: fetched {remote.show(fetched.name)} into {fetched}: it is newer "
                   f"than anything in run.dir")
@@ -211,6 +215,14 @@ def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict]
     if error is not None:
         raise error
     return local
+
+
+def _restore_logs(remote: mirror.Remote, run_dir: Path, manifest: dict) -> None:
+    """Before the fetched checkpoint takes its place, so that a kill in between never leaves
+    it without its logs (the next attempt fetches it again and finds them)."""
+    line = mirror.restore_logs(remote, manifest, run_dir)
+    if line:
+        print(line)
 
 
 def _fetch_best(remote: mirror.Remote, ckpt_dir: Path, warn) -> None:
