@@ -88,7 +88,7 @@ def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 400
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     mutmut = [sys.executable, "-m", "mutmut"]
-    if not exit_codes():  # generate the mutants and map the tests (no mutant matches the name)
+    if not exit_codes():  # generate the mutants (mutmut's run does; no mutant has this name)
         subprocess.run([*mutmut, "run", "ironloop.no_such_module.*"], check=False)
     codes = exit_codes()
     if not codes:
@@ -103,7 +103,12 @@ def main() -> int:
     todo = [m for m in sample if codes.get(m) is None]
     if todo:
         workers = os.environ.get("IRONLOOP_MUTANT_WORKERS", "2")
-        subprocess.run([*mutmut, "run", "--max-children", workers, *todo], check=False)
+        done = subprocess.run([*mutmut, "run", "--max-children", workers, *todo], check=False)
+        if done.returncode != 0:  # e.g. "Failed to run clean test": a test fails unmutated
+            print(f"mutmut stopped (exit {done.returncode}) before the sample ran; to see the "
+                  f"failing test, set debug = true under [tool.mutmut] in pyproject.toml and "
+                  f"run this again", file=sys.stderr)
+            return done.returncode
     codes = exit_codes()
     rows = report(sample, codes, dict(total))
     out = Path("mutants") / f"sample-{seed}.json"
