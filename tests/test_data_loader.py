@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import torch
 
 from ironloop.data.loader import EpochSampler, TensorData, make_loader
+from ironloop.data.workers import STOP_SIGNALS, shielded
 
 
 def flat(sampler) -> list[int]:
@@ -109,3 +112,17 @@ def test_tensordataset_labels_are_checked_once_in_full_before_training(tmp_path)
     with pytest.raises(DataError, match=r"labels must be class indices in \[0, 3\)"):
         ironloop.fit(tiny_mlp(), TensorDataset(d.x, y), None, cfg(tmp_path))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_a_shielded_worker_init_ignores_stop_signals_and_still_calls_the_users_with_its_id():
+    seen: list[int] = []
+    init = shielded(seen.append)
+    assert shielded(init) is init  # a loader reused every epoch is not wrapped twice
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:  # runs here, not in a worker: this process's handlers are put back after
+        init(3)
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in STOP_SIGNALS)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert seen == [3]
