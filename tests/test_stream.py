@@ -132,6 +132,27 @@ def test_a_passed_stateful_dataloader_keeps_its_sampler_and_state(tmp_path):
     assert ckpt["sampler"]["loader"]["_num_yielded"] == n
 
 
+def test_a_sized_streams_epoch_is_its_full_batches_in_optimizer_steps():
+    from ironloop.data.stream import Stream, stream_steps
+
+    # 104 samples = 6 batches of 16 and a partial one, which drop_last leaves out
+    assert stream_steps(Stream(Sized()), 16, 1, max_steps=0) == 6
+    assert stream_steps(Stream(Sized()), 16, 3, max_steps=0) == 2  # windows of 3 batches
+
+
+def test_the_first_sample_of_a_stream_is_an_inputs_targets_pair_or_none():
+    from ironloop.data.stream import Stream, first_sample
+
+    class Rows(IterableDataset):
+        def __iter__(self):
+            yield {"x": DATA.x[0], "y": DATA.y[0]}
+
+    x, y = first_sample(Stream(Reader()))
+    assert x.shape == DATA.x[0].shape and y.ndim == 0
+    # Named fields are no (inputs, targets) pair: nothing to infer classes or a shape from.
+    assert first_sample(Stream(Rows())) is None
+
+
 @pytest.mark.parametrize("how", ["dataset", "dataloader", "stateful", "with_len"])
 def test_every_way_of_passing_a_stream_trains(tmp_path, how):
     data = {"dataset": Plain(), "dataloader": DataLoader(Reader(), batch_size=16),
