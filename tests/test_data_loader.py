@@ -1,12 +1,14 @@
-"""EpochSampler: order from (seed, epoch) only, resumable at any offset, sharded by rank."""
+"""The data loader: EpochSampler order from (seed, epoch) only, resumable at any offset, sharded
+by rank; evaluation shards that cover every sample once; workers that leave stop signals."""
 
 from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 
-from ironloop.data.loader import EpochSampler, TensorData, make_loader
+from ironloop.data.loader import EpochSampler, EvalSampler, TensorData, make_loader
 from ironloop.data.workers import STOP_SIGNALS, shielded
 
 
@@ -126,3 +128,22 @@ def test_a_shielded_worker_init_ignores_stop_signals_and_still_calls_the_users_w
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert seen == [3]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 65, 359])
+@pytest.mark.parametrize("batch_size", [1, 32, 179])
+def test_eval_shards_cover_every_sample_once(n, batch_size, world):
+    shards = [list(EvalSampler(n, batch_size, 0, shuffle=False, rank=r, world_size=world))
+              for r in range(world)]
+    seen = sorted(i for batches in shards for b in batches for i in b)
+    assert seen == list(range(n))  # every sample, exactly once
+    for r, batches in enumerate(shards):
+        assert all(batches), "an empty batch"
+        assert len(EvalSampler(n, batch_size, 0, False, rank=r, world_size=world)) \
+            == len(batches)
+        assert all(len(b) <= batch_size for b in batches)
+    # For contrast: the training sampler drops such a tail, on purpose (DDP needs every rank).
+    train_seen = sum(len(b) for r in range(world)
+                     for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
+    assert n - train_seen < world
