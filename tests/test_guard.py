@@ -465,6 +465,16 @@ def test_verdicts_settled_at_log_steps_match_verdicts_settled_every_step(tmp_pat
         assert s1["meter"]["samples"] == s5["meter"]["samples"]
 
 
+def test_a_bad_step_settled_after_good_ones_is_reported_with_its_own_step_number(tmp_path):
+    """Log every 5 steps and no checkpoint: steps 1-5 settle together at step 5, and the bad
+    4th call, after 3 good steps, is step 4 in guard.jsonl (the steps before it count up)."""
+    ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                 cfg(tmp_path, log__every_steps=5, train__epochs=1, checkpoint__enabled=False),
+                 step_fn=poisoned_calls({4}), overwrite=True)
+    assert [(x["event"], x["step"]) for x in rows(tmp_path / "run" / "guard.jsonl")] == \
+        [("bad_step", 4)]
+
+
 def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
     """verdict.py computes the spike test on the device; its decisions and its statistics match
     the pure Guard's, step by step, on a noisy series with spikes and NaNs."""
