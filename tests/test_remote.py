@@ -227,6 +227,24 @@ def test_logs_already_in_run_dir_are_kept_with_a_notice(tmp_path, capsys):
     assert [r["step"] for r in metrics] == [*range(1, 8), 13]  # its own, then the run's
 
 
+@pytest.mark.parametrize("validates", [True, False])
+def test_a_new_node_resume_fetches_the_best_save_even_at_step_1_and_needs_none(tmp_path,
+                                                                             validates):
+    """One step, saved as the best (with validation) or as no best (without): a new node's
+    resume brings best.pt back, the first step's included, or resumes without one."""
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url, train__max_steps=1)
+    val = blobs(64, seed=1) if validates else None
+    fit(tiny_mlp(), blobs(), val, config)
+    assert open_remote(url).manifests() == [1]
+    shutil.rmtree(tmp_path / "run")  # a new node: run.dir is empty
+    fit(tiny_mlp(), blobs(), val, config, resume=True)
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    assert best.exists() is validates
+    if validates:
+        assert best.read_bytes() == (tmp_path / "remote" / "step-00000001.pt").read_bytes()
+
+
 def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     config = _config(tmp_path, checkpoint__remote=url)
