@@ -416,7 +416,7 @@ def test_pending_uploads_finish_within_the_wait_at_the_end(tmp_path, flaky, caps
 
 
 # ------------------------------------------------------------------------------- sharded --
-def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path):
+def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1)
     manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=0, mirror=mirror)
@@ -427,6 +427,9 @@ def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path):
         manager.save({**state, "progress": {**state["progress"], "step": step}}, model, opt,
                      step, best=step == 3)
     manager.close()
+    # the run's last line says what reached the remote, as for a .pt run
+    assert f"remote: 2 checkpoint(s) uploaded to {url}, the newest step 6\n" in \
+        capsys.readouterr().out
     remote = open_remote(url)
     assert remote.manifests() == [3, 6]  # 6 the newest, 3 the newest best
     manifest = remote.manifest(6)
