@@ -306,6 +306,23 @@ def test_export_reads_a_remote_run(tmp_path):
     assert all(torch.equal(exported[k], weights[k]) for k in weights)
 
 
+def test_export_from_a_remote_replaces_with_force_and_names_the_fix_when_it_finds_none(
+        tmp_path):
+    url = f"file://{tmp_path}/remote"
+    fit(tiny_mlp(), blobs(), None, _config(tmp_path, checkpoint__remote=url,
+                                          train__max_steps=5))  # no validation: no best save
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"an older export")
+    with pytest.raises(UserError, match="already exists; pass --force"):
+        export_run(url, out, "last")
+    assert export_run(url, out, "last", force=True) == out and load_file(out)
+    with pytest.raises(UserError, match=r"holds no complete best checkpoint: pass --which last"):
+        export_run(url, out, "best", force=True)
+    empty = f"file://{tmp_path}/empty"
+    with pytest.raises(UserError, match=r"no complete best checkpoint; is it a checkpoint\.remote"):
+        export_run(empty, out, "best", force=True)
+
+
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(UserError, match=r"pip install 'ironloop\[remote\]'"):
