@@ -288,6 +288,7 @@ def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp
     assert [(x["event"], x["step"]) for x in lines] == [("bad_step", 8), ("rollback", 8),
                                                         ("bad_step", 8), ("stop", 8)]
     stop = lines[-1]
+    assert (stop["rollbacks"], stop["bad_steps"]) == (1, 2)  # the record says how it ended
     files = sorted((run_dir / "checkpoints").glob("*.pt"))
     assert files, "the run wrote checkpoints before it stopped"
     for f in files:
