@@ -240,6 +240,20 @@ def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwi
         assert result.results["bad_steps"] == 1 and len(metrics) == 7
 
 
+def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only():
+    from torch.utils.data import TensorDataset
+
+    from ironloop.guard.faults import poison_sample
+
+    x, y = torch.arange(12, dtype=torch.int64).reshape(4, 3), torch.arange(4)
+    for data, inputs in [(TensorDataset(x, y), lambda s: s[0]), (x, lambda s: s)]:
+        poisoned = poison_sample(data, 2)  # not ironloop's TensorData: wrapped, read per sample
+        assert len(poisoned) == 4 and torch.isnan(inputs(poisoned[2])).all()
+        assert all(torch.equal(inputs(poisoned[i]), inputs(data[i])) for i in (0, 1, 3))
+        if isinstance(data, TensorDataset):
+            assert int(poisoned[2][1]) == 2  # the target is left alone
+
+
 @pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
 def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, rollback_to):
     order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
