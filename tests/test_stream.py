@@ -91,6 +91,20 @@ def test_stateful_stream_resumes_exactly_across_an_epoch_boundary(tmp_path, work
         assert torch.equal(v, pieces.model.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("make", [Sized, Plain], ids=["state", "replay"])
+def test_a_stream_stopped_at_an_epochs_last_step_resumes_the_next_epoch_from_its_start(
+        tmp_path, make):
+    """Windows of 4 batches: 6 batches an epoch make 2 steps, the second ragged, so the loop
+    knows the epoch's end at its last step. Stopped there, the checkpoint holds the finished
+    loader with the next epoch's position; the resume starts that epoch from (seed, epoch), as
+    the uninterrupted run does (it replayed the ended epoch's state, or found no batch)."""
+    whole = fit(tmp_path, make(), train__max_steps=4, train__accumulation_steps=4)
+    pieces = stop_and_go(tmp_path, make, [2, 4], train__accumulation_steps=4)
+    assert whole.results["steps"] == pieces.results["steps"] == 4
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
 def test_stream_without_state_resumes_by_replay_and_says_so_once(tmp_path, capsys):
     whole = fit(tmp_path, Plain(), train__max_steps=18)
     capsys.readouterr()
