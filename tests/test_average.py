@@ -188,23 +188,26 @@ def test_bad_average_keys_name_the_key():
         ironloop.config.load_config(None, ["average.kind=ewa"])
 
 
-def test_export_which_avg_writes_the_averaged_weights(tmp_path):
+def test_export_which_avg_writes_the_averaged_weights(tmp_path, capsys):
+    # The CLI's main in this process (not a subprocess): what export runs is this checkout's.
+    from ironloop.cli import main
+
     ironloop.fit(tiny_mlp(), blobs(100), None,
                  cfg(tmp_path, train__epochs=1, average__kind="ema", average__decay=0.5))
     run = tmp_path / "run"
-    res = run_cli("export", str(run), "--out", str(tmp_path / "avg.safetensors"), "--which",
-                  "avg")
-    assert res.returncode == 0, res.stderr
+    assert main(["export", str(run), "--out", str(tmp_path / "avg.safetensors"), "--which",
+                 "avg"]) == 0, capsys.readouterr().err
     avg = load_verified(run / "checkpoints" / "last.pt")["average"]
     out = load_file(tmp_path / "avg.safetensors")
     assert out.keys() == {k.removeprefix("module.") for k in avg if k != "n_averaged"}
     assert all(torch.equal(out[k], avg[f"module.{k}"]) for k in out)
     plain = tmp_path / "plain"
     ironloop.fit(tiny_mlp(), blobs(100), None, cfg(plain, train__epochs=1))
-    res = run_cli("export", str(plain / "run"), "--out", str(tmp_path / "x.safetensors"),
-                  "--which", "avg")
-    assert res.returncode == 2 and "average.kind=none" in res.stderr
-    assert "Traceback" not in res.stderr
+    capsys.readouterr()
+    assert main(["export", str(plain / "run"), "--out", str(tmp_path / "x.safetensors"),
+                 "--which", "avg"]) == 2
+    err = capsys.readouterr().err
+    assert "average.kind=none" in err and "Traceback" not in err
 
 
 def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:

@@ -201,6 +201,20 @@ def test_bad_specs_name_the_key(tmp_path, monkeypatch):
         build_model("no_such_mod:f", (4,), 3, {})
 
 
+def loader_data(root=None):
+    """A data factory whose training split is a DataLoader over a map-style dataset."""
+    d = blobs(n=64, d=5)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(d.x, d.y),
+                                       batch_size=16), None
+
+
+def test_a_data_factorys_dataloader_gives_the_model_factory_its_samples_input_shape():
+    from ironloop.data.datasets import build_data
+
+    bundle = build_data(Config().with_overrides(["data.name=tests.test_byo:loader_data"]).data)
+    assert bundle.input_shape == (5,)  # read off the loader's dataset's first sample
+
+
 # --- clear errors, and Hugging Face style outputs ------------------------------------------
 
 class ReturnsTuple(torch.nn.Module):

@@ -128,6 +128,29 @@ def test_newest_of_files_and_directories_wins(tmp_path):
     assert path.name == "step-00000007.pt" and state["progress"]["step"] == 7
 
 
+def test_on_another_world_size_every_rank_gets_rank_0s_counters_and_its_own_rng(
+        tmp_path, monkeypatch):
+    """A checkpoint written by 2 ranks, read by one process posing as each rank of 3: rank 0's
+    state for all; rank 1 keeps its own RNG, rank 2 (new) takes rank 0's."""
+    from ironloop.state.io import file_digest, save_atomic
+
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 5)
+    path = tmp_path / "step-00000005.dcp"
+    rank0 = sharded.load_extras(path)
+    save_atomic({**_state(99), "rng": {"torch": torch.tensor([1])}}, path / "extras-rank1.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["world_size"] = 2
+    manifest["files"]["extras-rank1.pt"] = file_digest(path / "extras-rank1.pt")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    for rank, rng in [(0, rank0.get("rng")), (1, {"torch": torch.tensor([1])}),
+                      (2, rank0.get("rng"))]:
+        monkeypatch.setattr(sharded, "_rank", lambda rank=rank: rank)
+        state = sharded.load_extras(path)
+        assert state["progress"] == _state(5)["progress"], rank
+        assert str(state.get("rng")) == str(rng), rank
+
+
 def test_export_consolidates_a_sharded_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", keep_last=1)

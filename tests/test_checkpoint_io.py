@@ -217,6 +217,14 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
     assert_same(first, load_verified(path))
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_or_quota_is_told_to_free_space_and_other_errors_to_check_the_disk(code):
+    full = ckio.write_failed(Path("ckpt.pt"), OSError(code, os.strerror(code)))
+    assert "free disk space or point run.dir at a disk with room" in str(full)
+    other = ckio.write_failed(Path("ckpt.pt"), OSError(errno.EIO, os.strerror(errno.EIO)))
+    assert "check that run.dir is writable and healthy" in str(other)
+
+
 class Evil:
     def __init__(self, marker):
         self.marker = str(marker)

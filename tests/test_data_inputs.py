@@ -147,6 +147,14 @@ def test_a_sampler_that_cannot_be_redrawn_is_used_with_one_warning(tmp_path, cap
     assert len(warnings) == 1 and "skips the samples already consumed" in warnings[0]
 
 
+def test_a_drawn_orders_skip_list_leaves_those_samples_out_and_moves_no_other():
+    order, _ = order_of(Plain(10), 10, seed=0)  # the guard's skip list, on a drawn order
+    skip = torch.tensor([2, 7])
+    assert order.size(0, skip) == 8
+    assert order.indices(0, skip, 0, 8).tolist() == [9, 8, 6, 5, 4, 3, 1, 0]
+    assert order.indices(0, skip, 2, 5).tolist() == [6, 5, 4]
+
+
 def test_a_hugging_face_dataset_trains_like_the_same_tensors(tmp_path):
     import datasets
 

@@ -1,10 +1,15 @@
-"""EpochSampler: order from (seed, epoch) only, resumable at any offset, sharded by rank."""
+"""The data loader: EpochSampler order from (seed, epoch) only, resumable at any offset, sharded
+by rank; evaluation shards that cover every sample once; workers that leave stop signals."""
 
 from __future__ import annotations
 
+import signal
+
+import pytest
 import torch
 
-from ironloop.data.loader import EpochSampler, TensorData, make_loader
+from ironloop.data.loader import EpochSampler, EvalSampler, TensorData, make_loader
+from ironloop.data.workers import STOP_SIGNALS, shielded
 
 
 def flat(sampler) -> list[int]:
@@ -109,3 +114,36 @@ def test_tensordataset_labels_are_checked_once_in_full_before_training(tmp_path)
     with pytest.raises(DataError, match=r"labels must be class indices in \[0, 3\)"):
         ironloop.fit(tiny_mlp(), TensorDataset(d.x, y), None, cfg(tmp_path))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+def test_a_shielded_worker_init_ignores_stop_signals_and_still_calls_the_users_with_its_id():
+    seen: list[int] = []
+    init = shielded(seen.append)
+    assert shielded(init) is init  # a loader reused every epoch is not wrapped twice
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:  # runs here, not in a worker: this process's handlers are put back after
+        init(3)
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in STOP_SIGNALS)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert seen == [3]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 65, 359])
+@pytest.mark.parametrize("batch_size", [1, 32, 179])
+def test_eval_shards_cover_every_sample_once(n, batch_size, world):
+    shards = [list(EvalSampler(n, batch_size, 0, shuffle=False, rank=r, world_size=world))
+              for r in range(world)]
+    seen = sorted(i for batches in shards for b in batches for i in b)
+    assert seen == list(range(n))  # every sample, exactly once
+    for r, batches in enumerate(shards):
+        assert all(batches), "an empty batch"
+        assert len(EvalSampler(n, batch_size, 0, False, rank=r, world_size=world)) \
+            == len(batches)
+        assert all(len(b) <= batch_size for b in batches)
+    # For contrast: the training sampler drops such a tail, on purpose (DDP needs every rank).
+    train_seen = sum(len(b) for r in range(world)
+                     for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
+    assert n - train_seen < world

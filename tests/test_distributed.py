@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ironloop.data.loader import EpochSampler, EvalSampler
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -216,25 +215,6 @@ def test_a_rank_without_validation_samples_still_joins_the_reduction(tmp_path):
     two = read(train(tmp_path / "two", "train.batch_size=32", *extra, ranks=2))
     assert all(r["val_acc"] in (0.0, 1.0) for r in one["epochs"])
     assert_same_run(one, two, n_val=1)
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 65, 359])
-@pytest.mark.parametrize("batch_size", [1, 32, 179])
-def test_eval_shards_cover_every_sample_once(n, batch_size, world):
-    shards = [list(EvalSampler(n, batch_size, 0, shuffle=False, rank=r, world_size=world))
-              for r in range(world)]
-    seen = sorted(i for batches in shards for b in batches for i in b)
-    assert seen == list(range(n))  # every sample, exactly once
-    for r, batches in enumerate(shards):
-        assert all(batches), "an empty batch"
-        assert len(EvalSampler(n, batch_size, 0, False, rank=r, world_size=world)) \
-            == len(batches)
-        assert all(len(b) <= batch_size for b in batches)
-    # For contrast: the training sampler drops such a tail, on purpose (DDP needs every rank).
-    train_seen = sum(len(b) for r in range(world)
-                     for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
-    assert n - train_seen < world
 
 
 def assert_same_weights(one: dict, other: dict) -> None:

@@ -234,7 +234,7 @@ def test_injected_oom_gives_the_message_and_keeps_checkpoints(tmp_path):
     with pytest.raises(OutOfMemory) as e:
         ironloop.fit(tiny_mlp(), blobs(200), blobs(40, seed=1), conf)
     msg = str(e.value)
-    assert "out of memory at optimizer step 6" in msg and "train.batch_size=32" in msg
+    assert "out of memory at optimizer step 6 (epoch 1)" in msg and "train.batch_size=32" in msg
     fixes = msg.split("Fixes, easiest first:")[1]
     order = [fixes.index(k) for k in ("train.batch_size=16 train.accumulation_steps=2",
                                       "train.precision=bf16", "activation checkpointing")]

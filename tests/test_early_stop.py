@@ -1,8 +1,9 @@
-"""BestTracker: a pure decision, no model."""
+"""BestTracker and check_monitor: pure decisions, no model."""
 
 import pytest
 
-from ironloop.engine.early_stop import BestTracker
+from ironloop.engine.early_stop import BestTracker, check_monitor
+from ironloop.errors import ConfigError
 
 
 def test_min_mode_patience_and_min_delta():
@@ -50,3 +51,10 @@ def test_a_first_epoch_that_is_no_improvement_counts_one_bad_epoch():
     assert not t.update(float("nan"), 1) and t.should_stop and t.best_epoch == -1  # no best
     with pytest.raises(ValueError, match="'min' or 'max', got 'low'"):
         BestTracker("low")
+
+
+def test_an_lm_run_monitoring_val_acc_is_refused_before_training_naming_what_it_reports():
+    check_monitor("val_ppl", "lm", perplexity=True, validates=True)
+    with pytest.raises(ConfigError, match=r"early_stop.metric='val_acc'.*val_loss, val_ppl;"):
+        check_monitor("val_acc", "lm", perplexity=True, validates=True)  # lm: no accuracy
+    check_monitor("val_acc", "classification", perplexity=False, validates=True)

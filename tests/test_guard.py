@@ -240,6 +240,20 @@ def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwi
         assert result.results["bad_steps"] == 1 and len(metrics) == 7
 
 
+def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only():
+    from torch.utils.data import TensorDataset
+
+    from ironloop.guard.faults import poison_sample
+
+    x, y = torch.arange(12, dtype=torch.int64).reshape(4, 3), torch.arange(4)
+    for data, inputs in [(TensorDataset(x, y), lambda s: s[0]), (x, lambda s: s)]:
+        poisoned = poison_sample(data, 2)  # not ironloop's TensorData: wrapped, read per sample
+        assert len(poisoned) == 4 and torch.isnan(inputs(poisoned[2])).all()
+        assert all(torch.equal(inputs(poisoned[i]), inputs(data[i])) for i in (0, 1, 3))
+        if isinstance(data, TensorDataset):
+            assert int(poisoned[2][1]) == 2  # the target is left alone
+
+
 @pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
 def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, rollback_to):
     order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
@@ -288,6 +302,7 @@ def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp
     assert [(x["event"], x["step"]) for x in lines] == [("bad_step", 8), ("rollback", 8),
                                                         ("bad_step", 8), ("stop", 8)]
     stop = lines[-1]
+    assert (stop["rollbacks"], stop["bad_steps"]) == (1, 2)  # the record says how it ended
     files = sorted((run_dir / "checkpoints").glob("*.pt"))
     assert files, "the run wrote checkpoints before it stopped"
     for f in files:
@@ -463,6 +478,16 @@ def test_verdicts_settled_at_log_steps_match_verdicts_settled_every_step(tmp_pat
     else:
         assert all(torch.equal(s1["model"][k], s5["model"][k]) for k in s1["model"])
         assert s1["meter"]["samples"] == s5["meter"]["samples"]
+
+
+def test_a_bad_step_settled_after_good_ones_is_reported_with_its_own_step_number(tmp_path):
+    """Log every 5 steps and no checkpoint: steps 1-5 settle together at step 5, and the bad
+    4th call, after 3 good steps, is step 4 in guard.jsonl (the steps before it count up)."""
+    ironloop.fit(tiny_mlp(), blobs(n=256), None,
+                 cfg(tmp_path, log__every_steps=5, train__epochs=1, checkpoint__enabled=False),
+                 step_fn=poisoned_calls({4}), overwrite=True)
+    assert [(x["event"], x["step"]) for x in rows(tmp_path / "run" / "guard.jsonl")] == \
+        [("bad_step", 4)]
 
 
 def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():

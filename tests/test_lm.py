@@ -51,6 +51,8 @@ def test_the_config_must_serve_streams_in_order_one_chunk_of_each_per_step(tmp_p
 
 def test_batchify_and_packed_sequences():
     assert batchify(torch.arange(10), 3).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(ValueError, match=r"tokens must be a 1-D sequence, got shape \(2, 5\)"):
+        batchify(torch.arange(10).view(2, 5), 3)  # already batched: named with its shape
     packed = PackedSequences(torch.arange(11), 4)  # blocks of 5; the last token is dropped
     assert len(packed) == 2
     x, y = packed[1]

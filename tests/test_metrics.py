@@ -87,6 +87,11 @@ def test_bad_metric_specs_and_names_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="eval.metrics.f1.spec=.*cannot import module"):
         ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1),
                      cfg(tmp_path, eval__metrics={"f1": {"spec": "no_such_pkg.F1"}}))
+    # torchmetrics is installed: a misspelled class is named, not answered with "pip install"
+    with pytest.raises(ConfigError, match="has no callable 'MulticlassF2Score'"):
+        typo = {**F1, "spec": "torchmetrics.classification.MulticlassF2Score"}
+        ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1),
+                     cfg(tmp_path / "d", eval__metrics={"f1": typo}))
     with pytest.raises(ConfigError, match="eval.metrics.f1: .*MulticlassF1Score.* failed"):
         ironloop.fit(tiny_mlp(), blobs(100), blobs(40, seed=1),
                      cfg(tmp_path / "a", eval__metrics={"f1": {**F1, "num_classes": "x"}}))

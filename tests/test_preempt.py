@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import ironloop
+from ironloop.callbacks import Callback
 from ironloop.errors import Preempted
 from ironloop.state.io import load_verified
-from tests.conftest import REPO
+from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 TIMEOUT = 300  # seconds; each run takes a few on an idle machine, far more at load 15
 ARGS = ["configs/digits.yaml", "model.name=mlp", "log.progress=off", "log.every_steps=1",
@@ -213,3 +215,18 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
             os.kill(os.getpid(), signal.SIGTERM)
         assert exited.value.args == (128 + signal.SIGTERM,)
     assert signal.getsignal(signal.SIGTERM) != p._on_signal  # handlers given back
+
+
+def test_a_signal_in_process_ends_fit_with_preempted_and_an_event_naming_the_signal(tmp_path):
+    """fit() in this process (no CLI): a SIGUSR1 sent at step 3 saves that step, and
+    events.jsonl's preempted line names the signal, the step and that it was saved."""
+    class Signal(Callback):
+        def on_step_end(self, run, metrics: dict) -> None:
+            if metrics["step"] == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    with pytest.raises(Preempted):
+        ironloop.fit(tiny_mlp(), blobs(256), None, cfg(tmp_path), callbacks=[Signal()])
+    stop = events(tmp_path / "run")[-1]
+    assert (stop["event"], stop["signal"], stop["saved"]) == ("preempted", "SIGUSR1", True)
+    assert stop["step"] == ckpt_step(tmp_path / "run" / "checkpoints" / "last.pt") == 3

@@ -227,6 +227,24 @@ def test_logs_already_in_run_dir_are_kept_with_a_notice(tmp_path, capsys):
     assert [r["step"] for r in metrics] == [*range(1, 8), 13]  # its own, then the run's
 
 
+@pytest.mark.parametrize("validates", [True, False])
+def test_a_new_node_resume_fetches_the_best_save_even_at_step_1_and_needs_none(tmp_path,
+                                                                             validates):
+    """One step, saved as the best (with validation) or as no best (without): a new node's
+    resume brings best.pt back, the first step's included, or resumes without one."""
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url, train__max_steps=1)
+    val = blobs(64, seed=1) if validates else None
+    fit(tiny_mlp(), blobs(), val, config)
+    assert open_remote(url).manifests() == [1]
+    shutil.rmtree(tmp_path / "run")  # a new node: run.dir is empty
+    fit(tiny_mlp(), blobs(), val, config, resume=True)
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    assert best.exists() is validates
+    if validates:
+        assert best.read_bytes() == (tmp_path / "remote" / "step-00000001.pt").read_bytes()
+
+
 def test_a_newer_local_checkpoint_wins_over_an_older_remote_one(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     config = _config(tmp_path, checkpoint__remote=url)
@@ -286,6 +304,23 @@ def test_export_reads_a_remote_run(tmp_path):
     out = export_run(url, tmp_path / "m.safetensors", "last")
     exported = load_file(out)
     assert all(torch.equal(exported[k], weights[k]) for k in weights)
+
+
+def test_export_from_a_remote_replaces_with_force_and_names_the_fix_when_it_finds_none(
+        tmp_path):
+    url = f"file://{tmp_path}/remote"
+    fit(tiny_mlp(), blobs(), None, _config(tmp_path, checkpoint__remote=url,
+                                          train__max_steps=5))  # no validation: no best save
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"an older export")
+    with pytest.raises(UserError, match="already exists; pass --force"):
+        export_run(url, out, "last")
+    assert export_run(url, out, "last", force=True) == out and load_file(out)
+    with pytest.raises(UserError, match=r"holds no complete best checkpoint: pass --which last"):
+        export_run(url, out, "best", force=True)
+    empty = f"file://{tmp_path}/empty"
+    with pytest.raises(UserError, match=r"no complete best checkpoint; is it a checkpoint\.remote"):
+        export_run(empty, out, "best", force=True)
 
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
@@ -398,7 +433,7 @@ def test_pending_uploads_finish_within_the_wait_at_the_end(tmp_path, flaky, caps
 
 
 # ------------------------------------------------------------------------------- sharded --
-def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path):
+def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
     mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1)
     manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=0, mirror=mirror)
@@ -409,6 +444,9 @@ def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path):
         manager.save({**state, "progress": {**state["progress"], "step": step}}, model, opt,
                      step, best=step == 3)
     manager.close()
+    # the run's last line says what reached the remote, as for a .pt run
+    assert f"remote: 2 checkpoint(s) uploaded to {url}, the newest step 6\n" in \
+        capsys.readouterr().out
     remote = open_remote(url)
     assert remote.manifests() == [3, 6]  # 6 the newest, 3 the newest best
     manifest = remote.manifest(6)

@@ -91,6 +91,20 @@ def test_stateful_stream_resumes_exactly_across_an_epoch_boundary(tmp_path, work
         assert torch.equal(v, pieces.model.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("make", [Sized, Plain], ids=["state", "replay"])
+def test_a_stream_stopped_at_an_epochs_last_step_resumes_the_next_epoch_from_its_start(
+        tmp_path, make):
+    """Windows of 4 batches: 6 batches an epoch make 2 steps, the second ragged, so the loop
+    knows the epoch's end at its last step. Stopped there, the checkpoint holds the finished
+    loader with the next epoch's position; the resume starts that epoch from (seed, epoch), as
+    the uninterrupted run does (it replayed the ended epoch's state, or found no batch)."""
+    whole = fit(tmp_path, make(), train__max_steps=4, train__accumulation_steps=4)
+    pieces = stop_and_go(tmp_path, make, [2, 4], train__accumulation_steps=4)
+    assert whole.results["steps"] == pieces.results["steps"] == 4
+    for k, v in weights(whole).items():
+        assert torch.equal(v, pieces.model.state_dict()[k]), k
+
+
 def test_stream_without_state_resumes_by_replay_and_says_so_once(tmp_path, capsys):
     whole = fit(tmp_path, Plain(), train__max_steps=18)
     capsys.readouterr()
@@ -130,6 +144,27 @@ def test_a_passed_stateful_dataloader_keeps_its_sampler_and_state(tmp_path):
     # max_steps stopped the last piece mid-epoch: its checkpoint holds the loader's own state.
     ckpt = torch.load(tmp_path / "pieces" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["sampler"]["loader"]["_num_yielded"] == n
+
+
+def test_a_sized_streams_epoch_is_its_full_batches_in_optimizer_steps():
+    from ironloop.data.stream import Stream, stream_steps
+
+    # 104 samples = 6 batches of 16 and a partial one, which drop_last leaves out
+    assert stream_steps(Stream(Sized()), 16, 1, max_steps=0) == 6
+    assert stream_steps(Stream(Sized()), 16, 3, max_steps=0) == 2  # windows of 3 batches
+
+
+def test_the_first_sample_of_a_stream_is_an_inputs_targets_pair_or_none():
+    from ironloop.data.stream import Stream, first_sample
+
+    class Rows(IterableDataset):
+        def __iter__(self):
+            yield {"x": DATA.x[0], "y": DATA.y[0]}
+
+    x, y = first_sample(Stream(Reader()))
+    assert x.shape == DATA.x[0].shape and y.ndim == 0
+    # Named fields are no (inputs, targets) pair: nothing to infer classes or a shape from.
+    assert first_sample(Stream(Rows())) is None
 
 
 @pytest.mark.parametrize("how", ["dataset", "dataloader", "stateful", "with_len"])

@@ -233,6 +233,13 @@ def test_trace_writes_a_profiler_trace(tmp_path):
     assert traces, "no trace file written"
 
 
+def test_a_run_shorter_than_its_trace_stops_the_profiler_when_it_ends(tmp_path):
+    ironloop.fit(tiny_mlp(), blobs(64), None,  # 2 steps: the trace wants 1 + 1 + 3
+                 cfg(tmp_path, train__epochs=1, profile__trace=True, profile__trace_steps=3))
+    # Left running, the profiler would record the caller's process after fit() returned.
+    assert not torch._C._autograd._profiler_enabled()
+
+
 class FakeEvent:
     """torch.cuda.Event on a fake GPU clock: record() stamps it, elapsed_time() in ms."""
 

@@ -172,3 +172,21 @@ def test_two_ranks_weigh_tokens_as_one_process(tmp_path, monkeypatch):
     va = read_jsonl(one / "evals.jsonl")[-1]["val_loss"]
     vb = read_jsonl(two / "evals.jsonl")[-1]["val_loss"]
     assert va == pytest.approx(vb, rel=1e-6)
+
+
+class OwnLoss(Bigram):
+    """nanoGPT's shape: ``forward(idx, targets)`` returns (logits, loss), ignoring target -1."""
+
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def test_lm_step_weights_an_own_loss_model_by_its_targets_that_count_token_id_0_included():
+    x = torch.randint(0, V, (2, T))
+    y = torch.zeros(2, T, dtype=torch.long)  # token id 0 is a real token: it counts
+    y[0, :3] = 1
+    y[1, 5:] = -1  # nanoGPT's ignore index: it does not
+    loss, _, weight = lm_step(OwnLoss(), (x, y))
+    assert int(weight) == 2 * T - 3
+    assert loss.ndim == 0

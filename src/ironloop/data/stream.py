@@ -230,8 +230,11 @@ class StreamOrder:
         return self.end if self.end is not None else sys.maxsize
 
     def set_epoch(self, epoch: int, offset: int = 0) -> None:
-        if (epoch, offset) != (self.epoch, self.offset) and offset == 0:
-            self.pending = None  # a new epoch starts from (seed, epoch), not from a state
+        if offset == 0:
+            # An epoch's start is a function of (seed, epoch) alone. A loader state held here is
+            # the previous epoch's: a run that ended at an epoch's last step saved its finished
+            # loader with the next epoch's position, and loading it would replay that end.
+            self.pending = None
         self.epoch, self.offset, self.end = epoch, offset, None
 
     def set_skip(self, indices) -> None:
