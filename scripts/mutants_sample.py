@@ -8,6 +8,8 @@ files its generation writes), and mutmut runs them; this only draws and counts.
 
     ./scripts/mutants sample 400          400 mutants, seed 0
     ./scripts/mutants sample 400 7        another 400 (seed 7)
+    ./scripts/mutants sample 400 0 again  after adding tests: run seed 0's mutants that were not
+                                          caught once more (mutmut maps the new tests first)
 
 Writes mutants/sample-<seed>.json: every drawn mutant's status, and the scores.
 """
@@ -87,6 +89,7 @@ def report(sample: list[str], codes: dict[str, int | None], total: dict[str, int
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 400
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    again = sys.argv[3:4] == ["again"]
     mutmut = [sys.executable, "-m", "mutmut"]
     if not exit_codes():  # generate the mutants (mutmut's run does; no mutant has this name)
         subprocess.run([*mutmut, "run", "ironloop.no_such_module.*"], check=False)
@@ -100,7 +103,8 @@ def main() -> int:
     sample = draw(list(codes), n, seed)
     # mutmut reruns every mutant it is given by name: only those without a result go, so an
     # interrupted sample goes on where it stopped
-    todo = [m for m in sample if codes.get(m) is None]
+    todo = [m for m in sample if codes.get(m) is None
+            or (again and codes[m] not in CAUGHT)]
     if todo:
         workers = os.environ.get("IRONLOOP_MUTANT_WORKERS", "2")
         done = subprocess.run([*mutmut, "run", "--max-children", workers, *todo], check=False)
