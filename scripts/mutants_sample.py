@@ -101,6 +101,9 @@ def main() -> int:
     for name in codes:
         total[name.split(".")[1]] += 1
     sample = draw(list(codes), n, seed)
+    out = Path("mutants") / f"sample-{seed}.json"
+    if again and out.exists():  # the same mutants, though code changed since shifts the draw
+        sample = [m for m in json.loads(out.read_text())["status"] if m in codes]
     # mutmut reruns every mutant it is given by name: only those without a result go, so an
     # interrupted sample goes on where it stopped
     todo = [m for m in sample if codes.get(m) is None
@@ -115,7 +118,6 @@ def main() -> int:
             return done.returncode
     codes = exit_codes()
     rows = report(sample, codes, dict(total))
-    out = Path("mutants") / f"sample-{seed}.json"
     out.write_text(json.dumps({"seed": seed, "scores": rows,
                                "status": {m: status(codes.get(m)) for m in sample}}, indent=1))
     print(f"written: {out}")
