@@ -40,6 +40,20 @@ def test_every_schedule_builds_with_its_cadence(name):
     assert (sched is None) == (name == "constant")
 
 
+def test_cosine_starts_at_full_lr_and_ignores_warmup_steps():
+    # warmup_steps is warmup_cosine's: plain cosine decays from the configured LR at step 0.
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, ["schedule.name=cosine", "schedule.warmup_steps=3",
+                             "schedule.eta_min=0.01"]).schedule
+    sched, _ = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=10)
+    assert isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
 def per_sample_mean_is_additive(loss: Loss, out: torch.Tensor, y: torch.Tensor) -> None:
     whole = loss(out, y)
     parts = loss(out[:3], y[:3]) * 3 / 7 + loss(out[3:], y[3:]) * 4 / 7
@@ -52,6 +66,14 @@ def test_losses_are_per_sample_means_so_accumulation_is_exact(name):
     cfg = load_config(None, [f"loss.name={name}", "loss.class_weights=[1.0, 2.0, 0.5]"]).loss
     out, y = torch.randn(7, 3), torch.randint(0, 3, (7,))
     per_sample_mean_is_additive(Loss(cfg, 3), out, y)
+
+
+def test_class_weights_scale_the_last_dim_of_a_sequence_output():
+    # An (N, T, C) output: the weights are per class, the last dim, whatever T is.
+    cfg = load_config(None, ["loss.name=mse", "loss.class_weights=[2.0, 0.0, 1.0]"]).loss
+    out, y = torch.zeros(2, 5, 3), torch.ones(2, 5, 3)
+    y[..., 0] = 2.0  # squared errors (4, 1, 1) per step, weighted (8, 0, 1): mean 3 (unweighted 2)
+    torch.testing.assert_close(Loss(cfg, 3)(out, y), torch.tensor(3.0))
 
 
 def test_cross_entropy_label_smoothing_and_weight_count_check():
