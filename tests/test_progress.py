@@ -25,3 +25,44 @@ def test_clip_flags_count_per_window_epoch_and_across_a_checkpoint():
         _step(m, True)
         assert m.flush_window()["clipped"] == 2
         assert m.flush_epoch()["clipped_frac"] == 4 / 5
+
+
+def test_loss_sums_are_float64_on_cpu_so_a_long_runs_window_loss_keeps_its_digits():
+    # A window's loss is (totals now - totals at its start): after 2**25 samples a float32 sum
+    # rounds to multiples of 4 and a small window's loss would read 0.
+    meter = Meter(torch.device("cpu"))
+    meter.add_micro(torch.tensor(1.0), 2**25)
+    meter.add_step(torch.tensor(0.0), torch.tensor(False), None)
+    meter.flush_window()
+    meter.add_micro(torch.tensor(0.125), 1)
+    meter.add_step(torch.tensor(0.0), torch.tensor(False), None)
+    assert meter.flush_window()["loss"] == 0.125
+
+
+def test_state_dict_marks_are_cpu_copies_under_the_keys_load_reads():
+    # The checkpoint holds copies (a writer may run while training goes on), and only the keys
+    # a mark has: load_state_dict puts each mark back as it was saved.
+    meter = Meter(torch.device("cpu"))
+    _step(meter, True)
+    state = meter.state_dict()
+    for name in ("window_mark", "epoch_mark"):
+        mark = state[name]
+        assert set(mark) == {"totals", "samples", "steps", "train_seconds"}
+        assert mark["totals"].device.type == "cpu"
+        assert mark["totals"] is not getattr(meter, name)["totals"]
+
+
+def test_a_checkpoint_from_before_token_sums_loads_with_zero_tokens():
+    # Older checkpoints hold three totals (loss_sum, clipped, skipped): tokens start at 0.
+    meter = Meter(torch.device("cpu"))
+    _step(meter, True)
+    state = meter.state_dict()
+    state["totals"] = state["totals"][:3]
+    for name in ("window_mark", "epoch_mark"):
+        state[name]["totals"] = state[name]["totals"][:3]
+    resumed = Meter(torch.device("cpu"))
+    resumed.load_state_dict(state)
+    assert resumed.tokens.item() == 0
+    _step(resumed, False)
+    row = resumed.flush_window()
+    assert row["loss"] == 1.0 and row["clipped"] == 1 and "tokens_per_s" not in row
