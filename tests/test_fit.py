@@ -49,3 +49,13 @@ def test_run_threads_0_leaves_torch_s_default_and_records_it(tmp_path):
 def test_negative_run_threads_is_refused_with_its_key():
     with pytest.raises(ConfigError, match=r"run\.threads.*must be >= 0"):
         ironloop.Config().with_overrides({"run.threads": -1})
+
+
+def test_results_final_val_acc_is_the_last_epochs_and_best_val_acc_the_highest(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1), cfg(tmp_path))
+    epochs = [json.loads(line) for line in
+              (tmp_path / "run/epochs.jsonl").read_text().splitlines()]
+    accs = [r["val_acc"] for r in epochs]
+    assert len(accs) == 2
+    assert result.results["final_val_acc"] == accs[-1]
+    assert result.results["best_val_acc"] == max(accs)
