@@ -43,6 +43,9 @@ def test_hooks_fire_in_the_documented_order_with_their_metrics(tmp_path):
     assert evals[0]["step"] == 7 and "val_loss" in evals[0] and "val_acc" in evals[0]
     epochs = [m for n, m in rec.calls if n == "epoch"]
     assert epochs[1]["epoch"] == 2 and epochs[1]["val_loss"] == evals[1]["val_loss"]
+    saves = [m for n, m in rec.calls if n == "checkpoint"]  # the epoch ends' checkpoints
+    assert [(m["step"], m["epoch"]) for m in saves] == [(7, 1), (14, 2)]
+    assert all(set(m) == {"step", "epoch", "best"} for m in saves)
     assert rec.calls[-1][1]["step"] == 14
 
 
