@@ -126,6 +126,13 @@ def test_newest_of_files_and_directories_wins(tmp_path):
     save_atomic(_state(7), tmp_path / "step-00000007.pt")  # e.g. resumed on one process
     path, state = sharded.latest_any(tmp_path, pytest.fail)
     assert path.name == "step-00000007.pt" and state["progress"]["step"] == 7
+    # and the other way round: a file run resumed under FSDP continues with directories
+    other = tmp_path / "other"
+    other.mkdir()
+    save_atomic(_state(3), other / "step-00000003.pt")
+    _save(sharded.ShardedCheckpointManager(other, keep_last=1), 7)
+    path, state = sharded.latest_any(other, pytest.fail)
+    assert path.suffix == ".dcp" and state["progress"]["step"] == 7
 
 
 def test_on_another_world_size_every_rank_gets_rank_0s_counters_and_its_own_rng(
