@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import shutil
 import stat
 import sys
 import threading
@@ -352,6 +353,34 @@ def test_manager_keep_last_zero_writes_only_last(tmp_path):
     assert listing(tmp_path) == ["best.pt", "last.pt"]
     assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
     assert load_verified(tmp_path / "best.pt")["progress"]["step"] == 1
+
+
+def test_a_failed_last_pt_link_or_copy_names_it_and_keeps_the_previous_one(tmp_path,
+                                                                            monkeypatch):
+    # No hard links here (os.link fails), and the copy then fills the disk.
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr.save(small_state(1), 1)
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "link", fail)
+    monkeypatch.setattr(shutil, "copyfileobj", fail)
+    with pytest.raises(CheckpointError, match="free disk space") as info:
+        mgr.save(small_state(2), 2)
+    monkeypatch.undo()
+    assert str(tmp_path / "last.pt") in str(info.value)
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 1
+    assert not [n for n in listing(tmp_path) if ".tmp-" in n]  # no temp file left behind
+
+
+def test_discard_after_deletes_newer_step_files_and_killed_writers_temp_files(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    for step in (2, 4, 6):
+        mgr.save(small_state(step), step)
+    (tmp_path / ".step-00000008.pt.tmp-123-0").write_bytes(b"partial")  # a killed writer's
+    assert mgr.discard_after(4) == [tmp_path / "step-00000006.pt"]
+    assert listing(tmp_path) == ["last.pt", "step-00000002.pt", "step-00000004.pt"]
 
 
 def test_async_snapshot_and_errors(tmp_path, monkeypatch):
