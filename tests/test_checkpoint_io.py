@@ -185,12 +185,15 @@ def test_truncated_file_is_damaged(tmp_path, cut):
     assert str(path) in str(info.value) and isinstance(info.value, UserError)
 
 
-def test_missing_and_foreign_files(tmp_path):
+def test_missing_foreign_and_unreadable_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_verified(tmp_path / "nope.pt")
     torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not an ironloop checkpoint"):
         load_verified(tmp_path / "foreign.pt")
+    (tmp_path / "dir.pt").mkdir()  # unreadable as a file: named, with what to check
+    with pytest.raises(CheckpointError, match=r"could not read checkpoint .*dir\.pt: Is a dir"):
+        load_verified(tmp_path / "dir.pt")
 
 
 @pytest.mark.parametrize("where", ["write", "fsync"])
