@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import ironloop
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
-from ironloop.errors import CheckpointError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.state import io as ckpt_io
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -204,3 +204,32 @@ def test_a_resume_after_a_rollback_keeps_skipping_the_poisoned_window(tmp_path):
     skips = [torch.load(d / "checkpoints" / "last.pt", weights_only=True)["guard"]["skip"]
              for d in (tmp_path / "run", tmp_path / "b")]
     assert skips[0] == skips[1] and len(skips[0]) == 32
+
+
+def test_a_resumed_run_restores_the_best_weights_from_best_pt_at_its_end(tmp_path):
+    # min_delta so large that only the first evaluation is a best (step 7): the resumed process
+    # never sees a new best itself, so the final weights must come back from best.pt.
+    conf = cfg(tmp_path, train__epochs=3, early_stop__patience=10, early_stop__min_delta=100.0)
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), {**conf, "train.max_steps": 10})
+    best = ckpt_io.load_verified(tmp_path / "run" / "checkpoints" / "best.pt")
+    assert best["progress"]["step"] == 7
+    res = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), conf, resume=True,
+                       allow_config_change=True)
+    assert res.results["steps"] == 21 and res.results["restored_best"]
+    for k, v in best["model"].items():
+        assert torch.equal(res.model.state_dict()[k], v)
+    final = load_file(tmp_path / "run" / "final.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in best["model"].items())
+
+
+def test_a_fresh_run_over_a_run_dir_with_checkpoints_but_no_log_line_is_refused(tmp_path):
+    # A run killed after a checkpoint but before its first log line (log.every_steps larger
+    # than checkpoint.every_steps): its checkpoints alone are a run to resume, not to overwrite.
+    conf = cfg(tmp_path, train__epochs=1, checkpoint__every_steps=2, train__max_steps=3)
+    ironloop.fit(tiny_mlp(), blobs(), None, conf)
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").unlink()
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(UserError, match="already holds a run; pass --resume"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
