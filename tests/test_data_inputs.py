@@ -173,6 +173,12 @@ def test_a_hugging_face_dataset_trains_like_the_same_tensors(tmp_path):
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
 
 
+def test_a_users_own_class_named_dataset_is_a_torch_dataset_not_a_hugging_face_one(tmp_path):
+    # Only datasets.Dataset (module datasets.*) gets the HF treatment (with_format, .format).
+    Dataset = type("Dataset", (Indexed,), {})  # noqa: N806 - the name is the point
+    assert served(Dataset(32), tmp_path, data__shuffle=False) == list(range(32))
+
+
 def test_the_preflight_doctor_takes_dataloaders_from_a_factory(tmp_path):
     from ironloop.config import Config
     from ironloop.tools.doctor.run import check, subject
