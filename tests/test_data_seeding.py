@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
+import ironloop
 from ironloop.data.loader import EpochSampler, make_loader
-from tests.conftest import REPO, train_or_kill
+from tests.conftest import REPO, cfg, train_or_kill
 
 AUGMENTED = '''
 import random
@@ -81,6 +83,29 @@ def test_a_samples_randomness_depends_on_seed_epoch_and_index_only():
     assert torch.equal(torch.get_rng_state(), before)  # the training's own stream is untouched
     # Without per-sample seeds the draws depend on where the sample is loaded.
     assert not torch.equal(batches(0, False), batches(2, False))
+
+
+def _served(run_dir: Path, extra_draws: int, **overrides) -> torch.Tensor:
+    """The samples fit() trains on over two epochs, its step drawing ``extra_draws`` numbers
+    from torch's global stream (as dropout would)."""
+    seen: list[torch.Tensor] = []
+
+    def step(model, batch):
+        seen.append(batch.clone())
+        torch.rand(extra_draws)
+        return model(batch).mean(), {}
+
+    ironloop.fit(nn.Linear(2, 1), Noisy(), None,
+                 cfg(run_dir, train__batch_size=4, checkpoint__enabled=False, **overrides),
+                 step_fn=step)
+    return torch.cat(seen)
+
+
+def test_fit_seeds_each_sample_by_default_so_what_the_step_draws_changes_no_sample(tmp_path):
+    assert torch.equal(_served(tmp_path / "a", 0), _served(tmp_path / "b", 5))
+    # data.seed_samples=false: the samples draw from the same stream as the step
+    off = {"data__seed_samples": False}
+    assert not torch.equal(_served(tmp_path / "c", 0, **off), _served(tmp_path / "d", 5, **off))
 
 
 def _train(tmp_path: Path, run_dir: Path, workers: int, kill_at: int | None = None) -> None:
