@@ -95,6 +95,40 @@ def test_advice_names_the_bottleneck():
     assert any("set optim.fused=true" in a for a in advice(slow_opt, PLAIN))
     stall = {**balanced, "checkpoint": 3.0}
     assert any("set checkpoint.async=true" in a for a in advice(stall, PLAIN))
+    # host-to-device copies over a tenth of step time: on CUDA, the copy's own advice
+    copies = {**balanced, "copy": 0.4}
+    (line,) = advice(copies, RunSettings(device="cuda", cores=2, optimizer="fused"))
+    assert line.startswith("host-to-device copies are 15% of step time: set data.pin_memory")
+    (line,) = advice(copies, RunSettings(device="cuda", cores=2, optimizer="fused",
+                                         pin_memory=True))
+    assert "keep the dataset on the device" in line
+    assert advice(copies, RunSettings(device="cpu", cores=2, optimizer="fused")) == []
+
+
+def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
+    split = {"data": 1.0, "copy": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 2.0,
+             "checkpoint": 0.0, "validation": 0.0, "other": 0.0}
+    text = timing.table(split, 10, torch.device("cuda"), True, PLAIN)
+    assert "synchronized around forward/backward" in text
+    assert "  GPU compute (forward + backward): 66.7% of step time" in text.splitlines()
+    assert "GPU compute" not in timing.table(split, 10, torch.device("cuda"), False, PLAIN)
+
+
+def test_profile_sync_is_handed_to_the_step_timer(tmp_path, monkeypatch):
+    # The timer synchronizes only on CUDA; on any device it must be told what was asked for.
+    from ironloop.engine import build
+
+    asked = []
+
+    class Spy(StepTimer):
+        def __init__(self, device, enabled=True, sync=False, *args, **kwargs):
+            asked.append(sync)
+            super().__init__(device, enabled, sync, *args, **kwargs)
+
+    monkeypatch.setattr(build, "StepTimer", Spy)
+    ironloop.fit(tiny_mlp(), blobs(64), None,
+                 cfg(tmp_path, train__epochs=1, profile__sync=True, checkpoint__enabled=False))
+    assert asked == [True]
 
 
 #: Every part a bottleneck: each advice line is called for.
