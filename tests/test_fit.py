@@ -4,12 +4,15 @@ back."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ironloop
 from ironloop.callbacks import Callback
+from ironloop.engine.fit import settings_of
+from ironloop.engine.timing import advice
 from ironloop.errors import ConfigError
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -59,3 +62,16 @@ def test_results_final_val_acc_is_the_last_epochs_and_best_val_acc_the_highest(t
     assert len(accs) == 2
     assert result.results["final_val_acc"] == accs[-1]
     assert result.results["best_val_acc"] == max(accs)
+
+
+def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypatch):
+    # The CUDA path without a GPU: settings_of reads the device and torch's bf16 support.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    run = SimpleNamespace(cfg=ironloop.Config(), step=SimpleNamespace(
+        device=torch.device("cuda"), optimizer=opt, precision="fp32"))
+    compute_bound = {"data": 0.0, "copy": 0.0, "forward": 4.0, "backward": 5.0,
+                     "optimizer": 1.0, "checkpoint": 0.0, "validation": 0.0, "other": 0.0}
+    assert any("train.precision=bf16" in a for a in advice(compute_bound, settings_of(run)))
+    run.step.device = torch.device("cpu")
+    assert not any("bf16" in a for a in advice(compute_bound, settings_of(run)))
