@@ -190,6 +190,15 @@ def test_lbfgs_with_accumulation_is_refused_at_build_time_saying_why(tmp_path):
                      optimizer=lambda p: torch.optim.LBFGS(p))
 
 
+def test_lbfgs_with_a_stateful_step_is_refused_at_build_time_saying_why(tmp_path):
+    # a TBPTT step carries its hidden state: each closure call would move it again
+    ids, vocab = om.text_tokens()
+    with pytest.raises(ConfigError, match="LBFGS takes a closure .*a stateful step"):
+        ironloop.fit(ex.model(vocab, dim=8, hidden=12), ContiguousStreams(ids, 4, 7), None,
+                     cfg(tmp_path, train__batch_size=4, data__shuffle=False),
+                     step_fn=ex.step, optimizer=lambda p: torch.optim.LBFGS(p))
+
+
 # --- 4. the doctor on language models ----------------------------------------------------------
 
 def test_the_overfit_check_judges_a_language_model_against_its_unigram_entropy():
