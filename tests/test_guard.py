@@ -240,6 +240,18 @@ def test_inf_gradients_are_gradscalers_skip_under_fp16_and_a_guard_event_otherwi
         assert result.results["bad_steps"] == 1 and len(metrics) == 7
 
 
+def test_a_resume_drops_the_guard_lines_past_its_checkpoint_so_none_is_written_twice(tmp_path):
+    # Each guard.jsonl line is numbered ("n"); the checkpoint holds the count, and a resume
+    # keeps the lines up to it: the redone bad step at 5 is written once, as it was.
+    conf = cfg(tmp_path, train__epochs=1, checkpoint__every_steps=3, checkpoint__keep_last=10,
+               fault__nan_at_step=[2, 5])
+    ironloop.fit(tiny_mlp(), blobs(), None, conf)
+    ironloop.fit(tiny_mlp(), blobs(), None, conf,
+                 resume=str(tmp_path / "run" / "checkpoints" / "step-00000003.pt"))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
+    assert [(r.get("n"), r["step"]) for r in rows] == [(1, 2), (2, 5)]
+
+
 def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only():
     from torch.utils.data import TensorDataset
 
