@@ -531,6 +531,15 @@ def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
     assert again.state_dict() == stats
 
 
+def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
+    # "meta" stands in for CUDA: a counter left on the CPU could not index the device's ring.
+    from ironloop.guard.verdict import Verdict
+
+    verdict = Verdict(torch.device("meta"), torch.float64, 4, 6, 3)
+    verdict.load_state_dict({"losses": [1.0, 1.1], "norms": [2.0, 2.1], "good": 5})
+    assert {t.device.type for t in (verdict.ring, verdict.filled, verdict.good)} == {"meta"}
+
+
 def _verdict_and_guard(factor: float, window: int, warmup: int):
     from types import SimpleNamespace
 
