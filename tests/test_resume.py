@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 import ironloop
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
+from ironloop.engine.progress import Meter
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state import io as ckpt_io
+from ironloop.state.resume import rank_meter
 from tests.conftest import blobs, cfg, tiny_mlp
 
 
@@ -233,3 +235,23 @@ def test_a_fresh_run_over_a_run_dir_with_checkpoints_but_no_log_line_is_refused(
     with pytest.raises(UserError, match="already holds a run; pass --resume"):
         ironloop.fit(tiny_mlp(), blobs(), None, conf)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_a_two_rank_meter_resumed_on_one_process_sums_the_ranks_losses_and_samples():
+    # Each rank's own sums ride in the checkpoint ("ranks"); on one process rank 0 takes them
+    # all, and the counts every rank shares (steps, training time) come from rank 0.
+    states = []
+    for loss, n, seconds in ((1.0, 4, 10.0), (3.0, 4, 12.0)):
+        meter = Meter(torch.device("cpu"))
+        meter.add_micro(torch.tensor(loss), n)
+        meter.add_step(torch.tensor(0.5), torch.tensor(False), None)
+        state = meter.state_dict()
+        states.append({**state, "train_seconds": seconds})
+    saved = {**states[0], "ranks": states}  # rank 0 writes the checkpoint
+    merged = rank_meter(saved, 0, 1)
+    assert merged["samples"] == 8 and merged["totals"][0].item() == 16.0
+    assert merged["train_seconds"] == 10.0 and merged["steps"] == 1
+    resumed = Meter(torch.device("cpu"))
+    resumed.load_state_dict(merged)
+    assert resumed.flush_epoch()["train_loss"] == 2.0  # the mean over both ranks' samples
+    assert rank_meter(saved, 1, 2) == states[1]  # the same world size: each rank its own
