@@ -6,6 +6,7 @@ standalone server, started here on 127.0.0.1 (no other network is needed), throu
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,9 +28,9 @@ from ironloop import fit
 from ironloop.callbacks import Callback
 from ironloop.errors import UserError
 from ironloop.outputs.readers import read_jsonl
-from ironloop.state import dcp as sharded
+from ironloop.state import dcp as sharded, remote as remote_module
 from ironloop.state.export import export_run
-from ironloop.state.io import file_digest
+from ironloop.state.io import file_digest, save_atomic
 from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
 from ironloop.state.rundir import RUN_OUTPUTS
 from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
@@ -430,6 +431,27 @@ def test_pending_uploads_finish_within_the_wait_at_the_end(tmp_path, flaky, caps
     out = capsys.readouterr().out
     assert f"the newest step {STEPS}" in out and "unfinished" not in out
     assert open_remote(flaky).manifests()[-1] == STEPS
+
+
+def test_a_staging_folder_that_cannot_be_deleted_never_stops_the_uploads(tmp_path, monkeypatch):
+    # e.g. a busy file on NFS: the upload thread leaves the folder and takes the next job.
+    def busy(path, ignore_errors=False, **kwargs):
+        if not ignore_errors:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+
+    monkeypatch.setattr(remote_module.shutil, "rmtree", busy)
+    url = f"file://{tmp_path}/remote"
+    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=5,
+                    wait_s=3.0)
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    for step in (1, 2):
+        path = tmp_path / "ckpt" / f"step-{step:08d}.pt"
+        save_atomic({"progress": {"step": step}}, path)
+        mirror.push(step, {path.name: path}, "file", best=False)
+        deadline = time.monotonic() + 3.0
+        while step not in mirror.uploaded and time.monotonic() < deadline:
+            time.sleep(0.01)  # one at a time: a queued older step would be superseded
+    assert mirror.close() == f"remote: 2 checkpoint(s) uploaded to {url}, the newest step 2"
 
 
 # ------------------------------------------------------------------------------- sharded --
