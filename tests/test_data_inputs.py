@@ -175,8 +175,8 @@ def test_a_hugging_face_dataset_trains_like_the_same_tensors(tmp_path):
 
 def test_a_users_own_class_named_dataset_is_a_torch_dataset_not_a_hugging_face_one(tmp_path):
     # Only datasets.Dataset (module datasets.*) gets the HF treatment (with_format, .format).
-    Dataset = type("Dataset", (Indexed,), {})  # noqa: N806 - the name is the point
-    assert served(Dataset(32), tmp_path, data__shuffle=False) == list(range(32))
+    own = type("Dataset", (Indexed,), {})  # a class named Dataset, in this test's module
+    assert served(own(32), tmp_path, data__shuffle=False) == list(range(32))
 
 
 def test_the_preflight_doctor_takes_dataloaders_from_a_factory(tmp_path):
