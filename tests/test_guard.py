@@ -531,6 +531,27 @@ def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
     assert again.state_dict() == stats
 
 
+def test_an_fp16_overflow_on_two_devices_at_once_still_skips_the_fused_step():
+    # GradScaler keeps one overflow flag per device; torch's fused kernels skip a step only when
+    # found_inf is exactly 1, so the merged flag must not read 2.
+    from ironloop.guard.verdict import masked_step
+
+    class TwoDeviceScaler:  # the GradScaler parts masked_step uses, for a model on 2 GPUs
+        _scale, _growth_tracker = torch.tensor(1024.0), torch.tensor(0)
+
+        def _found_inf_per_device(self, optimizer):
+            return {"cuda:0": torch.tensor(1.0), "cuda:1": torch.tensor(1.0)}
+
+        def update(self):
+            pass
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    masked_step(opt, TwoDeviceScaler(), torch.tensor(True), torch.tensor(0.0))
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
 def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
     # "meta" stands in for CUDA: a counter left on the CPU could not index the device's ring.
     from ironloop.guard.verdict import Verdict
