@@ -105,6 +105,19 @@ def test_every_directory_damaged_is_an_error_naming_them(tmp_path):
         sharded.latest_valid(tmp_path, lambda m: None)
 
 
+def test_a_save_over_a_killed_writers_temp_directory_commits_only_its_own_files(tmp_path):
+    """A SIGKILL mid-write leaves .step-N.tmp/ behind; the next save of that step (a resume
+    that redoes it) starts the directory afresh, so no stale shard is committed with it."""
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    stale = tmp_path / f".{sharded.step_name(4)}.tmp"
+    stale.mkdir()
+    (stale / "__9_0.distcp").write_bytes(b"a killed writer's shard")
+    _save(manager, 4)
+    committed = tmp_path / "step-00000004.dcp"
+    assert not (committed / "__9_0.distcp").exists() and not stale.exists()
+    assert sharded.verify(committed) == 4
+
+
 def test_keep_last_retention(tmp_path):
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2, 3, 4):

@@ -457,7 +457,9 @@ def test_a_staging_folder_that_cannot_be_deleted_never_stops_the_uploads(tmp_pat
 # ------------------------------------------------------------------------------- sharded --
 def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
-    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')  # the run's log, as rank 0 has it
+    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1,
+                    logs_from=tmp_path)
     manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=0, mirror=mirror)
     model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -475,6 +477,8 @@ def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path, capsys):
     assert manifest["kind"] == "dcp"
     assert {"step-00000006.dcp/.metadata", "step-00000006.dcp/manifest.json",
             "step-00000006.dcp/extras-rank0.pt"} <= set(manifest["files"])
+    # a sharded run's logs travel with its checkpoint as a .pt run's do
+    assert set(manifest["logs"]) == {"logs/step-00000006/metrics.jsonl"}
     got = fetch_newest(remote, tmp_path / "new" / "checkpoints", -1, print)
     assert got is not None and sharded.verify(got) == 6
 
