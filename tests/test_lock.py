@@ -115,6 +115,25 @@ def test_a_worker_that_inherited_the_lock_does_not_keep_it_after_the_holder_lets
         pass
 
 
+def test_the_lock_ends_with_the_holder_whatever_copies_of_its_descriptor_live_on(tmp_path):
+    """Forked children close their copy (os.register_at_fork), but a copy can also outlive the
+    holder without a fork in Python: a program started with the descriptor passed (pass_fds),
+    or one forked by native code. flock belongs to the open file description all copies share,
+    so the holder unlocks it (LOCK_UN) before closing: closing alone would leave it held."""
+    with lock.hold(tmp_path):
+        lock.claim(tmp_path)  # a run that wrote there: its lock file stays after it
+        fd = lock._held[tmp_path.absolute() / lock.LOCK_NAME][0]
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 pass_fds=(fd,), stdin=subprocess.PIPE)
+    try:
+        assert child.poll() is None  # the copy of the descriptor lives on in the child
+        with lock.hold(tmp_path):
+            pass
+    finally:
+        child.stdin.close()  # the child reads EOF and exits
+        child.wait(timeout=TIMEOUT)
+
+
 @pytest.mark.slow
 def test_the_cli_refused_by_a_held_run_dir_exits_2_and_touches_nothing(tmp_path, holders,
                                                                         capsys, monkeypatch):
