@@ -442,9 +442,10 @@ def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
 
 # --- the lagged verdict (issue 20) -------------------------------------------------------------
 
-def poisoned_calls(calls: set[int]):
+def poisoned_calls(calls: set[int], detached: bool = False):
     """A step whose n-th training call (1-based) returns a NaN loss, whatever the step count:
-    unlike fault.nan_at_step it does not make every step a settle point."""
+    unlike fault.nan_at_step it does not make every step a settle point. ``detached`` adds the
+    NaN as a term with no graph, so the gradients stay finite."""
     count = [0]
 
     def step(model, batch):
@@ -453,7 +454,7 @@ def poisoned_calls(calls: set[int]):
         if model.training:
             count[0] += 1
             if count[0] in calls:
-                loss = loss * float("nan")
+                loss = loss + torch.tensor(float("nan")) if detached else loss * float("nan")
         return loss, {}
 
     return step
@@ -611,19 +612,8 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_reported(tmp_path
     """A detached non-finite term (a logged auxiliary, a NaN constant) leaves every gradient
     finite: the verdict must still read the loss, skip the step and keep the NaN out of the
     logged means."""
-    calls = [0]
-
-    def step(m, batch):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(m(x), y)
-        if m.training:
-            calls[0] += 1
-            if calls[0] == 3:
-                loss = loss + torch.tensor(float("nan"))  # no graph: the grads stay finite
-        return loss, {}
-
     result = ironloop.fit(tiny_mlp(), *split(), cfg(tmp_path, train__epochs=1),
-                          step_fn=step, overwrite=True)
+                          step_fn=poisoned_calls({3}, detached=True), overwrite=True)
     run_dir = tmp_path / "run"
     (line,) = rows(run_dir / "guard.jsonl")
     assert (line["step"], line["reason"]) == (3, "nonfinite_loss")
