@@ -97,11 +97,11 @@ def _epochs(tmp: Path) -> list[dict]:
 def sync_check(precision: str, tmp: Path) -> dict:
     """Arm sync debug mode "error" on plain steps only; any sync there raises."""
     from ironloop.engine import loop
+    from ironloop.engine.run import Run
+    from ironloop.engine.train_module import TrainModule
 
     armed = {"steps": 0}
-    from ironloop.engine.trainstep import TrainStep
-
-    originals = loop.after_step, loop.settle, TrainStep.optimizer_step
+    originals = loop.after_step, Run.settle, TrainModule.optimizer_step
 
     def arm():
         torch.cuda.set_sync_debug_mode("error")
@@ -115,7 +115,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
         armed["steps"] += 1
 
     def after_step(run, bar):
-        if loop.due(run):
+        if run.settle_due():
             disarm()  # a settle point: the lagged read, the log line, ... are allowed syncs
         try:
             originals[0](run, bar)
@@ -124,7 +124,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
 
     def settle(run):
         disarm()
-        return originals[1](run)
+        return originals[1](run)  # type: ignore[call-arg]
 
     def step_fn(model, batch):  # the forward and backward of every micro-batch run armed
         if model.training:
@@ -132,7 +132,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
         out = model(batch[0])
         return nn.functional.cross_entropy(out, batch[1]), {}
 
-    loop.after_step, loop.settle, TrainStep.optimizer_step = after_step, settle, optimizer_step
+    loop.after_step, Run.settle, TrainModule.optimizer_step = after_step, settle, optimizer_step  # type: ignore[method-assign]
     try:
         data = Flipped(64 * 40, (3, 32, 32))
         import ironloop
@@ -149,7 +149,7 @@ def sync_check(precision: str, tmp: Path) -> dict:
                 "error": str(e)[:300], "where": traceback.format_exc().splitlines()[-6:]}
     finally:
         disarm()
-        loop.after_step, loop.settle, TrainStep.optimizer_step = originals
+        loop.after_step, Run.settle, TrainModule.optimizer_step = originals  # type: ignore[method-assign]
 
 
 def throughput(name: str, make, shape, precision: str, steps: int, tmp: Path) -> dict:

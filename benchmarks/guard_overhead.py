@@ -4,12 +4,12 @@ Two measurements, because a 1% target is below the noise of a shared machine:
 
 - end to end: one epoch of a 784-512-512-10 MLP at batch 64 through ``ironloop.fit``, guard on
   and off alternating, samples/s from epochs.jsonl (training time only);
-- in isolation: the guard's per-step work (``DeviceGuard.check`` on a good step: the verdict on
+- in isolation: the guard's per-step work (``DeviceVerdicts.check`` on a good step: the verdict on
   the device, two kernels and a ``where``, no host read; plus a tenth of ``settle``, the
   lagged read at a log step every 10 steps) timed over many calls, as a fraction of the median
   step time measured above. This is the figure the target applies to.
 
-On CUDA the check reads nothing either (see guard/hook.py); this script measures CPU.
+On CUDA the check reads nothing either (see guard/reporter.py); this script measures CPU.
 
     .venv/bin/python benchmarks/guard_overhead.py [--quick]
 """
@@ -32,10 +32,10 @@ from torch import nn
 import ironloop
 from ironloop.config import GuardConfig
 from ironloop.data.loader import TensorData
-from ironloop.dist.world import World
 from ironloop.engine.progress import Meter, Progress
-from ironloop.guard.hook import GuardHook
-from ironloop.guard.verdict import device_guard
+from ironloop.guard.reporter import GuardReporter
+from ironloop.guard.verdict import device_verdicts
+from ironloop.parallel.world import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import summary
@@ -60,26 +60,29 @@ def _epoch(data: TensorData, guard: bool, tmp: Path, rep: int) -> float:
 
 
 def _check_seconds(calls: int) -> float:
-    """Seconds per DeviceGuard.check on a good step, with the settle of every 10th step (a log
+    """Seconds per DeviceVerdicts.check on a good step, with the settle of every 10th step (a log
     step's lagged read) shared out, with a real Meter."""
     meter, world, progress = Meter(torch.device("cpu")), World(), Progress()
-    device = device_guard(GuardConfig(), meter.loss_sum.device, meter.loss_sum.dtype)
-    hook = GuardHook(GuardConfig(), Path("."), False, device, meter=meter, progress=progress,
-                     data=None, model=torch.nn.Linear(1, 1), world=world, state=None,
-                     accumulation=1)
+    device = device_verdicts(GuardConfig(), meter.loss_sum.device, meter.loss_sum.dtype)
+    reporter = GuardReporter(GuardConfig(), Path("."), device, False, 1, "")
+    model = torch.nn.Linear(1, 1)
+
+    def settle():  # the good path reads neither the data nor the run (owner)
+        return reporter.settle(meter, progress, None, model, world, None)  # type: ignore[arg-type]
+
     device.rebase(meter, 0)
     loss, norm = torch.tensor(0.5), torch.tensor(1.3)
     for _ in range(100):  # warm-up
         meter.add_micro(loss, 64)
         device.check(meter, norm, 0, None, world)
-    hook.settle()
+    settle()
     total = 0.0
     for i in range(calls):
         meter.add_micro(loss, 64)  # the loop's own work, not timed
         t = time.perf_counter()
         device.check(meter, norm, 0, None, world)
         if i % 10 == 9:
-            attempts, bad = hook.settle()  # the log step's read of ten verdicts
+            attempts, bad = settle()  # the log step's read of ten verdicts
             assert attempts == 10 and not bad
         total += time.perf_counter() - t
     return total / calls

@@ -140,7 +140,7 @@ def test_a_checkpoint_without_an_average_resumes_with_a_fresh_one(tmp_path):
 
     class Before(Callback):
         def on_train_start(self, run, row):
-            self.avg = {k: v.clone() for k, v in run._run.step.average.module.state_dict()
+            self.avg = {k: v.clone() for k, v in run._run.module.average.module.state_dict()
                         .items()}
 
     before = Before()

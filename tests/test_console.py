@@ -17,7 +17,7 @@ from tests.conftest import REPO, run_cli
 
 
 def plan(epochs=10, total_steps=160, steps_per_epoch=23):
-    return console.Plan(total_steps, steps_per_epoch, epochs, window=64)
+    return console.RunPlan(total_steps, steps_per_epoch, epochs, window=64)
 
 
 AT = SimpleNamespace(step=46, epoch=2, offset=64 * 5)  # 5 steps into epoch 3

@@ -19,9 +19,9 @@ import ironloop
 from ironloop.cli import main
 from ironloop.data.loader import EpochSampler, TensorData
 from ironloop.engine import loop
-from ironloop.engine.trainstep import TrainStep
-from ironloop.guard.decide import Guard
-from ironloop.guard.hook import lr_scaled
+from ironloop.engine.train_module import TrainModule
+from ironloop.guard.decide import GuardPolicy
+from ironloop.guard.reporter import lr_scaled
 from ironloop.state.io import load_verified
 from ironloop.tools.report import summarize
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
@@ -37,10 +37,10 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-# --- Guard: pure decisions ------------------------------------------------------------------
+# --- GuardPolicy: pure decisions ------------------------------------------------------------------
 
 def test_nonfinite_loss_or_grad_is_bad_and_only_bad_steps_ask_for_the_window():
-    g = Guard(max_bad_steps=3)
+    g = GuardPolicy(max_bad_steps=3)
     asked = []
     window = lambda: asked.append(1) or [7, 8]  # noqa: E731
     assert g.observe(1, 0.5, 1.0, window) is None
@@ -54,7 +54,7 @@ def test_nonfinite_loss_or_grad_is_bad_and_only_bad_steps_ask_for_the_window():
 
 
 def test_rollback_after_max_bad_steps_then_stop_after_max_rollbacks():
-    g = Guard(max_bad_steps=2, max_rollbacks=2, lr_backoff=0.5)
+    g = GuardPolicy(max_bad_steps=2, max_rollbacks=2, lr_backoff=0.5)
     for rollback in (1, 2):
         g.observe(5, math.nan, 1.0, lambda r=rollback: [r, 10])
         assert not g.must_roll_back
@@ -71,7 +71,7 @@ def test_rollback_after_max_bad_steps_then_stop_after_max_rollbacks():
 
 
 def test_spike_detection_skips_warmup_and_never_learns_bad_values():
-    g = Guard(max_bad_steps=100, spike_factor=6, spike_window=20, spike_warmup=5)
+    g = GuardPolicy(max_bad_steps=100, spike_factor=6, spike_window=20, spike_warmup=5)
     for i in range(5):  # warm-up: huge values, kept out of the statistic
         assert g.observe(i, 100.0, 100.0) is None
     assert g.losses == []
@@ -86,10 +86,10 @@ def test_spike_detection_skips_warmup_and_never_learns_bad_values():
 
 
 def test_state_dict_round_trip_gives_the_same_decisions():
-    a = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
+    a = GuardPolicy(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     for i, v in enumerate([1.0, 1.1, 0.9, 1.0, math.nan]):
         a.observe(i, v, 1.0, lambda i=i: [i])
-    b = Guard(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
+    b = GuardPolicy(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # plain values only
     assert b.state_dict() == a.state_dict()
     for v in (9.0, math.nan, 1.0):
@@ -164,34 +164,34 @@ def test_nan_at_step_is_skipped_logged_and_costs_one_window(tmp_path):
 
 def test_a_bad_step_changes_no_parameter_optimizer_state_or_schedule(tmp_path, monkeypatch):
     seen = []
-    step, after = TrainStep.optimizer_step, loop.after_step
+    step, after = TrainModule.optimizer_step, loop.after_step
     runs = []
 
     def snap(run):
-        s = run.step
+        s = run.module
         return ({k: v.clone() for k, v in s.raw_model.state_dict().items()},
                 json.dumps(str(s.optimizer.state_dict())), s.scheduler.last_epoch,
-                run.counters.progress.step, run.counters.meter.steps)
+                run.progress.step, run.meter.steps)
 
     def spy_step(self, progress, meter, world, *closure):
-        seen.append((snap(runs[0]), runs[0].guard.policy.bad_steps))
+        seen.append((snap(runs[0]), runs[0].guard.totals()["bad_steps"]))
         step(self, progress, meter, world, *closure)
 
     def spy_after(run, bar):
         after(run, bar)  # log.every_steps=1: every step settles here
         before, bad = seen.pop()
-        if run.guard.policy.bad_steps > bad:  # this attempt was bad: nothing may have changed
+        if run.guard.totals()["bad_steps"] > bad:  # this attempt was bad: nothing may have changed
             now = snap(run)
             assert all(torch.equal(before[0][k], now[0][k]) for k in before[0])
             assert before[1:] == now[1:]
-            seen.append(run.counters.progress.step)
+            seen.append(run.progress.step)
 
     def spy_epoch(run):
         runs[:] = [run]
         return train_epoch(run)
 
     train_epoch = loop.train_epoch
-    monkeypatch.setattr(TrainStep, "optimizer_step", spy_step)
+    monkeypatch.setattr(TrainModule, "optimizer_step", spy_step)
     monkeypatch.setattr(loop, "after_step", spy_after)
     monkeypatch.setattr(loop, "train_epoch", spy_epoch)
     ironloop.fit(tiny_mlp(), blobs(n=256), None,
@@ -505,14 +505,14 @@ def test_a_bad_step_settled_after_good_ones_is_reported_with_its_own_step_number
 
 def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
     """verdict.py computes the spike test on the device; its decisions and its statistics match
-    the pure Guard's, step by step, on a noisy series with spikes and NaNs."""
+    the pure GuardPolicy's, step by step, on a noisy series with spikes and NaNs."""
     from types import SimpleNamespace
 
-    from ironloop.guard.verdict import Verdict
+    from ironloop.guard.verdict import StepJudge
 
     world = SimpleNamespace(distributed=False)
-    pure = Guard(max_bad_steps=100, spike_factor=4, spike_window=6, spike_warmup=3)
-    device = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    pure = GuardPolicy(max_bad_steps=100, spike_factor=4, spike_window=6, spike_warmup=3)
+    device = StepJudge(torch.device("cpu"), torch.float64, 4, 6, 3)
     rng = random.Random(1)
     zero = torch.zeros((), dtype=torch.float64)
     for i in range(60):
@@ -521,13 +521,13 @@ def test_device_spike_verdict_agrees_with_the_pure_guard_and_round_trips():
             loss *= 5
         if i % 17 == 16:
             norm = math.nan
-        ok = device.judge(torch.tensor(loss, dtype=torch.float64), zero,
+        ok = device.verdict(torch.tensor(loss, dtype=torch.float64), zero,
                           torch.tensor(norm), 1, None, world)
         assert bool(ok) == (pure.observe(i, loss, norm) is None), i
     stats = device.state_dict()
     assert stats["good"] == pure.good
     assert stats["losses"] == pytest.approx(pure.losses, rel=1e-6)
-    again = Verdict(torch.device("cpu"), torch.float64, 4, 6, 3)
+    again = StepJudge(torch.device("cpu"), torch.float64, 4, 6, 3)
     again.load_state_dict(stats)
     assert again.state_dict() == stats
 
@@ -555,9 +555,9 @@ def test_an_fp16_overflow_on_two_devices_at_once_still_skips_the_fused_step():
 
 def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
     # "meta" stands in for CUDA: a counter left on the CPU could not index the device's ring.
-    from ironloop.guard.verdict import Verdict
+    from ironloop.guard.verdict import StepJudge
 
-    verdict = Verdict(torch.device("meta"), torch.float64, 4, 6, 3)
+    verdict = StepJudge(torch.device("meta"), torch.float64, 4, 6, 3)
     verdict.load_state_dict({"losses": [1.0, 1.1], "norms": [2.0, 2.1], "good": 5})
     assert {t.device.type for t in (verdict.ring, verdict.filled, verdict.good)} == {"meta"}
 
@@ -565,18 +565,18 @@ def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
 def _verdict_and_guard(factor: float, window: int, warmup: int):
     from types import SimpleNamespace
 
-    from ironloop.guard.verdict import Verdict
+    from ironloop.guard.verdict import StepJudge
 
     world = SimpleNamespace(distributed=False)
-    device = Verdict(torch.device("cpu"), torch.float64, factor, window, warmup)
+    device = StepJudge(torch.device("cpu"), torch.float64, factor, window, warmup)
     zero = torch.zeros((), dtype=torch.float64)
 
     def judge(loss: float, norm: float) -> bool:
-        ok = device.judge(torch.tensor(loss, dtype=torch.float64), zero,
+        ok = device.verdict(torch.tensor(loss, dtype=torch.float64), zero,
                           torch.tensor(norm, dtype=torch.float64), 1, None, world)
         return bool(ok)  # host read: a test
 
-    return Guard(max_bad_steps=100, spike_factor=factor, spike_window=window,
+    return GuardPolicy(max_bad_steps=100, spike_factor=factor, spike_window=window,
                  spike_warmup=warmup), device, judge
 
 
@@ -639,7 +639,7 @@ def test_the_spike_threshold_is_median_plus_factor_robust_sigmas_and_equal_is_no
 def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change():
     """The memory rollback keeps a state_dict while training goes on: a bad step after it
     must not reach into it."""
-    g = Guard(max_bad_steps=5)
+    g = GuardPolicy(max_bad_steps=5)
     g.observe(1, math.nan, 1.0, lambda: [1, 2])
     saved = g.state_dict()
     g.observe(2, math.nan, 1.0, lambda: [3, 4])

@@ -16,7 +16,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "src" / "ironloop"
 
 #: The phases, lowest first. A module may import from its own phase or a lower one.
-LAYERS = ["leaf", "data", "dist", "state", "outputs", "guard", "engine", "tools", "face"]
+LAYERS = ["leaf", "data", "parallel", "state", "outputs", "guard", "engine", "tools", "face"]
 LEAVES = {"errors", "version", "config_fields", "config", "specs", "extras", "callbacks"}
 FACE = {"__init__", "__main__", "cli"}
 MAX_TOP_LEVEL = 12
@@ -119,7 +119,8 @@ def test_the_top_level_is_the_public_face_only():
     assert set(top) <= LEAVES | FACE, set(top) - LEAVES - FACE
 
 
-@pytest.mark.parametrize("pkg", ["data", "dist", "state", "outputs", "guard", "engine", "tools"])
+@pytest.mark.parametrize("pkg", [
+    "data", "parallel", "state", "outputs", "guard", "engine", "tools"])
 def test_each_phase_is_a_subpackage(pkg):
     assert (PKG / pkg / "__init__.py").is_file()
 

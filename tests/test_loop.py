@@ -211,7 +211,7 @@ def test_evaluation_gives_the_mode_back_when_its_step_raises(tmp_path, monkeypat
         try:
             return real(run, dataset, *split)
         finally:
-            modes_at_exit.append([m.training for m in run.step.raw_model.modules()])
+            modes_at_exit.append([m.training for m in run.module.raw_model.modules()])
 
     monkeypatch.setattr(evaluate_module, "evaluate", watched)
 

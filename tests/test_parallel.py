@@ -7,9 +7,9 @@ import pytest
 from torch import nn
 
 from ironloop.config import Config
-from ironloop.dist.parallel import fsdp_blocks, resolve_strategy
-from ironloop.dist.world import World
 from ironloop.errors import ConfigError
+from ironloop.parallel.data_parallel import fsdp_blocks, resolve_strategy
+from ironloop.parallel.world import World
 
 
 class Block(nn.Module):

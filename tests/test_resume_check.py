@@ -12,7 +12,7 @@ import torch
 
 from ironloop.config import load_config
 from ironloop.errors import UserError
-from ironloop.tools.doctor.resume_check import Plan, plan_for, resume_check
+from ironloop.tools.doctor.resume_check import CheckPlan, plan_for, resume_check
 from ironloop.tools.doctor.resume_compare import (
     checkpoint_difference,
     first_step_difference,
@@ -44,7 +44,7 @@ def test_plan_kills_between_checkpoints_and_resumes_from_the_one_before():
         p = plan_for(steps)
         assert p.resume_from < p.kill < p.steps
         assert p.resume_from >= 1 and (p.every == 1 or p.kill % p.every)
-    assert plan_for(24) == Plan(24, 8, 12) and plan_for(24).resume_from == 8
+    assert plan_for(24) == CheckPlan(24, 8, 12) and plan_for(24).resume_from == 8
     with pytest.raises(UserError, match="--steps 2"):
         plan_for(2)
 

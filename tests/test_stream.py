@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_wor
 
 import ironloop
 from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
-from ironloop.guard.hook import GuardStop
+from ironloop.guard.reporter import GuardStop
 from tests.conftest import blobs, cfg, tiny_mlp
 
 pytest.importorskip("torchdata")

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import ironloop
 from ironloop.data.loader import TensorData
-from ironloop.engine.steps import IGNORE_INDEX, lm_step
+from ironloop.engine.step_fns import IGNORE_INDEX, lm_step
 from ironloop.outputs.readers import read_jsonl
 
 V, T = 10, 8

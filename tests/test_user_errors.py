@@ -180,7 +180,7 @@ def test_a_tracker_hand_over_that_cannot_be_written_is_one_line_and_leaves_no_te
 
 
 def test_resuming_past_the_runs_length_says_that_nothing_is_trained():
-    plan = console.Plan(10, 23, 3, window=64)
+    plan = console.RunPlan(10, 23, 3, window=64)
     at = SimpleNamespace(step=69, epoch=3, offset=0)
     line = console.resume_line({"from": "last.pt", "step": 69, "steps_redone": 0}, at, plan, [])
     assert "at step 69/10" in line and "Nothing to train" in line and "train.max_steps" in line
@@ -203,7 +203,7 @@ def test_a_text_file_named_like_a_checkpoint_says_what_it_is(tmp_path):
 
 
 def test_the_guard_stop_advice_fits_the_run():
-    from ironloop.guard.hook import advice
+    from ironloop.guard.reporter import advice
 
     quiet = advice(1.0, "fp32")  # clipping on already, and no fp16 to move off
     assert quiet == "Try a lower optim.lr"  # the one fix left, said in full
@@ -221,7 +221,7 @@ def test_all_nan_training_data_stops_in_one_line_instead_of_ending_with_0_steps(
 def test_consecutive_nan_at_steps_give_that_many_bad_steps_in_a_row(tmp_path):
     import json
 
-    from ironloop.guard.hook import GuardStop
+    from ironloop.guard.reporter import GuardStop
 
     with pytest.raises(GuardStop):
         ironloop.fit(tiny_mlp(), blobs(n=256), None,

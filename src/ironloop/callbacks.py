@@ -60,7 +60,7 @@ class Callback:
 
 def fire(run, hook: str, metrics: dict[str, Any]) -> None:
     """Call ``hook`` on every callback of the run, in the order they were given."""
-    for cb in run.callbacks:
+    for cb in run.hooks.callbacks:
         method = getattr(cb, hook, None)
         if method is not None:
             method(run.view, metrics)

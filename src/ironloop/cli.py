@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         # A mistake the user can fix: one line, exit 2, no traceback.
         print(f"ironloop: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)  # 3: the guard stopped the run (guard/hook.py)
+        return getattr(e, "exit_code", 2)  # 3: the guard stopped the run (guard/reporter.py)
     except Preempted as e:  # a signal stopped the run after a checkpoint: not an error
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
             print(f"ironloop: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ stream. A model that carries its hidden state from one batch to the next (a stat
 Sample ``k`` is chunk ``k // streams`` of stream ``k % streams``: ``bptt`` input tokens and the
 same tokens shifted by one, the last chunk shorter (``min(bptt, n - 1 - start)``), exactly as
 ``get_batch``. A step that returns its token count as the loss weight makes that short chunk
-count for what it holds (``ironloop.engine.steps.lm_step`` does).
+count for what it holds (``ironloop.engine.step_fns.lm_step`` does).
 
 ``PackedSequences`` cuts one long token sequence into non-overlapping blocks of ``seq_len + 1``
 (inputs and next-token targets): documents packed end to end, as GPT pre-training does.

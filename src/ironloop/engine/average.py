@@ -29,8 +29,8 @@ from torch.optim.swa_utils import (
 )
 
 from ironloop.config import AverageConfig
-from ironloop.dist import parallel
 from ironloop.errors import CheckpointError
+from ironloop.parallel import data_parallel
 
 
 class WeightAverage:
@@ -109,7 +109,7 @@ class WeightAverage:
     def state_dict(self) -> dict:
         """AveragedModel's state_dict; under FSDP2 each rank's own shards (plain tensors, in
         its per-rank extras: state/dcp.py), which a resume on as many ranks puts back."""
-        return {k: v.to_local() if parallel.is_sharded(v) else v
+        return {k: v.to_local() if data_parallel.is_sharded(v) else v
                 for k, v in self.averaged.state_dict().items()}
 
     @torch.no_grad()
@@ -119,9 +119,9 @@ class WeightAverage:
             self.reset()
             return
         own = self.averaged.state_dict()
-        if any(parallel.is_sharded(v) for v in own.values()):
+        if any(data_parallel.is_sharded(v) for v in own.values()):
             for k, v in own.items():
-                local = v.to_local() if parallel.is_sharded(v) else v
+                local = v.to_local() if data_parallel.is_sharded(v) else v
                 if k not in state or state[k].shape != local.shape:
                     raise CheckpointError(f"the checkpoint's averaged weights ({k}) are "
                                           f"another rank count's shards; resume an FSDP run "
@@ -137,15 +137,15 @@ class WeightAverage:
         BatchNorm statistics recomputed with one pass over ``batches`` (torch's ``update_bn``:
         the model gets each batch's first element), when the model has BatchNorm and there are
         batches; not under FSDP2, where ranks with unequal shares would wait on each other."""
-        sharded = parallel.is_fsdp(self.module)
+        sharded = data_parallel.is_fsdp(self.module)
         if self.kind == "swa" and batches is not None and not sharded:
             update_bn(batches, self.module, device)
-        return parallel.full_model_state(self.module)
+        return data_parallel.full_model_state(self.module)
 
     def shard(self, names: list[str], precision: str) -> None:
         """FSDP2: shard the copy as the model is (the same blocks, so its parameters have the
         model's placements and the foreach update runs shard by shard), then start again."""
-        parallel.shard(self.module, names, precision)
+        data_parallel.shard(self.module, names, precision)
         self._grouped = None
         self.reset()
 

@@ -1,4 +1,4 @@
-"""When the loop logs, evaluates, checkpoints and settles: one answer per step, in one place
+"""When the loop logs, evaluates and checkpoints: one answer per step, in one place
 (as ignite's ``every=n`` event filters and torchtitan's ``CheckpointManager._should_save``),
 instead of each caller computing ``step % n``."""
 
@@ -14,7 +14,7 @@ class Cadence:
     checkpoint_every: int   # checkpoint.every_steps (0: at epoch ends only)
     total_steps: int        # the run's end
     validates: bool         # the run has validation data
-    fault_steps: frozenset[int] = frozenset()  # steps where the fault injector acts
+    fault_steps: frozenset[int] = frozenset()  # steps where the fault injector acts (settled)
 
     def logs(self, step: int) -> bool:
         return step % self.log_every == 0
@@ -29,9 +29,3 @@ class Cadence:
         state)."""
         return self.evaluates(step) or (bool(self.checkpoint_every)
                                         and step % self.checkpoint_every == 0)
-
-    def settles(self, step: int) -> bool:
-        """Whether the guard's verdicts must be read after this step: before anything that
-        needs exact numbers (engine/settle.py)."""
-        return step >= self.total_steps or self.logs(step) or self.saves(step) \
-            or step in self.fault_steps

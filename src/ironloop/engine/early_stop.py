@@ -20,6 +20,9 @@ class BestTracker:
         self.best = math.inf if mode == "min" else -math.inf
         self.best_epoch = -1
         self.bad_epochs = 0
+        # A CPU copy of the best weights, kept when early stopping restores them at the end;
+        # not in the state_dict (a resume reads them back from best.pt).
+        self.best_weights: dict | None = None
 
     def update(self, value: float, epoch: int) -> bool:
         """Record one epoch's value; returns True when it is a new best."""

@@ -11,12 +11,12 @@ import torch
 from ironloop.callbacks import fire
 from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
 from ironloop.data.source import EvalBatching, eval_loader
-from ironloop.dist import parallel
-from ironloop.dist.world import sum_over_ranks
 from ironloop.engine.run import Run
-from ironloop.engine.steps import METRIC_INPUTS
+from ironloop.engine.step_fns import METRIC_INPUTS
 from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
+from ironloop.parallel import data_parallel
+from ironloop.parallel.world import sum_over_ranks
 
 
 def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
@@ -25,31 +25,30 @@ def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     with run.outputs.timer.part("validation"):
         started = time.perf_counter()
         val, improved = run_evaluation(run)
-        run.counters.meter.exclude(time.perf_counter() - started)
+        run.meter.exclude(time.perf_counter() - started)
     return val, improved
 
 
 def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     """One evaluation, from the step path or an epoch end: validate, track the best (and
     early-stopping patience), step plateau, log evals.jsonl. Returns (val metrics, new best)."""
-    cfg, c, step = run.cfg, run.counters, run.step
-    p = c.progress
+    cfg, p, module, tracker = run.cfg, run.progress, run.module, run.tracker
     started = time.perf_counter()
     val = validation_metrics(run)
     metric = cfg.early_stop.metric
     if metric not in val:
         raise ConfigError(f"early_stop.metric={metric!r}: this run reports "
                           f"{', '.join(val)}; monitor one of those")
-    improved = c.tracker.update(val[metric], p.epoch)
+    improved = tracker.update(val[metric], p.epoch)
     if improved and cfg.early_stop.patience > 0:
-        c.best_state = {k: v.detach().to("cpu", copy=True)
-                        for k, v in step.raw_model.state_dict().items()}
-    if step.scheduler is not None and step.schedule_on == "eval":
+        tracker.best_weights = {k: v.detach().to("cpu", copy=True)
+                                for k, v in module.raw_model.state_dict().items()}
+    if module.scheduler is not None and module.schedule_on == "eval":
         # ReduceLROnPlateau: once per evaluation, with the metric
-        step.scheduler.step(val[metric])  # type: ignore[arg-type]  # plateau's step takes it
-    row = {"step": p.step, "epoch": p.epoch + 1, **val, "lr": step.lr,
+        module.scheduler.step(val[metric])  # type: ignore[arg-type]  # plateau's step takes it
+    row = {"step": p.step, "epoch": p.epoch + 1, **val, "lr": module.lr,
            "seconds": time.perf_counter() - started}
-    c.last_eval = row
+    run.last_eval = row
     if run.outputs.log is not None:
         run.outputs.log.write("evals", row)
     fire(run, "on_eval_end", row)
@@ -66,7 +65,8 @@ def validation_metrics(run: Run) -> dict[str, float]:
     val = {}
     for split, _, dataset in sets:
         val.update(_prefixed(run, f"{split}_", evaluate(run, dataset, split)))
-    averaged = run.step.average.module if run.step.average is not None else None
+    average = run.module.average
+    averaged = average.module if average is not None else None
     for split, name, dataset in sets if averaged is not None else ():
         val.update(_prefixed(run, f"val_avg_{name}_" if name else "val_avg_",
                              evaluate(run, dataset, split, averaged)))
@@ -86,7 +86,7 @@ def evaluate(run: Run, dataset, split: str = "val",
     """Mean loss and metrics over a dataset (the run's ``split``, batched as its DataLoader
     said), in eval mode (``model``: the raw weights by default); restores the previous mode,
     also when the step raises."""
-    model = run.step.raw_model if model is None else model
+    model = run.module.raw_model if model is None else model
     was_training = model.training
     model.eval()
     try:
@@ -96,29 +96,29 @@ def evaluate(run: Run, dataset, split: str = "val",
 
 
 def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str, float]:
-    step, device = run.step, run.step.device
-    if step.carry is not None:  # a stateful step gets the evaluation state, empty at first
-        step.carry.start_evaluation()
+    module = run.module
+    device = module.device
+    if module.carry is not None:  # a stateful step gets the evaluation state, empty at first
+        module.carry.start_evaluation()
     # Every sample exactly once over all ranks (a drop_last tail aside): the training
     # sampler's tail drop is for DDP's backward, and evaluation has none.
     batching = run.data.batching.get(split) or \
         EvalBatching(run.cfg.train.batch_size, None, run.data.collate_fn)
     loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
     sums, names, count, batches = None, [], 0, 0
-    whole = step.metrics  # whole-split metrics (eval.metrics), or None
+    whole = module.metrics  # whole-split metrics (eval.metrics), or None
     if whole is not None:
         whole.reset()
     # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
     # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
     wide = torch.float32 if device.type == "mps" else torch.float64
     for batch in loader:
-        if step.check_labels is not None:
-            step.check_labels(batch)
+        if module.check_labels is not None:
+            module.check_labels(batch)
         n = batch_size_of(batch)
         batch = to_device(batch, device, device.type == "cuda")
-        with step.autocast():
-            loss, metrics, weight = step.forward(model, batch, "evaluation",
-                                                 run.counters.progress)
+        with module.autocast():
+            loss, metrics, weight = module.forward(model, batch, "evaluation", run.progress)
         inputs = metrics.pop(METRIC_INPUTS, None)  # (preds, target): fed, not averaged
         if whole is not None:
             whole.update(inputs)
@@ -140,14 +140,14 @@ def _pad_forwards(run: Run, dataset, batches: int, batching: EvalBatching,
                   model: torch.nn.Module) -> None:
     """Under FSDP2 each forward is a collective: a rank with fewer evaluation batches runs
     discarded forwards on one sample until every rank has run as many."""
-    step = run.step
-    owed = parallel.extra_forwards(model, run.world, len(dataset), batching.batch_size,
+    module = run.module
+    owed = data_parallel.extra_forwards(model, run.world, len(dataset), batching.batch_size,
                                    batches)
     if owed <= 0:
         return
     one = next(iter(make_loader(dataset, EvalSampler(1, 1, 0, False), num_workers=0,
                                 pin_memory=False, collate_fn=batching.collate_fn)))
-    one = to_device(one, step.device, False)
+    one = to_device(one, module.device, False)
     for _ in range(owed):
-        with step.autocast():
-            step.step_fn(model, one)
+        with module.autocast():
+            module.step_fn(model, one)

@@ -23,15 +23,7 @@ from torch import nn
 from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.source import open_data, resolve_batch_size
-from ironloop.dist import parallel
-from ironloop.dist.world import (
-    all_reduce_sum,
-    collective_timeout,
-    init_from_env,
-    name_timeouts,
-    shutdown,
-)
-from ironloop.engine import build, evaluate, loop, optim, steps
+from ironloop.engine import build, evaluate, loop, optim, step_fns
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
@@ -39,6 +31,14 @@ from ironloop.engine.timing import RunSettings, table
 from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
+from ironloop.parallel import data_parallel
+from ironloop.parallel.world import (
+    all_reduce_sum,
+    collective_timeout,
+    init_from_env,
+    name_timeouts,
+    shutdown,
+)
 from ironloop.state import lock
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
@@ -158,10 +158,10 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     run, _ = build.build_run(cfg, model.to(device), data, device, world, precision, given,
                              faults)
     collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
-    with run.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
+    with run.hooks.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
         _train(run)
     result = _finish(run, started)
-    del run  # the DDP wrapper goes before its process group (see dist.world.shutdown)
+    del run  # the DDP wrapper goes before its process group (see parallel.world.shutdown)
     shutdown(world)
     return result
 
@@ -186,19 +186,19 @@ def resolved(cfg: Config, train_data, step_fn, val_data=None) -> Config:
     if isinstance(val_data, dict) and val_data and cfg.early_stop.metric == "val_loss":
         first = next(iter(val_data))  # no val_loss without an unnamed set
         cfg = cfg.with_overrides({"early_stop.metric": f"val_{first}_loss"})
-    if steps.is_lm(step_fn, cfg.train.step_fn) and not cfg.eval.perplexity:
+    if step_fns.is_lm(step_fn, cfg.train.step_fn) and not cfg.eval.perplexity:
         cfg = cfg.with_overrides({"eval.perplexity": True})  # on by default for the LM step
     return cfg
 
 
 def _train(run: Run) -> None:
     """The loop between the callbacks' start and end; outputs are closed whatever happens."""
-    p = run.counters.progress
+    p = run.progress
     try:
         fire(run, "on_train_start", {"step": p.step, "epoch": p.epoch})
         loop.train(run)
         fire(run, "on_train_end", {"step": p.step, "epoch": p.epoch,
-                                   "best": run.counters.tracker.best})
+                                   "best": run.tracker.best})
     except torch.OutOfMemoryError as e:
         raise out_of_memory(run, e) from None  # checkpoints stay as they are
     finally:
@@ -217,16 +217,17 @@ def _env_local_rank() -> int:
 
 def _finish(run: Run, started: float) -> FitResult:
     """Restore the best weights, evaluate on test, write final.safetensors and results.json."""
-    c, step, run_dir = run.counters, run.step, Path(run.cfg.run.dir)
-    train_seconds = c.meter.train_seconds()
-    restored = c.best_state is not None and run.cfg.early_stop.patience > 0
-    if restored and c.best_state is not None:
-        step.raw_model.load_state_dict(c.best_state)
+    module, run_dir = run.module, Path(run.cfg.run.dir)
+    train_seconds = run.meter.train_seconds()
+    best = run.tracker.best_weights
+    restored = best is not None and run.cfg.early_stop.patience > 0
+    if restored and best is not None:
+        module.raw_model.load_state_dict(best)
     test_set = run.data.test
     test = evaluate.evaluate(run, test_set, "test") if test_set is not None and \
         len(test_set) else {}
     results = _results(run, test, train_seconds, restored, started)
-    weights = parallel.full_model_state(step.raw_model)  # a collective under FSDP2
+    weights = data_parallel.full_model_state(module.raw_model)  # a collective under FSDP2
     averaged = _final_average(run)
     if run.world.is_main:
         save_safetensors(weights, run_dir / "final.safetensors")
@@ -234,49 +235,49 @@ def _finish(run: Run, started: float) -> FitResult:
             save_safetensors(averaged, run_dir / "final_avg.safetensors")
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
-            print(table(results["time_split"], run.outputs.timer.steps, step.device,
+            print(table(results["time_split"], run.outputs.timer.steps, module.device,
                         run.outputs.timer.sync, settings_of(run), results.get("tokens_per_s")))
-    return FitResult(model=step.raw_model, results=results, run_dir=run_dir)
+    return FitResult(model=module.raw_model, results=results, run_dir=run_dir)
 
 
 def _final_average(run: Run) -> dict | None:
     """The averaged weights for final_avg.safetensors (SWA: BatchNorm statistics recomputed
     over the training split), or None without averaging."""
-    average, cfg = run.step.average, run.cfg
+    average, cfg = run.module.average, run.cfg
     if average is None:
         return None
     batches = run.data.once_over_train(cfg.train.batch_size, run.world.rank, run.world.size)
-    return average.final_weights(batches, run.step.device)
+    return average.final_weights(batches, run.module.device)
 
 
 def settings_of(run: Run) -> RunSettings:
     """What the run uses, for the time table's advice (it names only what is still open)."""
-    cfg, device = run.cfg, run.step.device
+    cfg, module = run.cfg, run.module
+    device = module.device
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else os.cpu_count() or 1
     return RunSettings(
         device=device.type, num_workers=cfg.data.num_workers, cores=cores,
         threads=torch.get_num_threads(), pin_memory=cfg.data.pin_memory,
-        optimizer=optim.kernel(run.step.optimizer), fused_open=optim.fused_open(run.step.optimizer),
+        optimizer=optim.kernel(module.optimizer), fused_open=optim.fused_open(module.optimizer),
         checkpoint_async=cfg.checkpoint.async_write,
-        checkpoint_every_steps=cfg.checkpoint.every_steps, precision=run.step.precision,
+        checkpoint_every_steps=cfg.checkpoint.every_steps, precision=module.precision,
         bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def _results(run: Run, test: dict, train_seconds: float, restored: bool,
              started: float) -> dict[str, Any]:
     """results.json's content."""
-    cfg, c = run.cfg, run.counters
-    p, tracker = c.progress, c.tracker
+    cfg, p, tracker, last_eval = run.cfg, run.progress, run.tracker, run.last_eval
     # max_steps ended the run mid-epoch: that epoch has no epochs.jsonl line (it stays open for
     # a longer resume); the loop evaluated the final weights once (loop.end_mid_epoch).
     mid_epoch = p.offset > 0
-    last = c.last_eval if mid_epoch and c.last_eval.get("step") == p.step else {}
+    last = last_eval if mid_epoch and last_eval.get("step") == p.step else {}
     final_val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
     epochs = read_jsonl(Path(cfg.run.dir) / "epochs.jsonl") if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
     # the open epoch's training so far and its final evaluation (loop.end_mid_epoch)
-    open_seconds = train_seconds - c.meter.epoch_mark.get("train_seconds", 0.0) + \
+    open_seconds = train_seconds - run.meter.epoch_mark.get("train_seconds", 0.0) + \
         last.get("seconds", 0.0) if mid_epoch else 0.0
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
@@ -287,26 +288,26 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         # 1-based like the console: the epochs the run trained in, the open one included
         "steps": p.step, "epochs": p.epoch + (1 if mid_epoch else 0),
         "stopped_early": tracker.should_stop, "restored_best": restored,
-        "stopped_by_callback": c.stop_requested,
-        "precision": run.step.precision, "device": str(run.step.device),
+        "stopped_by_callback": run.hooks.stop_requested,
+        "precision": run.module.precision, "device": str(run.module.device),
         "threads": torch.get_num_threads(),  # run.threads, or torch's default it resolved to
         # as epochs.jsonl counts them (training + epoch-end validation), the open epoch too
         "seconds": sum(r.get("seconds", 0.0) for r in epochs) + open_seconds,
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
-        **(run.guard.policy.totals() if run.guard is not None else {}),
+        **(run.guard.totals() if run.guard is not None else {}),
         # seconds per part, this process (timing.PARTS)
         "time_split": run.outputs.timer.finish() or None,
     }
-    split = run.step.metrics  # whole-split metrics on the test split too: test_<name>
+    split = run.module.metrics  # whole-split metrics on the test split too: test_<name>
     results.update({f"test_{k}": test[k] for k in (split.metrics if split else ()) if k in test})
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": p.epoch + 1, "val_loss": final_val.get("loss")}
-    tokens = float(all_reduce_sum(c.meter.tokens.clone(), run.world))  # host sync, once
+    tokens = float(all_reduce_sum(run.meter.tokens.clone(), run.world))  # host sync, once
     if tokens:  # the step reports its tokens (its loss weight)
         results.update(tokens=tokens, tokens_per_s=tokens / max(train_seconds, 1e-9))
-    if c.last_eval.get("val_ppl") is not None:
-        results["final_val_ppl"] = c.last_eval["val_ppl"]
+    if last_eval.get("val_ppl") is not None:
+        results["final_val_ppl"] = last_eval["val_ppl"]
     if not math.isfinite(tracker.best):
         results["monitor"] = {cfg.early_stop.metric: None}
     return results

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ironloop.dist import parallel
+from ironloop.parallel import data_parallel
 
 
 def clip_gradients(params, max_norm: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,7 @@ def grad_norm_of(params: list) -> torch.Tensor:
         return torch.zeros(())
     grads = [p.grad for p in params]
     norm = _total_norm(grads)
-    return parallel.full_tensor(norm) if parallel.is_sharded(grads[0]) else norm
+    return data_parallel.full_tensor(norm) if data_parallel.is_sharded(grads[0]) else norm
 
 
 def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
@@ -45,7 +45,7 @@ def clip_to_norm(params: list, norm: torch.Tensor, max_norm: float, mode: str) -
         return norm > max_norm
     grads = [p.grad for p in params]
     if mode == "value" and max_norm > 0:
-        peak = torch.stack([parallel.full_tensor(g.detach().abs().max()) for g in grads])
+        peak = torch.stack([data_parallel.full_tensor(g.detach().abs().max()) for g in grads])
         clipped = peak.max() > max_norm
         nn.utils.clip_grad_value_(params, max_norm)
         return clipped

@@ -1,7 +1,8 @@
 """The training loop, in the order it runs.
 
-The optimizer step itself is the step part's (``engine/trainstep.py``); when to log, evaluate,
-checkpoint and settle is the cadence's (``engine/cadence.py``). One optimizer step covers a
+The optimizer step itself is the train module's (``engine/train_module.py``); when to log,
+evaluate and checkpoint is the cadence's (``engine/cadence.py``), when to settle the guard's
+late verdicts ``LateSettle.due``'s (``engine/settle.py``). One optimizer step covers a
 window of ``accumulation_steps`` micro-batches (fewer for the ragged last window of an epoch)::
 
     [a stateful step's state (carry.py) starts empty at the top of an epoch]
@@ -18,10 +19,10 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     clip(parameters, grad_norm)
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
                                               # (LBFGS: step(closure), its first call the
-                                              # loss above; trainstep.TrainStep.closure)
+                                              # loss above; TrainModule.closure)
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [average.update(), when due]              # engine/average.py: EMA/SWA, on the device
-    [settle, when due]                        # engine/settle.py: the guard's lagged read
+    [run.settle(), when due]                  # engine/settle.py: the guard's lagged read
     [fault knobs] -> [log line] -> on_step_end
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
     -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
@@ -53,14 +54,13 @@ import time
 from ironloop.callbacks import fire
 from ironloop.data.loader import batch_size_of
 from ironloop.data.prefetch import prefetch
-from ironloop.dist import parallel
 from ironloop.engine.evaluate import run_evaluation, timed_evaluation
 from ironloop.engine.run import Run
-from ironloop.engine.settle import due, mark, settle
 from ironloop.engine.tokens import WindowWeight, mfu
-from ironloop.guard.hook import RolledBack
+from ironloop.guard.reporter import RolledBack
 from ironloop.outputs import console
 from ironloop.outputs.console import EpochProgress
+from ironloop.parallel import data_parallel
 
 
 def train(run: Run) -> None:
@@ -71,21 +71,21 @@ def train(run: Run) -> None:
 
     Every epoch trains in train mode; the model then goes back to the mode it was handed over
     in (a model passed in eval mode comes back in eval mode), also when the run raises."""
-    handed_over_training = run.step.raw_model.training
+    handed_over_training = run.module.raw_model.training
     try:
         _epochs(run)
     finally:
-        run.step.model.train(handed_over_training)
+        run.module.model.train(handed_over_training)
 
 
 def _epochs(run: Run) -> None:
-    run.counters.meter.start_clock()  # training time starts now, not while fit() set up
-    while run.counters.progress.epoch < run.cfg.train.epochs and not run.finished:
+    run.meter.start_clock()  # training time starts now, not while fit() set up
+    while run.progress.epoch < run.cfg.train.epochs and not run.finished:
         try:
             train_epoch(run)
         except RolledBack:
             continue  # the guard restored an earlier state: go on from its epoch and offset
-        if run.counters.progress.offset < run.data.source.usable:  # max_steps, mid-epoch
+        if run.progress.offset < run.data.source.usable:  # max_steps, mid-epoch
             end_mid_epoch(run)
             return
         end_epoch(run)
@@ -93,32 +93,32 @@ def _epochs(run: Run) -> None:
 
 def progress_bar(run: Run) -> EpochProgress:
     """The epoch's progress display (bar and/or plain lines), on rank 0."""
-    return EpochProgress(run.cfg.log, run.counters.progress, run.state.plan(),
-                         run.world.is_main)
+    return EpochProgress(run.cfg.log, run.progress, run.plan(), run.world.is_main)
 
 
 def train_epoch(run: Run) -> None:
-    step, p, source, timer = run.step, run.counters.progress, run.data.source, run.outputs.timer
+    module, p, source, timer = run.module, run.progress, run.data.source, run.outputs.timer
     accum = run.cfg.train.accumulation_steps
     n, global_batch = source.usable, source.global_batch
     source.set_epoch(p.epoch, p.offset)  # resume = start slicing at the offset: no replay
-    if step.carry is not None:
-        step.carry.start_epoch(p.offset)  # a fresh state at the top of an epoch, not on resume
+    if module.carry is not None:
+        module.carry.start_epoch(p.offset)  # a fresh state at the top of an epoch, not on resume
     bar = progress_bar(run)
-    step.model.train()
+    module.model.train()
     timer.start_epoch()
-    run.counters.settled = mark(run)
+    if run.guard is not None:
+        run.guard.begin(module, p)  # the counters are exact here
     micro = window = 0
     weights = WindowWeight()  # a step that weights its loss (tokens): the window's total
     # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
     # label check runs on each host batch first, before it can become a CUDA assert.
-    for batch in prefetch(source.batches(), step.device, step.check_labels,
+    for batch in prefetch(source.batches(), module.device, module.check_labels,
                           ahead=source.prefetch_ahead):
         timer.mark("data")
         if micro == 0:
             n = source.usable  # a stream learns its end a window ahead (data/stream.py)
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
-            step.optimizer.zero_grad(set_to_none=True)
+            module.optimizer.zero_grad(set_to_none=True)
         n_micro = batch_size_of(batch)
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
@@ -128,21 +128,21 @@ def train_epoch(run: Run) -> None:
         if not last:
             continue
         micro = 0
-        weights.normalise(step.params, run.world)  # no-op unless the step weights its loss
+        weights.normalise(module.params, run.world)  # no-op unless the step weights its loss
         # LBFGS's closure recomputes this batch; None for any other optimizer
-        step.optimizer_step(p, run.counters.meter, run.world, step.closure(batch, loss))
+        module.optimizer_step(p, run.meter, run.world, module.closure(batch, loss))
         timer.mark("optimizer")
-        if step.average is not None and step.average.due(p.step):
-            step.average.update()  # on the device, no host read (engine/average.py)
+        if module.average is not None and module.average.due(p.step):
+            module.average.update()  # on the device, no host read (engine/average.py)
             timer.mark("average")
         after_step(run, bar)
         bar.update(1)  # after the log line: a progress line shows this step's loss and LR
         timer.mark("other")
-        if run.preempt.should_stop():  # a bool, no device sync
+        if run.hooks.preempt.should_stop():  # a bool, no device sync
             _preempted(run)  # saves this step and raises Preempted
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
-    settle(run)  # the epoch's last verdicts, before its line and its checkpoint
+    run.settle()  # the epoch's last verdicts, before its line and its checkpoint
     bar.close()
 
 
@@ -150,12 +150,12 @@ def micro_step(run: Run, batch, n_micro: int, window: int, last: bool,
                weights: WindowWeight):
     """Forward and backward of one micro-batch, its loss scaled so that the window's
     gradients sum to the window's mean gradient. Returns the micro-batch's loss."""
-    step, world, timer = run.step, run.world.size, run.outputs.timer
+    module, world, timer = run.module, run.world.size, run.outputs.timer
     accum = run.cfg.train.accumulation_steps
     # DDP/FSDP sync gradients on every backward; inside a window only the last one needs to.
-    with parallel.micro_sync(step.model, last):
-        with step.autocast():
-            loss, _, weight = step.forward(step.model, batch, "training", run.counters.progress)
+    with data_parallel.micro_sync(module.model, last):
+        with module.autocast():
+            loss, _, weight = module.forward(module.model, batch, "training", run.progress)
         timer.mark("forward")
         if weight is not None and (accum > 1 or world > 1):
             # Per token: this micro-batch's sum; the window's total divides it before the
@@ -167,39 +167,38 @@ def micro_step(run: Run, batch, n_micro: int, window: int, last: bool,
             # mean gradient, ragged last window included. DDP averages over ranks: * world.
             scale = n_micro * world / window
             scaled = loss if scale == 1.0 else loss * scale  # x * 1.0 is x: skip the op
-        step.backward(scaled)
+        module.backward(scaled)
     timer.mark("backward")
-    run.counters.meter.add_micro(loss, n_micro, weight)
+    run.meter.add_micro(loss, n_micro, weight)
     return loss
 
 
 def after_step(run: Run, bar: EpochProgress) -> None:
     """Settle when due, then the fault knobs, the log line, on_step_end, a step-path
     evaluation and a checkpoint, as the cadence says."""
-    p, cadence = run.counters.progress, run.cadence
-    if due(run) and settle(run):
+    p, cadence = run.progress, run.cadence
+    if run.settle_due() and run.settle():
         return  # the guard found this step bad: it never happened, nothing to log or save
-    run.faults.at_step(p.step)
+    run.hooks.faults.at_step(p.step)
     row = log_step(run, bar) if cadence.logs(p.step) else {"step": p.step, "epoch": p.epoch + 1}
     fire(run, "on_step_end", row)
     improved = False
     if cadence.evaluates(p.step):
         improved = timed_evaluation(run)[1]
-        console.say(run.world.is_main,
-                    console.eval_line(run.counters.last_eval, run.counters.total_steps))
+        console.say(run.world.is_main, console.eval_line(run.last_eval, cadence.total_steps))
     if cadence.saves(p.step):
         run.save(improved)
 
 
 def log_step(run: Run, bar: EpochProgress) -> dict:
     """The metrics.jsonl line of a log step (a host read: log steps only)."""
-    p, meter, timer = run.counters.progress, run.counters.meter, run.outputs.timer
+    p, meter, timer = run.progress, run.meter, run.outputs.timer
     window = meter.flush_window()  # host sync: only at log steps
     timer.flush()  # reads the step timer's CUDA events: the stream is synced already
-    row = {"step": p.step, "epoch": p.epoch + 1, "loss": window.pop("loss"), "lr": run.step.lr,
+    row = {"step": p.step, "epoch": p.epoch + 1, "loss": window.pop("loss"), "lr": run.module.lr,
            **window, "time": time.time()}
     if run.cfg.profile.peak_tflops and "tokens_per_s" in row:  # model-FLOPs utilisation
-        row["mfu"] = mfu(sum(q.numel() for q in run.step.params), row["tokens_per_s"],
+        row["mfu"] = mfu(sum(q.numel() for q in run.module.params), row["tokens_per_s"],
                          run.cfg.profile.peak_tflops)
     if run.outputs.log is not None:
         run.outputs.log.write("metrics", row)
@@ -210,20 +209,20 @@ def log_step(run: Run, bar: EpochProgress) -> dict:
 def _preempted(run: Run) -> None:
     """A signal asked the run to stop (engine/preempt.py): checkpoint this step unless
     after_step just did, say so in events.jsonl, and end the run with Preempted."""
-    run.preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
-    p = run.counters.progress
+    run.hooks.preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
+    p = run.progress
     saved = run.cfg.checkpoint.enabled
     # A checkpoint holds settled counters: read the guard's pending verdicts first (a host
     # read, once, on the way out). A bad latest step was taken back: save even if after_step
     # did.
-    taken_back = settle(run)
+    taken_back = run.settle()
     if saved and (taken_back or not run.cadence.saves(p.step)):
         run.save(False)
     if saved and run.outputs.checkpoints is not None:
         # "saved": true only once the write is done (an async one too); a failed write raises
         # here, before the record could claim it
         run.outputs.checkpoints.wait()
-    stop = run.preempt.stopped(p.step, saved)
+    stop = run.hooks.preempt.stopped(p.step, saved)
     if run.outputs.log is not None:
         run.outputs.log.write("events", {"event": "preempted", "signal": stop.signal_name,
                                          "step": p.step, "epoch": p.epoch + 1, "saved": saved,
@@ -235,22 +234,21 @@ def end_mid_epoch(run: Run) -> None:
     """max_steps ended the run inside an epoch: evaluate the final weights once (unless this
     step was just evaluated), as any evaluation (evals.jsonl, on_eval_end, charged to
     validation), print it, and checkpoint where the run stands."""
-    c = run.counters
-    if run.cadence.validates and c.last_eval.get("step") != c.progress.step:
+    step, cadence = run.progress.step, run.cadence
+    if cadence.validates and run.last_eval.get("step") != step:
         improved = timed_evaluation(run)[1]
         console.say(run.world.is_main,
-                    console.eval_line(c.last_eval, c.total_steps, "final evaluation"))
+                    console.eval_line(run.last_eval, cadence.total_steps, "final evaluation"))
         run.save(improved)
-    elif not run.cadence.saves(c.progress.step):
+    elif not cadence.saves(step):
         run.save(False)
 
 
 def end_epoch(run: Run) -> None:
     """Evaluate (unless evaluations follow eval.every_steps), log the epoch, checkpoint."""
-    c, timer = run.counters, run.outputs.timer
-    p = c.progress
-    stats = c.meter.flush_epoch()  # host sync, once per epoch
-    lr = run.step.lr
+    p, meter, timer = run.progress, run.meter, run.outputs.timer
+    stats = meter.flush_epoch()  # host sync, once per epoch
+    lr = run.module.lr
     improved = False
     # Not timed_evaluation: the epoch's validation time starts here and is kept out of the
     # training time below, with the logging, in one piece.
@@ -259,7 +257,7 @@ def end_epoch(run: Run) -> None:
     if run.cadence.validates and not run.cadence.eval_every:
         val, improved = run_evaluation(run)
     else:  # step-path evaluations: the epoch line repeats the latest one
-        val = {k: v for k, v in c.last_eval.items() if k.startswith("val_")}
+        val = {k: v for k, v in run.last_eval.items() if k.startswith("val_")}
     val_seconds = time.perf_counter() - started
     timer.mark("validation")
     p.epoch += 1
@@ -268,17 +266,18 @@ def end_epoch(run: Run) -> None:
            "val_loss": val.get("val_loss"), "val_acc": val.get("val_acc"), "lr": lr,
            "seconds": stats["train_seconds"] + val_seconds, "val_seconds": val_seconds, **stats,
            **{k: v for k, v in val.items() if k not in ("val_loss", "val_acc")}}
-    if run.guard is not None and run.guard.policy.bad_steps:  # only once there is news
-        row.update(run.guard.policy.totals())
+    totals = run.guard.totals() if run.guard is not None else {}
+    if totals.get("bad_steps"):  # only once there is news
+        row.update(totals)
     if timer.enabled:
         row["time_split"] = timer.end_epoch()  # seconds per part; they add up to "seconds"
     if run.outputs.log is not None:
         run.outputs.log.write("epochs", row)
-        console.say(run.world.is_main, console.epoch_line(row, run.state.plan(), c.last_eval))
+        console.say(run.world.is_main, console.epoch_line(row, run.plan(), run.last_eval))
     fire(run, "on_epoch_end", row)
     saving = time.perf_counter()
     # Validation and logging are not training time. Exclude them BEFORE the save: the
     # checkpoint records the training time so far.
-    c.meter.exclude(saving - started)
+    meter.exclude(saving - started)
     run.save(improved)
-    c.meter.exclude(time.perf_counter() - saving)
+    meter.exclude(time.perf_counter() - saving)

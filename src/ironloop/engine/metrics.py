@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ironloop.engine.steps import METRIC_INPUTS
+from ironloop.engine.step_fns import METRIC_INPUTS
 from ironloop.errors import ConfigError, UserError
 from ironloop.specs import import_spec
 

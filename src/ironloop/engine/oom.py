@@ -18,8 +18,7 @@ def _gib(n: int) -> str:
 
 def out_of_memory(run: Run, error: BaseException) -> OutOfMemory:
     """The user-facing error for a ``torch.OutOfMemoryError`` raised during ``run``."""
-    cfg, device, precision, p = run.cfg, run.step.device, run.step.precision, \
-        run.counters.progress
+    cfg, device, precision, p = run.cfg, run.module.device, run.module.precision, run.progress
     if device.type == "cuda":
         # Read before the caller frees anything: this is what the failed step was holding.
         used = (f"allocated {_gib(torch.cuda.memory_allocated(device))}, reserved "

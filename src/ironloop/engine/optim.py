@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
-from ironloop.dist.parallel import is_sharded
 from ironloop.errors import ConfigError, UserError
+from ironloop.parallel.data_parallel import is_sharded
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list[dict]:

@@ -8,11 +8,9 @@ same losses as an uninterrupted one.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
-
-from ironloop.engine.early_stop import BestTracker
 
 
 @dataclass
@@ -65,7 +63,7 @@ class Meter:
         self._clip_flags: list[torch.Tensor] = []  # this window's per-step flags, not yet summed
         self._oks: list[torch.Tensor] = []         # the guard's verdicts for those steps
         self.window_mark = self.epoch_mark = self._mark()
-        # Every rank's state_dict at the last checkpoint (gathered by engine/build.py's save):
+        # Every rank's state_dict at the last checkpoint (gathered by Run.save, engine/run.py):
         # rank 0 writes the checkpoint, and the logged sums are over all ranks' samples.
         self.ranks: list[dict] = []
 
@@ -198,28 +196,3 @@ class Meter:
 def _four(totals: torch.Tensor) -> torch.Tensor:
     """(loss_sum, clipped, skipped, tokens): checkpoints from before tokens lack the last."""
     return totals if len(totals) == 4 else torch.cat([totals, totals.new_zeros(1)])
-
-
-@dataclass
-class Mark:
-    """Where the step count and the schedule stood at the last settle (engine/settle.py)."""
-
-    step: int
-    schedule: dict | None  # the scheduler's state_dict, for a per-step scheduler
-    lrs: list              # the param groups' LRs (load_state_dict does not restore them)
-
-
-@dataclass
-class Counters:
-    """Where the run stands and what it has measured: the resumable counters (progress, meter,
-    best tracker, latest evaluation) and the run's plan."""
-
-    progress: Progress
-    meter: Meter
-    tracker: BestTracker
-    total_steps: int        # the run's end: epochs x steps per epoch, or train.max_steps
-    steps_per_epoch: int
-    last_eval: dict = field(default_factory=dict)  # the latest evals.jsonl row
-    best_state: dict | None = None  # CPU copy of the best weights, kept when early stopping
-    stop_requested: bool = False    # a callback called run.stop() (RunView)
-    settled: Mark | None = None     # engine/settle.py: the last settle

@@ -1,98 +1,52 @@
-"""The run: a few typed parts, each built completely in one place (``engine/build.py``) and
-handed to the code that needs it; and ``RunView``, the small, documented part of it that
-callbacks see.
+"""The run: the one owner of the training state, and the few typed parts the loop touches, each
+built completely in one place (``engine/build.py``); and ``RunView``, the small, documented
+part of it that callbacks see.
+
+What a checkpoint holds lives on the run itself, one attribute per fact (torchtitan's
+``Trainer(Stateful)``): ``progress`` (epoch, step, offset), ``meter`` (the running sums),
+``tracker`` (the best metric, early stopping) and ``last_eval``. ``state_dict`` collects them
+with every part's state; ``load_state_dict`` puts them back (a resume, a rollback); ``save``
+writes a checkpoint; ``settle`` reads the guard's late verdicts (engine/settle.py).
 
     cfg        the one Config, from start to end (config.yaml and every checkpoint hold it)
     world      rank, size, the process group
     data       the training BatchSource and the evaluation splits (data/source.py)
-    step       model, optimizer, schedule, scaler, step function: the optimizer step
-    counters   progress, meter, best tracker, latest evaluation, the run's plan
-    state      what a checkpoint holds, collected and put back
+    module     model, optimizer, schedule, scaler, step function: the optimizer step
+    progress   epoch, optimizer steps done, samples of the epoch consumed
+    meter      the running loss sums and counts the logs report
+    tracker    the best monitored metric and early stopping's patience
     outputs    the run log, the checkpoint manager, the step timer
-    guard      the guard's reporting side (its device half is in ``step``), or None
-    cadence    log / evaluate / checkpoint / settle now?
-    faults     the fault knobs' injector
-    callbacks  the user's callbacks
-    preempt    SIGTERM/SIGINT/SIGUSR1 handling while the loop runs
+    guard      the guard's reporter and its late settle, or None
+    cadence    log / evaluate / checkpoint now? and the run's length
+    hooks      the user's callbacks, signal handling, the fault knobs
+    last_eval  the latest evals.jsonl row
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ironloop.callbacks import Callback, callbacks_state, fire, load_callbacks_state
 from ironloop.config import Config
-from ironloop.data.source import BatchSource, RunData
-from ironloop.dist.world import World, gather_objects
+from ironloop.data.source import RunData
 from ironloop.engine.cadence import Cadence
+from ironloop.engine.early_stop import BestTracker
 from ironloop.engine.preempt import Preemption
-from ironloop.engine.progress import Counters
+from ironloop.engine.progress import Meter, Progress
+from ironloop.engine.settle import LateSettle
 from ironloop.engine.timing import StepTimer
-from ironloop.engine.trainstep import TrainStep
+from ironloop.engine.train_module import TrainModule
 from ironloop.guard.faults import Faults
-from ironloop.guard.hook import GuardHook
 from ironloop.outputs import console
 from ironloop.outputs.runlog import RunLog
+from ironloop.parallel.world import World, gather_objects
 from ironloop.state import dcp as sharded
 from ironloop.state.manager import CheckpointManager
 from ironloop.state.resume import collect_state, rank_meter, restore_rng, restore_state
-
-
-@dataclass
-class RunState:
-    """What a checkpoint holds, collected from the parts and put back into them. The guard's
-    state and the trackers' ids are added by ``Run.save`` (a rollback keeps its own)."""
-
-    cfg: Config
-    step: TrainStep
-    counters: Counters
-    source: BatchSource
-    world: World
-    callbacks: list[Callback]
-
-    def collect(self, **more: Any) -> dict:
-        s, c = self.step, self.counters
-        p = c.progress
-        return collect_state(
-            self.cfg.to_dict(), s.raw_model,
-            {"optimizer": s.optimizer, "scheduler": s.scheduler, "scaler": s.scaler,
-             "progress": p, "meter": c.meter, "tracker": c.tracker, "carry": s.carry},
-            # the drift check compares global batches across resumes
-            world_size=self.world.size,
-            sampler={**self.source.state_dict(), "epoch": p.epoch, "offset": p.offset},
-            callbacks=callbacks_state(self.callbacks), evaluation=c.last_eval,
-            schedule_steps=s.schedule_steps,  # kept when a resume extends the run
-            average=s.average.state_dict() if s.average is not None else None,
-            **more)
-
-    def restore(self, state: dict, source: str) -> None:
-        """Load every part; a checkpoint that does not fit gets a CheckpointError naming it."""
-        s, c = self.step, self.counters
-        restore_state(state, source, s.raw_model,
-                      {"optimizer": s.optimizer, "scheduler": s.scheduler, "scaler": s.scaler,
-                       "sampler": self.source})
-        c.progress.load_state_dict(state["progress"])
-        c.meter.load_state_dict(rank_meter(state["meter"], self.world.rank, self.world.size))
-        c.tracker.load_state_dict(state["tracker"])
-        load_callbacks_state(self.callbacks, state.get("callbacks"))
-        if s.average is not None:  # none in a checkpoint from before averaging: a fresh one
-            s.average.load_state_dict(state.get("average"))
-        c.last_eval = state.get("evaluation") or {}
-        if s.carry is not None:
-            s.carry.load_state_dict(state.get("carry"))
-        restore_rng(state)
-        guard = state.get("guard") or {}  # absent in checkpoints from before the guard
-        self.source.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
-
-    def plan(self) -> console.Plan:
-        """The run's length, as the console counts it."""
-        c, t = self.counters, self.cfg.train
-        return console.Plan(c.total_steps, c.steps_per_epoch, t.epochs,
-                            self.source.global_batch * t.accumulation_steps)
 
 
 @dataclass
@@ -107,22 +61,34 @@ class Outputs:
 
 
 @dataclass
+class Hooks:
+    """What reaches into the loop from outside it: the user's callbacks (and a callback's
+    request to stop), the preemption signals, the fault knobs' injector."""
+
+    callbacks: list[Callback]
+    preempt: Preemption
+    faults: Faults
+    stop_requested: bool = False  # a callback called RunView.stop()
+
+
+@dataclass
 class Run:
-    """Everything the loop touches, finished by ``build_run``; the resumable parts have
-    state_dicts (``state``)."""
+    """Everything the loop touches, finished by ``build_run``, and the owner of the training
+    state: ``state_dict``/``load_state_dict`` are what a checkpoint collects and a resume or a
+    rollback restores."""
 
     cfg: Config
     world: World
     data: RunData
-    step: TrainStep
-    counters: Counters
-    state: RunState
+    module: TrainModule
+    progress: Progress
+    meter: Meter
+    tracker: BestTracker
     outputs: Outputs
-    guard: GuardHook | None
+    guard: LateSettle | None
     cadence: Cadence
-    faults: Faults
-    callbacks: list[Callback]
-    preempt: Preemption
+    hooks: Hooks
+    last_eval: dict = field(default_factory=dict)
 
     @functools.cached_property
     def view(self) -> RunView:
@@ -131,16 +97,50 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        c = self.counters
-        return c.progress.step >= c.total_steps or c.tracker.should_stop or c.stop_requested
+        return self.progress.step >= self.cadence.total_steps or self.tracker.should_stop \
+            or self.hooks.stop_requested
 
-    def log_scalars(self, scalars: dict[str, Any]) -> None:
-        """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
-        go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
-        if self.outputs.log is not None:
-            p = self.counters.progress
-            self.outputs.log.write("scalars", {"step": p.step, "epoch": p.epoch + 1,
-                                               **scalars, "time": time.time()})
+    def plan(self) -> console.RunPlan:
+        """The run's length, as the console counts it."""
+        t, source = self.cfg.train, self.data.source
+        return console.RunPlan(self.cadence.total_steps, source.steps_per_epoch, t.epochs,
+                               source.global_batch * t.accumulation_steps)
+
+    # ---------------------------------------------------------------- the state ------------
+    def state_dict(self) -> dict:
+        """What a checkpoint holds (without the guard's state and the trackers' ids, which
+        ``save`` adds: a rollback keeps its own)."""
+        m, p = self.module, self.progress
+        return collect_state(
+            self.cfg.to_dict(), m.raw_model,
+            {"optimizer": m.optimizer, "scheduler": m.scheduler, "scaler": m.scaler,
+             "progress": p, "meter": self.meter, "tracker": self.tracker, "carry": m.carry},
+            # the drift check compares global batches across resumes
+            world_size=self.world.size,
+            sampler={**self.data.source.state_dict(), "epoch": p.epoch, "offset": p.offset},
+            callbacks=callbacks_state(self.hooks.callbacks), evaluation=self.last_eval,
+            schedule_steps=m.schedule_steps,  # kept when a resume extends the run
+            average=m.average.state_dict() if m.average is not None else None)
+
+    def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
+        """Load every part; a checkpoint that does not fit gets a CheckpointError naming
+        ``source``."""
+        m = self.module
+        restore_state(state, source, m.raw_model,
+                      {"optimizer": m.optimizer, "scheduler": m.scheduler, "scaler": m.scaler,
+                       "sampler": self.data.source})
+        self.progress.load_state_dict(state["progress"])
+        self.meter.load_state_dict(rank_meter(state["meter"], self.world.rank, self.world.size))
+        self.tracker.load_state_dict(state["tracker"])
+        load_callbacks_state(self.hooks.callbacks, state.get("callbacks"))
+        if m.average is not None:  # none in a checkpoint from before averaging: a fresh one
+            m.average.load_state_dict(state.get("average"))
+        self.last_eval = state.get("evaluation") or {}
+        if m.carry is not None:
+            m.carry.load_state_dict(state.get("carry"))
+        restore_rng(state)
+        guard = state.get("guard") or {}  # absent in checkpoints from before the guard
+        self.data.source.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
 
     def save(self, best: bool) -> None:
         """Write a checkpoint (one file from rank 0, or DCP shards from every rank), move the
@@ -150,26 +150,48 @@ class Run:
             self._save(best)
 
     def _save(self, best: bool) -> None:
-        out, p, c = self.outputs, self.counters.progress, self.counters
+        out, p = self.outputs, self.progress
         if self.world.distributed:  # a collective: save runs on every rank at the same step
-            own = {k: v for k, v in c.meter.state_dict().items() if k != "ranks"}
-            c.meter.ranks = gather_objects(own, self.world)
+            own = {k: v for k, v in self.meter.state_dict().items() if k != "ranks"}
+            self.meter.ranks = gather_objects(own, self.world)
         manager = out.checkpoints
+        reporter = self.guard.reporter if self.guard is not None else None
         if manager is not None:
-            state = self.state.collect(
-                loggers=out.log.ids() if out.log is not None else {},  # W&B / MLflow run ids
-                guard=self.guard.state_dict() if self.guard is not None else None)
+            state = {**self.state_dict(),
+                     "loggers": out.log.ids() if out.log is not None else {},  # W&B / MLflow
+                     "guard": reporter.state_dict() if reporter is not None else None}
             if isinstance(manager, sharded.ShardedCheckpointManager):
-                manager.save(state, self.step.raw_model, self.step.optimizer, p.step, best=best)
+                manager.save(state, self.module.raw_model, self.module.optimizer, p.step,
+                             best=best)
             else:
                 manager.save(state, p.step, best=best)
             if out.log is not None:  # trackers get what a checkpoint covers
                 out.log.durable(out.last_saved if manager.async_write else p.step)
                 out.last_saved = p.step  # async: on disk once the next save() returns
-        if self.guard is not None:
-            self.guard.saved()
+        if reporter is not None:
+            reporter.saved(self)
         if manager is not None and self.world.is_main:
             fire(self, "on_checkpoint", {"step": p.step, "epoch": p.epoch, "best": best})
+
+    def settle(self) -> bool:
+        """Read the guard's pending verdicts and put the step count and the schedule right
+        (engine/settle.py). Returns whether the latest step was bad."""
+        if self.guard is None:
+            return False
+        return self.guard.settle(self.module, self.progress, self.meter, self.data.source,
+                                 self.world, self)
+
+    def settle_due(self) -> bool:
+        """Whether the step just counted needs settled numbers before the loop goes on."""
+        return self.guard is not None and self.guard.due(self.progress.step, self.cadence)
+
+    def log_scalars(self, scalars: dict[str, Any]) -> None:
+        """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
+        go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
+        if self.outputs.log is not None:
+            p = self.progress
+            self.outputs.log.write("scalars", {"step": p.step, "epoch": p.epoch + 1,
+                                               **scalars, "time": time.time()})
 
 
 class RunView:
@@ -194,16 +216,16 @@ class RunView:
         self._run = run
 
     cfg = property(lambda self: self._run.cfg)
-    model = property(lambda self: self._run.step.raw_model)
-    optimizer = property(lambda self: self._run.step.optimizer)
-    scheduler = property(lambda self: self._run.step.scheduler)
-    step = property(lambda self: self._run.counters.progress.step)
-    epoch = property(lambda self: self._run.counters.progress.epoch)
+    model = property(lambda self: self._run.module.raw_model)
+    optimizer = property(lambda self: self._run.module.optimizer)
+    scheduler = property(lambda self: self._run.module.scheduler)
+    step = property(lambda self: self._run.progress.step)
+    epoch = property(lambda self: self._run.progress.epoch)
     world = property(lambda self: self._run.world)
-    device = property(lambda self: self._run.step.device)
-    precision = property(lambda self: self._run.step.precision)
+    device = property(lambda self: self._run.module.device)
+    precision = property(lambda self: self._run.module.precision)
     run_dir = property(lambda self: Path(self._run.cfg.run.dir))
-    last_eval = property(lambda self: dict(self._run.counters.last_eval))
+    last_eval = property(lambda self: dict(self._run.last_eval))
 
     def log_scalars(self, scalars: dict[str, Any]) -> None:
         self._run.log_scalars(scalars)
@@ -213,4 +235,4 @@ class RunView:
         checkpoints as at any end (mid-epoch, as ``train.max_steps`` does), and results.json
         says ``stopped_by_callback``. Not saved: a resume trains on. Under torchrun every rank
         must call it at the same step (callbacks run on every rank)."""
-        self._run.counters.stop_requested = True
+        self._run.hooks.stop_requested = True

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ironloop.dist.world import World, all_reduce_sum
+from ironloop.parallel.world import World, all_reduce_sum
 
 
 class WindowWeight:

@@ -1,4 +1,4 @@
-"""The guard's decision, kept apart from the wiring (``hook.py``): is this step bad (non-finite,
+"""The guard's decision, kept apart from the wiring (``reporter.py``): is this step bad (non-finite,
 or a spike against the recent median), when to roll back, when to stop. A pure class with a
 state_dict, unit-tested without a model."""
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 MAX_EVENTS = 20  # bad steps remembered for the stop message
 
 
-class Guard:
+class GuardPolicy:
     """Bad / skip / roll back / stop decisions on host floats. No torch, no run: unit-testable.
 
     A step is bad when its loss or grad norm is non-finite, or (``spike_factor > 0``) when either

@@ -1,6 +1,6 @@
 """The guard's per-step verdict, computed on the device and applied without reading it.
 
-``Verdict.judge`` turns the step's running loss total and grad norm into ``ok``, a 0-dim bool
+``StepJudge.verdict`` turns the step's running loss total and grad norm into ``ok``, a 0-dim bool
 tensor on the device, in a handful of kernels and no host read:
 
     ok = isfinite(loss total + grad norm)             # non-finite loss or norm (one add, one test)
@@ -14,17 +14,17 @@ on the device, so for it the verdict is read before ``step()`` (one marked host 
 
 The spike test keeps its running statistics here as device tensors (a ring of the last
 ``spike_window`` good steps' window losses and grad norms) and computes the same
-``median + factor * max(1.4826 * MAD, 1% of the median, 1e-12)`` as the pure ``Guard``.
+``median + factor * max(1.4826 * MAD, 1% of the median, 1e-12)`` as the pure ``GuardPolicy``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ironloop.dist.world import all_reduce_sum
-from ironloop.guard.decide import Guard
+from ironloop.guard.decide import GuardPolicy
+from ironloop.parallel.world import all_reduce_sum
 
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -35,7 +35,7 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
                 and all(g.get("fused") for g in optimizer.param_groups))
 
 
-class Verdict:
+class StepJudge:
     """The device half of the guard: judges each step and keeps the spike statistics."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, spike_factor: float = 0.0,
@@ -54,7 +54,7 @@ class Verdict:
         """The float32 flag a fused optimizer skips on: 1.0 where ``ok`` is false."""
         return torch.where(ok, *self.flags)
 
-    def judge(self, total: torch.Tensor, before: torch.Tensor, norm: torch.Tensor,
+    def verdict(self, total: torch.Tensor, before: torch.Tensor, norm: torch.Tensor,
               samples: int, found: torch.Tensor | None, world) -> torch.Tensor:
         """``ok`` for one step (device bool, no host read). ``total``: the meter's running loss
         total after this window; ``before``: it before the window; ``samples``: the window's
@@ -95,7 +95,7 @@ class Verdict:
 
     # ---------------------------------------------------------------- state (host reads) ----
     def state_dict(self) -> dict:
-        """The spike statistics as the pure Guard keeps them: ``good`` and the window, oldest
+        """The spike statistics as the pure GuardPolicy keeps them: ``good`` and the window, oldest
         first (a host read: called at checkpoints and rollbacks only)."""
         filled, good = (int(v) for v in torch.stack([self.filled, self.good]).tolist())  # sync
         n = min(filled, self.window)
@@ -106,7 +106,7 @@ class Verdict:
         return {"good": good, "losses": losses, "norms": norms}
 
     def load_state_dict(self, state: dict) -> None:
-        # The newest spike_window entries, oldest first, as the pure Guard keeps them.
+        # The newest spike_window entries, oldest first, as the pure GuardPolicy keeps them.
         losses = state.get("losses", [])[-self.window:]
         norms = state.get("norms", [])[-self.window:]
         n = len(losses)
@@ -125,7 +125,7 @@ def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor,
     fp16: GradScaler's own overflow flag and the guard's verdict are merged into the one
     ``found_inf`` the fused kernel reads; the loss scale is then updated from GradScaler's flag
     alone, and left as it was on a guard-bad step (a NaN loss says nothing about fp16 range),
-    which is what skipping ``scaler.update()`` did before. ``bad`` is ``Verdict.found_inf(ok)``.
+    which is what skipping ``scaler.update()`` did before. ``bad`` is ``StepJudge.found_inf(ok)``.
     """
     # found_inf and grad_scale: the attributes torch's fused kernels read, as GradScaler sets
     opt: Any = optimizer
@@ -151,32 +151,41 @@ def masked_step(optimizer: torch.optim.Optimizer, scaler, ok: torch.Tensor,
     scaler._growth_tracker.copy_(torch.where(ok, scaler._growth_tracker, tracker))
 
 
-def device_guard(cfg, device: torch.device, dtype: torch.dtype) -> DeviceGuard:
-    """The guard's decision (``Guard``) and its device half, for ``guard.*`` config ``cfg``."""
-    policy = Guard(cfg.max_bad_steps, cfg.max_rollbacks, cfg.lr_backoff, cfg.spike_factor,
+def device_verdicts(cfg, device: torch.device, dtype: torch.dtype) -> DeviceVerdicts:
+    """The guard's decision (``GuardPolicy``) and its device half, for ``guard.*`` config
+    ``cfg``."""
+    policy = GuardPolicy(cfg.max_bad_steps, cfg.max_rollbacks, cfg.lr_backoff, cfg.spike_factor,
                    cfg.spike_window, cfg.spike_warmup)
-    return DeviceGuard(cfg, policy, device, dtype)
+    return DeviceVerdicts(cfg, policy, device, dtype)
 
 
-class DeviceGuard:
-    """The guard's device half, wired into the step part (``engine/trainstep.py``): judges each
+class Pending(NamedTuple):
+    """One step's verdict and what its settle needs, all on the device, never read before."""
+
+    ok: torch.Tensor      # the verdict (bool)
+    total: torch.Tensor   # the meter's running loss total after the window, before any revert
+    before: torch.Tensor  # the total before the window
+    norm: torch.Tensor    # the pre-clip grad norm
+
+
+class DeviceVerdicts:
+    """The guard's device half, wired into the step part (``engine/train_module.py``): judges each
     step (``check``) and says how the one stepping branch applies the verdict, keeping what the
-    steps since the last settle left on the device (``pending``) for ``GuardHook.settle``.
+    steps since the last settle left on the device (``pending``) for ``GuardReporter.settle``.
 
     ``masks``: the optimizer skips a bad step itself (``found_inf``), so nothing is read;
     otherwise ``allows`` reads the verdict before ``step()``, one host sync per step."""
 
-    def __init__(self, cfg, policy: Guard, device: torch.device, dtype: torch.dtype):
-        self.policy = policy    # the pure Guard (decide.py): its LR factor, its streak
-        self.verdict = Verdict(device, dtype, cfg.spike_factor, cfg.spike_window,
+    def __init__(self, cfg, policy: GuardPolicy, device: torch.device, dtype: torch.dtype):
+        self.policy = policy    # the pure GuardPolicy (decide.py): its LR factor, its streak
+        self.judge = StepJudge(device, dtype, cfg.spike_factor, cfg.spike_window,
                                cfg.spike_warmup)
         self.masks = False      # set by start(): the optimizer takes found_inf
         self.always = False     # settle every step (a fault knob or an on_step_end callback)
         self.known_bad = False  # a verdict already read on the host says the last step was bad
-        # Since the last settle, per step: (ok, meter loss total before revert, total before the
-        # window, grad norm), device tensors never read until settle; and the host's offsets
-        # and local sample counts after each step (index 0: at the last settle).
-        self.pending: list[tuple] = []
+        # Since the last settle, per step: its Pending verdict; and the host's offsets and local
+        # sample counts after each step (index 0: at the last settle).
+        self.pending: list[Pending] = []
         self.offsets: list[int] = [0]
         self.samples: list[int] = [0]
         # The meter's totals before the current window (rebase sets them from the meter).
@@ -202,13 +211,13 @@ class DeviceGuard:
         the logged means never see it; what else a bad step undoes waits for the settle.
         """
         total, before = meter.loss_sum, self._before
-        ok = self.verdict.judge(total, before, grad_norm, offset - self.offsets[-1], skipped,
+        ok = self.judge.verdict(total, before, grad_norm, offset - self.offsets[-1], skipped,
                                 world)
         meter.loss_sum = self._before = torch.where(ok, total, before)
         if meter.tokens is not self._before_tokens:  # the window's step reported tokens
             meter.tokens = self._before_tokens = torch.where(ok, meter.tokens,
                                                              self._before_tokens)
-        self.pending.append((ok, total, before, grad_norm))
+        self.pending.append(Pending(ok, total, before, grad_norm))
         self.offsets.append(offset)
         self.samples.append(meter.samples)
         return ok

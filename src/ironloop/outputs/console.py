@@ -27,7 +27,7 @@ class Position(Protocol):
     offset: int  # samples of this epoch consumed, over all ranks
 
 
-class Plan(NamedTuple):
+class RunPlan(NamedTuple):
     """The run's length, as the console counts it."""
 
     total_steps: int
@@ -49,7 +49,7 @@ class EpochProgress:
     """One epoch's progress: the tqdm bar, plain lines, both or neither (see the module doc).
     The loop calls ``update``, ``set_postfix`` (on log steps) and ``close``, as on a tqdm bar."""
 
-    def __init__(self, cfg: LogConfig, p: Position, plan: Plan, main: bool):
+    def __init__(self, cfg: LogConfig, p: Position, plan: RunPlan, main: bool):
         mode = cfg.progress
         done = plan.steps_into(p)
         # The epoch's steps, or fewer when train.max_steps ends the run inside this epoch.
@@ -125,7 +125,7 @@ def _value(key: str, v) -> str:
 _PLAIN_VAL = ("val_loss", "val_acc", "val_ppl", "val_seconds")
 
 
-def epoch_line(row: dict, plan: Plan, last_eval: dict) -> str:
+def epoch_line(row: dict, plan: RunPlan, last_eval: dict) -> str:
     """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
     step (eval.every_steps) say which step they come from: they are not this epoch's."""
     parts = [f"epoch {row['epoch']}/{plan.planned_epochs}", f"step {row['step']}",
@@ -154,7 +154,7 @@ def epoch_line(row: dict, plan: Plan, last_eval: dict) -> str:
     return "  ".join(parts)
 
 
-def resume_line(event: dict, p: Position, plan: Plan, changed: list[tuple]) -> str:
+def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -> str:
     """The one line a resume prints: from where, what is redone, what changed."""
     line = (f"resumed from {event['from']} at step {event['step']}/{plan.total_steps} "
             f"(epoch {p.epoch + 1}, {plan.steps_into(p)}/{plan.steps_per_epoch} steps into it)")

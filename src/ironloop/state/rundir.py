@@ -14,8 +14,8 @@ from pathlib import Path
 import yaml
 
 from ironloop.config import Config
-from ironloop.dist.world import World, barrier
 from ironloop.errors import CheckpointError, UserError
+from ironloop.parallel.world import World, barrier
 from ironloop.state import dcp as sharded, drift, remote as mirror
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, claim, written_by_ironloop

@@ -52,7 +52,7 @@ class ResumeCheckError(UserError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckPlan:
     """N steps, a checkpoint every E steps, a kill right after step K (not a checkpoint)."""
 
     steps: int
@@ -70,7 +70,7 @@ class Plan:
                 "resumed_from": self.resume_from}
 
 
-def plan_for(steps: int) -> Plan:
+def plan_for(steps: int) -> CheckPlan:
     """Checkpoints every N // 3 steps; the kill half-way between the first two, so that the
     resume redoes steps, then writes and crosses checkpoints of its own."""
     if steps < 3:
@@ -78,7 +78,7 @@ def plan_for(steps: int) -> Plan:
                         f"checkpoint, a kill after it, a step after the resume); pass --steps 3 "
                         f"or more (default {DEFAULT_STEPS})")
     every = max(1, steps // 3)
-    return Plan(steps, every, every + max(1, every // 2))
+    return CheckPlan(steps, every, every + max(1, every // 2))
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ResumeCheck:
     """The outcome: ``exact``, the plan, the first difference, the findings."""
 
     exact: bool
-    plan: Plan
+    plan: CheckPlan
     nproc: int
     first: Difference | None
     findings: list[Finding]
@@ -110,7 +110,7 @@ class ResumeCheck:
                 "seconds": round(self.seconds, 3), "scratch": self.scratch}
 
 
-def scratch_config(cfg: Config, plan: Plan, run_dir: Path, crash: bool) -> dict:
+def scratch_config(cfg: Config, plan: CheckPlan, run_dir: Path, crash: bool) -> dict:
     """The user's config for a scratch run: its own directory, N steps, checkpoints every E,
     nothing sent to trackers, the kill when ``crash``. None of these keys changes the weights
     (state/drift.py FREE), except the run's length, the same in every scratch run."""
@@ -205,7 +205,7 @@ def fork_threads(cfg: Config, nproc: int, env: dict) -> int | None:
     return int(env["OMP_NUM_THREADS"]) if fresh else 1
 
 
-def _wait(proc: subprocess.Popen, scratch: Path, name: str, expect: int, plan: Plan) -> None:
+def _wait(proc: subprocess.Popen, scratch: Path, name: str, expect: int, plan: CheckPlan) -> None:
     code = proc.wait()
     if code == expect:
         return
@@ -219,7 +219,7 @@ def _wait(proc: subprocess.Popen, scratch: Path, name: str, expect: int, plan: P
                            f"output: {scratch / (name + '.log')})")
 
 
-def run_scratch(cfg: Config, plan: Plan, scratch: Path, callbacks: list[str],
+def run_scratch(cfg: Config, plan: CheckPlan, scratch: Path, callbacks: list[str],
                 nproc: int) -> None:
     """The three runs: straight and crashed side by side, then the resume in a new process."""
     def spec(name: str, crash: bool, resume: bool, run: str) -> dict:
@@ -247,7 +247,7 @@ def run_scratch(cfg: Config, plan: Plan, scratch: Path, callbacks: list[str],
                 proc.wait()
 
 
-def compare_rank(scratch: Path, plan: Plan, rank: int) -> list[Difference]:
+def compare_rank(scratch: Path, plan: CheckPlan, rank: int) -> list[Difference]:
     """Every difference found for one rank, the first one first."""
     straight = read_records(scratch / f"straight-rank{rank}.jsonl")
     crashed = read_records(scratch / f"crashed-rank{rank}.jsonl")

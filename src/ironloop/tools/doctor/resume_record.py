@@ -175,7 +175,7 @@ class Recorder(Callback):
 def run_step(cfg, model: nn.Module, bundle):
     """The step the run would run, resolved as ``fit()`` resolves it (engine/build.py)."""
     from ironloop.engine.optim import Loss
-    from ironloop.engine.steps import classification_step, named_step
+    from ironloop.engine.step_fns import classification_step, named_step
     from ironloop.specs import import_spec
 
     if cfg.train.step_fn:

@@ -15,10 +15,9 @@ from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.source import eval_split
 from ironloop.data.stream import is_stream
-from ironloop.engine.build import infer_num_classes
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
-from ironloop.engine.steps import classification_step, named_step
+from ironloop.engine.step_fns import classification_step, infer_num_classes, named_step
 from ironloop.errors import UserError
 from ironloop.specs import import_spec
 from ironloop.state.rng import preserved_rng

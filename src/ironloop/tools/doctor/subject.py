@@ -15,7 +15,7 @@ from ironloop.data.loader import EpochSampler, TensorData, make_loader, to_devic
 from ironloop.data.source import eval_loader
 from ironloop.engine.carry import Carry, takes_state
 from ironloop.engine.optim import build_optimizer
-from ironloop.engine.steps import unpack
+from ironloop.engine.step_fns import unpack
 
 
 @dataclass

@@ -375,7 +375,7 @@ def _fmt(value, kind: str) -> str:
 
 
 def verdicts(variants: list[Variant], rows: list[dict],
-             reference: dict | None) -> tuple[list[judge.Verdict], str]:
+             reference: dict | None) -> tuple[list[judge.LabVerdict], str]:
     """Each step against the spec's criterion, and the sentence on step 4's accuracy."""
     by, row = {v.name: v for v in variants}, {r["variant"]: r for r in rows}
     acc = {k: r["final val acc"] for k, r in row.items()}

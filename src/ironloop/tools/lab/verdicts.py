@@ -21,7 +21,7 @@ REQUIRED_KEYS = {"model": "model", "optimizer": "optimizer", "scheduler": "sched
 
 
 @dataclass
-class Verdict:
+class LabVerdict:
     step: str
     criterion: str
     passed: bool | None  # None: a comparison with nothing to pass or fail
@@ -37,19 +37,19 @@ def _quantile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def baseline(acc: float, num_classes: int) -> Verdict:
+def baseline(acc: float, num_classes: int) -> LabVerdict:
     chance = 1 / num_classes
-    return Verdict("1-baseline", "the toy script trains: val acc far above chance",
+    return LabVerdict("1-baseline", "the toy script trains: val acc far above chance",
                    acc > 3 * chance, f"val acc {acc:.2%} vs chance {chance:.0%}")
 
 
-def lr_rises_then_falls(lrs: list[float]) -> Verdict:
+def lr_rises_then_falls(lrs: list[float]) -> LabVerdict:
     """The LR each optimizer step used (logged from the optimizer, as the scheduler set it)."""
     peak = lrs.index(max(lrs))
     rises = all(a <= b for a, b in pairwise(lrs[:peak + 1]))
     falls = all(a >= b for a, b in pairwise(lrs[peak:]))
     ok = 0 < peak < len(lrs) - 1 and rises and falls and lrs[0] < lrs[peak] > lrs[-1]
-    return Verdict("2-onecycle", "the LR rises, then falls (read back per step)", ok,
+    return LabVerdict("2-onecycle", "the LR rises, then falls (read back per step)", ok,
                    f"{lrs[0]:.1e} -> {lrs[peak]:.1e} at step {peak + 1} of {len(lrs)} -> "
                    f"{lrs[-1]:.1e}; monotone up {'yes' if rises else 'NO'}, "
                    f"down {'yes' if falls else 'NO'}")
@@ -86,7 +86,7 @@ def suggested_max_norm(stats: dict) -> float:
     return math.ceil(p95 / scale) * scale
 
 
-def clipping(stats: dict, acc_clip: float, acc_noclip: float, compare: dict | None) -> Verdict:
+def clipping(stats: dict, acc_clip: float, acc_noclip: float, compare: dict | None) -> LabVerdict:
     s = stats
     figure = (f"{s['steady']:.1%} of the {s['steady_steps']} steady-state steps clipped "
               f"({s['whole']:.1%} of all {s['steps']}); steady pre-clip norm median "
@@ -109,14 +109,14 @@ def clipping(stats: dict, acc_clip: float, acc_noclip: float, compare: dict | No
             figure += (f": max_norm {compare['max_norm']:g} meets the criterion with val "
                        f"acc within 0.5 points, and is the production choice for this model "
                        f"and schedule (a guard against spikes, not a constant rescaling)")
-    return Verdict("3-clip", f"< {CLIP_LIMIT:.0%} of steps clipped in steady state "
+    return LabVerdict("3-clip", f"< {CLIP_LIMIT:.0%} of steps clipped in steady state "
                    f"({STEADY})", ok, figure)
 
 
-def accumulation(steps: int, notes: dict) -> Verdict:
+def accumulation(steps: int, notes: dict) -> LabVerdict:
     diff = max(notes["full_window_diff"], notes["ragged_window_diff"])
     ok = steps == notes["expected_steps"] and diff < 1e-5
-    return Verdict("4-accum", "one optimizer step per window of 4; loss scaled by samples, "
+    return LabVerdict("4-accum", "one optimizer step per window of 4; loss scaled by samples, "
                    "not 1/4", ok,
                    f"{steps} optimizer steps for {notes['expected_steps']} windows; one step "
                    f"of 32x4 vs one batch of 128 differs by {notes['full_window_diff']:.1e}, "
@@ -144,20 +144,20 @@ def accumulation_drop(acc3: float, acc4: float, lrs3: list[float], lrs4: list[fl
 
 
 def amp(speed_fp32: float, speed_amp: float, acc_fp32: float, acc_amp: float, precision: str,
-        device: str, scaler_state) -> Verdict:
+        device: str, scaler_state) -> LabVerdict:
     uses_scaler = scaler_state is not None
     needs_scaler = precision == "fp16"
     scaler = ("GradScaler in use (fp16)" if uses_scaler else
               f"no GradScaler: {precision} has fp32's exponent range and needs none")
     ok = abs(acc_amp - acc_fp32) <= 0.01 and uses_scaler == needs_scaler
-    return Verdict("5-amp", "throughput change measured; accuracy kept (within 1 point)"
+    return LabVerdict("5-amp", "throughput change measured; accuracy kept (within 1 point)"
                    + ("; fp16 on CUDA uses a GradScaler" if device == "cuda" else ""), ok,
                    f"x{speed_amp / speed_fp32:.2f} samples/s ({speed_amp:,.0f} vs "
                    f"{speed_fp32:,.0f} in fp32 on {device}); val acc {acc_amp:.2%} vs "
                    f"{acc_fp32:.2%}; {scaler}")
 
 
-def checkpoint_keys(state: dict) -> Verdict:
+def checkpoint_keys(state: dict) -> LabVerdict:
     def find(path: str):
         node = state
         for part in path.split("."):
@@ -177,15 +177,15 @@ def checkpoint_keys(state: dict) -> Verdict:
         elif need == "step" and present:
             note = f" = {value}"
         parts.append(f"{need}{where} {'present' if present else 'MISSING'}{note}")
-    return Verdict("6-checkpoint", "last.pt holds model, optimizer, scheduler, scaler, step, "
+    return LabVerdict("6-checkpoint", "last.pt holds model, optimizer, scheduler, scaler, step, "
                    "rng_state", ok, "; ".join(parts))
 
 
 def resume(crash: dict, first_step_after: int | None, expected_from: int,
-           epochs_resumed: list, epochs_whole: list) -> Verdict:
+           epochs_resumed: list, epochs_whole: list) -> LabVerdict:
     ok = (crash["resumed_from"] == expected_from and first_step_after == expected_from + 1
           and crash["bit_identical"] and epochs_resumed == epochs_whole)
-    return Verdict("7-crash-resume", "resumes at the step after the checkpoint; validation "
+    return LabVerdict("7-crash-resume", "resumes at the step after the checkpoint; validation "
                    "continues smoothly", ok,
                    f"crashed after step {crash['crash_step']}, last checkpoint step "
                    f"{expected_from}, resumed from {crash['resumed_from']}, first step after "
@@ -195,7 +195,7 @@ def resume(crash: dict, first_step_after: int | None, expected_from: int,
                    f"final weights {'bit-identical' if crash['bit_identical'] else 'DIFFERENT'}")
 
 
-def reference(plain: dict, accel: dict | None, ironloop_acc: float, diff_lines: int) -> Verdict:
+def reference(plain: dict, accel: dict | None, ironloop_acc: float, diff_lines: int) -> LabVerdict:
     """The plain-PyTorch script and its Accelerate twin against ironloop's step 6."""
     same = abs(plain["val_acc"] - ironloop_acc) < 1e-9
     fig = (f"examples/production_loop.py val acc {plain['val_acc']:.2%} vs ironloop step 6 "
@@ -209,5 +209,5 @@ def reference(plain: dict, accel: dict | None, ironloop_acc: float, diff_lines: 
                 f"of diff")
     else:
         fig += "; accelerate is not installed, so its version was not run"
-    return Verdict("reference", "the hand-written script reaches ironloop's accuracy; the "
+    return LabVerdict("reference", "the hand-written script reaches ironloop's accuracy; the "
                    "Accelerate diff is small and reaches the same", ok, fig)

@@ -1,7 +1,7 @@
-"""The step part: the training math of one optimizer step, apart from the loop that orchestrates
-it (OLMo-core's ``TrainModule``). It owns the model and its wrapper, the optimizer, the schedule
-and its cadence, the scaler, the step function, the parameter list and a stateful step's carry,
-and it holds the guard's device verdict, so there is one stepping branch.
+"""The train module: the training math of one optimizer step, apart from the loop that
+orchestrates it (OLMo-core's ``TrainModule``). It owns the model and its wrapper, the optimizer,
+the schedule and its cadence, the scaler, the step function, the parameter list and a stateful
+step's carry, and it holds the guard's device verdict, so there is one stepping branch.
 
 The optimizer step, in order::
 
@@ -26,17 +26,17 @@ import torch
 from torch import nn
 
 from ironloop.config import ClipConfig
-from ironloop.dist.world import World
 from ironloop.engine.average import WeightAverage
 from ironloop.engine.carry import StatefulStep
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.metrics import SplitMetrics
 from ironloop.engine.precision import autocast
 from ironloop.engine.progress import Meter, Progress
-from ironloop.engine.steps import StepFn, describe, unpack
+from ironloop.engine.step_fns import StepFn, describe, unpack
 from ironloop.errors import ConfigError
-from ironloop.guard.hook import lr_scaled
-from ironloop.guard.verdict import DeviceGuard, forget_unscale, masked_step
+from ironloop.guard.reporter import lr_scaled
+from ironloop.guard.verdict import DeviceVerdicts, forget_unscale, masked_step
+from ironloop.parallel.world import World
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
 
@@ -71,7 +71,7 @@ def check_closure(optimizer: torch.optim.Optimizer, accumulation: int, precision
 
 
 @dataclass
-class TrainStep:
+class TrainModule:
     model: nn.Module                 # what the loop calls: the DDP/FSDP/compile wrapper
     raw_model: nn.Module             # the user's module: evaluation, checkpoints, export
     optimizer: torch.optim.Optimizer
@@ -85,7 +85,7 @@ class TrainStep:
     clip: ClipConfig
     total_steps: int
     schedule_steps: int = 0          # a finite schedule's length; past it the LR holds (0: none)
-    guard: DeviceGuard | None = None  # the guard's device verdict (guard.enabled)
+    verdicts: DeviceVerdicts | None = None  # the guard's device verdicts (guard.enabled)
     check_labels: Callable[[Any], None] | None = None  # a host-side label check, or None
     lr: float = 0.0                  # the LR the last optimizer step used
     frozen: bool = False             # optim.lr=0: every step at LR 0, whatever a resumed schedule
@@ -147,7 +147,7 @@ class TrainStep:
         scheduler. The step is counted as good; the guard's verdict stays on the device, a bad
         step changes nothing there, and the settle takes it back from the counters later.
         ``closure``: a closure optimizer's (``closure``), passed to its ``step``."""
-        opt, scaler, guard = self.optimizer, self.scaler, self.guard
+        opt, scaler, guard = self.optimizer, self.scaler, self.verdicts
         skipped = None
         if scaler is not None:
             scaler.unscale_(opt)  # clipping must see the true gradients, not the scaled ones
@@ -167,7 +167,7 @@ class TrainStep:
         clipped = clip_to_norm(params, grad_norm, self.clip.max_norm, self.clip.mode)
         with lr_scaled(opt, self.lr_factor):  # the rollbacks' LR factor, on top of the schedule
             if guard is not None and ok is not None and guard.masks:
-                masked_step(opt, scaler, ok, guard.verdict.found_inf(ok))  # skips on device
+                masked_step(opt, scaler, ok, guard.judge.found_inf(ok))  # skips on device
             elif guard is not None and ok is not None and not guard.allows(ok):
                 forget_unscale(opt, scaler)  # a bad step read on the host: no update
             elif scaler is not None:
@@ -189,7 +189,7 @@ class TrainStep:
         back from the checkpoint with their own LR."""
         if self.frozen:
             return 0.0
-        return 1.0 if self.guard is None else self.guard.policy.lr_factor
+        return 1.0 if self.verdicts is None else self.verdicts.policy.lr_factor
 
     def step_schedule(self, step: int) -> None:
         """The per-step scheduler step, after ``optimizer.step``. A run longer than its finite

@@ -1,9 +1,9 @@
 """The guard: a NaN or a loss spike costs a few steps, not the run, and no host sync per step.
 
-Three parts, by job: ``Guard`` (decide.py) decides on host floats; ``DeviceGuard``
+Three parts, by job: ``GuardPolicy`` (decide.py) decides on host floats; ``DeviceVerdicts``
 (verdict.py) judges each step on the device and is wired into the step part's one stepping
-branch (``engine/trainstep.py``), between measuring the pre-clip grad norm and clipping;
-``GuardHook`` (here) reads the verdicts at settle points and reports, rolls back or stops::
+branch (``engine/train_module.py``), between measuring the pre-clip grad norm and clipping;
+``GuardReporter`` (here) reads the verdicts at settle points and reports, rolls back or stops::
 
     bad = non-finite window loss | non-finite grad norm | (opt-in) a spike over recent good steps
     bad  -> skip: no optimizer update (params, Adam moments and step count untouched), the
@@ -20,7 +20,7 @@ fp16 overflow skips decided by GradScaler (finite loss, inf grads) stay GradScal
 **Sync-free design.** A plain step (no log line, evaluation, checkpoint or epoch end) reads
 nothing from the device:
 
-1. ``DeviceGuard.check`` computes the verdict ``ok`` on the device (``isfinite(loss total +
+1. ``DeviceVerdicts.check`` computes the verdict ``ok`` on the device (``isfinite(loss total +
    grad norm)``; under DDP on the sums over ranks, one small all-reduce; the spike test on
    device-resident statistics) and reverts the meter's running loss total with a ``where``
    when it is false.
@@ -30,7 +30,7 @@ nothing from the device:
    fp16 the guard's flag is merged into GradScaler's and the loss scale is left alone on a
    guard-bad step. An optimizer without ``found_inf`` cannot skip on the device: for it the
    verdict is read before ``step()``, one host sync per step (the old cost).
-3. The host counts the step as good. At the next settle point ``GuardHook.settle`` reads
+3. The host counts the step as good. At the next settle point ``GuardReporter.settle`` reads
    the pending verdicts at once (a lagged read), writes the bad steps' guard.jsonl lines with
    their exact step numbers, takes them out of the meter's counts, and rolls back or stops
    when due. When settles happen, what the lag changes, and how the engine takes the bad steps
@@ -45,18 +45,20 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import NamedTuple, TextIO
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from ironloop.dist.world import World, all_reduce_sum, barrier
+from ironloop.data.source import BatchSource
 from ironloop.errors import UserError
-from ironloop.guard.decide import Guard
-from ironloop.guard.verdict import DeviceGuard
+from ironloop.guard.decide import GuardPolicy
+from ironloop.guard.verdict import DeviceVerdicts
 from ironloop.outputs.runlog import RunLog, truncate_jsonl
+from ironloop.parallel.world import World, all_reduce_sum, barrier
 from ironloop.state.manager import latest_valid
+from ironloop.state.resume import Stateful
 from ironloop.state.snapshot import snapshot
 
 EXIT_CODE = 3  # the CLI's exit code when the guard stops a run (2 is a user error)
@@ -72,28 +74,14 @@ class RolledBack(Exception):
     """Raised after a rollback restored an earlier state; ``loop.train`` continues from it."""
 
 
-class RunState(Protocol):
-    """What a rollback puts back: the engine's collect/restore of a checkpoint's state."""
+class BadStep(NamedTuple):
+    """A bad step as guard.jsonl and the warning report it."""
 
-    def collect(self) -> dict: ...
-
-    def restore(self, state: dict, source: str) -> None: ...
-
-
-class Window(Protocol):
-    """The part of the training data the guard reads on the bad path (data/source.py)."""
-
-    @property
-    def global_batch(self) -> int: ...
-
-    @property
-    def usable(self) -> int: ...
-
-    def indices(self, start: int, end: int) -> list[int]: ...
-
-    def set_skip(self, indices) -> None: ...
-
-    def nonfinite_inputs(self, indices: list[int]) -> list[int]: ...
+    step: int      # its number: the step it would have been
+    epoch: int     # 1-based
+    reason: str    # nonfinite_loss, nonfinite_grad_norm or spike (decide.py)
+    loss: float    # the window's mean loss over all ranks
+    norm: float    # the pre-clip grad norm
 
 
 @contextlib.contextmanager
@@ -117,49 +105,50 @@ def lr_scaled(optimizer: torch.optim.Optimizer, factor: float):
             g["lr"] = lr
 
 
-class GuardHook:
+class GuardReporter:
     """The reporting side: at settle points reads the device verdicts (``settle``), writes
-    guard.jsonl (rank 0), keeps bad steps out of the meter, rolls back, stops. Takes the parts
-    it uses at construction; ``start`` opens guard.jsonl once the run's log exists."""
+    guard.jsonl (rank 0), keeps bad steps out of the meter, rolls back, stops. It holds only its
+    own parts; the run's parts come with each call that needs them, and ``owner`` (the run:
+    ``state_dict``/``load_state_dict``) is what a snapshot takes and a rollback puts back."""
 
-    def __init__(self, cfg, run_dir: Path, checkpoints: bool, device: DeviceGuard, *,
-                 meter, progress, data: Window, model: nn.Module, world: World,
-                 state: RunState, accumulation: int, advice: str = ""):
+    def __init__(self, cfg, run_dir: Path, device: DeviceVerdicts, from_files: bool,
+                 accumulation: int, advice: str):
         self.cfg, self.device, self.run_dir = cfg, device, Path(run_dir)
-        self.advice = advice or "Try a lower optim.lr"  # what a stop suggests (see ``advice``)
-        self.policy: Guard = device.policy
-        self.meter, self.progress, self.data, self.model = meter, progress, data, model
-        self.world, self.state, self.accumulation = world, state, accumulation
-        # Roll back to the newest checkpoint file; without checkpoints, to the snapshot.
-        self.from_files = checkpoints and cfg.rollback_to == "checkpoint"
+        self.advice = advice or "Try a lower optim.lr"  # what a stop suggests (``advice``)
+        self.policy: GuardPolicy = device.policy
+        # Roll back to the newest checkpoint file (checkpoints on, guard.rollback_to=checkpoint);
+        # else to the in-memory snapshot.
+        self.from_files, self.accumulation = from_files, accumulation
         self.snapshot: dict | None = None
         self.wait: Callable[[], None] = lambda: None  # finishes an async checkpoint write
         self.file: TextIO | None = None
         self.log: RunLog | None = None
+        self.is_main = True
 
     @property
     def lr_factor(self) -> float:
         return self.policy.lr_factor
 
     # ---------------------------------------------------------------- set-up, state ---------
-    def start(self, log: RunLog | None, resumed: bool, resume_requested: bool, always: bool,
-              optimizer: torch.optim.Optimizer, wait=None) -> None:
-        """After any restore: baseline the totals, open guard.jsonl, take the snapshot."""
-        self.wait, self.log = wait or self.wait, log
-        self.device.start(optimizer, always)
-        self.device.rebase(self.meter, self.progress.offset)
-        if self.world.is_main:
+    def start(self, owner: Stateful, meter, offset: int, log: RunLog | None, world: World,
+              resume: tuple[bool, bool], model: nn.Module) -> None:
+        """After any restore: baseline the totals, open guard.jsonl, take the snapshot.
+        ``resume``: (a checkpoint was restored, --resume was asked for)."""
+        resumed, resume_requested = resume
+        self.log, self.is_main = log, world.is_main
+        self.device.rebase(meter, offset)
+        if world.is_main:
             path = self.run_dir / "guard.jsonl"
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.policy.logged)
             self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()
-        if (not self.from_files or not resumed) and not _sharded(self.model):
-            self.snapshot = snapshot(self.state.collect())
+        if (not self.from_files or not resumed) and not _sharded(model):
+            self.snapshot = snapshot(owner.state_dict())
 
-    def saved(self) -> None:
+    def saved(self, owner: Stateful) -> None:
         """After every save: the in-memory rollback point moves with the checkpoints."""
         if not self.from_files:
-            self.snapshot = snapshot(self.state.collect())
+            self.snapshot = snapshot(owner.state_dict())
 
     def close(self) -> None:
         if self.file is not None:
@@ -167,49 +156,55 @@ class GuardHook:
             self.file = None
 
     def state_dict(self) -> dict:
-        """The pure Guard's state, with the spike statistics read from the device (a host read:
-        checkpoints and rollbacks are settle points)."""
+        """The pure GuardPolicy's state, with the spike statistics read from the device (a host
+        read: checkpoints and rollbacks are settle points)."""
         state = self.policy.state_dict()
         if self.cfg.spike_factor > 0:
-            state.update(self.device.verdict.state_dict())
+            state.update(self.device.judge.state_dict())
         return state
 
     def load_state_dict(self, state: dict | None) -> None:
         self.policy.load_state_dict(state or {})
-        self.device.verdict.load_state_dict(dict(state or {}))
+        self.device.judge.load_state_dict(dict(state or {}))
 
     # ---------------------------------------------------------------- settling --------------
-    def settle(self) -> tuple[int, list[int]]:
+    def settle(self, meter, progress, data: BatchSource, model: nn.Module, world: World,
+               owner: Stateful) -> tuple[int, list[int]]:
         """Read the verdicts of the steps since the last settle: ONE host read, at the settle
         points of ``engine/settle.py``, never on a plain step. Bad steps get their guard.jsonl
-        lines with exact step numbers and leave the meter's counts; a rollback or a stop
-        happens here when due. Returns (steps since the last settle, indices of the bad ones);
-        the engine corrects the step count and the schedule."""
+        lines with exact step numbers and leave the meter's counts; a rollback (of ``owner``,
+        the run) or a stop happens here when due. Returns (steps since the last settle, indices
+        of the bad ones); the engine corrects the step count and the schedule.
+
+        ``meter`` and ``progress``: the run's (engine/progress.py); ``data``: its training
+        BatchSource (data/source.py), read on the bad path only."""
         pending = self.device.pending
         attempts = len(pending)
         if not attempts:
             return 0, []
-        oks = torch.stack([p[0] for p in pending]).tolist()  # host sync: settle points only
+        oks = torch.stack([v.ok for v in pending]).tolist()  # host sync: settle points only
         bad = [j for j, ok in enumerate(oks) if not ok]
         if bad:
-            self._settle_bad(bad)
+            self._settle_bad(bad, meter, progress, data, model, world, owner)
         else:
             for _ in range(attempts):
                 self.policy.record_good()  # ends any run of bad steps from an earlier settle
-        self.device.rebase(self.meter, self.progress.offset)
+        self.device.rebase(meter, progress.offset)
         return attempts, bad
 
-    def _settle_bad(self, bad: list[int]) -> None:
+    def _settle_bad(self, bad: list[int], meter, progress, data: BatchSource, model: nn.Module,
+                    world: World, owner: Stateful) -> None:
         """Record, report and act on the bad steps among the pending ones, in order."""
-        m, d = self.meter, self.device
+        d = self.device
         attempts = len(d.pending)
-        rows = torch.stack([torch.stack([d.pending[j][1] - d.pending[j][2],
-                                         d.pending[j][3].to(m.loss_sum.dtype)]) for j in bad])
-        if self.world.distributed:  # the windows' losses over all ranks, as the verdict saw
-            rows[:, 0] = all_reduce_sum(rows[:, 0].contiguous(), self.world)
+        rows = torch.stack([torch.stack([d.pending[j].total - d.pending[j].before,
+                                         d.pending[j].norm.to(meter.loss_sum.dtype)])
+                            for j in bad])
+        if world.distributed:  # the windows' losses over all ranks, as the verdict saw them
+            rows[:, 0] = all_reduce_sum(rows[:, 0].contiguous(), world)
         values = dict(zip(bad, rows.tolist()))  # host sync, bad path only
-        m.forget(sum(d.samples[j + 1] - d.samples[j] for j in bad), len(bad))
-        step = self.progress.step - attempts  # the exact count at the last settle
+        meter.forget(sum(d.samples[j + 1] - d.samples[j] for j in bad), len(bad))
+        step = progress.step - attempts  # the exact count at the last settle
         for j in range(attempts):
             if j not in values:
                 step += 1
@@ -218,60 +213,62 @@ class GuardHook:
             (loss_sum, norm), size = values[j], d.offsets[j + 1] - d.offsets[j]
             loss = loss_sum / max(size, 1)  # the window's mean loss over all ranks
             reason = self.policy.classify(loss, norm) or "spike"  # finite and bad: a spike
-            self.policy.record_bad(step + 1, reason, self.window(d.offsets[j + 1]))
-            self._report_bad(step + 1, reason, loss, norm, latest=j == attempts - 1)
+            self.policy.record_bad(step + 1, reason, self.window(data, d.offsets[j + 1]))
+            bad_step = BadStep(step + 1, progress.epoch + 1, reason, loss, norm)
+            self._report_bad(bad_step, data, model if j == attempts - 1 else None, world)
             if self.policy.must_stop:
-                self._stop(step + 1)
+                self.stop(step + 1, world)
             if self.policy.must_roll_back:
-                if _sharded(self.model):  # a rollback restores file checkpoints: not DCP yet
-                    self._stop(step + 1, "a rollback under dist.strategy=fsdp is not "
-                                         "supported yet: resume from the newest .dcp "
-                                         "checkpoint with --resume and a lower optim.lr")
-                self._roll_back(step + 1)
+                if _sharded(model):  # a rollback restores file checkpoints: not DCP yet
+                    self.stop(step + 1, world, "a rollback under dist.strategy=fsdp is not "
+                                               "supported yet: resume from the newest .dcp "
+                                               "checkpoint with --resume and a lower optim.lr")
+                self._roll_back(step + 1, meter, progress, data, world, owner)
 
-    def window(self, end: int) -> list[int]:
+    def window(self, data: BatchSource, end: int) -> list[int]:
         """The global sample indices of the window that ended at epoch offset ``end`` (bad path
         only). Windows start at multiples of the window size within an epoch, resumed or not."""
-        size = self.data.global_batch * self.accumulation
-        return self.data.indices((end - 1) // size * size, end)
+        size = data.global_batch * self.accumulation
+        return data.indices((end - 1) // size * size, end)
 
     # ---------------------------------------------------------------- the bad path ----------
-    def _report_bad(self, step: int, reason: str, loss: float, norm: float,
-                    latest: bool) -> None:
+    def _report_bad(self, bad: BadStep, data: BatchSource, model: nn.Module | None,
+                    world: World) -> None:
+        """One guard.jsonl line and a warning. ``model``: given when the step is the latest
+        one, whose gradients are still those of the bad step (a verdict settled late: None)."""
         samples = self.policy.pending[-1]
-        row = {"event": "bad_step", "step": step, "epoch": self.progress.epoch + 1,
-               "reason": reason, "loss": _num(loss), "grad_norm": _num(norm),
+        row = {"event": "bad_step", "step": bad.step, "epoch": bad.epoch,
+               "reason": bad.reason, "loss": _num(bad.loss), "grad_norm": _num(bad.norm),
                "consecutive": self.policy.consecutive}
-        if self.world.is_main:
-            # The gradients are still those of the bad step only when it is the latest one
-            # (a verdict settled late); otherwise null.
-            grads = [n for n, p in self.model.named_parameters()
+        if world.is_main:
+            grads = [n for n, p in model.named_parameters()
                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())] \
-                if latest else None  # host sync, bad path only
-            bad_inputs = self.data.nonfinite_inputs(samples)
+                if model is not None else None  # host sync, bad path only
+            bad_inputs = data.nonfinite_inputs(samples)
             row.update(samples=samples, nonfinite_grads=grads,
                        inputs_nonfinite=bool(bad_inputs), nonfinite_input_samples=bad_inputs)
         self._write(row)
-        self._say(f"step {step} skipped ({reason}: loss {_num(loss)}, grad_norm "
-                  f"{_num(norm)}); {self.policy.consecutive} bad in a row, "
+        self._say(f"step {bad.step} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
+                  f"{_num(bad.norm)}); {self.policy.consecutive} bad in a row, "
                   f"{len(samples)} samples listed in guard.jsonl")
 
-    def _roll_back(self, step: int) -> None:
-        if self.world.is_main:
+    def _roll_back(self, step: int, meter, progress, data: BatchSource, world: World,
+                   owner: Stateful) -> None:
+        if world.is_main:
             self.wait()  # the newest checkpoint may still be being written
-        barrier(self.world)
+        barrier(world)
         state, source = self._target()
         keep = self.state_dict()  # the guard's knowledge outlives the rollback
-        self.state.restore(state, source)
+        owner.load_state_dict(state)
         self.load_state_dict(keep)
         added = self.policy.roll_back()
-        self.data.set_skip(self.policy.skip)
-        if self.data.usable < self.data.global_batch:  # nothing left to train on
-            self._stop(step, f"{len(self.policy.skip)} training samples are on the skip list "
-                             f"and fewer than one batch is left (the data itself is bad: "
-                             f"NaN or inf inputs or targets?)")
-        self.device.rebase(self.meter, self.progress.offset)
-        p = self.progress
+        data.set_skip(self.policy.skip)
+        if data.usable < data.global_batch:  # nothing left to train on
+            self.stop(step, world, f"{len(self.policy.skip)} training samples are on the skip "
+                                   f"list and fewer than one batch is left (the data itself is "
+                                   f"bad: NaN or inf inputs or targets?)")
+        self.device.rebase(meter, progress.offset)
+        p = progress
         if self.log is not None:  # one timeline in the logs, as after a resume
             self.log.rewind(p.step, p.epoch)
         self._write({"event": "rollback", "step": step, "from_step": step,
@@ -286,16 +283,16 @@ class GuardHook:
     def _target(self) -> tuple[dict, str]:
         """The state to roll back to: the newest valid checkpoint, else the snapshot."""
         if self.from_files:
-            main = self.world.is_main
             found = latest_valid(self.run_dir / "checkpoints",
-                                 (lambda msg: print(f"warning: {msg}")) if main else
+                                 (lambda msg: print(f"warning: {msg}")) if self.is_main else
                                  (lambda msg: None))
             if found is not None:
                 return found[1], str(Path(found[0]).relative_to(self.run_dir))
         # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given.
         return snapshot(self.snapshot), "memory snapshot"
 
-    def _stop(self, step: int, why: str = "") -> None:
+    def stop(self, step: int, world: World, why: str = "") -> None:
+        """End the run with GuardStop: too many rollbacks, or no way to roll back."""
         g = self.policy
         recent = ", ".join(f"step {s} ({r})" for s, r in g.events[-8:])
         why = why or (f"{g.max_bad_steps} bad step(s) in a row again after {g.rollbacks} "
@@ -306,7 +303,7 @@ class GuardHook:
                f"{self.run_dir / 'checkpoints'} is intact")
         self._write({"event": "stop", "step": step, "rollbacks": g.rollbacks,
                      "bad_steps": g.bad_steps, "message": msg})
-        if self.world.is_main:
+        if world.is_main:
             self.wait()
         raise GuardStop(msg)
 
@@ -318,13 +315,13 @@ class GuardHook:
             self.file.flush()
 
     def _say(self, text: str) -> None:
-        if self.world.is_main:
+        if self.is_main:
             tqdm.write(f"warning: guard: {text}")
 
 
 def _sharded(model: nn.Module) -> bool:
     """Whether the model is sharded by FSDP2 (its parameters are DTensors)."""
-    from ironloop.dist.parallel import is_sharded
+    from ironloop.parallel.data_parallel import is_sharded
 
     return any(is_sharded(p) for p in model.parameters())
 

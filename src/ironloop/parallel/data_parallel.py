@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ironloop.config import Config
-from ironloop.dist.world import World
 from ironloop.errors import ConfigError
+from ironloop.parallel.world import World
 
 
 def resolve_strategy(cfg: Config, world: World) -> str:

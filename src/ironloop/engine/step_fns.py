@@ -19,6 +19,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ironloop.config import Config
+from ironloop.data.source import RunData
+from ironloop.engine.optim import Loss
 from ironloop.errors import DataError, UserError
 from ironloop.specs import import_spec
 
@@ -219,3 +222,63 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
                             f"classes (the model's output size)")
 
     return check
+
+
+# ------------------------------------------------------------------ the classification step --
+def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
+                   data: RunData, feed_metrics: bool = False) -> tuple[Any, Any]:
+    """The default (inputs, targets) step, and the label check it needs (or None when every
+    dataset is an in-memory tensor whose labels were checked here, once, in full)."""
+    if num_classes is None:
+        num_classes = num_classes_of(model, data.first_sample, device)
+    if loss_fn is None and ":" in cfg.loss.name:
+        loss_fn = import_spec(cfg.loss.name, "loss.name")
+    step_fn = classification_step(loss_fn or Loss(cfg.loss, num_classes), feed_metrics)
+    if not num_classes:
+        return step_fn, None
+    check = label_checker(num_classes)
+    if not data.in_memory():
+        return step_fn, check  # checked batch by batch, on the host
+    for ds in (data.train, *data.val_sets.values(), data.test):
+        if ds is not None:
+            check((ds.x[:1], ds.y))
+    return step_fn, None
+
+
+def infer_num_classes(model: nn.Module, dataset, device) -> int | None:
+    """C from the first sample of a map-style dataset (see ``num_classes_of``)."""
+    return num_classes_of(model, lambda: dataset[0], device)
+
+
+def num_classes_of(model: nn.Module, sample: Callable[[], Any], device) -> int | None:
+    """C from one forward of one sample in eval mode; None if the output is not (1, C), or if
+    the forward fails: a model whose forward takes more than the inputs (an RNN's hidden
+    state) is not a classifier to infer from, and the run reports its own errors later."""
+    try:
+        return _num_classes(model, sample(), device)
+    except Exception:  # noqa: BLE001 - a guess that may fail; never the run's error
+        return None
+
+
+@torch.inference_mode()
+def _num_classes(model: nn.Module, sample, device) -> int | None:
+    if not isinstance(sample, (tuple, list)) or len(sample) < 2:
+        return None
+    x, y = sample[0], sample[1]
+    if not isinstance(x, torch.Tensor) or (isinstance(y, torch.Tensor) and y.is_floating_point()):
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(x.unsqueeze(0).to(device))
+    finally:
+        model.train(was_training)
+    return out.shape[-1] if isinstance(out, torch.Tensor) and out.ndim == 2 else None
+
+
+def step_kind(step_fn, configured: str) -> str:
+    """'classification', 'lm' or 'user': which step computes the run's metrics (``step_fn``:
+    fit()'s, ``configured``: train.step_fn)."""
+    if is_lm(step_fn, configured):
+        return "lm"
+    return "classification" if step_fn is None and not configured else "user"
