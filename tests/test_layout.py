@@ -151,6 +151,10 @@ MAX_RUN_FIELDS = 12
 MAX_FUNCTION_LINES = 60
 #: Besides config.py, the modules that may read the fault knobs (``cfg.fault``).
 MAX_FAULT_READERS = 2
+#: ``run.a.b.c`` reads into the run's parts, three levels deep (issue 41: one attribute per fact,
+#: at most two dots from the run). ``run.cfg.<section>.<key>`` is a config key's own dotted name.
+MAX_DEEP_CHAINS = 5
+MAX_REPORTER_PARAMS = 6
 
 
 def trees() -> dict[str, ast.Module]:
@@ -186,6 +190,31 @@ def fault_readers() -> set[str]:
             for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "fault"}
 
 
+def deep_chains() -> list[str]:
+    """``run.a.b.c`` (a Name ``run`` or ``self._run``, three attributes deep), config reads
+    aside."""
+    found = []
+    for mod, tree in trees().items():
+        for node in ast.walk(tree):
+            chain, cur = [], node
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if len(chain) == 3 and isinstance(cur, ast.Name) and cur.id == "run" \
+                    and chain[-1] != "cfg":
+                found.append(f"{mod}:{node.lineno} run.{'.'.join(reversed(chain))}")
+    return found
+
+
+def classes_defined_twice() -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for mod, tree in trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(mod)
+    return {name: mods for name, mods in where.items() if len(mods) > 1}
+
+
 def test_the_run_is_a_few_typed_parts():
     import dataclasses
 
@@ -195,6 +224,23 @@ def test_the_run_is_a_few_typed_parts():
     assert len(fields) <= MAX_RUN_FIELDS, [f.name for f in fields]
     untyped = [f.name for f in fields if "Any" in str(f.type) or str(f.type) == "object"]
     assert not untyped, f"typed Any: {untyped}"
+
+
+def test_each_fact_is_at_most_two_dots_from_the_run():
+    assert len(deep_chains()) <= MAX_DEEP_CHAINS, "\n".join(deep_chains())
+
+
+def test_the_guard_reporter_takes_its_own_parts_only():
+    import inspect
+
+    from ironloop.guard.reporter import GuardReporter
+
+    params = list(inspect.signature(GuardReporter.__init__).parameters)[1:]
+    assert len(params) <= MAX_REPORTER_PARAMS, params
+
+
+def test_no_class_name_is_defined_twice():
+    assert not classes_defined_twice(), classes_defined_twice()
 
 
 def test_the_input_kind_is_decided_in_data_only():
@@ -210,8 +256,8 @@ def test_the_fault_knobs_are_read_in_few_modules():
 
 
 def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
-    """The three checks above see an isinstance on a stream, a long function and fault reads
-    in three modules of a fake package."""
+    """The checks above see an isinstance on a stream, a long function, fault reads in three
+    modules, a class defined twice and a chain three deep in a fake package."""
     fake = tmp_path / "ironloop"
     (fake / "engine").mkdir(parents=True)
     for d in (fake, fake / "engine"):
@@ -220,11 +266,16 @@ def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
     body = "".join(f"    y = {i}\n" for i in range(MAX_FUNCTION_LINES))
     (fake / "engine" / "b.py").write_text(f"def g(cfg):\n{body}    return cfg.fault\n")
     (fake / "engine" / "c.py").write_text("def h(cfg):\n    return cfg.fault\n")
-    (fake / "engine" / "d.py").write_text("def k(cfg):\n    return cfg.fault\n")
+    (fake / "engine" / "d.py").write_text("def k(cfg):\n    return cfg.fault\n"
+                                          "class Plan:\n    pass\n")
+    (fake / "engine" / "e.py").write_text("class Plan:\n    pass\n"
+                                          "def m(run):\n    return run.data.source.usable\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     assert input_kind_checks() == ["ironloop.engine.a:2 isinstance on ['Stream']"]
     assert long_functions() == [f"ironloop.engine.b.g: {MAX_FUNCTION_LINES + 2} lines"]
     assert len(fault_readers()) == 3
+    assert classes_defined_twice() == {"Plan": ["ironloop.engine.d", "ironloop.engine.e"]}
+    assert deep_chains() == ["ironloop.engine.e:4 run.data.source.usable"]
 
 
 def test_tune_is_a_subpackage_like_doctor_and_lab():

@@ -23,3 +23,12 @@ def test_mypy_finds_nothing():
     # The cache is mypy's own (.mypy_cache, git-ignored): a rerun checks only what changed.
     r = _run("mypy", "src/ironloop")
     assert r.returncode == 0, f"mypy src/ironloop:\n{r.stdout}{r.stderr}"
+
+
+def test_ruff_reads_every_file_under_src():
+    """No file is left out by ruff's default excludes (a package named ``dist`` or ``build``
+    is skipped as build output: issue 41)."""
+    r = _run("ruff", "check", "--no-cache", "--show-files", "src")
+    shown = {line.strip() for line in r.stdout.splitlines() if line.strip().endswith(".py")}
+    every = {str(p) for p in (REPO / "src").rglob("*.py")}
+    assert every and every <= shown, sorted(every - shown)

@@ -179,6 +179,10 @@ class RunData:
                                                    rank=rank, world_size=size),
                            num_workers=0, pin_memory=False, collate_fn=self.collate_fn)
 
+    def close(self) -> None:
+        """Stop the training loader's workers (and a stream's prefetching)."""
+        self.source.close()
+
     def in_memory(self) -> bool:
         """Every split an in-memory TensorData (its labels can be checked once, in full)."""
         sets = [ds for ds in (self.train, self.val, self.test) if ds is not None]

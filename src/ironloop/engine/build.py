@@ -125,8 +125,9 @@ def _start_guard(run: Run, reporter: GuardReporter, resumed: bool, requested: bo
     """After any restore: the reporter's baseline, guard.jsonl, the snapshot; every step
     settles when a fault knob poisons steps or a callback watches them."""
     manager = run.outputs.checkpoints
+    hooks = run.hooks
     reporter.device.start(run.module.optimizer,
-                          run.hooks.faults.poisons_steps or _watches_steps(run.hooks.callbacks))
+                          hooks.faults.poisons_steps or _watches_steps(hooks.callbacks))
     if manager is not None:
         reporter.wait = manager.wait
     reporter.start(run, run.meter, run.progress.offset, run.outputs.log, run.world,
@@ -195,7 +196,7 @@ def _restore(run: Run, resumed: dict, source: str, strategy: str) -> None:
                               f"checkpoints. Resume it with dist.strategy=ddp")
     run.load_state_dict(resumed, source)
     if run.guard is not None:
-        run.guard.reporter.load_state_dict(resumed.get("guard"))
+        run.guard.load_state_dict(resumed.get("guard"))
     run.tracker.best_weights = rundir.best_weights(Path(run.cfg.run.dir), run.cfg)
     if module.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
         module.schedule_steps = resumed.get("schedule_steps") or module.schedule_steps

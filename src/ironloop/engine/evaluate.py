@@ -22,7 +22,8 @@ from ironloop.parallel.world import sum_over_ranks
 def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     """``run_evaluation`` charged to the 'validation' part of the time split and kept out of
     the training time (samples/s stays about training). Returns (val metrics, new best)."""
-    with run.outputs.timer.part("validation"):
+    timer = run.outputs.timer
+    with timer.part("validation"):
         started = time.perf_counter()
         val, improved = run_evaluation(run)
         run.meter.exclude(time.perf_counter() - started)
@@ -49,8 +50,7 @@ def run_evaluation(run: Run) -> tuple[dict[str, float], bool]:
     row = {"step": p.step, "epoch": p.epoch + 1, **val, "lr": module.lr,
            "seconds": time.perf_counter() - started}
     run.last_eval = row
-    if run.outputs.log is not None:
-        run.outputs.log.write("evals", row)
+    run.outputs.write("evals", row)
     fire(run, "on_eval_end", row)
     return val, improved
 
@@ -60,8 +60,8 @@ def validation_metrics(run: Run) -> dict[str, float]:
     ``val_<set>_<metric>`` (several), then with weight averaging on the averaged weights' as
     ``val_avg_<metric>`` / ``val_avg_<set>_<metric>``."""
     # (the key of the set's batching in data/source.py, its name, the set)
-    sets = [(f"val_{name}" if name else "val", name, ds)
-            for name, ds in run.data.val_sets.items()]
+    val_sets = run.data.val_sets
+    sets = [(f"val_{name}" if name else "val", name, ds) for name, ds in val_sets.items()]
     val = {}
     for split, _, dataset in sets:
         val.update(_prefixed(run, f"{split}_", evaluate(run, dataset, split)))
@@ -102,8 +102,9 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
         module.carry.start_evaluation()
     # Every sample exactly once over all ranks (a drop_last tail aside): the training
     # sampler's tail drop is for DDP's backward, and evaluation has none.
-    batching = run.data.batching.get(split) or \
-        EvalBatching(run.cfg.train.batch_size, None, run.data.collate_fn)
+    data = run.data
+    batching = data.batching.get(split) or \
+        EvalBatching(run.cfg.train.batch_size, None, data.collate_fn)
     loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
     sums, names, count, batches = None, [], 0, 0
     whole = module.metrics  # whole-split metrics (eval.metrics), or None

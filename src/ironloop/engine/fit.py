@@ -202,13 +202,10 @@ def _train(run: Run) -> None:
     except torch.OutOfMemoryError as e:
         raise out_of_memory(run, e) from None  # checkpoints stay as they are
     finally:
-        if run.outputs.checkpoints is not None:
-            run.outputs.checkpoints.close()  # exit waits for an in-flight async write
-        if run.outputs.log is not None:
-            run.outputs.log.close()
+        run.outputs.close()  # waits for an in-flight async checkpoint write
         if run.guard is not None:
             run.guard.close()
-        run.data.source.close()
+        run.data.close()
 
 
 def _env_local_rank() -> int:
@@ -235,8 +232,9 @@ def _finish(run: Run, started: float) -> FitResult:
             save_safetensors(averaged, run_dir / "final_avg.safetensors")
         write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
-            print(table(results["time_split"], run.outputs.timer.steps, module.device,
-                        run.outputs.timer.sync, settings_of(run), results.get("tokens_per_s")))
+            timer = run.outputs.timer
+            print(table(results["time_split"], timer.steps, module.device, timer.sync,
+                        settings_of(run), results.get("tokens_per_s")))
     return FitResult(model=module.raw_model, results=results, run_dir=run_dir)
 
 
@@ -269,6 +267,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
              started: float) -> dict[str, Any]:
     """results.json's content."""
     cfg, p, tracker, last_eval = run.cfg, run.progress, run.tracker, run.last_eval
+    meter, module, timer = run.meter, run.module, run.outputs.timer
     # max_steps ended the run mid-epoch: that epoch has no epochs.jsonl line (it stays open for
     # a longer resume); the loop evaluated the final weights once (loop.end_mid_epoch).
     mid_epoch = p.offset > 0
@@ -277,7 +276,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
     epochs = read_jsonl(Path(cfg.run.dir) / "epochs.jsonl") if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
     # the open epoch's training so far and its final evaluation (loop.end_mid_epoch)
-    open_seconds = train_seconds - run.meter.epoch_mark.get("train_seconds", 0.0) + \
+    open_seconds = train_seconds - meter.epoch_mark.get("train_seconds", 0.0) + \
         last.get("seconds", 0.0) if mid_epoch else 0.0
     results: dict[str, Any] = {
         "best_val_acc": max(accs) if accs else None,
@@ -289,7 +288,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         "steps": p.step, "epochs": p.epoch + (1 if mid_epoch else 0),
         "stopped_early": tracker.should_stop, "restored_best": restored,
         "stopped_by_callback": run.hooks.stop_requested,
-        "precision": run.module.precision, "device": str(run.module.device),
+        "precision": module.precision, "device": str(module.device),
         "threads": torch.get_num_threads(),  # run.threads, or torch's default it resolved to
         # as epochs.jsonl counts them (training + epoch-end validation), the open epoch too
         "seconds": sum(r.get("seconds", 0.0) for r in epochs) + open_seconds,
@@ -297,13 +296,13 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.totals() if run.guard is not None else {}),
         # seconds per part, this process (timing.PARTS)
-        "time_split": run.outputs.timer.finish() or None,
+        "time_split": timer.finish() or None,
     }
-    split = run.module.metrics  # whole-split metrics on the test split too: test_<name>
+    split = module.metrics  # whole-split metrics on the test split too: test_<name>
     results.update({f"test_{k}": test[k] for k in (split.metrics if split else ()) if k in test})
     if mid_epoch:
         results["stopped_mid_epoch"] = {"epoch": p.epoch + 1, "val_loss": final_val.get("loss")}
-    tokens = float(all_reduce_sum(run.meter.tokens.clone(), run.world))  # host sync, once
+    tokens = float(all_reduce_sum(meter.tokens.clone(), run.world))  # host sync, once
     if tokens:  # the step reports its tokens (its loss weight)
         results.update(tokens=tokens, tokens_per_s=tokens / max(train_seconds, 1e-9))
     if last_eval.get("val_ppl") is not None:

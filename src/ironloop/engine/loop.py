@@ -71,21 +71,23 @@ def train(run: Run) -> None:
 
     Every epoch trains in train mode; the model then goes back to the mode it was handed over
     in (a model passed in eval mode comes back in eval mode), also when the run raises."""
-    handed_over_training = run.module.raw_model.training
+    module = run.module
+    handed_over_training = module.raw_model.training
     try:
         _epochs(run)
     finally:
-        run.module.model.train(handed_over_training)
+        module.model.train(handed_over_training)
 
 
 def _epochs(run: Run) -> None:
     run.meter.start_clock()  # training time starts now, not while fit() set up
-    while run.progress.epoch < run.cfg.train.epochs and not run.finished:
+    p, source = run.progress, run.data.source
+    while p.epoch < run.cfg.train.epochs and not run.finished:
         try:
             train_epoch(run)
         except RolledBack:
             continue  # the guard restored an earlier state: go on from its epoch and offset
-        if run.progress.offset < run.data.source.usable:  # max_steps, mid-epoch
+        if p.offset < source.usable:  # max_steps, mid-epoch
             end_mid_epoch(run)
             return
         end_epoch(run)
@@ -138,7 +140,7 @@ def train_epoch(run: Run) -> None:
         after_step(run, bar)
         bar.update(1)  # after the log line: a progress line shows this step's loss and LR
         timer.mark("other")
-        if run.hooks.preempt.should_stop():  # a bool, no device sync
+        if run.hooks.should_stop():  # a bool, no device sync
             _preempted(run)  # saves this step and raises Preempted
         if run.finished:  # max_steps, or early stopping at a step-path evaluation
             break
@@ -179,7 +181,7 @@ def after_step(run: Run, bar: EpochProgress) -> None:
     p, cadence = run.progress, run.cadence
     if run.settle_due() and run.settle():
         return  # the guard found this step bad: it never happened, nothing to log or save
-    run.hooks.faults.at_step(p.step)
+    run.hooks.at_step(p.step)
     row = log_step(run, bar) if cadence.logs(p.step) else {"step": p.step, "epoch": p.epoch + 1}
     fire(run, "on_step_end", row)
     improved = False
@@ -200,8 +202,7 @@ def log_step(run: Run, bar: EpochProgress) -> dict:
     if run.cfg.profile.peak_tflops and "tokens_per_s" in row:  # model-FLOPs utilisation
         row["mfu"] = mfu(sum(q.numel() for q in run.module.params), row["tokens_per_s"],
                          run.cfg.profile.peak_tflops)
-    if run.outputs.log is not None:
-        run.outputs.log.write("metrics", row)
+    run.outputs.write("metrics", row)
     bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
     return row
 
@@ -209,7 +210,8 @@ def log_step(run: Run, bar: EpochProgress) -> dict:
 def _preempted(run: Run) -> None:
     """A signal asked the run to stop (engine/preempt.py): checkpoint this step unless
     after_step just did, say so in events.jsonl, and end the run with Preempted."""
-    run.hooks.preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
+    preempt = run.hooks.preempt
+    preempt.saving()  # from here a second signal kills at once; the old checkpoint stays
     p = run.progress
     saved = run.cfg.checkpoint.enabled
     # A checkpoint holds settled counters: read the guard's pending verdicts first (a host
@@ -218,15 +220,15 @@ def _preempted(run: Run) -> None:
     taken_back = run.settle()
     if saved and (taken_back or not run.cadence.saves(p.step)):
         run.save(False)
-    if saved and run.outputs.checkpoints is not None:
+    checkpoints = run.outputs.checkpoints
+    if saved and checkpoints is not None:
         # "saved": true only once the write is done (an async one too); a failed write raises
         # here, before the record could claim it
-        run.outputs.checkpoints.wait()
-    stop = run.hooks.preempt.stopped(p.step, saved)
-    if run.outputs.log is not None:
-        run.outputs.log.write("events", {"event": "preempted", "signal": stop.signal_name,
-                                         "step": p.step, "epoch": p.epoch + 1, "saved": saved,
-                                         "time": time.time()})
+        checkpoints.wait()
+    stop = preempt.stopped(p.step, saved)
+    run.outputs.write("events", {"event": "preempted", "signal": stop.signal_name,
+                                 "step": p.step, "epoch": p.epoch + 1, "saved": saved,
+                                 "time": time.time()})
     raise stop
 
 
@@ -271,9 +273,8 @@ def end_epoch(run: Run) -> None:
         row.update(totals)
     if timer.enabled:
         row["time_split"] = timer.end_epoch()  # seconds per part; they add up to "seconds"
-    if run.outputs.log is not None:
-        run.outputs.log.write("epochs", row)
-        console.say(run.world.is_main, console.epoch_line(row, run.plan(), run.last_eval))
+    run.outputs.write("epochs", row)
+    console.say(run.world.is_main, console.epoch_line(row, run.plan(), run.last_eval))
     fire(run, "on_epoch_end", row)
     saving = time.perf_counter()
     # Validation and logging are not training time. Exclude them BEFORE the save: the

@@ -59,6 +59,18 @@ class Outputs:
     timer: StepTimer
     last_saved: int = 0  # the step of the previous save: on disk once the next one returns
 
+    def write(self, kind: str, row: dict) -> None:
+        """One line of ``kind``.jsonl (and the trackers'): rank 0 writes, the others do not."""
+        if self.log is not None:
+            self.log.write(kind, row)
+
+    def close(self) -> None:
+        """Wait for an in-flight async checkpoint write, then close the logs."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self.log is not None:
+            self.log.close()
+
 
 @dataclass
 class Hooks:
@@ -69,6 +81,15 @@ class Hooks:
     preempt: Preemption
     faults: Faults
     stop_requested: bool = False  # a callback called RunView.stop()
+
+    def should_stop(self) -> bool:
+        """Whether a signal asked the run to stop (once per optimizer step; a bool, no device
+        sync; under torchrun every rank answers the same at the same step)."""
+        return self.preempt.should_stop()
+
+    def at_step(self, step: int) -> None:
+        """The fault knobs' point after the optimizer step ``step`` is counted and settled."""
+        self.faults.at_step(step)
 
 
 @dataclass
@@ -188,10 +209,9 @@ class Run:
     def log_scalars(self, scalars: dict[str, Any]) -> None:
         """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
         go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
-        if self.outputs.log is not None:
-            p = self.progress
-            self.outputs.log.write("scalars", {"step": p.step, "epoch": p.epoch + 1,
-                                               **scalars, "time": time.time()})
+        p = self.progress
+        self.outputs.write("scalars", {"step": p.step, "epoch": p.epoch + 1, **scalars,
+                                       "time": time.time()})
 
 
 class RunView:

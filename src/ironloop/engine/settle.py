@@ -93,6 +93,10 @@ class LateSettle:
         self.mark = _mark(module, progress)
         return bool(bad) and bad[-1] == attempts - 1
 
+    def load_state_dict(self, state: dict | None) -> None:
+        """The guard's state from a checkpoint (None: from before the guard)."""
+        self.reporter.load_state_dict(state)
+
     def totals(self) -> dict:
         """The guard's counts for epochs.jsonl and results.json."""
         return self.reporter.policy.totals()

@@ -14,10 +14,10 @@ from ironloop.data.loader import TensorData
 from ironloop.engine.timing import tune_command
 from ironloop.tools.doctor.env_checks import cores
 from ironloop.tools.doctor.findings import Finding, info
-from ironloop.tools.doctor.subject import Subject, labels_of
+from ironloop.tools.doctor.subject import DoctorSubject, labels_of
 
 
-def check_labels(s: Subject, cap: int | None = None) -> list[Finding]:
+def check_labels(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
     """5. Labels out of [0, C), classes that never appear, and the class balance."""
     c = s.num_classes
     if not c or not s.classification:
@@ -96,7 +96,7 @@ def _inputs(dataset, cap: int | None) -> torch.Tensor | None:
     return x.reshape(len(x), -1) if x.is_floating_point() and len(x) else None
 
 
-def check_finite_inputs(s: Subject, cap: int | None = None) -> list[Finding]:
+def check_finite_inputs(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
     """Samples whose inputs hold NaN or inf: named by index, before they poison a step."""
     out = []
     for split, data in (("train", s.train), ("val", s.val), ("test", s.test)):
@@ -127,7 +127,7 @@ def _hashes(dataset, cap: int | None) -> list[bytes]:
                             digest_size=16).digest() for r in rows]
 
 
-def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:
+def check_leakage(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
     """6. Samples whose inputs appear in both train and val (or train and test)."""
     if s.train is None:
         return []
@@ -155,7 +155,7 @@ def check_leakage(s: Subject, cap: int | None = None) -> list[Finding]:
     return out
 
 
-def _loader_seconds_per_batch(s: Subject, max_batches: int, budget: float) -> float:
+def _loader_seconds_per_batch(s: DoctorSubject, max_batches: int, budget: float) -> float:
     """Median seconds per batch for the DataLoader in the main process: fetch + collate.
     The median, because a shared machine preempts now and then: one stall must not turn a fast
     loader into a slow one."""
@@ -175,7 +175,7 @@ def _loader_seconds_per_batch(s: Subject, max_batches: int, budget: float) -> fl
     return statistics.median(times) if times else 0.0
 
 
-def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> float:
+def _model_seconds_per_step(s: DoctorSubject, batch, steps: int, budget: float) -> float:
     """Seconds per optimizer step on the first batch, already in place (no loading), through
     the run's step: the median step on CPU, the mean over the steps (one sync at the end) on
     CUDA."""
@@ -202,7 +202,7 @@ def _model_seconds_per_step(s: Subject, batch, steps: int, budget: float) -> flo
     return statistics.median(times)
 
 
-def check_input_bound(s: Subject, batch, max_batches: int = 8,
+def check_input_bound(s: DoctorSubject, batch, max_batches: int = 8,
                       budget: float = 0.15) -> list[Finding]:
     """7. The DataLoader's batches/s against the model's steps/s on synthetic batches.
 
@@ -230,7 +230,7 @@ def check_input_bound(s: Subject, batch, max_batches: int = 8,
     return [info("input_bound", measured)]
 
 
-def loader_fix(s: Subject, load: float, step: float) -> str:
+def loader_fix(s: DoctorSubject, load: float, step: float) -> str:
     """The loader's next open steps: more workers while cores are left, the main process's
     threads off the workers' cores (CPU), pinned memory (CUDA, when off); else a cheaper
     __getitem__."""

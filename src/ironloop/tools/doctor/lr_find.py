@@ -16,12 +16,12 @@ from typing import Any
 from ironloop.data.loader import to_device
 from ironloop.engine.gradients import clip_gradients
 from ironloop.tools.doctor.findings import Finding
-from ironloop.tools.doctor.subject import Subject
+from ironloop.tools.doctor.subject import DoctorSubject
 
 METHOD = "steepest descent of the smoothed loss against log(LR)"
 
 
-def sweep(s: Subject, start: float = 1e-7, end: float = 10.0, steps: int = 100,
+def sweep(s: DoctorSubject, start: float = 1e-7, end: float = 10.0, steps: int = 100,
           beta: float = 0.98) -> tuple[list[float], list[float]]:
     """(lrs, smoothed losses) until divergence or ``end``."""
     model, opt = s.copy()
@@ -88,7 +88,7 @@ def plot(lrs: list[float], losses: list[float], best: float | None, configured: 
     return out
 
 
-def check_lr_find(s: Subject, out: Path, steps: int = 100) -> list[Finding]:
+def check_lr_find(s: DoctorSubject, out: Path, steps: int = 100) -> list[Finding]:
     """Run the sweep, write ``out`` (lr_find.png), and compare the suggestion with optim.lr."""
     lrs, losses = sweep(s, steps=steps)
     best = suggest(lrs, losses)

@@ -10,13 +10,13 @@ from torch import nn
 from ironloop.data.loader import batch_size_of
 from ironloop.engine.gradients import clip_gradients
 from ironloop.tools.doctor.findings import Finding, info
-from ironloop.tools.doctor.subject import Subject, repeated
+from ironloop.tools.doctor.subject import DoctorSubject, repeated
 
 #: Final modules that turn logits into probabilities (or log-probabilities).
 SQUASHERS = (nn.Softmax, nn.LogSoftmax, nn.Sigmoid, nn.Softmax2d)
 
 
-def expected_initial_loss(s: Subject) -> tuple[float, str] | None:
+def expected_initial_loss(s: DoctorSubject) -> tuple[float, str] | None:
     """(value, how) a model with near-uniform outputs should start at, or None if unknown."""
     c, name = s.num_classes, s.cfg.loss.name
     if not c:
@@ -32,7 +32,7 @@ def expected_initial_loss(s: Subject) -> tuple[float, str] | None:
     return None
 
 
-def loss_floor(s: Subject) -> float:
+def loss_floor(s: DoctorSubject) -> float:
     """The lowest loss reachable on a batch: the entropy of the smoothed targets."""
     eps, c = s.cfg.loss.label_smoothing, s.num_classes or 0
     if s.cfg.loss.name != "cross_entropy" or not eps or c < 2:
@@ -41,7 +41,7 @@ def loss_floor(s: Subject) -> float:
     return -(hi * math.log(hi) + (c - 1) * lo * math.log(lo))
 
 
-def check_initial_loss(s: Subject, batch) -> list[Finding]:
+def check_initial_loss(s: DoctorSubject, batch) -> list[Finding]:
     """1. The loss at initialisation against the value a near-uniform model gives."""
     model, _ = s.copy()
     with torch.no_grad():
@@ -86,7 +86,7 @@ def _last_leaf(model: nn.Module, inputs) -> tuple[str, nn.Module] | None:
     return (names[order[-1]] or type(order[-1]).__name__, order[-1]) if order else None
 
 
-def check_probabilities(s: Subject, batch) -> list[Finding]:
+def check_probabilities(s: DoctorSubject, batch) -> list[Finding]:
     """2. Probabilities fed to a loss that expects logits: a final Softmax/LogSoftmax/Sigmoid
     module, or outputs that are non-negative and sum to 1."""
     name = s.cfg.loss.name
@@ -129,7 +129,7 @@ def check_probabilities(s: Subject, batch) -> list[Finding]:
     return [info("probabilities", f"{final}: logits, as loss.name={name} expects")]
 
 
-def check_overfit_batch(s: Subject, batch, steps: int) -> list[Finding]:
+def check_overfit_batch(s: DoctorSubject, batch, steps: int) -> list[Finding]:
     """3. Overfit one batch: the loss on one fixed batch must fall by 10x within ``steps``
     optimizer steps, on a copy of the model and optimizer (the real run is untouched)."""
     tokens = token_targets(batch)
@@ -187,7 +187,7 @@ def unigram_entropy(tokens: torch.Tensor) -> float:
     return float(-(p * p.log()).sum())
 
 
-def _overfit_tokens(s: Subject, batch, steps: int, tokens: torch.Tensor) -> list[Finding]:
+def _overfit_tokens(s: DoctorSubject, batch, steps: int, tokens: torch.Tensor) -> list[Finding]:
     """The overfit check for a language model: a real LM does not come 10x closer to 0 in a
     few dozen steps, but one that learns at all gets at least halfway from its first loss
     down to the batch's unigram entropy (what predicting common tokens alone is worth)."""
@@ -222,7 +222,7 @@ def _overfit_tokens(s: Subject, batch, steps: int, tokens: torch.Tensor) -> list
                     "raise optim.lr, and look at the dead_parameters finding")]
 
 
-def check_dead_parameters(s: Subject, batch) -> list[Finding]:
+def check_dead_parameters(s: DoctorSubject, batch) -> list[Finding]:
     """4. Parameters that get no gradient, or an exactly zero one, from a backward pass."""
     model, _ = s.copy()
     s.loss(model, batch)[0].backward()
@@ -260,7 +260,7 @@ def _names(names: list[str], k: int = 5) -> str:
     return ", ".join(names[:k]) + more
 
 
-def check_memory(s: Subject, batch, search: bool = False) -> list[Finding]:
+def check_memory(s: DoctorSubject, batch, search: bool = False) -> list[Finding]:
     """8. CUDA: peak memory of one training step at the configured batch, and the largest batch
     that fits (a linear estimate, or a doubling search with ``search``)."""
     if s.device.type != "cuda":
@@ -285,7 +285,7 @@ def check_memory(s: Subject, batch, search: bool = False) -> list[Finding]:
     return [info("memory", measured)]
 
 
-def _peak_of_step(s: Subject, model, opt, batch) -> int:
+def _peak_of_step(s: DoctorSubject, model, opt, batch) -> int:
     torch.cuda.reset_peak_memory_stats(s.device)
     opt.zero_grad(set_to_none=True)
     s.loss(model, batch)[0].backward()
@@ -294,7 +294,7 @@ def _peak_of_step(s: Subject, model, opt, batch) -> int:
     return torch.cuda.max_memory_allocated(s.device)
 
 
-def _search_batch(s: Subject, model, opt, batch, total: int) -> int:
+def _search_batch(s: DoctorSubject, model, opt, batch, total: int) -> int:
     """Double the batch (by repeating samples) until a step runs out of memory."""
     fits = batch_size_of(batch)
     size = fits * 2

@@ -23,7 +23,7 @@ from ironloop.specs import import_spec
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.doctor import data_checks as data, env_checks, model_checks as mc
 from ironloop.tools.doctor.findings import Finding
-from ironloop.tools.doctor.subject import Subject, head
+from ironloop.tools.doctor.subject import DoctorSubject, head
 
 #: The overfit check trains on at most this many samples of the first batch.
 OVERFIT_BATCH = 16
@@ -35,7 +35,7 @@ class DoctorError(UserError):
 
 def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = None,
             num_classes: int | None = None, loss_fn=None, collate_fn=None,
-            step_fn=None) -> Subject:
+            step_fn=None) -> DoctorSubject:
     """What the checks examine. They run the step the run will run: ``step_fn``, else
     ``train.step_fn``, else the default step with ``loss_fn`` (or ``loss.*``). The class count
     is inferred only for the default step, and a model it cannot be inferred from has none."""
@@ -58,13 +58,13 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
     if loss_fn is None and ":" in cfg.loss.name:
         loss_fn = import_spec(cfg.loss.name, "loss.name")
     loss_fn = loss_fn or Loss(cfg.loss, num_classes)
-    return Subject(model=model, cfg=cfg, train=train, val=val, test=test,
+    return DoctorSubject(model=model, cfg=cfg, train=train, val=val, test=test,
                    num_classes=num_classes, loss_fn=loss_fn, device=device,
                    collate_fn=collate_fn, step_fn=step_fn or classification_step(loss_fn),
                    user_step=user_step, val_batching=val_batching)
 
 
-def check(s: Subject, quick: bool = True, raise_step: bool = False) -> list[Finding]:
+def check(s: DoctorSubject, quick: bool = True, raise_step: bool = False) -> list[Finding]:
     """Every check but the LR range test, on copies: the model, the data and the global RNG
     states are as they were afterwards. ``quick`` bounds the samples read from datasets that
     are not in memory. When the run's step itself raises (``probe_step``), the model checks
@@ -74,7 +74,7 @@ def check(s: Subject, quick: bool = True, raise_step: bool = False) -> list[Find
         return _check(s, quick, raise_step)
 
 
-def _check(s: Subject, quick: bool, raise_step: bool = False) -> list[Finding]:
+def _check(s: DoctorSubject, quick: bool, raise_step: bool = False) -> list[Finding]:
     cfg = s.cfg.doctor
     # A dataset that is not in memory may decode on every read: the quick checks read at most
     # doctor.max_batches batches' worth of samples of it.
@@ -111,7 +111,7 @@ def _check(s: Subject, quick: bool, raise_step: bool = False) -> list[Finding]:
     return findings
 
 
-def probe_step(s: Subject, batch) -> None:
+def probe_step(s: DoctorSubject, batch) -> None:
     """The run's step once on the first training batch (train mode, with a backward) and once
     on the first validation batch as evaluation batches it (eval mode), on a copy. What raises
     here would stop the run at its first step or its first evaluation (after a whole epoch,

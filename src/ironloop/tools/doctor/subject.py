@@ -19,7 +19,7 @@ from ironloop.engine.step_fns import unpack
 
 
 @dataclass
-class Subject:
+class DoctorSubject:
     model: nn.Module
     cfg: Config
     train: Any
