@@ -4,7 +4,7 @@ size < 10 min, at a load up to about 4).
 
 The real Fashion-MNIST files cannot be downloaded here, so the benchmark writes IDX files of the
 same size and format (60,000 + 10,000 28x28 uint8 images, 10 classes) with
-``ironloop.data.idx.write_idx``: each class is a fixed random pattern plus noise, learnable like
+``ironloop.data.builtin.idx.write_idx``: each class is a fixed random pattern plus noise, learnable like
 the real thing but not the same images, so the accuracies mean nothing; the time does. Each lab
 runs as a real ``python -m ironloop lab`` process: CPU seconds are that process and its
 children (resource.getrusage), load is the 1-minute load average before and after. Wall time
@@ -35,7 +35,7 @@ BUDGET_S = {"digits": 180.0, "fashion-mnist": 600.0}
 
 def write_fashion_size(root: Path, n_train: int = 60_000, n_test: int = 10_000) -> Path:
     """Four raw IDX files of Fashion-MNIST's size and format under ``root``."""
-    from ironloop.data.idx import FILES, write_idx
+    from ironloop.data.builtin.idx import FILES, write_idx
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -35,7 +35,7 @@ class Curriculum(Dataset):
 def data(val_fraction: float = 0.2) -> dict:
     """The digits (scikit-learn's, as ``data.name=digits``), the training split noised."""
     from ironloop.config import DataConfig
-    from ironloop.data.datasets import digits
+    from ironloop.data.builtin.datasets import digits
 
     bundle = digits(DataConfig(name="digits", val_fraction=val_fraction))
     return {"train": Curriculum(bundle.train), "val": bundle.val,

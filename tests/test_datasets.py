@@ -8,8 +8,8 @@ import torch
 
 from ironloop.config import load_config
 from ironloop.data import build_data
-from ironloop.data.datasets import FASHION_MEAN, FASHION_STD
-from ironloop.data.idx import write_idx
+from ironloop.data.builtin.datasets import FASHION_MEAN, FASHION_STD
+from ironloop.data.builtin.idx import write_idx
 from ironloop.errors import ConfigError, DataError
 
 

@@ -12,8 +12,8 @@ import torch
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.engine.fit import settings_of
-from ironloop.engine.timing import advice
 from ironloop.errors import ConfigError
+from ironloop.outputs.time_split import advice
 from tests.conftest import blobs, cfg, tiny_mlp
 
 
@@ -75,3 +75,21 @@ def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypat
     assert any("train.precision=bf16" in a for a in advice(compute_bound, settings_of(run)))
     run.module.device = torch.device("cpu")
     assert not any("bf16" in a for a in advice(compute_bound, settings_of(run)))
+
+
+def test_a_dict_config_is_parsed_once_per_fit(tmp_path, monkeypatch):
+    """fit()'s wrappers (the run.dir lock, run.threads) and fit() itself share one Config:
+    a dict is parsed once, not once per wrapper (issue 41)."""
+    from ironloop.engine import fit as fit_module
+
+    parsed = []
+    real = fit_module.as_config
+
+    def counting(config):
+        if not isinstance(config, ironloop.Config):
+            parsed.append(config)
+        return real(config)
+
+    monkeypatch.setattr(fit_module, "as_config", counting)
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    assert len(parsed) == 1

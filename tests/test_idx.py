@@ -1,4 +1,5 @@
-"""Tests for ironloop.data.idx: IDX parsing, Fashion-MNIST loading, download (local server only)."""
+"""Tests for ironloop.data.builtin.idx: IDX parsing, Fashion-MNIST loading, download (local
+server only)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ironloop.data import idx
-from ironloop.data.idx import (
+from ironloop.data.builtin import idx
+from ironloop.data.builtin.idx import (
     FILES,
     MD5,
     find_file,

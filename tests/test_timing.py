@@ -15,7 +15,9 @@ import ironloop
 from ironloop.config import Config
 from ironloop.data.loader import TensorData
 from ironloop.engine import timing
-from ironloop.engine.timing import PARTS, RunSettings, StepTimer, advice
+from ironloop.engine.timing import StepTimer
+from ironloop.outputs import time_split
+from ironloop.outputs.time_split import PARTS, RunSettings, advice
 
 from .conftest import blobs, cfg, tiny_mlp
 
@@ -108,10 +110,10 @@ def test_advice_names_the_bottleneck():
 def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     split = {"data": 1.0, "copy": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 2.0,
              "checkpoint": 0.0, "validation": 0.0, "other": 0.0}
-    text = timing.table(split, 10, torch.device("cuda"), True, PLAIN)
+    text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
     assert "synchronized around forward/backward" in text
     assert "  GPU compute (forward + backward): 66.7% of step time" in text.splitlines()
-    assert "GPU compute" not in timing.table(split, 10, torch.device("cuda"), False, PLAIN)
+    assert "GPU compute" not in time_split.table(split, 10, torch.device("cuda"), False, PLAIN)
 
 
 def test_profile_sync_is_handed_to_the_step_timer(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from torch import nn
 import ironloop
 from examples.slow_reads import SlowReads
 from ironloop.config import Config
-from ironloop.engine.timing import RunSettings, advice
+from ironloop.outputs.time_split import RunSettings, advice
 from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml

@@ -27,10 +27,10 @@ from ironloop.engine import build, evaluate, loop, optim, step_fns
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
-from ironloop.engine.timing import RunSettings, table
 from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
+from ironloop.outputs.time_split import RunSettings, table
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import (
     all_reduce_sum,
@@ -67,12 +67,14 @@ def as_config(config: Config | dict | None) -> Config:
 
 def _holding_run_dir(fn):
     """fit() holds run.dir's lock from its start to its end (rank 0 under torchrun), so nothing
-    in run.dir is read, written or deleted while another process owns it (state/lock.py)."""
+    in run.dir is read, written or deleted while another process owns it (state/lock.py).
+    The outermost of fit()'s wrappers: it parses the config, once, and hands the Config on."""
 
     @functools.wraps(fn)
     def wrapper(model, train_data, val_data=None, config=None, **kwargs):
-        with lock.hold(Path(as_config(config).run.dir), os.environ.get("RANK", "0") == "0"):
-            return fn(model, train_data, val_data, config, **kwargs)
+        cfg = as_config(config)
+        with lock.hold(Path(cfg.run.dir), os.environ.get("RANK", "0") == "0"):
+            return fn(model, train_data, val_data, cfg, **kwargs)
 
     return wrapper
 
@@ -295,7 +297,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
         "train_seconds": train_seconds,  # every process's training time, without validation
         "wall_seconds_this_process": time.time() - started,
         **(run.guard.totals() if run.guard is not None else {}),
-        # seconds per part, this process (timing.PARTS)
+        # seconds per part, this process (time_split.PARTS)
         "time_split": timer.finish() or None,
     }
     split = module.metrics  # whole-split metrics on the test split too: test_<name>

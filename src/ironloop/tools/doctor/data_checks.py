@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ironloop.data.loader import TensorData
-from ironloop.engine.timing import tune_command
+from ironloop.outputs.time_split import tune_command
 from ironloop.tools.doctor.env_checks import cores
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import DoctorSubject, labels_of

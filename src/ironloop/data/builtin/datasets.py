@@ -77,7 +77,7 @@ def mnist1d(cfg) -> DataBundle:
 
 def fashion_mnist(cfg) -> DataBundle:
     """Fashion-MNIST from the four IDX files in data.root (flat or torchvision's layout)."""
-    from ironloop.data.idx import load_fashion_mnist
+    from ironloop.data.builtin.idx import load_fashion_mnist
 
     arrays = load_fashion_mnist(Path(cfg.root), download=cfg.download)
 

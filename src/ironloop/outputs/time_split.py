@@ -1,0 +1,155 @@
+"""The run's time split as a table, and what its numbers say to change: the user-facing text of
+the step-time breakdown that ``engine/timing.py`` measures (``profile.breakdown``)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+
+import torch
+
+#: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping.
+PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "checkpoint", "validation",
+         "other")
+#: Parts that make up a training step (the rest is checkpoints and validation).
+STEP_PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "other")
+
+
+
+def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
+          run: RunSettings, tokens_per_s: float | None = None) -> str:
+    """The run's time split as a text table, plus the advice its numbers call for; and the
+    training throughput in tokens/s when the step reports its tokens."""
+    if not total:
+        return ""
+    whole = sum(total.values()) or 1e-12
+    how = ("wall time" if device.type != "cuda" else
+           "wall time, synchronized around forward/backward" if sync else "CUDA events")
+    lines = [f"time split ({how}; {whole:.2f} s, {steps} optimizer steps):",
+             f"  {'part':<11}{'seconds':>9}{'share':>8}{'ms/step':>10}"]
+    for part in PARTS:
+        sec = total.get(part, 0.0)
+        if part == "average" and not sec:
+            continue  # a run without weight averaging (average.kind=none)
+        per = f"{1000 * sec / steps:.2f}" if steps and part in STEP_PARTS else ""
+        lines.append(f"  {part:<11}{sec:9.3f}{100 * sec / whole:7.1f}%{per:>10}")
+    step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
+    if sync and step_time:
+        gpu = total.get("forward", 0.0) + total.get("backward", 0.0)
+        lines.append(f"  GPU compute (forward + backward): {100 * gpu / step_time:.1f}% "
+                     f"of step time")
+    if tokens_per_s:
+        lines.append(f"  tokens/s (training, every process): {tokens_per_s:,.0f}")
+    lines += [f"  advice: {a}" for a in advice(total, run)]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the run already uses, so that advice names only a step that is still open."""
+
+    device: str = "cpu"           # the device's type: cpu, cuda, mps
+    num_workers: int = 0          # data.num_workers
+    cores: int = 1                # the cores this process may run on
+    threads: int = 1              # torch's intra-op threads in the run (run.threads, resolved)
+    pin_memory: bool = False      # data.pin_memory, as applied (CUDA only)
+    optimizer: str = "loop"       # the optimizer's kernel: fused, foreach, or loop (per tensor)
+    fused_open: bool = False      # a fused kernel exists for this optimizer and device
+    checkpoint_async: bool = False
+    checkpoint_every_steps: int = 0  # 0: at epoch ends only
+    precision: str = "fp32"
+    bf16_open: bool = False       # this device runs bf16 natively (CUDA with bf16 support)
+
+
+def advice(total: dict[str, float], run: RunSettings) -> list[str]:
+    """What the numbers call for, one line per bottleneck, naming only what ``run`` does not
+    do already; a bottleneck with no setting left to change gets no line."""
+    step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
+    whole = sum(total.values())
+    if not step_time or not whole:
+        return []
+    share = {p: total.get(p, 0.0) / step_time for p in STEP_PARTS}
+    lines = [_data_advice(share["data"], run), _copy_advice(share["copy"], run),
+             _optimizer_advice(share, run), _precision_advice(share, run),
+             _checkpoint_advice(total.get("checkpoint", 0.0) / whole, run)]
+    return [line for line in lines if line]
+
+
+def _data_advice(data: float, run: RunSettings) -> str:
+    if data <= 0.10:
+        return ""
+    steps, workers = [], run.num_workers
+    if run.num_workers < run.cores:
+        steps.append(f"raise data.num_workers (now {run.num_workers}; {run.cores} cores)")
+        workers = max(run.num_workers + 1, min(run.cores, 2))  # the workers that would run
+    leave = max(1, run.cores - workers)
+    if run.device == "cpu" and workers and run.threads > leave:
+        # torch's threads spin-wait between ops on the cores the workers need
+        steps.append(f"set run.threads={leave} (now {run.threads}) so torch leaves the "
+                     f"workers their cores")
+    if run.device == "cuda" and not run.pin_memory:
+        steps.append("set data.pin_memory=true")
+    if not steps:
+        steps.append(f"the {run.num_workers} workers already have every core: make "
+                     f"__getitem__ cheaper (decode once and cache, lighter augmentation)")
+    return (f"data wait is {100 * data:.0f}% of step time: {'; '.join(steps)}; "
+            f"`{tune_command()}` measures the options on this run and writes a faster config")
+
+
+def _copy_advice(copy: float, run: RunSettings) -> str:
+    if copy <= 0.10 or run.device != "cuda":
+        return ""
+    step = ("keep the dataset on the device (pinned memory is already on)" if run.pin_memory
+            else "set data.pin_memory=true")
+    return f"host-to-device copies are {100 * copy:.0f}% of step time: {step}"
+
+
+def _optimizer_advice(share: dict[str, float], run: RunSettings) -> str:
+    opt = share["optimizer"]
+    if opt <= 0.3 or opt <= share["forward"] + share["backward"] or run.optimizer == "fused":
+        return ""
+    if run.fused_open:
+        step = f"set optim.fused=true (now the {run.optimizer} kernel)"
+    elif run.optimizer == "loop":
+        step = "set optim.foreach=true (one kernel per step for all tensors)"
+    else:
+        return ""  # foreach, and no fused kernel here: nothing left to switch on
+    return (f"the optimizer step is {100 * opt:.0f}% of step time, more than forward + "
+            f"backward: {step}")
+
+
+def _precision_advice(share: dict[str, float], run: RunSettings) -> str:
+    compute = share["forward"] + share["backward"]
+    if compute <= 0.6 or run.precision != "fp32" or not run.bf16_open:
+        return ""
+    return (f"forward + backward are {100 * compute:.0f}% of step time in fp32: "
+            f"train.precision=bf16 runs them faster on this device (it changes the "
+            f"trajectory; `{tune_command()} --apply-trajectory-changes` measures it)")
+
+
+def _checkpoint_advice(stall: float, run: RunSettings) -> str:
+    if stall <= 0.10:
+        return ""
+    every = run.checkpoint_every_steps
+    fewer = f"raise checkpoint.every_steps (now {every}) or set it to 0 (epoch ends only)"
+    if not run.checkpoint_async:
+        step = "set checkpoint.async=true" + (f", or {fewer}" if every else "")
+    elif every:
+        step = f"checkpoint.async is already on: {fewer}"
+    else:
+        return ""  # async, at epoch ends only: nothing left but fewer epochs
+    return f"checkpoint writes stall the run {100 * stall:.0f}% of the time: {step}"
+
+
+def tune_command(argv: list[str] | None = None) -> str:
+    """How to tune this run: ``ironloop tune`` with the config and overrides of an ``ironloop
+    train`` (or ``doctor``) command line, else the Python call."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) > 2 and argv[1] in ("train", "doctor"):
+        config = next((a for a in argv[2:] if a.endswith((".yaml", ".yml"))
+                       and not a.startswith("-")), None)
+        if config is not None:
+            overrides = [a for a in argv[2:] if "=" in a and not a.startswith("-")]
+            return shlex.join(["ironloop", "tune", config, *overrides])
+    return "ironloop.tune(model, train_data, config)"
