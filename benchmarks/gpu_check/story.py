@@ -5,7 +5,9 @@ fp32 with num_workers=0 -> + bf16 -> + fp16 with GradScaler -> + num_workers=8, 
 row. Every row trains torchvision's ResNet-50 with ``ironloop.fit`` on the same JPEG-like
 images (``shared.Jpegs``: decoded and augmented per sample on the CPU), clipping at 1.0, and
 is timed over its steady steps (``shared.SteadyRate``). The figures: images/s, the speed-up
-over the first row, and the hours the seed's 40 M images would take per epoch at that speed.
+over the first row, the hours the seed's 40 M images would take per epoch at that speed, and
+from ironloop's step-time split the shares of step time spent waiting for data and for the
+host-to-device copy.
 
 In a dry run (CPU): 32x32 images, a stand-in model without torchvision, 2 workers, compile
 disabled (TORCH_COMPILE_DISABLE=1: the compile row runs its code path, not inductor).
@@ -49,12 +51,24 @@ def measure(part: Part, make_model, data, config: dict, channels_last: bool, war
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     cfg = {**config, "run.dir": tempfile.mkdtemp(dir=tmp), "train.max_steps": warmup + steps}
-    ironloop.fit(model, data, None, cfg, step_fn=step_fn(channels_last), callbacks=[rate])
+    result = ironloop.fit(model, data, None, cfg, step_fn=step_fn(channels_last),
+                          callbacks=[rate])
     images = cfg["train.batch_size"] * cfg.get("train.accumulation_steps", 1)
     per_s = images / rate.per_step()
     return {"images_per_s": round(per_s, 1),
             "hours_per_40M_epoch": round(SEED_IMAGES / per_s / 3600, 2),
-            "batch": cfg["train.batch_size"]}
+            "batch": cfg["train.batch_size"], **shares(result.results.get("time_split"))}
+
+
+def shares(split: dict | None) -> dict:
+    """ironloop's step-time split (CUDA events; the whole run, warm-up included): the share
+    of step time the GPU waited for the next batch (data) and for its copy (copy: near 0 when
+    the pinned non_blocking copy overlaps the step before)."""
+    if not split:
+        return {}
+    step = sum(v for k, v in split.items() if k not in ("checkpoint", "validation"))
+    return {"data_wait_share": round(split["data"] / step, 3),
+            "copy_share": round(split["copy"] / step, 3)}
 
 
 class Story:
