@@ -24,7 +24,7 @@ def gpu_check(out: Path, *args: str, env: dict | None = None) -> subprocess.Comp
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
            "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([str(REPO / "scripts" / "gpu-check"), "--dry-run", "--out", str(out),
-                           *args], capture_output=True, text=True, env=env, timeout=1500)
+                           *args], capture_output=True, text=True, env=env, timeout=2400)
 
 
 @pytest.mark.slow

@@ -28,9 +28,11 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -212,22 +214,36 @@ def _time(fn: Callable, spec: Spec, epochs: int, env: Env) -> float:
     return time.perf_counter() - start
 
 
-def measure(spec: Spec, loops: dict, reps: int, long: int, env: Env,
-            warm_up: bool = True) -> dict[str, list[float]]:
-    """Steady seconds per epoch of each loop, one value per repetition (rotated order)."""
+def measure(spec: Spec, loops: dict, reps: int, long: int, env: Env, warm_up: bool,
+            failed: dict[str, str]) -> dict[str, list[float]]:
+    """Steady seconds per epoch of each loop, one value per repetition (rotated order). A loop
+    that raises is dropped, its error in ``failed``; the others go on."""
     names = list(loops)
-    for name in names if warm_up else ():  # imports, cuDNN's and the allocator's first calls
-        loops[name](spec, 1, env)
-    sync(env.device)
+
+    def call(name: str, epochs: int) -> float | None:
+        try:
+            return _time(loops[name], spec, epochs, env)
+        except Exception as e:  # noqa: BLE001 - one broken peer must not hide the others
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            names.remove(name)
+            return None
+
+    for name in list(names) if warm_up else ():  # imports, cuDNN's and the allocator's firsts
+        call(name, 1)
     steady: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            one, many = (_time(loops[name], spec, e, env) for e in (1, long))
-            steady[name].append((many - one) / (long - 1))
-    return steady
+            one = call(name, 1)
+            many = call(name, long) if one is not None else None
+            if many is not None and one is not None:
+                steady[name].append((many - one) / (long - 1))
+    return {name: values for name, values in steady.items() if name in names}
 
 
-def run_spec(part: Part, spec: Spec, env: Env, reps: int, long: int) -> None:
+def run_spec(part: Part, make_spec: Callable[[], Spec], env: Env, reps: int,
+             long: int) -> None:
+    spec = make_spec()
     loops = {name: fn for name, (fn, module) in LOOPS.items() if _installed(module)}
     for name in LOOPS.keys() - loops.keys():
         part.write(f"{spec.name}: {name}", f"skipped: {LOOPS[name][1]} is not importable")
@@ -236,8 +252,14 @@ def run_spec(part: Part, spec: Spec, env: Env, reps: int, long: int) -> None:
     flops = train_flops(spec.make_model(), (x.to(env.device), y.to(env.device)), spec.loss,
                         env.device, env.dtype)
     peak = peak_flops(part.device_name) if env.dtype is torch.bfloat16 else None
-    steady = measure(spec, loops, reps, long, env, warm_up=not part.dry)
-    for name in loops:
+    failed: dict[str, str] = {}
+    steady = measure(spec, loops, reps, long, env, not part.dry, failed)
+    for name, error in failed.items():
+        part.write(f"{spec.name}: {name}", f"failed: {error}")
+    for needed in ("hand", "ironloop"):
+        if needed not in steady:
+            raise RuntimeError(f"the {needed} loop failed ({failed.get(needed)}): no ratio")
+    for name in steady:
         ratios = [a / b for a, b in zip(steady[name], steady["hand"])]
         step_s = statistics.median(steady[name]) / steps
         part.write(f"{spec.name}: {name}", "ok", ms_per_step=round(1e3 * step_s, 3),
@@ -261,13 +283,13 @@ def main() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    env = Env(part.device, torch.bfloat16 if part.cuda else None,
-              Path(tempfile.mkdtemp()))
     reps, long = (1, 2) if part.dry else (2, 3)
-    for make_spec, need in ((resnet_spec, 50), (char_gpt_spec, 30)):
-        name = make_spec.__name__.removesuffix("_spec")
-        part.guarded(name, lambda make_spec=make_spec: run_spec(
-            part, make_spec(part.dry), env, reps, long), need_s=need)
+    with tempfile.TemporaryDirectory() as d:
+        env = Env(part.device, torch.bfloat16 if part.cuda else None, Path(d))
+        for make_spec, need in ((resnet_spec, 50), (char_gpt_spec, 30)):
+            name = make_spec.__name__.removesuffix("_spec")
+            part.guarded(name, partial(run_spec, part, partial(make_spec, part.dry), env, reps,
+                                       long), need_s=need)
 
 
 if __name__ == "__main__":

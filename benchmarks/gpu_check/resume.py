@@ -108,8 +108,12 @@ def kill_resume_compare(part: Part, tmp: Path, size: dict) -> dict:
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    saved = torch.load(tmp / "killed" / "checkpoints" / "last.pt", weights_only=True,
-                       map_location="cpu")
+    # The checkpoint the resume starts from: the newest rolling step-N.pt (checkpoint.keep_last)
+    # at the kill. None would make the check trivial (a resume from scratch is exact too).
+    saved = [int(p.stem.removeprefix("step-"))
+             for p in (tmp / "killed" / "checkpoints").glob("step-*.pt")]
+    if not saved:
+        raise RuntimeError("no step-N.pt checkpoint before the kill: nothing to resume from")
     wait(cli(killed_cfg, "--resume", env=env, log=log), part.deadline, "the resumed run")
     wait(straight, part.deadline, "the straight run")
     from safetensors.torch import load_file
@@ -117,7 +121,7 @@ def kill_resume_compare(part: Part, tmp: Path, size: dict) -> dict:
     a = load_file(tmp / "straight" / "final.safetensors")
     b = load_file(tmp / "killed" / "final.safetensors")
     equal = [k for k in a if k in b and torch.equal(a[k], b[k])]
-    return {"killed_at_step": kill_at, "resumed_from_step": saved["progress"]["step"],
+    return {"killed_at_step": kill_at, "resumed_from_step": max(saved),
             "tensors_equal": f"{len(equal)} of {len(a)}",
             "bit_exact": len(equal) == len(a) == len(b),
             "problem": None if len(equal) == len(a) == len(b) else "final weights differ"}
