@@ -26,9 +26,9 @@ sys.path.insert(0, str(HERE))
 from _common import TINY, machine  # noqa: E402
 
 #: In the order they run. guard_overhead and step_timing_overhead come with issues 7 and 8.
-#: Scripts run by hand, not by run.py: gpu.py needs a CUDA device (it says so and exits 0
-#: without one), tune_speedup.py tunes and trains for minutes.
-STANDALONE = ["gpu", "tune_speedup"]
+#: Scripts run by hand, not by run.py: tune_speedup.py tunes and trains for minutes. The GPU
+#: check is scripts/gpu-check (benchmarks/gpu_check/).
+STANDALONE = ["tune_speedup"]
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
             "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
             "lab_time", "remote_stall", "resume_check_time"]

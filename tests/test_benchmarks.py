@@ -63,12 +63,3 @@ def test_run_quick_writes_every_json_and_the_table(tmp_path):
     assert "torch " in text
     assert ("no GPU figure exists yet" in text) != torch.cuda.is_available()
 
-
-def test_gpu_check_without_cuda_says_so_and_exits_0():
-    """benchmarks/gpu.py must not fail where there is no GPU (CUDA hidden here, so the test
-    means the same on a GPU machine)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py")],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "no CUDA device here" in out.stdout

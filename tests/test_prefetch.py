@@ -59,6 +59,7 @@ def test_training_with_the_look_ahead_equals_training_without(tmp_path, monkeypa
     assert ahead["progress"] == without["progress"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a side stream")
 def test_cuda_batches_arrive_on_the_device_equal_to_the_host_ones():
     host = [(torch.randn(64, 8).pin_memory(), torch.arange(64).pin_memory()) for _ in range(4)]
