@@ -4,11 +4,11 @@ size < 10 min, at a load up to about 4).
 
 The real Fashion-MNIST files cannot be downloaded here, so the benchmark writes IDX files of the
 same size and format (60,000 + 10,000 28x28 uint8 images, 10 classes) with
-``ironloop.data.builtin.idx.write_idx``: each class is a fixed random pattern plus noise, learnable like
-the real thing but not the same images, so the accuracies mean nothing; the time does. Each lab
-runs as a real ``python -m ironloop lab`` process: CPU seconds are that process and its
-children (resource.getrusage), load is the 1-minute load average before and after. Wall time
-grows with the load of a shared machine, CPU time much less: the report gives both.
+``ironloop.data.builtin.idx.write_idx``: each class is a fixed random pattern plus noise,
+learnable like the real thing but not the same images, so the accuracies mean nothing; the time
+does. Each lab runs as a real ``python -m ironloop lab`` process: CPU seconds are that process
+and its children (resource.getrusage), load is the 1-minute load average before and after. Wall
+time grows with the load of a shared machine, CPU time much less: the report gives both.
 
     python benchmarks/lab_time.py [--quick]      # --quick: digits only
 """
