@@ -26,7 +26,7 @@ from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
 from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 def measure(median: float, lo: float, hi: float) -> Measure:
@@ -387,3 +387,51 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
     assert (tuned.train.batch_size, tuned.train.accumulation_steps) == (batch, accum)
     assert "notice: --apply-trajectory-changes: train.batch_size: 4 -> " in out
     assert "same trajectory up to float rounding" in out
+
+
+# -- a model factory that needs the data factory's values (examples/char_gpt.py) -------------------
+
+CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
+#: configs/char_gpt.yaml's model, behind a factory that needs what the data factory returns
+#: (nanoGPT's GPTConfig has no vocab_size or block_size it could fall back on either).
+LM_SUBJECT = """
+from examples.char_gpt import CharGPT
+
+
+def gpt(vocab_size, block_size):
+    return CharGPT(block_size, layers=1, heads=2, dim=16, vocab_size=vocab_size)
+"""
+
+
+def _char_lm(tmp_path) -> list[str]:
+    """configs/char_gpt.yaml, tiny, with LM_SUBJECT's model: data.root and the module are in
+    tmp_path, which the caller puts on the path."""
+    (tmp_path / "input.txt").write_text(CORPUS)
+    (tmp_path / "lm_subject.py").write_text(LM_SUBJECT)
+    return [f"data.root={tmp_path}", f"run.dir={tmp_path / 'run'}", "model.name=lm_subject:gpt",
+            "data.kwargs={block_size: 16}", "model.kwargs={}", "train.max_steps=40",
+            "eval.every_steps=0", "log.progress=off"]
+
+
+def test_tune_builds_a_model_from_the_data_factory_values_as_train_does(tmp_path, monkeypatch):
+    """The model each trial trains is the one ironloop train builds: the data factory's
+    vocab_size and block_size reach the model factory, and so do the same initial weights."""
+    from ironloop.tools.models import from_config
+
+    monkeypatch.syspath_prepend(str(REPO))  # examples.char_gpt
+    monkeypatch.syspath_prepend(str(tmp_path))  # lm_subject
+    cfg = ironloop.load_config(REPO / "configs/char_gpt.yaml", _char_lm(tmp_path))
+    tuned = tune_mod.config_subject(cfg).make_model()
+    trained, _ = from_config(cfg)
+    assert tuned.block_size == trained.block_size == 16
+    a, b = tuned.state_dict(), trained.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_tune_runs_a_char_lm_whose_model_needs_the_data_factory_values(tmp_path):
+    path = os.pathsep.join([str(REPO), _env()["PYTHONPATH"]])
+    proc = run_cli("tune", str(REPO / "configs/char_gpt.yaml"), *_char_lm(tmp_path),
+                   "--budget", "15", cwd=tmp_path, env={**_env(), "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "run/tuned.yaml").is_file()

@@ -39,8 +39,8 @@ from ironloop.data import build_data
 from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
-from ironloop.state.rng import preserved_rng, seed_everything
-from ironloop.tools.models import build_model
+from ironloop.state.rng import preserved_rng
+from ironloop.tools.models import model_for
 from ironloop.tools.tune import output
 from ironloop.tools.tune.rows import (
     Row,
@@ -414,17 +414,17 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
 def tune_config(path: str, overrides: list[str], budget: float = DEFAULT_BUDGET,
                 apply_trajectory_changes: bool = False) -> TuneResult:
     """What ``ironloop tune CONFIG [key=value ...]`` does: the config's data and model."""
-    cfg = load_config(path, overrides)
-    bundle = build_data(cfg.data)
-
-    def make_model():
-        seed_everything(cfg.run.seed)  # every trial starts from the same initial weights
-        return build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
-                           cfg.model.kwargs)
-
-    subject = Subject(cfg, make_model, bundle.train,
-                      {"num_classes": bundle.num_classes, "from_config": True})
+    subject = config_subject(load_config(path, overrides))
     return _finish(subject, budget, apply_trajectory_changes, Path(path), overrides)
+
+
+def config_subject(cfg: Config) -> Subject:
+    """What a config tunes: its data, built once, and its model as ``ironloop train`` builds it
+    (tools/models.py's ``model_for``: the data factory's metadata included), rebuilt from the
+    same seed for every trial."""
+    bundle = build_data(cfg.data)
+    return Subject(cfg, lambda: model_for(cfg, bundle), bundle.train,
+                   {"num_classes": bundle.num_classes, "from_config": True})
 
 
 def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
