@@ -381,3 +381,52 @@ def test_identical_curves_are_grouped_and_labelled_once(tmp_path):
                                "step", "loss")
     assert [names for names, _ in groups] == [["a", "b"], ["c"]]
     assert report.plot_loss_curves({"a": rows, "b": rows}, tmp_path / "l.png").is_file()
+
+
+# --- every plot survives the values a real run logs (issue 44) ---------------------------------
+
+INF, NAN = float("inf"), float("nan")
+#: Shapes of one logged series: the values every metric of the fake run takes, in step order.
+SHAPES = {
+    "one value": [0.5],
+    "one huge value": [4e14],  # nanoGPT's one logged grad_norm of 4e14: 40 bins finer than a ulp
+    "constant": [0.25] * 12,
+    "constant huge": [4e14] * 12,
+    "zeros": [0.0] * 12,
+    "a spike of 4e14": [1.0, 1.2, 0.9, 4e14, 1.1, 0.8],
+    "with inf": [1.0, INF, 0.5, INF, 0.25],
+    "with nan": [1.0, NAN, 0.5, NAN, 0.25],
+    "only inf": [INF, INF, INF],
+    "only nan": [NAN, NAN],
+}
+
+
+def _shaped_run(run: Path, values: list[float]) -> Path:
+    """A run directory where every figure a plot reads (loss, lr, grad_norm, speed, validation,
+    the averaged weights' metrics) takes ``values``; with a resume, epochs and evaluations."""
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"clip": {"max_norm": 1.0}}))
+    steps = range(1, len(values) + 1)
+    _write_jsonl(run / "metrics.jsonl", [
+        {"step": s, "epoch": 1, "loss": v, "lr": v, "grad_norm": v, "clipped": 1, "steps": 1,
+         "samples_per_s": v, "tokens_per_s": v, "time": 1.7e9 + s} for s, v in zip(steps, values)])
+    evals = [{"step": s, "epoch": 1, "val_loss": v, "val_acc": v, "val_ppl": v,
+              "val_avg_loss": v, "val_avg_acc": v} for s, v in zip(steps, values)]
+    _write_jsonl(run / "evals.jsonl", evals)
+    _write_jsonl(run / "epochs.jsonl", [{**e, "epoch": e["step"], "train_loss": e["val_loss"]}
+                                        for e in evals])
+    _write_jsonl(run / "events.jsonl", [{"event": "resume", "step": 1, "last_logged_step": 2}])
+    (run / "results.json").write_text(json.dumps(
+        {"steps": len(values), "test_loss": values[0], "train_seconds": values[-1]}))
+    return run
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_plot_survives_one_value_constant_values_inf_and_nan(tmp_path, shape):
+    run = _shaped_run(tmp_path / "run", SHAPES[shape])
+    paths = report.render_report(run)
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert {p.name for p in pngs} >= {"loss.png", "lr.png", "grad_norm.png",
+                                      "grad_norm_hist.png", "averaged.png", "resume.png"}
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    assert "| optimizer steps |" in (run / "report" / "report.md").read_text()

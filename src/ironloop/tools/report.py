@@ -142,6 +142,19 @@ def _clip_title(rows: Sequence[dict], max_norm: float | None) -> str:
     return "clipped: " + ("n/a" if frac is None else f"{frac:.1%} of optimizer steps")
 
 
+def linear_bins(values: Sequence[float], n: int = 40) -> list[float]:
+    """``n`` equal bins over the values' range; one bin a tenth of their size wide around them
+    when that range is too narrow for ``n`` distinct edges (one value, or equal ones): numpy's
+    own ``bins=n`` refuses a range of one value of 4e14 ("Too many bins for data range"), whose
+    unit-wide default range holds fewer than ``n`` representable edges."""
+    lo, hi = min(values), max(values)
+    scale = max(abs(lo), abs(hi))
+    if hi - lo > 1e-6 * scale:  # far above a float's resolution at this size
+        return [lo + (hi - lo) * i / n for i in range(n + 1)]
+    pad = 0.05 * scale or 0.5
+    return [lo - pad, hi + pad]
+
+
 def plot_grad_norm_hist(rows: list[dict], max_norm: float | None, out) -> Path:
     """Histogram of logged pre-clip norms, the clip threshold, the clipped fraction in the title."""
     import numpy as np
@@ -149,10 +162,12 @@ def plot_grad_norm_hist(rows: list[dict], max_norm: float | None, out) -> Path:
     fig, (ax,) = _figure()
     norms, thr = _vals(rows, "grad_norm"), _threshold(max_norm)
     if norms:
-        bins: Any = 40
+        bins: Any
         if _spans(norms, 1.5):
             bins = np.logspace(math.log10(min(norms)), math.log10(max(norms)), 41)
             ax.set_xscale("log")
+        else:
+            bins = linear_bins(norms)
         ax.hist(norms, bins=bins, color="C0", label=f"logged steps (n={len(norms)})")
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # headroom for the legend
         if thr is not None:
