@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ironloop.errors import UserError
+from ironloop.outputs.averaged import compare
+from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 
 DPI = 120
@@ -325,11 +327,15 @@ def plot_resume_curve(metric_rows, epoch_rows, out, resumes: Sequence[dict] = ()
 
 
 def _fmt(*candidates: Any, spec: str = "", pct: bool = False) -> str:
-    """The first finite number among ``candidates``, formatted; "n/a" when there is none."""
+    """The first finite number among ``candidates``, formatted: with ``spec`` (counts and
+    seconds), as a percentage, or else with ``number`` (outputs/numbers.py); "n/a" when there
+    is none."""
     v = next((v for v in map(num, candidates) if v is not None), None)
     if v is None:
         return "n/a"
-    return f"{_pct([v])[0]:.2f}%" if pct else format(v, spec)
+    if pct:
+        return f"{_pct([v])[0]:.2f}%"
+    return format(v, spec) if spec else number(v)
 
 
 def _span(times: list[float]) -> float | None:
@@ -365,6 +371,15 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
     return rows
 
 
+def _averaged_words(evals: list[dict]) -> str | None:
+    """The last evaluation that ran the averaged weights, in words (outputs/averaged.py)."""
+    for row in reversed(evals):
+        found = compare(row)
+        if found is not None:
+            return f"{found.words()} at the last evaluation (step {row.get('step')})"
+    return None
+
+
 def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     """(rows, notes): names, epochs, steps, accuracies, speed, clipping, resumes, time; and
     what could not be read."""
@@ -393,11 +408,12 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
         ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),
         ("final val acc", _fmt(*accs[-1:], pct=True)),
         ("test acc", _fmt(res.get("test_acc"), pct=True)),
-        ("test loss", _fmt(res.get("test_loss"), spec=".4f")),
-        ("final val loss", _fmt(*_vals(evals, "val_loss")[-1:], spec=".4f")),
-        ("final val ppl", _fmt(*_vals(evals, "val_ppl")[-1:], spec=".2f")),
-        ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None, spec=",.0f")),
-        ("mean tokens/s", _fmt(sum(tokens) / len(tokens) if tokens else None, spec=",.0f")),
+        ("test loss", _fmt(res.get("test_loss"))),
+        ("final val loss", _fmt(*_vals(evals, "val_loss")[-1:])),
+        ("final val ppl", _fmt(*_vals(evals, "val_ppl")[-1:])),
+        ("averaged weights", _averaged_words(evals)),
+        ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None)),
+        ("mean tokens/s", _fmt(sum(tokens) / len(tokens) if tokens else None)),
         ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
         ("resumes", len(_resumes(run_dir))),
         ("total seconds", _fmt(seconds, _span(_vals(metrics, "time")), spec=".1f")),
@@ -405,7 +421,7 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     ]
     table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
               ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
-    optional = ("test", "final val", "mean tokens")  # rows that most runs do not have
+    optional = ("test", "final val", "mean tokens", "averaged")  # most runs do not have these
     rows = [(k, "n/a" if v is None else v) for k, v in table
             if not (k.startswith(optional) and v in (None, "n/a"))]
     notes = [n for n in (cfg_note, res_note and f"{res_note}: the run did not finish") if n]

@@ -6,6 +6,8 @@ import math
 import statistics
 from pathlib import Path
 
+from ironloop.outputs.averaged import compare
+from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 from ironloop.tools.doctor.findings import Finding
 
@@ -15,17 +17,19 @@ RISE = 0.05            # val loss 5% above its minimum, two or more epochs later
 HIGH_ACC = 0.95        # val accuracy at epoch 1
 CLIP_SHARE = 0.5       # clipped steps in steady state (after the first 10% of steps)
 SLOWDOWN = 0.7         # last quarter's samples/s below 70% of the first quarter's
+AVERAGE_WORSE = 0.05   # the averaged weights' val loss 5% above the raw weights' at the end
 
 
 def diagnose_logs(run_dir: Path | str) -> list[Finding]:
-    """Every diagnosis that the run's metrics.jsonl and epochs.jsonl support."""
+    """Every diagnosis that the run's metrics.jsonl, epochs.jsonl and evals.jsonl support."""
     run_dir = Path(run_dir)
     metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
     epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
+    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
     cfg = load_mapping(run_dir / "config.yaml")[0]
     return [*non_finite_loss(metrics), *flat_loss(epochs, metrics), *overfitting(epochs),
             *high_first_val_acc(epochs), *clipping(metrics, get_dotted(cfg, "clip.max_norm")),
-            *throughput_drop(metrics, epochs)]
+            *throughput_drop(metrics, epochs), *average_worse(evals, cfg)]
 
 
 def non_finite_loss(metrics: list[dict]) -> list[Finding]:
@@ -52,8 +56,8 @@ def flat_loss(epochs: list[dict], metrics: list[dict]) -> list[Finding]:
     if first <= 0 or best < (1 - FLAT) * first:
         return []
     return [Finding("flat_loss", "warning",
-                    f"the training loss is flat: {first:.4f} in the first {what}, at best "
-                    f"{best:.4f} over the next {len(losses) - 1} (less than {FLAT:.0%} lower)",
+                    f"the training loss is flat: {number(first)} in the first {what}, at best "
+                    f"{number(best)} over the next {len(losses) - 1} (less than {FLAT:.0%} lower)",
                     "the LR is too low, parameters get no gradient, or the model outputs "
                     "probabilities to a loss that expects logits (a loss stuck at log(C))",
                     "run `ironloop doctor CONFIG --lr-find` (dead_parameters, probabilities "
@@ -75,9 +79,10 @@ def overfitting(epochs: list[dict]) -> list[Finding]:
         return []
     start = after[0][0]
     return [Finding("overfitting", "warning",
-                    f"validation loss rises from epoch {start} ({rows[best][2]:.4f} at epoch "
-                    f"{rows[best][0]} -> {after[-1][2]:.4f} at epoch {after[-1][0]}) while the "
-                    f"training loss falls ({rows[best][1]:.4f} -> {after[-1][1]:.4f})",
+                    f"validation loss rises from epoch {start} ({number(rows[best][2])} at "
+                    f"epoch {rows[best][0]} -> {number(after[-1][2])} at epoch {after[-1][0]}) "
+                    f"while the training loss falls ({number(rows[best][1])} -> "
+                    f"{number(after[-1][1])})",
                     f"the model memorises the training set from epoch {start} on",
                     f"early_stop.patience=2 (keeps the best weights), more weight decay or "
                     f"dropout, data augmentation, or train.epochs={rows[best][0]}")]
@@ -127,7 +132,7 @@ def throughput_drop(metrics: list[dict], epochs: list[dict]) -> list[Finding]:
         return []
     grew = _part_that_grew(epochs)
     return [Finding("throughput", "warning",
-                    f"throughput fell from {early:,.0f} to {late:,.0f} samples/s "
+                    f"throughput fell from {number(early)} to {number(late)} samples/s "
                     f"({100 * (1 - late / early):.0f}% lower) between the first and the last "
                     f"quarter of the run{grew}",
                     "a growing Python structure (e.g. keeping loss tensors with their graphs), "
@@ -148,6 +153,32 @@ def _part_that_grew(epochs: list[dict]) -> str:
         return ""
     return (f"; the time split says {part} grew most ({first[part]:.2f} s in the first epoch, "
             f"{last[part]:.2f} s in the last)")
+
+
+def average_worse(evals: list[dict], cfg: dict) -> list[Finding]:
+    """The averaged weights (average.kind) lose to the raw ones at the last evaluation that
+    ran both: their loss more than AVERAGE_WORSE higher, and no judged metric better
+    (outputs/averaged.py). final_avg.safetensors is then the worse of the two files."""
+    last = next(((r, c) for r in reversed(evals) if (c := compare(r)) is not None), None)
+    if last is None or any(p.outcome == "better" for p in last[1].pairs) or \
+            not any(p.lower_is_better and p.avg > (1 + AVERAGE_WORSE) * p.raw
+                    for p in last[1].pairs):
+        return []
+    row, found = last
+    if get_dotted(cfg, "average.kind") == "swa":
+        cause = "SWA's equal average gives the early weights as much say as the last ones"
+        fix = "start it later with average.start_step (e.g. the last quarter of the steps)"
+    else:
+        decay = get_dotted(cfg, "average.decay")
+        cause = (f"the average still holds early weights: average.decay={decay} keeps "
+                 f"decay^t of the weights from t updates back")
+        if get_dotted(cfg, "average.warmup") is False:
+            cause += ", and average.warmup=false gives the first weights that share too"
+        fix = ("average.warmup=true (the default), a lower average.decay (about 1 - 10 / the "
+               "run's updates) or a later average.start_step")
+    return [Finding("average", "warning",
+                    f"{found.words()} at the last evaluation (step {row.get('step')})", cause,
+                    f"{fix}; final.safetensors holds the raw weights")]
 
 
 def markdown(findings: list[Finding]) -> str:
