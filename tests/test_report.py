@@ -430,3 +430,101 @@ def test_every_plot_survives_one_value_constant_values_inf_and_nan(tmp_path, sha
                                       "grad_norm_hist.png", "averaged.png", "resume.png"}
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
     assert "| optimizer steps |" in (run / "report" / "report.md").read_text()
+
+
+# --- advice that is right for the run it reads (issue 44) --------------------------------------
+
+CLIPPED = [{"step": s, "loss": 2.0 / s, "samples_per_s": 1000.0, "steps": 10, "clipped": 8,
+            "grad_norm": 1.6} for s in range(10, 210, 10)]
+
+
+def _with_optimizer(run: Path, optimizer: str) -> Path:
+    """The run's config.yaml, as a run records the optimizer class it used."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"clip": {"max_norm": 1.0}, "optim": {"name": "adamw"},
+         "used": {"optimizer": optimizer, "source": "config"}}))
+    _write_jsonl(run / "epochs.jsonl", _epochs([1.0, 0.5], [1.0, 0.6]))
+    _write_jsonl(run / "metrics.jsonl", CLIPPED)
+    return run
+
+
+def test_clipping_under_an_adaptive_optimizer_is_no_hidden_lr_cut():
+    """nanoGPT's clip=1.0 with AdamW clips most steps; raising it changed nothing (1.9054
+    against 1.9053): the report says so instead of advising it."""
+    from ironloop.tools.doctor.logs import clipping
+
+    (f,) = clipping(CLIPPED, 1.0, "AdamW")
+    assert f.severity == "info" and f.fix == "" and "80% of steady-state steps" in f.measured
+    assert "no hidden LR cut" in f.measured and "raise" not in f.measured
+
+
+def test_clipping_under_sgd_still_advises_a_higher_threshold(tmp_path):
+    (f,) = diagnose_logs(_with_optimizer(tmp_path / "sgd", "SGD"))
+    assert f.severity == "warning" and "hidden LR cut" in f.cause
+    assert "raise clip.max_norm (about 2.4)" in f.fix
+    (f,) = diagnose_logs(_with_optimizer(tmp_path / "adam", "AdamW"))  # read from used:
+    assert f.severity == "info"
+
+
+SLOWER = [{"step": s, "loss": 2.0 / s, "clipped": 0, "steps": 10, "grad_norm": 0.5,
+           "samples_per_s": 1000.0 if s <= 100 else 400.0} for s in range(10, 210, 10)]
+
+
+def test_the_throughput_fix_points_to_a_file_that_holds_a_time_split(tmp_path):
+    """A max_steps run inside its first epoch has no epochs.jsonl line: the fix names
+    results.json's time split, or metrics.jsonl when the run did not finish."""
+    from ironloop.tools.doctor.logs import throughput_drop
+
+    split = {"time_split": {"data": 1.0, "forward": 2.0}}
+    (f,) = throughput_drop(SLOWER, [], split)
+    assert "results.json's time_split" in f.fix and "epochs.jsonl" not in f.fix
+    (f,) = throughput_drop(SLOWER, [], {})
+    assert "metrics.jsonl" in f.fix and "epochs.jsonl" not in f.fix
+
+
+def test_the_throughput_fix_names_epochs_jsonl_when_two_epochs_have_a_split(tmp_path):
+    from ironloop.tools.doctor.logs import throughput_drop
+
+    epochs = _epochs([1.0, 0.5], [1.0, 0.6])
+    for e, data in zip(epochs, (0.1, 1.6)):
+        e["time_split"] = {"data": data, "forward": 1.0}
+    (f,) = throughput_drop(SLOWER, epochs, {"time_split": {"data": 1.7}})
+    assert "time split per epoch in epochs.jsonl" in f.fix
+
+
+def _summary_rows(run: Path) -> dict:
+    return dict(tuple(c.strip() for c in line.strip("|").split("|"))
+                for line in report.summarize(run).splitlines()
+                if line.startswith("| ") and "---" not in line)
+
+
+def test_a_run_that_ends_inside_its_first_epoch_does_not_read_epochs_0(tmp_path):
+    run = tmp_path / "lm"
+    run.mkdir()
+    _write_jsonl(run / "metrics.jsonl", [{"step": s, "epoch": 1, "loss": 1.0}
+                                         for s in range(10, 2010, 10)])
+    assert _summary_rows(run)["epochs"] == "0 complete; ended inside epoch 1"
+
+
+def test_a_run_that_ends_at_an_epoch_boundary_counts_its_epochs_plainly(rendered):
+    run, _ = rendered
+    assert _summary_rows(run)["epochs"] == "5"
+
+
+def _sized_run(run: Path, max_batches: int) -> Path:
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"name": "examples.char_gpt:data"}, "eval": {"max_batches": max_batches},
+         "used": {"source": "config", "data": {"train": {"type": "Windows", "size": 1003854},
+                                               "val": {"type": "Windows", "size": 240}}}}))
+    _write_jsonl(run / "metrics.jsonl", [{"step": 10, "epoch": 1, "loss": 1.0}])
+    return run
+
+
+def test_an_eval_subset_is_counted_as_what_is_evaluated(tmp_path):
+    data = _summary_rows(_sized_run(tmp_path / "sub", max_batches=20))["data"]
+    assert data == ("examples.char_gpt:data (1,003,854 train, 240 val evaluated "
+                    "(eval.max_batches=20))")
+    whole = _summary_rows(_sized_run(tmp_path / "whole", max_batches=0))["data"]
+    assert whole == "examples.char_gpt:data (1,003,854 train, 240 val)"

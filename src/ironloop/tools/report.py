@@ -360,7 +360,9 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
             f"{model['class']} ({model.get('parameters', 0):,} parameters)"
     data_s = get_dotted(cfg, "data.name")
     if data:
-        sizes = ", ".join(f"{v['size']:,} {k}" for k, v in data.items() if isinstance(v, dict))
+        cap = num(get_dotted(cfg, "eval.max_batches"))
+        sizes = ", ".join(_split_size(k, v, int(cap or 0)) for k, v in data.items()
+                          if isinstance(v, dict))
         kind = data_s if used.get("source") == "config" else \
             (data.get("train") or {}).get("type", data_s)
         data_s = f"{kind} ({sizes})"
@@ -369,6 +371,26 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
         rows.append(("optimizer", used["optimizer"] + (f" + {used['scheduler']}"
                                                         if used.get("scheduler") else "")))
     return rows
+
+
+def _split_size(name: str, split: dict, max_batches: int) -> str:
+    """``1,438 train``; a validation split under eval.max_batches is the fixed subset every
+    evaluation reads (data/source.py's eval_subset), and says so: ``240 val evaluated
+    (eval.max_batches=20)``, not the split's own size; a stream without a length, its name."""
+    size = split.get("size")
+    text = f"{size:,} {name}" if isinstance(size, int) else f"{name} (no length)"
+    if name.startswith("val") and max_batches > 0:
+        text += f" evaluated (eval.max_batches={max_batches})"
+    return text
+
+
+def _epochs_done(epochs: list[dict], metrics: list[dict]) -> str:
+    """Epochs completed (epochs.jsonl's lines), and the epoch the run ended in when it ended
+    inside one (a max_steps run), so a run of 2,000 steps in its first epoch does not read
+    "epochs 0"."""
+    done = len(epochs)
+    last = int(max(_vals(metrics, "epoch"), default=0))
+    return f"{done} complete; ended inside epoch {last}" if last > done else str(done)
 
 
 def _averaged_words(evals: list[dict]) -> str | None:
@@ -402,7 +424,7 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
         (num(split.get("validation")) or 0) or None
     table = [
         *_used_rows(cfg),
-        ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", len(epochs)),
+        ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", _epochs_done(epochs, metrics)),
         ("evaluations", len(evals)),
         ("optimizer steps", _fmt(res.get("steps"), *_vals(metrics, "step")[-1:], spec=".0f")),
         ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),

@@ -9,13 +9,18 @@ from pathlib import Path
 from ironloop.outputs.averaged import compare
 from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
-from ironloop.tools.doctor.findings import Finding
+from ironloop.tools.doctor.findings import Finding, info
 
 #: Thresholds, named so the docs (docs/how-to/doctor.md) and the findings quote the same numbers.
 FLAT = 0.05            # train loss fell by less than 5% after epoch 1
 RISE = 0.05            # val loss 5% above its minimum, two or more epochs later
 HIGH_ACC = 0.95        # val accuracy at epoch 1
 CLIP_SHARE = 0.5       # clipped steps in steady state (after the first 10% of steps)
+#: Optimizers that divide each step by a running scale of the gradient (lower-case class
+#: names): a uniform rescale of the gradient, which is all clipping by norm does, barely
+#: changes their step (Lion's sign does not change at all).
+ADAPTIVE = ("adam", "adamw", "adamax", "nadam", "radam", "sparseadam", "adagrad", "adadelta",
+            "rmsprop", "adafactor", "lion", "lamb", "adan", "sophia")
 SLOWDOWN = 0.7         # last quarter's samples/s below 70% of the first quarter's
 AVERAGE_WORSE = 0.05   # the averaged weights' val loss 5% above the raw weights' at the end
 
@@ -27,9 +32,19 @@ def diagnose_logs(run_dir: Path | str) -> list[Finding]:
     epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
     evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
     cfg = load_mapping(run_dir / "config.yaml")[0]
+    results = load_mapping(run_dir / "results.json")[0]
     return [*non_finite_loss(metrics), *flat_loss(epochs, metrics), *overfitting(epochs),
-            *high_first_val_acc(epochs), *clipping(metrics, get_dotted(cfg, "clip.max_norm")),
-            *throughput_drop(metrics, epochs), *average_worse(evals, cfg)]
+            *high_first_val_acc(epochs),
+            *clipping(metrics, get_dotted(cfg, "clip.max_norm"), optimizer_name(cfg)),
+            *throughput_drop(metrics, epochs, results), *average_worse(evals, cfg)]
+
+
+def optimizer_name(cfg: dict) -> str | None:
+    """The optimizer the run used: its class (config.yaml's ``used.optimizer``, a user's own
+    included), else optim.name for runs recorded before that block existed."""
+    used = cfg.get("used")
+    name = used.get("optimizer") if isinstance(used, dict) else None
+    return name or get_dotted(cfg, "optim.name")
 
 
 def non_finite_loss(metrics: list[dict]) -> list[Finding]:
@@ -99,8 +114,10 @@ def high_first_val_acc(epochs: list[dict]) -> list[Finding]:
                     "run `ironloop doctor CONFIG` (the leakage and initial_loss checks)")]
 
 
-def clipping(metrics: list[dict], max_norm) -> list[Finding]:
-    """Share of clipped steps after the first 10% of steps (warm-up is allowed to clip)."""
+def clipping(metrics: list[dict], max_norm, optimizer: str | None = None) -> list[Finding]:
+    """Share of clipped steps after the first 10% of steps (warm-up is allowed to clip). With
+    SGD that is a hidden LR cut; with an adaptive optimizer (ADAPTIVE) it is not, and raising
+    the threshold would change little, so it is only reported."""
     last = max((num(r.get("step")) or 0 for r in metrics), default=0)
     steady = [r for r in metrics if (num(r.get("step")) or 0) > 0.1 * last]
     clipped = sum(num(r.get("clipped")) or 0 for r in steady)
@@ -111,18 +128,25 @@ def clipping(metrics: list[dict], max_norm) -> list[Finding]:
     median = statistics.median(norms) if norms else None
     hint = f"; median pre-clip norm {median:.3g}" if median is not None else ""
     raise_to = f" (about {1.5 * median:.2g})" if median is not None else ""
-    return [Finding("clipping", "warning",
-                    f"{100 * clipped / steps:.0f}% of steady-state steps were clipped at "
-                    f"clip.max_norm={max_norm}{hint}",
+    measured = (f"{100 * clipped / steps:.0f}% of steady-state steps were clipped at "
+                f"clip.max_norm={max_norm}{hint}")
+    if str(optimizer).lower() in ADAPTIVE:
+        return [info("clipping", f"{measured}. With {optimizer}, which divides each step by "
+                     f"a running scale of the gradient, a uniform rescale of the gradient "
+                     f"barely changes the step: this is no hidden LR cut, and raising "
+                     f"clip.max_norm would change little")]
+    return [Finding("clipping", "warning", measured,
                     "clipping on most steps rescales every update: it acts as a hidden LR "
                     "cut, and the LR schedule no longer means what it says",
                     f"raise clip.max_norm{raise_to} so it only catches spikes, or lower "
                     f"optim.lr")]
 
 
-def throughput_drop(metrics: list[dict], epochs: list[dict]) -> list[Finding]:
+def throughput_drop(metrics: list[dict], epochs: list[dict],
+                    results: dict | None = None) -> list[Finding]:
     """samples/s of the last quarter of the logged windows against the first quarter (the very
-    first window, which pays warm-up, is left out)."""
+    first window, which pays warm-up, is left out). The fix points to the file that holds a
+    time split to compare (``_where_to_look``)."""
     speeds = [v for v in (num(r.get("samples_per_s")) for r in metrics[1:]) if v is not None]
     if len(speeds) < 8:
         return []
@@ -137,8 +161,21 @@ def throughput_drop(metrics: list[dict], epochs: list[dict]) -> list[Finding]:
                     f"quarter of the run{grew}",
                     "a growing Python structure (e.g. keeping loss tensors with their graphs), "
                     "a data source that slows down, memory pressure, or other jobs on the "
-                    "machine", "compare the time split per epoch in epochs.jsonl to see which "
-                    "part grew, and keep only .item() values of what you store")]
+                    "machine", f"{_where_to_look(epochs, results or {})}, and keep only "
+                    ".item() values of what you store")]
+
+
+def _where_to_look(epochs: list[dict], results: dict) -> str:
+    """The file that shows where the time went: epochs.jsonl when two or more epochs have a
+    time split (a max_steps run inside one epoch has none), else results.json's split of the
+    whole run, else metrics.jsonl's samples_per_s (a run that did not finish)."""
+    if sum(isinstance(r.get("time_split"), dict) for r in epochs) >= 2:
+        return "compare the time split per epoch in epochs.jsonl to see which part grew"
+    if isinstance(results.get("time_split"), dict):
+        return ("see which part takes the time in results.json's time_split (the whole run; "
+                "no two epochs ended to compare) and from which step samples_per_s falls in "
+                "metrics.jsonl")
+    return "see from which step samples_per_s falls in metrics.jsonl"
 
 
 def _part_that_grew(epochs: list[dict]) -> str:
