@@ -8,10 +8,15 @@ examples/cpu_reads.yaml, BENCHMARKS.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -435,3 +440,62 @@ def test_tune_runs_a_char_lm_whose_model_needs_the_data_factory_values(tmp_path)
                    "--budget", "15", cwd=tmp_path, env={**_env(), "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "run/tuned.yaml").is_file()
+
+
+# -- stopping a tune (issue 42, finding 13) -------------------------------------------------------
+
+
+def _trial_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("ironloop-tune-*"))
+
+
+def _start_tune(tmp_path, wait_for: str = "") -> tuple[subprocess.Popen, Path]:
+    """``ironloop tune`` on the compute-bound subject, its temporary directories under
+    tmp_path/tmp; returns once a trial's directory holds ``wait_for`` ("": once one exists;
+    "metrics.jsonl": once a trial's loop has logged, inside fit()'s own signal handlers)."""
+    config = _cli_subject(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ironloop", "tune", config, "--budget", "60"],
+                            cwd=tmp_path, env={**os.environ, **_env(), "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    polls = 1200  # of 0.1 s at most: a bound, not a wait the test relies on
+    while not list(tmp.glob(f"ironloop-tune-*/{wait_for}")) and proc.poll() is None and polls:
+        polls -= 1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+    assert list(tmp.glob(f"ironloop-tune-*/{wait_for}")), proc.communicate()
+    return proc, tmp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inside", ["", "metrics.jsonl"], ids=["setting-up", "in-the-loop"])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_tune_without_a_tuned_yaml(tmp_path, sig, code, inside):
+    """Ctrl-C or SIGTERM in a trial: not a "failed: Preempted" trial and exit 0, but a stop,
+    said on one line, with 128 + the signal and nothing written. Sent as a trial sets up (the
+    tune's handler) or once it trains (fit()'s handler, which ends the step first)."""
+    proc, tmp = _start_tune(tmp_path, inside)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, out + err
+    assert f"tune stopped by {sig.name}" in err and "Traceback" not in err
+    assert "Preempted" not in out + err
+    assert not (tmp_path / "run" / "tuned.yaml").exists()
+    assert not (tmp_path / "run" / "tune.json").exists()
+    assert _trial_dirs(tmp) == []  # the trial's directory went with it
+
+
+@pytest.mark.slow
+def test_a_sigkilled_tunes_directories_are_removed_at_the_next_start(tmp_path):
+    from ironloop.tools.tune.stop import clean_stale
+
+    proc, tmp = _start_tune(tmp_path)
+    mine = tmp / f"ironloop-tune-{os.getpid()}-live"  # a live tune's: kept
+    mine.mkdir()
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = [p for p in _trial_dirs(tmp) if p != mine]
+    assert left  # SIGKILL runs no clean-up
+    assert clean_stale(tmp) == len(left)
+    assert _trial_dirs(tmp) == [mine]

@@ -28,6 +28,7 @@ import copy
 import math
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from ironloop.tools.tune.rows import (
     pin_rows,
     precision_rows,
 )
+from ironloop.tools.tune.stop import clean_stale, stop_on_signals
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
@@ -429,7 +431,13 @@ def config_subject(cfg: Config) -> Subject:
 
 def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
             overrides: list[str]) -> TuneResult:
-    tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
+    stale = clean_stale()
+    if stale:
+        print(f"tune: removed {stale} trial director{'y' if stale == 1 else 'ies'} left in "
+              f"{tempfile.gettempdir()} by tunes that were killed")
+    # Ctrl-C or SIGTERM raise Stopped: nothing below writes tune.json or tuned.yaml then
+    with stop_on_signals():
+        tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
     applied = {**chosen, **(trajectory if apply else {})}
     assert tuner.baseline is not None  # run_tune measured it, or raised
     result = TuneResult(

@@ -31,6 +31,8 @@ from torch import nn
 from ironloop.callbacks import Callback
 from ironloop.config import Config
 from ironloop.engine.fit import fit
+from ironloop.errors import Preempted
+from ironloop.tools.tune.stop import Stopped, trial_prefix
 
 
 @dataclass
@@ -188,7 +190,7 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     split = None
-    with tempfile.TemporaryDirectory(prefix="ironloop-tune-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=trial_prefix()) as tmp:
         cfg = trial_config(subject.cfg, overrides, plan.cap, Path(tmp), n)
         try:
             # fit() prints its time table and notices: the tune prints its own table.
@@ -198,6 +200,10 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
             split = result.results.get("time_split")
         except (_Overrun, _Enough):
             pass
+        except Stopped:
+            raise  # a signal between fit()'s handlers (tools/tune/stop.py): not the trial's
+        except Preempted as e:  # fit() stopped at the end of a step: the tune stops with it
+            raise Stopped(e.signal_name) from None
         except Exception as e:  # noqa: BLE001 - OOM, worker crash, compile error: fail the trial
             raise TrialFailed(one_line(e)) from None
         finally:
