@@ -39,7 +39,7 @@ def test_non_finite_and_non_numbers_are_written_as_they_are():
 def test_the_console_keeps_the_digits_of_small_and_huge_figures():
     row = {"epoch": 1, "step": 10, "train_loss": 4e-5, "val_loss": 3.2e-5, "val_acc": 0.5,
            "lr": 1e-3, "seconds": 1.0, "samples_per_s": 0.4}
-    line = console.epoch_line(row, console.Plan(10, 10, 1, window=1), {})
+    line = console.epoch_line(row, console.RunPlan(10, 10, 1, window=1), {})
     assert "train_loss 4.000e-05" in line and "val_loss 3.200e-05" in line
     assert "0.4000 samples/s" in line and "0.0000" not in line
     evals = console.eval_line({"step": 10, "epoch": 1, "val_loss": 4.656e25, "seconds": 0.1}, 10)
@@ -53,7 +53,7 @@ def test_the_progress_line_writes_the_loss_and_a_slow_rate_with_their_digits():
 
     at = SimpleNamespace(step=0, epoch=0, offset=0)
     prog = console.EpochProgress(LogConfig(progress="off"), at,
-                                 console.Plan(100, 100, 1, window=1), main=False)
+                                 console.RunPlan(100, 100, 1, window=1), main=False)
     prog.set_postfix(loss=4e-5, lr=3e-4)  # as the loop passes them: the logged floats
     line = console.progress_line(prog, step=1, now=prog.last_time + 20.0)  # 20 s a step
     prog.close()

@@ -20,7 +20,7 @@ from ironloop.outputs.readers import num
 JUDGED = {"_loss": True, "_acc": False}
 
 
-class Pair(NamedTuple):
+class MetricPair(NamedTuple):
     """One metric of one evaluation, for both weights."""
 
     raw_key: str     # val_loss, val_acc, or val_<set>_loss, ...
@@ -49,7 +49,7 @@ class Pair(NamedTuple):
 class Comparison(NamedTuple):
     """The judged metrics of one evaluation row."""
 
-    pairs: list[Pair]
+    pairs: list[MetricPair]
 
     @property
     def outcome(self) -> str:
@@ -83,7 +83,7 @@ def compare(row: dict) -> Comparison | None:
         raw_key, avg_key = f"val_{prefix}{suffix[1:]}", f"val_avg_{prefix}{suffix[1:]}"
         raw, avg = num(row.get(raw_key)), num(row.get(avg_key))  # finite, or None
         if raw is not None and avg is not None:
-            pairs.append(Pair(raw_key, avg_key, raw, avg, lower))
+            pairs.append(MetricPair(raw_key, avg_key, raw, avg, lower))
     return Comparison(pairs) if pairs else None
 
 
