@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -499,3 +500,35 @@ def test_a_sigkilled_tunes_directories_are_removed_at_the_next_start(tmp_path):
     assert left  # SIGKILL runs no clean-up
     assert clean_stale(tmp) == len(left)
     assert _trial_dirs(tmp) == [mine]
+
+
+class _SignalsAt(nn.Module):
+    """A linear model that sends its own process SIGINT during its ``at``-th forward."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.linear, self.at, self.calls = nn.Linear(4, 2), at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.linear(x)
+
+
+def test_a_signal_in_a_trials_last_step_stops_the_tune(tmp_path):
+    """The trial ends at step 3's on_step_end (its measurement is done), the step the signal
+    came in: fit()'s own handler acts after on_step_end, which the trial's end skips, and the
+    signal was lost (the tune went on and exited 0)."""
+    from ironloop.tools.tune.stop import Stopped, stop_on_signals
+    from ironloop.tools.tune.trials import Plan, Subject, run_trial
+
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    cfg = Config.from_dict({"run": {"dir": str(tmp_path / "run")}, "train": {"batch_size": 8}})
+    subject = Subject(cfg, lambda: _SignalsAt(4), data, {})  # 1: fit() infers the classes
+    plan = Plan(warmup=1, window=1, repeats=1, measure_s=1e-9)  # ends at step 3
+    with stop_on_signals(), pytest.raises(Stopped, match="stopped by SIGINT"):
+        run_trial(subject, {}, plan, deadline=time.perf_counter() + 120)
+    quiet = Subject(cfg, lambda: _SignalsAt(0), data, {})  # no signal: the trial is measured
+    with stop_on_signals():
+        assert run_trial(quiet, {}, plan, time.perf_counter() + 120).step_ms > 0

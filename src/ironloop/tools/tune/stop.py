@@ -1,7 +1,7 @@
 """Stopping a tune: Ctrl-C or SIGTERM ends it, and a SIGKILL's leftovers go at the next start.
 
 A tune has nothing to resume, so a signal is not a preemption: the tune stops at once (inside
-a trial, at the end of that trial's step, where fit()'s own handler stops it), says so, writes
+a trial, at the end of that trial's step: ``record_signals``), says so, writes
 neither tune.json nor tuned.yaml, and exits with 128 + the signal's number (130 for Ctrl-C,
 143 for SIGTERM), as a shell reports a process the signal ended. It never counts the signal as
 a failed trial.
@@ -43,8 +43,9 @@ def _raise(signum: int, frame) -> None:
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """SIGINT and SIGTERM raise ``Stopped`` while the tune runs (between trials; inside one,
-    fit()'s preemption handler takes them and the trial raises ``Preempted``, which
-    trials.run_trial turns into ``Stopped``). Only the main thread may set handlers."""
+    ``record_signals`` takes them from the trial's first step, and fit()'s preemption handler
+    before it, whose ``Preempted`` trials.run_trial turns into ``Stopped``). Only the main
+    thread may set handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -54,6 +55,18 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def record_signals(received: list[str]) -> None:
+    """Called as a trial's fit() starts training (inside fit()'s preemption handlers): SIGINT
+    and SIGTERM then append their name to ``received``, which the trial's clock checks after
+    every step and once fit() returns. fit()'s own handler would stop at the next step's end,
+    and a trial that ends at this step (its measurement done) would never get there: the
+    signal would be lost. fit() puts back the handlers it found, the tune's, as it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum).name))
 
 
 def trial_prefix() -> str:

@@ -32,7 +32,7 @@ from ironloop.callbacks import Callback
 from ironloop.config import Config
 from ironloop.engine.fit import fit
 from ironloop.errors import Preempted
-from ironloop.tools.tune.stop import Stopped, trial_prefix
+from ironloop.tools.tune.stop import Stopped, record_signals, trial_prefix
 
 
 @dataclass
@@ -120,17 +120,22 @@ class _Enough(Exception):
 
 class _Clock(Callback):
     """Stamps the clock after every optimizer step; ends the trial at its deadline, or once
-    its steady steps (after ``plan.warmup``) have taken ``plan.measure_s``."""
+    its steady steps (after ``plan.warmup``) have taken ``plan.measure_s``, or at the first
+    step's end after a SIGINT or SIGTERM (tools/tune/stop.py)."""
 
     def __init__(self, deadline: float, plan: Plan | None = None):
         self.deadline, self.plan = deadline, plan
         self.start = 0.0
         self.stamps: list[float] = []
+        self.signals: list[str] = []  # names of the signals received while the trial trained
 
     def on_train_start(self, run, metrics: dict) -> None:
+        record_signals(self.signals)
         self.start = time.perf_counter()
 
     def on_step_end(self, run, metrics: dict) -> None:
+        if self.signals:
+            raise Stopped(self.signals[0])
         now = time.perf_counter()
         self.stamps.append(now)
         if now > self.deadline:
@@ -208,6 +213,8 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
             raise TrialFailed(one_line(e)) from None
         finally:
             _clean_up(cfg)
+    if clock.signals:  # after the trial's last step: the tune stops all the same
+        raise Stopped(clock.signals[0])
     step_samples = cfg.train.batch_size * cfg.train.accumulation_steps
     plan = windows(plan, len(clock.stamps))
     plan = windows(replace(plan, warmup=settled(clock.stamps, clock.start, plan,
