@@ -39,13 +39,24 @@ def bn_mlp(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
 
+def warmed_ema(decay: float):
+    """torch's EMA update at TensorFlow's warmed-up decay, min(decay, (1 + t) / (10 + t)), with
+    t read from torch's own count of updates (what average.warmup does by default)."""
+
+    def update(own, new, num_averaged):
+        t = int(num_averaged)
+        get_ema_multi_avg_fn(min(decay, (1 + t) / (10 + t)))(own, new, num_averaged)
+
+    return update
+
+
 class HandAveraged(Callback):
     """torch's AveragedModel, updated with ``update_parameters`` after the same optimizer
     steps as the run's (from step 2, every ``every`` steps), from on_step_end."""
 
     def __init__(self, model: nn.Module, kind: str, every: int = 2):
         self.every = every
-        fn = get_ema_multi_avg_fn(0.9) if kind == "ema" else get_swa_multi_avg_fn()
+        fn = warmed_ema(0.9) if kind == "ema" else get_swa_multi_avg_fn()
         self.avg = AveragedModel(copy.deepcopy(model), multi_avg_fn=fn, use_buffers=kind == "ema")
 
     def on_step_end(self, run, row):
@@ -277,3 +288,48 @@ def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly
     res = run_cli("export", str(part), "--out", str(tmp_path / "avg.safetensors"), "--which",
                   "avg")
     assert res.returncode == 2 and "final_avg.safetensors" in res.stderr
+
+
+# -- EMA's warm-up (issue 44) ---------------------------------------------------------------------
+
+
+def _share_of_first_weights(warmup: bool, updates: int) -> float:
+    """The default EMA (decay 0.999) of a weight that is 0 at the first update and 1 at every
+    later one: what is left of the first weights is 1 - the average."""
+    model = nn.Linear(1, 1, bias=False)
+    average = WeightAverage(AverageConfig(kind="ema", warmup=warmup), model)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+        average.update()  # the first update copies the weights
+        model.weight.fill_(1.0)
+        for _ in range(updates - 1):
+            average.update()
+    return 1.0 - float(average.module.weight)
+
+
+def test_the_default_ema_forgets_the_initial_weights_within_a_hundred_updates():
+    assert _share_of_first_weights(warmup=True, updates=100) < 1e-6  # float32: one ulp of 1
+    # without the warm-up, 0.999^99 of them: the average is mostly the random start
+    assert _share_of_first_weights(warmup=False, updates=100) == pytest.approx(0.999 ** 99)
+
+
+def test_the_warm_up_is_tensorflows_and_ends_at_the_configured_decay():
+    average = WeightAverage(AverageConfig(kind="ema", decay=0.99), nn.Linear(1, 1))
+    assert [average.decay_after(t) for t in (0, 1, 10)] == [0.1, 2 / 11, 11 / 20]
+    assert average.decay_after(10_000) == 0.99  # (1 + t) / (10 + t) passed 0.99 at t = 890
+    off = WeightAverage(AverageConfig(kind="ema", decay=0.99, warmup=False), nn.Linear(1, 1))
+    assert off.decay_after(1) == 0.99
+
+
+def test_a_resume_continues_the_warm_up_bit_for_bit(tmp_path):
+    """A run stopped at step 5 and resumed trains the average an uninterrupted run trains: the
+    warm-up's t comes back from the checkpoint (n_averaged), not from 0."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = {"average.kind": "ema", "schedule.name": "constant"}
+    ironloop.fit(tiny_mlp(), blobs(200), None, {**cfg(whole), **common, "train.max_steps": 14})
+    ironloop.fit(tiny_mlp(), blobs(200), None, {**cfg(split), **common, "train.max_steps": 5})
+    ironloop.fit(tiny_mlp(), blobs(200), None, {**cfg(split), **common, "train.max_steps": 14},
+                 resume=True, allow_config_change=True)  # extended: the same constant LR
+    a = load_file(whole / "run" / "final_avg.safetensors")
+    b = load_file(split / "run" / "final_avg.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

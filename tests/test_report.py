@@ -152,7 +152,7 @@ def test_summarize_values(rendered):
     assert rows["final val acc"] == "95.00%"
     assert rows["test acc"] == "94.12%"
     assert rows["test loss"] == "0.2345"
-    assert rows["mean samples/s"] == "5,004"  # 30 rows of attempt 0, 20 of attempt 1 after dedupe
+    assert rows["mean samples/s"] == "5004"  # 30 rows of attempt 0, 20 of attempt 1 after dedupe
     assert rows["clipped fraction"] == f"{EXPECTED_FRAC:.1%}"
     assert rows["resumes"] == "1"
     assert rows["total seconds"] == "12.5"
@@ -301,7 +301,7 @@ def test_diagnosis_clean_run_is_silent(tmp_path):
 
 def test_diagnosis_flat_loss(tmp_path):
     (f,) = _diag_run(tmp_path / "r", _epochs([2.30, 2.29, 2.30, 2.29], [2.3] * 4))
-    assert f.check == "flat_loss" and "2.3000 in the first epoch" in f.measured
+    assert f.check == "flat_loss" and "2.300 in the first epoch" in f.measured
     assert "--lr-find" in f.fix
 
 
@@ -338,7 +338,7 @@ def test_diagnosis_throughput_drop_names_the_part(tmp_path):
     epochs[0]["time_split"] = {"data": 0.1, "forward": 1.0, "other": 0.1}
     epochs[1]["time_split"] = {"data": 1.6, "forward": 1.0, "other": 0.1}
     (f,) = _diag_run(tmp_path / "r", epochs, metrics)
-    assert f.check == "throughput" and "1,000 to 400 samples/s (60% lower)" in f.measured
+    assert f.check == "throughput" and "1000 to 400.0 samples/s (60% lower)" in f.measured
     assert "data grew most" in f.measured
 
 
@@ -381,3 +381,150 @@ def test_identical_curves_are_grouped_and_labelled_once(tmp_path):
                                "step", "loss")
     assert [names for names, _ in groups] == [["a", "b"], ["c"]]
     assert report.plot_loss_curves({"a": rows, "b": rows}, tmp_path / "l.png").is_file()
+
+
+# --- every plot survives the values a real run logs (issue 44) ---------------------------------
+
+INF, NAN = float("inf"), float("nan")
+#: Shapes of one logged series: the values every metric of the fake run takes, in step order.
+SHAPES = {
+    "one value": [0.5],
+    "one huge value": [4e14],  # nanoGPT's one logged grad_norm of 4e14: 40 bins finer than a ulp
+    "constant": [0.25] * 12,
+    "constant huge": [4e14] * 12,
+    "zeros": [0.0] * 12,
+    "a spike of 4e14": [1.0, 1.2, 0.9, 4e14, 1.1, 0.8],
+    "with inf": [1.0, INF, 0.5, INF, 0.25],
+    "with nan": [1.0, NAN, 0.5, NAN, 0.25],
+    "only inf": [INF, INF, INF],
+    "only nan": [NAN, NAN],
+}
+
+
+def _shaped_run(run: Path, values: list[float]) -> Path:
+    """A run directory where every figure a plot reads (loss, lr, grad_norm, speed, validation,
+    the averaged weights' metrics) takes ``values``; with a resume, epochs and evaluations."""
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"clip": {"max_norm": 1.0}}))
+    steps = range(1, len(values) + 1)
+    _write_jsonl(run / "metrics.jsonl", [
+        {"step": s, "epoch": 1, "loss": v, "lr": v, "grad_norm": v, "clipped": 1, "steps": 1,
+         "samples_per_s": v, "tokens_per_s": v, "time": 1.7e9 + s} for s, v in zip(steps, values)])
+    evals = [{"step": s, "epoch": 1, "val_loss": v, "val_acc": v, "val_ppl": v,
+              "val_avg_loss": v, "val_avg_acc": v} for s, v in zip(steps, values)]
+    _write_jsonl(run / "evals.jsonl", evals)
+    _write_jsonl(run / "epochs.jsonl", [{**e, "epoch": e["step"], "train_loss": e["val_loss"]}
+                                        for e in evals])
+    _write_jsonl(run / "events.jsonl", [{"event": "resume", "step": 1, "last_logged_step": 2}])
+    (run / "results.json").write_text(json.dumps(
+        {"steps": len(values), "test_loss": values[0], "train_seconds": values[-1]}))
+    return run
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_plot_survives_one_value_constant_values_inf_and_nan(tmp_path, shape):
+    run = _shaped_run(tmp_path / "run", SHAPES[shape])
+    paths = report.render_report(run)
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert {p.name for p in pngs} >= {"loss.png", "lr.png", "grad_norm.png",
+                                      "grad_norm_hist.png", "averaged.png", "resume.png"}
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    assert "| optimizer steps |" in (run / "report" / "report.md").read_text()
+
+
+# --- advice that is right for the run it reads (issue 44) --------------------------------------
+
+CLIPPED = [{"step": s, "loss": 2.0 / s, "samples_per_s": 1000.0, "steps": 10, "clipped": 8,
+            "grad_norm": 1.6} for s in range(10, 210, 10)]
+
+
+def _with_optimizer(run: Path, optimizer: str) -> Path:
+    """The run's config.yaml, as a run records the optimizer class it used."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"clip": {"max_norm": 1.0}, "optim": {"name": "adamw"},
+         "used": {"optimizer": optimizer, "source": "config"}}))
+    _write_jsonl(run / "epochs.jsonl", _epochs([1.0, 0.5], [1.0, 0.6]))
+    _write_jsonl(run / "metrics.jsonl", CLIPPED)
+    return run
+
+
+def test_clipping_under_an_adaptive_optimizer_is_no_hidden_lr_cut():
+    """nanoGPT's clip=1.0 with AdamW clips most steps; raising it changed nothing (1.9054
+    against 1.9053): the report says so instead of advising it."""
+    from ironloop.tools.doctor.logs import clipping
+
+    (f,) = clipping(CLIPPED, 1.0, "AdamW")
+    assert f.severity == "info" and f.fix == "" and "80% of steady-state steps" in f.measured
+    assert "no hidden LR cut" in f.measured and "raise" not in f.measured
+
+
+def test_clipping_under_sgd_still_advises_a_higher_threshold(tmp_path):
+    (f,) = diagnose_logs(_with_optimizer(tmp_path / "sgd", "SGD"))
+    assert f.severity == "warning" and "hidden LR cut" in f.cause
+    assert "raise clip.max_norm (about 2.4)" in f.fix
+    (f,) = diagnose_logs(_with_optimizer(tmp_path / "adam", "AdamW"))  # read from used:
+    assert f.severity == "info"
+
+
+SLOWER = [{"step": s, "loss": 2.0 / s, "clipped": 0, "steps": 10, "grad_norm": 0.5,
+           "samples_per_s": 1000.0 if s <= 100 else 400.0} for s in range(10, 210, 10)]
+
+
+def test_the_throughput_fix_points_to_a_file_that_holds_a_time_split(tmp_path):
+    """A max_steps run inside its first epoch has no epochs.jsonl line: the fix names
+    results.json's time split, or metrics.jsonl when the run did not finish."""
+    from ironloop.tools.doctor.logs import throughput_drop
+
+    split = {"time_split": {"data": 1.0, "forward": 2.0}}
+    (f,) = throughput_drop(SLOWER, [], split)
+    assert "results.json's time_split" in f.fix and "epochs.jsonl" not in f.fix
+    (f,) = throughput_drop(SLOWER, [], {})
+    assert "metrics.jsonl" in f.fix and "epochs.jsonl" not in f.fix
+
+
+def test_the_throughput_fix_names_epochs_jsonl_when_two_epochs_have_a_split(tmp_path):
+    from ironloop.tools.doctor.logs import throughput_drop
+
+    epochs = _epochs([1.0, 0.5], [1.0, 0.6])
+    for e, data in zip(epochs, (0.1, 1.6)):
+        e["time_split"] = {"data": data, "forward": 1.0}
+    (f,) = throughput_drop(SLOWER, epochs, {"time_split": {"data": 1.7}})
+    assert "time split per epoch in epochs.jsonl" in f.fix
+
+
+def _summary_rows(run: Path) -> dict:
+    return dict(tuple(c.strip() for c in line.strip("|").split("|"))
+                for line in report.summarize(run).splitlines()
+                if line.startswith("| ") and "---" not in line)
+
+
+def test_a_run_that_ends_inside_its_first_epoch_does_not_read_epochs_0(tmp_path):
+    run = tmp_path / "lm"
+    run.mkdir()
+    _write_jsonl(run / "metrics.jsonl", [{"step": s, "epoch": 1, "loss": 1.0}
+                                         for s in range(10, 2010, 10)])
+    assert _summary_rows(run)["epochs"] == "0 complete; ended inside epoch 1"
+
+
+def test_a_run_that_ends_at_an_epoch_boundary_counts_its_epochs_plainly(rendered):
+    run, _ = rendered
+    assert _summary_rows(run)["epochs"] == "5"
+
+
+def _sized_run(run: Path, max_batches: int) -> Path:
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"name": "examples.char_gpt:data"}, "eval": {"max_batches": max_batches},
+         "used": {"source": "config", "data": {"train": {"type": "Windows", "size": 1003854},
+                                               "val": {"type": "Windows", "size": 240}}}}))
+    _write_jsonl(run / "metrics.jsonl", [{"step": 10, "epoch": 1, "loss": 1.0}])
+    return run
+
+
+def test_an_eval_subset_is_counted_as_what_is_evaluated(tmp_path):
+    data = _summary_rows(_sized_run(tmp_path / "sub", max_batches=20))["data"]
+    assert data == ("examples.char_gpt:data (1,003,854 train, 240 val evaluated "
+                    "(eval.max_batches=20))")
+    whole = _summary_rows(_sized_run(tmp_path / "whole", max_batches=0))["data"]
+    assert whole == "examples.char_gpt:data (1,003,854 train, 240 val)"

@@ -8,10 +8,16 @@ examples/cpu_reads.yaml, BENCHMARKS.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +32,7 @@ from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
 from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 def measure(median: float, lo: float, hi: float) -> Measure:
@@ -387,3 +393,142 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
     assert (tuned.train.batch_size, tuned.train.accumulation_steps) == (batch, accum)
     assert "notice: --apply-trajectory-changes: train.batch_size: 4 -> " in out
     assert "same trajectory up to float rounding" in out
+
+
+# -- a model factory that needs the data factory's values (examples/char_gpt.py) -------------------
+
+CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
+#: configs/char_gpt.yaml's model, behind a factory that needs what the data factory returns
+#: (nanoGPT's GPTConfig has no vocab_size or block_size it could fall back on either).
+LM_SUBJECT = """
+from examples.char_gpt import CharGPT
+
+
+def gpt(vocab_size, block_size):
+    return CharGPT(block_size, layers=1, heads=2, dim=16, vocab_size=vocab_size)
+"""
+
+
+def _char_lm(tmp_path) -> list[str]:
+    """configs/char_gpt.yaml, tiny, with LM_SUBJECT's model: data.root and the module are in
+    tmp_path, which the caller puts on the path."""
+    (tmp_path / "input.txt").write_text(CORPUS)
+    (tmp_path / "lm_subject.py").write_text(LM_SUBJECT)
+    return [f"data.root={tmp_path}", f"run.dir={tmp_path / 'run'}", "model.name=lm_subject:gpt",
+            "data.kwargs={block_size: 16}", "model.kwargs={}", "train.max_steps=40",
+            "eval.every_steps=0", "log.progress=off"]
+
+
+def test_tune_builds_a_model_from_the_data_factory_values_as_train_does(tmp_path, monkeypatch):
+    """The model each trial trains is the one ironloop train builds: the data factory's
+    vocab_size and block_size reach the model factory, and so do the same initial weights."""
+    from ironloop.tools.models import from_config
+
+    monkeypatch.syspath_prepend(str(REPO))  # examples.char_gpt
+    monkeypatch.syspath_prepend(str(tmp_path))  # lm_subject
+    cfg = ironloop.load_config(REPO / "configs/char_gpt.yaml", _char_lm(tmp_path))
+    tuned = tune_mod.config_subject(cfg).make_model()
+    trained, _ = from_config(cfg)
+    assert tuned.block_size == trained.block_size == 16
+    a, b = tuned.state_dict(), trained.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_tune_runs_a_char_lm_whose_model_needs_the_data_factory_values(tmp_path):
+    path = os.pathsep.join([str(REPO), _env()["PYTHONPATH"]])
+    proc = run_cli("tune", str(REPO / "configs/char_gpt.yaml"), *_char_lm(tmp_path),
+                   "--budget", "15", cwd=tmp_path, env={**_env(), "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "run/tuned.yaml").is_file()
+
+
+# -- stopping a tune (issue 42, finding 13) -------------------------------------------------------
+
+
+def _trial_dirs(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("ironloop-tune-*"))
+
+
+def _start_tune(tmp_path, wait_for: str = "") -> tuple[subprocess.Popen, Path]:
+    """``ironloop tune`` on the compute-bound subject, its temporary directories under
+    tmp_path/tmp; returns once a trial's directory holds ``wait_for`` ("": once one exists;
+    "metrics.jsonl": once a trial's loop has logged, inside fit()'s own signal handlers)."""
+    config = _cli_subject(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ironloop", "tune", config, "--budget", "60"],
+                            cwd=tmp_path, env={**os.environ, **_env(), "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    polls = 1200  # of 0.1 s at most: a bound, not a wait the test relies on
+    while not list(tmp.glob(f"ironloop-tune-*/{wait_for}")) and proc.poll() is None and polls:
+        polls -= 1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+    assert list(tmp.glob(f"ironloop-tune-*/{wait_for}")), proc.communicate()
+    return proc, tmp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inside", ["", "metrics.jsonl"], ids=["setting-up", "in-the-loop"])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_the_tune_without_a_tuned_yaml(tmp_path, sig, code, inside):
+    """Ctrl-C or SIGTERM in a trial: not a "failed: Preempted" trial and exit 0, but a stop,
+    said on one line, with 128 + the signal and nothing written. Sent as a trial sets up (the
+    tune's handler) or once it trains (fit()'s handler, which ends the step first)."""
+    proc, tmp = _start_tune(tmp_path, inside)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, out + err
+    assert f"tune stopped by {sig.name}" in err and "Traceback" not in err
+    assert "Preempted" not in out + err
+    assert not (tmp_path / "run" / "tuned.yaml").exists()
+    assert not (tmp_path / "run" / "tune.json").exists()
+    assert _trial_dirs(tmp) == []  # the trial's directory went with it
+
+
+@pytest.mark.slow
+def test_a_sigkilled_tunes_directories_are_removed_at_the_next_start(tmp_path):
+    from ironloop.tools.tune.stop import clean_stale
+
+    proc, tmp = _start_tune(tmp_path)
+    mine = tmp / f"ironloop-tune-{os.getpid()}-live"  # a live tune's: kept
+    mine.mkdir()
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = [p for p in _trial_dirs(tmp) if p != mine]
+    assert left  # SIGKILL runs no clean-up
+    assert clean_stale(tmp) == len(left)
+    assert _trial_dirs(tmp) == [mine]
+
+
+class _SignalsAt(nn.Module):
+    """A linear model that sends its own process SIGINT during its ``at``-th forward."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.linear, self.at, self.calls = nn.Linear(4, 2), at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.linear(x)
+
+
+def test_a_signal_in_a_trials_last_step_stops_the_tune(tmp_path):
+    """The trial ends at step 3's on_step_end (its measurement is done), the step the signal
+    came in: fit()'s own handler acts after on_step_end, which the trial's end skips, and the
+    signal was lost (the tune went on and exited 0)."""
+    from ironloop.tools.tune.stop import Stopped, stop_on_signals
+    from ironloop.tools.tune.trials import Plan, Subject, run_trial
+
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    cfg = Config.from_dict({"run": {"dir": str(tmp_path / "run")}, "train": {"batch_size": 8}})
+    subject = Subject(cfg, lambda: _SignalsAt(4), data, {})  # 1: fit() infers the classes
+    plan = Plan(warmup=1, window=1, repeats=1, measure_s=1e-9)  # ends at step 3
+    with stop_on_signals(), pytest.raises(Stopped, match="stopped by SIGINT"):
+        run_trial(subject, {}, plan, deadline=time.perf_counter() + 120)
+    quiet = Subject(cfg, lambda: _SignalsAt(0), data, {})  # no signal: the trial is measured
+    with stop_on_signals():
+        assert run_trial(quiet, {}, plan, time.perf_counter() + 120).step_ms > 0

@@ -76,9 +76,14 @@ def _report(args) -> int:
 
 def _tune(args) -> int:
     from ironloop.tools.tune import tune_config
+    from ironloop.tools.tune.stop import Stopped
 
-    tune_config(args.config, args.overrides, budget=args.budget,
-                apply_trajectory_changes=args.apply_trajectory_changes)
+    try:
+        tune_config(args.config, args.overrides, budget=args.budget,
+                    apply_trajectory_changes=args.apply_trajectory_changes)
+    except Stopped as e:  # Ctrl-C or SIGTERM: stopped, nothing written, 128 + the signal
+        print(f"ironloop: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

@@ -391,6 +391,9 @@ class AverageConfig(Section):
     kind: str = fld("none", "weight averaging: none | ema (exponential moving average) | swa "
                     "(equal average, BatchNorm recomputed for final_avg.safetensors)", AVERAGES)
     decay: float = fld(0.999, "ema: average = decay x average + (1 - decay) x weights, per update")
+    warmup: bool = fld(True, "ema: after t updates the decay is min(decay, (1 + t) / (10 + t)), "
+                       "as TensorFlow and timm warm it up, so the random initial weights fade "
+                       "from the average within its first hundred updates")
     start_step: int = fld(0, "the first optimizer step whose weights join the average")
     every_steps: int = fld(1, "update the average after every N optimizer steps")
 

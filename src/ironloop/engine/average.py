@@ -8,6 +8,13 @@ recomputes SWA's BatchNorm statistics. ``WeightAverage.update`` is
 ``AveragedModel.update_parameters`` step for step, except that the count is also kept on the host:
 torch's reads ``n_averaged`` from the device twice per call, a sync per step on CUDA.
 
+EMA's decay warms up (``average.warmup``, on by default): after t updates it is
+``min(decay, (1 + t) / (10 + t))``, TensorFlow's ``ExponentialMovingAverage(num_updates=t)``
+and timm's warm-up. Without it, a decay of 0.999 keeps 0.999^t of the random initial weights
+in the average (13% after 2,000 updates), and the average is worse than the raw weights for
+most of a short run. t is the update count, ``n_averaged`` in every checkpoint (older ones
+included), so a resume continues the warm-up bit for bit.
+
 EMA averages the buffers too (BatchNorm's running statistics, as Lightning's and timm's EMA do);
 SWA keeps the raw model's buffers while training and recomputes BatchNorm statistics once, for
 ``final_avg.safetensors``, as torch documents. A step the guard skipped left the weights as they
@@ -39,6 +46,7 @@ class WeightAverage:
 
     def __init__(self, cfg: AverageConfig, model: nn.Module):
         self.kind, self.start_step, self.every = cfg.kind, cfg.start_step, cfg.every_steps
+        self.decay, self.warmup = cfg.decay, cfg.kind == "ema" and cfg.warmup
         fn = get_ema_multi_avg_fn(cfg.decay) if cfg.kind == "ema" else get_swa_multi_avg_fn()
         self.averaged = AveragedModel(model, multi_avg_fn=fn, use_buffers=cfg.kind == "ema")
         self.averaged.requires_grad_(False)  # never trained: no grads, no optimizer sees it
@@ -53,6 +61,11 @@ class WeightAverage:
 
     def due(self, step: int) -> bool:
         return step >= self.start_step and step % self.every == 0
+
+    def decay_after(self, t: int) -> float:
+        """EMA's decay for the update that follows ``t`` updates: warmed up
+        (``min(decay, (1 + t) / (10 + t))``) or ``average.decay`` as it is."""
+        return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(averaged, model) tensors: parameters, and for EMA the buffers too."""
@@ -86,9 +99,12 @@ class WeightAverage:
             for a, m in self._pairs():
                 a.copy_(m)
         else:
+            # torch's EMA update at this update's decay (a host float: the count is on the host)
+            fn = get_ema_multi_avg_fn(self.decay_after(self.count)) if self.warmup \
+                else avg.multi_avg_fn
             for own, new in self._groups():
                 # a host int where torch passes the device count: the same weight, no read
-                avg.multi_avg_fn(own, new, self.count)  # type: ignore[misc]
+                fn(own, new, self.count)  # type: ignore[misc]
         if not avg.use_buffers:  # SWA: the buffers follow the raw model's
             for b_avg, b_model in zip(avg.module.buffers(), self.source.buffers()):
                 b_avg.detach().copy_(b_model.detach().to(b_avg.device))

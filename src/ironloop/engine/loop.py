@@ -203,7 +203,7 @@ def log_step(run: Run, bar: EpochProgress) -> dict:
         row["mfu"] = mfu(sum(q.numel() for q in run.module.params), row["tokens_per_s"],
                          run.cfg.profile.peak_tflops)
     run.outputs.write("metrics", row)
-    bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
+    bar.set_postfix(loss=row["loss"], lr=row["lr"], refresh=False)  # console formats them
     return row
 
 

@@ -17,6 +17,8 @@ from typing import NamedTuple, Protocol
 from tqdm import tqdm
 
 from ironloop.config import LogConfig
+from ironloop.outputs.averaged import compare
+from ironloop.outputs.numbers import number
 
 
 class Position(Protocol):
@@ -75,7 +77,8 @@ class EpochProgress:
             self.last_step, self.last_time = step, now
 
     def set_postfix(self, refresh: bool = False, **values) -> None:
-        self.postfix.update(values)
+        """The latest log step's figures (numbers written with ``number``)."""
+        self.postfix.update({k: number(v) for k, v in values.items()})
         self.bar.set_postfix(self.postfix, refresh=refresh)
 
     def close(self) -> None:
@@ -83,12 +86,12 @@ class EpochProgress:
 
 
 def progress_line(prog: EpochProgress, step: int, now: float) -> str:
-    """``step 120/500  epoch 3/10  loss 0.1234  lr 1.00e-03  8.1 steps/s  eta 0:00:47``."""
+    """``step 120/500  epoch 3/10  loss 0.1234  lr 0.001000  8.100 steps/s  eta 0:00:47``."""
     total = prog.plan.total_steps
     rate = (step - prog.last_step) / max(now - prog.last_time, 1e-9)
     parts = [f"step {step}/{total}", prog.desc]
     parts += [f"{k} {v}" for k, v in prog.postfix.items()]  # the latest log step's values
-    parts.append(f"{rate:.1f} steps/s")
+    parts.append(f"{number(rate)} steps/s")
     if rate > 0:
         parts.append(f"eta {_clock((total - step) / rate)}")
     return "  ".join(parts)
@@ -108,18 +111,22 @@ def say(main: bool, line: str) -> None:
 
 def eval_line(row: dict, total_steps: int, what: str = "eval") -> str:
     """One evaluation (eval.every_steps, or the final one of a max_steps run):
-    ``eval at step 40/120 (epoch 1): val_loss ...  (0.4 s)``."""
+    ``eval at step 40/120 (epoch 1): val_loss ...  (0.4 s)``, then, with weight averaging,
+    ``; averaged weights better than raw`` (or worse, or as good: outputs/averaged.py)."""
     vals = [f"{k} {_value(k, v)}" for k, v in row.items() if k.startswith("val_")]
     return (f"{what} at step {row['step']}/{total_steps} (epoch {row['epoch']}): "
-            + "  ".join(vals) + f"  ({row['seconds']:.1f} s)")
+            + "  ".join(vals) + f"  ({row['seconds']:.1f} s)" + _averaged(row))
+
+
+def _averaged(row: dict) -> str:
+    found = compare(row)
+    return f"; {found.words(figures=False)}" if found is not None else ""
 
 
 def _value(key: str, v) -> str:
     if not isinstance(v, (int, float)):
         return str(v)
-    if key.endswith("_ppl"):
-        return f"{v:.2f}"
-    return f"{100 * v:.2f}%" if key.endswith("_acc") else f"{v:.4f}"
+    return f"{100 * v:.2f}%" if key.endswith("_acc") else number(v)
 
 
 _PLAIN_VAL = ("val_loss", "val_acc", "val_ppl", "val_seconds")
@@ -129,29 +136,29 @@ def epoch_line(row: dict, plan: RunPlan, last_eval: dict) -> str:
     """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
     step (eval.every_steps) say which step they come from: they are not this epoch's."""
     parts = [f"epoch {row['epoch']}/{plan.planned_epochs}", f"step {row['step']}",
-             f"train_loss {row['train_loss']:.4f}"]
+             f"train_loss {number(row['train_loss'])}"]
     dated = last_eval.get("step")
     dated = f" (step {dated})" if dated is not None and dated != row["step"] else ""
     if row.get("val_loss") is not None:
-        parts.append(f"val_loss {row['val_loss']:.4f}{dated}")
+        parts.append(f"val_loss {number(row['val_loss'])}{dated}")
     if row.get("val_acc") is not None:
         parts.append(f"val_acc {100 * row['val_acc']:.2f}%{dated}")
     if row.get("val_ppl") is not None:
-        parts.append(f"val_ppl {row['val_ppl']:.2f}")
+        parts.append(f"val_ppl {number(row['val_ppl'])}")
     parts += [f"{k} {_value(k, v)}{dated}" for k, v in row.items()  # named sets, averaged
               if k.startswith("val_") and k not in _PLAIN_VAL and v is not None]
-    parts += [f"lr {row['lr']:.2e}", f"{row['seconds']:.1f}s",
-              f"{row['samples_per_s']:.0f} samples/s"]
+    parts += [f"lr {number(row['lr'])}", f"{row['seconds']:.1f}s",
+              f"{number(row['samples_per_s'])} samples/s"]
     if row.get("clipped_frac"):
         parts.append(f"clipped {100 * row['clipped_frac']:.0f}%")
     if row.get("tokens_per_s"):
-        parts.append(f"{row['tokens_per_s']:.0f} tokens/s")
+        parts.append(f"{number(row['tokens_per_s'])} tokens/s")
     if row.get("skipped"):
         parts.append(f"fp16-skipped {row['skipped']}")
     for key in ("bad_steps", "rollbacks", "skipped_samples"):  # the guard's totals
         if row.get(key):
             parts.append(f"{key.replace('_', ' ')} {row[key]}")
-    return "  ".join(parts)
+    return "  ".join(parts) + _averaged(row)
 
 
 def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -> str:

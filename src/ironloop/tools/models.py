@@ -76,13 +76,21 @@ def from_config(cfg):
     """(model, data bundle) as ``ironloop train`` and ``ironloop doctor`` both build them:
     data.name first, then model.name with what the data told it."""
     from ironloop.data import build_data
-    from ironloop.state.rng import seed_everything
 
     bundle = build_data(cfg.data)
+    return model_for(cfg, bundle), bundle
+
+
+def model_for(cfg, bundle) -> nn.Module:
+    """model.name built on data already built, as ``ironloop train`` builds it: seeded with
+    run.seed, offered the data's input_shape, num_classes and the data factory's metadata
+    (``vocab_size``, ``block_size``, ...). Every tool that builds a config's model calls this,
+    so none can build it differently from train (tune builds one per trial)."""
+    from ironloop.state.rng import seed_everything
+
     seed_everything(cfg.run.seed)  # after the data: mnist1d's generator reseeds the globals
-    model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs,
-                        bundle.meta)
-    return model, bundle
+    return build_model(cfg.model.name, bundle.input_shape, bundle.num_classes, cfg.model.kwargs,
+                       bundle.meta)
 
 
 def build_model(name: str, input_shape: tuple, num_classes: int | None, kwargs: dict,

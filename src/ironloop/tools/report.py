@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ironloop.errors import UserError
+from ironloop.outputs.averaged import compare
+from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 
 DPI = 120
@@ -142,6 +144,19 @@ def _clip_title(rows: Sequence[dict], max_norm: float | None) -> str:
     return "clipped: " + ("n/a" if frac is None else f"{frac:.1%} of optimizer steps")
 
 
+def linear_bins(values: Sequence[float], n: int = 40) -> list[float]:
+    """``n`` equal bins over the values' range; one bin a tenth of their size wide around them
+    when that range is too narrow for ``n`` distinct edges (one value, or equal ones): numpy's
+    own ``bins=n`` refuses a range of one value of 4e14 ("Too many bins for data range"), whose
+    unit-wide default range holds fewer than ``n`` representable edges."""
+    lo, hi = min(values), max(values)
+    scale = max(abs(lo), abs(hi))
+    if hi - lo > 1e-6 * scale:  # far above a float's resolution at this size
+        return [lo + (hi - lo) * i / n for i in range(n + 1)]
+    pad = 0.05 * scale or 0.5
+    return [lo - pad, hi + pad]
+
+
 def plot_grad_norm_hist(rows: list[dict], max_norm: float | None, out) -> Path:
     """Histogram of logged pre-clip norms, the clip threshold, the clipped fraction in the title."""
     import numpy as np
@@ -149,10 +164,12 @@ def plot_grad_norm_hist(rows: list[dict], max_norm: float | None, out) -> Path:
     fig, (ax,) = _figure()
     norms, thr = _vals(rows, "grad_norm"), _threshold(max_norm)
     if norms:
-        bins: Any = 40
+        bins: Any
         if _spans(norms, 1.5):
             bins = np.logspace(math.log10(min(norms)), math.log10(max(norms)), 41)
             ax.set_xscale("log")
+        else:
+            bins = linear_bins(norms)
         ax.hist(norms, bins=bins, color="C0", label=f"logged steps (n={len(norms)})")
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # headroom for the legend
         if thr is not None:
@@ -310,11 +327,15 @@ def plot_resume_curve(metric_rows, epoch_rows, out, resumes: Sequence[dict] = ()
 
 
 def _fmt(*candidates: Any, spec: str = "", pct: bool = False) -> str:
-    """The first finite number among ``candidates``, formatted; "n/a" when there is none."""
+    """The first finite number among ``candidates``, formatted: with ``spec`` (counts and
+    seconds), as a percentage, or else with ``number`` (outputs/numbers.py); "n/a" when there
+    is none."""
     v = next((v for v in map(num, candidates) if v is not None), None)
     if v is None:
         return "n/a"
-    return f"{_pct([v])[0]:.2f}%" if pct else format(v, spec)
+    if pct:
+        return f"{_pct([v])[0]:.2f}%"
+    return format(v, spec) if spec else number(v)
 
 
 def _span(times: list[float]) -> float | None:
@@ -339,7 +360,9 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
             f"{model['class']} ({model.get('parameters', 0):,} parameters)"
     data_s = get_dotted(cfg, "data.name")
     if data:
-        sizes = ", ".join(f"{v['size']:,} {k}" for k, v in data.items() if isinstance(v, dict))
+        cap = num(get_dotted(cfg, "eval.max_batches"))
+        sizes = ", ".join(_split_size(k, v, int(cap or 0)) for k, v in data.items()
+                          if isinstance(v, dict))
         kind = data_s if used.get("source") == "config" else \
             (data.get("train") or {}).get("type", data_s)
         data_s = f"{kind} ({sizes})"
@@ -348,6 +371,35 @@ def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
         rows.append(("optimizer", used["optimizer"] + (f" + {used['scheduler']}"
                                                         if used.get("scheduler") else "")))
     return rows
+
+
+def _split_size(name: str, split: dict, max_batches: int) -> str:
+    """``1,438 train``; a validation split under eval.max_batches is the fixed subset every
+    evaluation reads (data/source.py's eval_subset), and says so: ``240 val evaluated
+    (eval.max_batches=20)``, not the split's own size; a stream without a length, its name."""
+    size = split.get("size")
+    text = f"{size:,} {name}" if isinstance(size, int) else f"{name} (no length)"
+    if name.startswith("val") and max_batches > 0:
+        text += f" evaluated (eval.max_batches={max_batches})"
+    return text
+
+
+def _epochs_done(epochs: list[dict], metrics: list[dict]) -> str:
+    """Epochs completed (epochs.jsonl's lines), and the epoch the run ended in when it ended
+    inside one (a max_steps run), so a run of 2,000 steps in its first epoch does not read
+    "epochs 0"."""
+    done = len(epochs)
+    last = int(max(_vals(metrics, "epoch"), default=0))
+    return f"{done} complete; ended inside epoch {last}" if last > done else str(done)
+
+
+def _averaged_words(evals: list[dict]) -> str | None:
+    """The last evaluation that ran the averaged weights, in words (outputs/averaged.py)."""
+    for row in reversed(evals):
+        found = compare(row)
+        if found is not None:
+            return f"{found.words()} at the last evaluation (step {row.get('step')})"
+    return None
 
 
 def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
@@ -372,17 +424,18 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
         (num(split.get("validation")) or 0) or None
     table = [
         *_used_rows(cfg),
-        ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", len(epochs)),
+        ("schedule", get_dotted(cfg, "schedule.name")), ("epochs", _epochs_done(epochs, metrics)),
         ("evaluations", len(evals)),
         ("optimizer steps", _fmt(res.get("steps"), *_vals(metrics, "step")[-1:], spec=".0f")),
         ("best val acc", _fmt(res.get("best_val_acc"), max(accs, default=None), pct=True)),
         ("final val acc", _fmt(*accs[-1:], pct=True)),
         ("test acc", _fmt(res.get("test_acc"), pct=True)),
-        ("test loss", _fmt(res.get("test_loss"), spec=".4f")),
-        ("final val loss", _fmt(*_vals(evals, "val_loss")[-1:], spec=".4f")),
-        ("final val ppl", _fmt(*_vals(evals, "val_ppl")[-1:], spec=".2f")),
-        ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None, spec=",.0f")),
-        ("mean tokens/s", _fmt(sum(tokens) / len(tokens) if tokens else None, spec=",.0f")),
+        ("test loss", _fmt(res.get("test_loss"))),
+        ("final val loss", _fmt(*_vals(evals, "val_loss")[-1:])),
+        ("final val ppl", _fmt(*_vals(evals, "val_ppl")[-1:])),
+        ("averaged weights", _averaged_words(evals)),
+        ("mean samples/s", _fmt(sum(speeds) / len(speeds) if speeds else None)),
+        ("mean tokens/s", _fmt(sum(tokens) / len(tokens) if tokens else None)),
         ("clipped fraction", "n/a" if frac is None else f"{frac:.1%}"),
         ("resumes", len(_resumes(run_dir))),
         ("total seconds", _fmt(seconds, _span(_vals(metrics, "time")), spec=".1f")),
@@ -390,7 +443,7 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     ]
     table += [(key.replace("_", " "), res[key]) for key in  # the guard's totals, when non-zero
               ("bad_steps", "rollbacks", "skipped_samples") if res.get(key)]
-    optional = ("test", "final val", "mean tokens")  # rows that most runs do not have
+    optional = ("test", "final val", "mean tokens", "averaged")  # most runs do not have these
     rows = [(k, "n/a" if v is None else v) for k, v in table
             if not (k.startswith(optional) and v in (None, "n/a"))]
     notes = [n for n in (cfg_note, res_note and f"{res_note}: the run did not finish") if n]

@@ -17,8 +17,7 @@ from ironloop.config import Config
 from ironloop.data import build_data
 from ironloop.data.loader import EpochSampler
 from ironloop.engine.precision import resolve_device
-from ironloop.state.rng import seed_everything
-from ironloop.tools.models import build_model
+from ironloop.tools.models import model_for
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 PLAIN, ACCEL = "production_loop", "production_loop_accelerate"
@@ -68,9 +67,8 @@ def run_references(cfg: Config, out: Path) -> dict:
         if name == ACCEL and importlib.util.find_spec("accelerate") is None:
             results[name] = None
             continue
-        seed_everything(cfg.run.seed)  # as train_config does: the same initial weights
-        model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
-                            cfg.model.kwargs).to(resolve_device(cfg.run.device))
+        # as train_config does: the same initial weights
+        model = model_for(cfg, bundle).to(resolve_device(cfg.run.device))
         res = _load(name).train(model, train_set, val_set, out / name, **kw)
         results[name] = {"val_acc": res["val_acc"], "steps": res["steps"]}
     diff, changed = line_diff()

@@ -231,8 +231,7 @@ def accumulation_check(v: Variant, out: Path, root: str) -> dict:
     equivalence over whole epochs is in the test suite.)"""
     from ironloop.data import TensorData, build_data
     from ironloop.engine.fit import fit
-    from ironloop.state.rng import seed_everything
-    from ironloop.tools.models import build_model
+    from ironloop.tools.models import model_for
 
     cfg = _cfg({**v.overrides, "train.epochs": 1, "schedule.name": "constant",
                 "checkpoint.enabled": False}, out / "accum-check", root)
@@ -242,9 +241,7 @@ def accumulation_check(v: Variant, out: Path, root: str) -> dict:
         subset = TensorData(bundle.train.x[:n], bundle.train.y[:n])
         weights = []
         for batch, accum in ((32, 4), (n, 1)):
-            seed_everything(cfg.run.seed)
-            model = build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
-                                cfg.model.kwargs)
+            model = model_for(cfg, bundle)  # seeded: both runs start from the same weights
             fit(model, subset, None, cfg.with_overrides({
                 "run.dir": str(out / "accum-check" / f"n{n}-{batch}x{accum}"),
                 "train.batch_size": batch, "train.accumulation_steps": accum}))

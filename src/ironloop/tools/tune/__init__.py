@@ -28,6 +28,7 @@ import copy
 import math
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,8 @@ from ironloop.data import build_data
 from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
-from ironloop.state.rng import preserved_rng, seed_everything
-from ironloop.tools.models import build_model
+from ironloop.state.rng import preserved_rng
+from ironloop.tools.models import model_for
 from ironloop.tools.tune import output
 from ironloop.tools.tune.rows import (
     Row,
@@ -51,6 +52,7 @@ from ironloop.tools.tune.rows import (
     pin_rows,
     precision_rows,
 )
+from ironloop.tools.tune.stop import clean_stale, stop_on_signals
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
 #: Seconds the whole tune may take unless told otherwise: about 2 minutes on 2 CPU cores.
@@ -414,22 +416,28 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
 def tune_config(path: str, overrides: list[str], budget: float = DEFAULT_BUDGET,
                 apply_trajectory_changes: bool = False) -> TuneResult:
     """What ``ironloop tune CONFIG [key=value ...]`` does: the config's data and model."""
-    cfg = load_config(path, overrides)
-    bundle = build_data(cfg.data)
-
-    def make_model():
-        seed_everything(cfg.run.seed)  # every trial starts from the same initial weights
-        return build_model(cfg.model.name, bundle.input_shape, bundle.num_classes,
-                           cfg.model.kwargs)
-
-    subject = Subject(cfg, make_model, bundle.train,
-                      {"num_classes": bundle.num_classes, "from_config": True})
+    subject = config_subject(load_config(path, overrides))
     return _finish(subject, budget, apply_trajectory_changes, Path(path), overrides)
+
+
+def config_subject(cfg: Config) -> Subject:
+    """What a config tunes: its data, built once, and its model as ``ironloop train`` builds it
+    (tools/models.py's ``model_for``: the data factory's metadata included), rebuilt from the
+    same seed for every trial."""
+    bundle = build_data(cfg.data)
+    return Subject(cfg, lambda: model_for(cfg, bundle), bundle.train,
+                   {"num_classes": bundle.num_classes, "from_config": True})
 
 
 def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
             overrides: list[str]) -> TuneResult:
-    tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
+    stale = clean_stale()
+    if stale:
+        print(f"tune: removed {stale} trial director{'y' if stale == 1 else 'ies'} left in "
+              f"{tempfile.gettempdir()} by tunes that were killed")
+    # Ctrl-C or SIGTERM raise Stopped: nothing below writes tune.json or tuned.yaml then
+    with stop_on_signals():
+        tuner, chosen, trajectory = run_tune(subject, budget, subject.cfg.log.progress)
     applied = {**chosen, **(trajectory if apply else {})}
     assert tuner.baseline is not None  # run_tune measured it, or raised
     result = TuneResult(

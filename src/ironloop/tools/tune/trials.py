@@ -31,6 +31,8 @@ from torch import nn
 from ironloop.callbacks import Callback
 from ironloop.config import Config
 from ironloop.engine.fit import fit
+from ironloop.errors import Preempted
+from ironloop.tools.tune.stop import Stopped, record_signals, trial_prefix
 
 
 @dataclass
@@ -118,17 +120,22 @@ class _Enough(Exception):
 
 class _Clock(Callback):
     """Stamps the clock after every optimizer step; ends the trial at its deadline, or once
-    its steady steps (after ``plan.warmup``) have taken ``plan.measure_s``."""
+    its steady steps (after ``plan.warmup``) have taken ``plan.measure_s``, or at the first
+    step's end after a SIGINT or SIGTERM (tools/tune/stop.py)."""
 
     def __init__(self, deadline: float, plan: Plan | None = None):
         self.deadline, self.plan = deadline, plan
         self.start = 0.0
         self.stamps: list[float] = []
+        self.signals: list[str] = []  # names of the signals received while the trial trained
 
     def on_train_start(self, run, metrics: dict) -> None:
+        record_signals(self.signals)
         self.start = time.perf_counter()
 
     def on_step_end(self, run, metrics: dict) -> None:
+        if self.signals:
+            raise Stopped(self.signals[0])
         now = time.perf_counter()
         self.stamps.append(now)
         if now > self.deadline:
@@ -188,7 +195,7 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     split = None
-    with tempfile.TemporaryDirectory(prefix="ironloop-tune-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=trial_prefix()) as tmp:
         cfg = trial_config(subject.cfg, overrides, plan.cap, Path(tmp), n)
         try:
             # fit() prints its time table and notices: the tune prints its own table.
@@ -198,10 +205,16 @@ def run_trial(subject: Subject, overrides: dict, plan: Plan, deadline: float) ->
             split = result.results.get("time_split")
         except (_Overrun, _Enough):
             pass
+        except Stopped:
+            raise  # a signal between fit()'s handlers (tools/tune/stop.py): not the trial's
+        except Preempted as e:  # fit() stopped at the end of a step: the tune stops with it
+            raise Stopped(e.signal_name) from None
         except Exception as e:  # noqa: BLE001 - OOM, worker crash, compile error: fail the trial
             raise TrialFailed(one_line(e)) from None
         finally:
             _clean_up(cfg)
+    if clock.signals:  # after the trial's last step: the tune stops all the same
+        raise Stopped(clock.signals[0])
     step_samples = cfg.train.batch_size * cfg.train.accumulation_steps
     plan = windows(plan, len(clock.stamps))
     plan = windows(replace(plan, warmup=settled(clock.stamps, clock.start, plan,
