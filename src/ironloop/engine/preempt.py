@@ -42,6 +42,7 @@ class Preemption:
 
     def __init__(self, distributed: bool, timeout_s: float = 600.0):
         self.signum: int | None = None
+        self.signalled_at: float | None = None  # wall clock of the first signal
         self._first_at = 0.0
         self._previous: dict = {}
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
@@ -66,6 +67,7 @@ class Preemption:
     def _on_signal(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()
+            self.signalled_at = time.time()  # for the record: when the request came
         elif time.monotonic() - self._first_at > DUPLICATE_S:
             os.write(2, f"ironloop: second {signal.Signals(signum).name}: exiting now without a "
                         f"checkpoint; the previous one is intact\n".encode())
@@ -97,4 +99,6 @@ class Preemption:
         signal."""
         name = "a signal to another rank" if self.signum is None else \
             signal.Signals(self.signum).name
-        return Preempted(name, step, saved)
+        stop = Preempted(name, step, saved)
+        stop.signalled_at = self.signalled_at
+        return stop
