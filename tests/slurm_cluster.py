@@ -73,15 +73,26 @@ def job(job_id: str) -> dict[str, str]:
     return fields
 
 
+#: slurmd refuses a job's launch whose credential dates from the second its previous one was
+#: revoked ("Job credential revoked"; the requeue revokes it): release a requeued job only once
+#: it has waited longer than this
+REVOKED_S = 2.0
+
+
 def release(job_id: str) -> bool:
-    """A requeued job waits ~120 s (Reason=BeginTime) before it may start again: start it now.
-    True when it was waiting."""
+    """A requeued job waits ~120 s (Reason=BeginTime) before it may start again: start it now
+    (but see REVOKED_S). True when it was waiting."""
     fields = job(job_id)
     if fields["JobState"] != "PENDING" or fields.get("Reason") != "BeginTime":
         return False
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True,
                    capture_output=True, timeout=60)
     return True
+
+
+def lift_time_limit(job_id: str) -> None:
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"], check=True,
+                   capture_output=True, timeout=60)
 
 
 def requeues(job_id: str) -> int:
@@ -92,11 +103,11 @@ def cancel(job_id: str, *options: str) -> None:
     subprocess.run(["scancel", *options, job_id], check=True, capture_output=True, timeout=60)
 
 
-def wait(what, why: str, timeout: float, out: Path | None = None) -> None:
-    """Until ``what()`` is true; polled, never a fixed sleep."""
+def wait(what, why: str, timeout: float, out: Path | None = None, every: float = 0.2) -> None:
+    """Until ``what()`` is true; polled every ``every`` seconds, never a fixed sleep."""
     deadline = time.monotonic() + timeout
     while not what():
         if time.monotonic() > deadline:
             tail = out.read_text()[-3000:] if out is not None and out.exists() else ""
             pytest.fail(f"no {why} within {timeout:.0f} s\n{tail}")
-        time.sleep(0.2)
+        time.sleep(every)

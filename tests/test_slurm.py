@@ -2,12 +2,12 @@
 
 The decision is tested first as the pure function it is. Then the shipped template meets a real
 one-node cluster (scripts/slurm-up; tests/slurm_cluster.py): a time limit in each of the three
-signal forms, a scancel, two DDP ranks through srun, a crash, a bad key and a requeue that
-resumes from S3 run side by side (``scenarios``, one pass); a preemption follows alone, since a
-job of the high partition needs the whole node. The runs read slowly (examples/slow_reads.py:
-a sleep per sample), so they take wall time without taking the 2 cores, and each attempt under
-``--time=1`` is cut by its warning signal. Asserted: job states, requeue counts, events.jsonl
-and torch.equal weights and optimizer state; the timings are printed, never asserted.
+signal forms, a preemption, a scancel, two DDP ranks through srun, a crash, a bad key and a
+requeue that resumes from S3 run side by side (``scenarios``, one pass). The runs read slowly
+(examples/slow_reads.py: a sleep per sample), so they take wall time without taking the 2
+cores, and each attempt under ``--time=1`` is cut by its warning signal. Asserted: job states,
+requeue counts, events.jsonl and torch.equal weights and optimizer state; the timings are
+printed, never asserted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ironloop.engine.slurm import Decision, adopt_step_env, decide
+from ironloop.engine.preempt import Preemption
+from ironloop.engine.slurm import Decision, EarlySignals, adopt_step_env, decide
 from tests import slurm_cluster as sc
 from tests.conftest import REPO
 
@@ -39,6 +42,8 @@ def fields(state="RUNNING", end="2026-11-26T17:00:40", preempt="None", reason="N
 
 def test_a_signal_near_the_time_limit_requeues():
     assert decide(fields(), NOW, True) == Decision("time limit", True, "40 s to the time limit")
+    # SIGNALING: SLURM is delivering the warning signal
+    assert decide(fields(state="SIGNALING"), NOW, True).requeue
 
 
 def test_a_preemption_requeues_whatever_time_is_left():
@@ -79,13 +84,32 @@ def test_an_srun_step_of_two_tasks_becomes_torchrun_ranks():
     assert torchrun["RANK"] == "3" and "WORLD_SIZE" not in torchrun
 
 
+def test_a_warning_signal_while_the_run_is_built_stops_it_at_its_first_step():
+    before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
+    try:
+        EarlySignals().install()
+        os.kill(os.getpid(), signal.SIGUSR1)  # would kill the process with the default action
+        with Preemption(distributed=False) as stop:
+            assert stop.should_stop()
+            assert stop.stopped(1, True).signal_name == "SIGUSR1"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 # --------------------------------------------------------------------- the real cluster --
 ARGS = ["examples/slow_reads.yaml", "data.kwargs={n: 512, delay: 0.004}", "log.progress=off",
         "doctor.preflight=false", "log.every_steps=1"]
-LONG = "train.epochs=50"  # >= 115 s of reads: more than two attempts under --time=1
+# >= 70 s of reads: more than two attempts under --time=1 (SLURM sends the @20 warning at its
+# first check, every 30 s, from 20 + 30 s before the limit: 10-40 s into a 60 s attempt). How
+# far an attempt gets depends on how busy the machine is (ironloop's start takes 3 s idle, 30 s
+# at load 14), so each job's time limit is lifted once it has been requeued as often as its test
+# asks (``cuts``), and its last attempt runs to the end.
+LONG = "train.epochs=30"
 SHORT = "train.epochs=10"
-FORMS = ("B:TERM@10", "B:USR1@10", "USR1@10")  # 10 s: sent 20-50 s into a 60 s attempt
-TIMEOUT = 480.0  # seconds for a pass of side-by-side jobs; about 3 minutes on 2 idle cores
+FORMS = ("B:TERM@20", "B:USR1@20", "USR1@20")
+TIMEOUT = 600.0  # seconds for a pass of side-by-side jobs; about 3 minutes on 2 idle cores
+LOW_CPUS = 4  # the preempted job's: the high job asks for what is free plus these
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +191,13 @@ class Job:
     """One job of the template and what the driver saw of it."""
 
     def __init__(self, name: str, tmp: Path, options: list[str], extra: list[str],
-                 env: dict | None = None):
+                 env: dict | None = None, cuts: int = 0):
         self.name, self.run_dir, self.out = name, tmp / name, tmp / f"{name}.out"
+        self.cuts = cuts  # after this many requeues, the time limit is lifted
         self.id = sc.sbatch(*options, args=[*ARGS, *extra, f"run.dir={self.run_dir}"],
                             out=self.out, env=env or job_env())
         self.released: list[float] = []  # when each requeued attempt was let start
+        self.pending_since: float | None = None  # when the driver saw it wait on BeginTime
         self.fields: dict = {}
 
     def ended(self) -> bool:
@@ -182,16 +208,35 @@ class Job:
         return self.out.read_text() if self.out.exists() else ""
 
 
-def drive(jobs: list[Job], locals_: list[Local], on_poll=lambda: None) -> None:
+def queue() -> dict[str, tuple[str, str]]:
+    """Every job's (state, reason), in one squeue call: the driver polls it often."""
+    r = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %T %r"], capture_output=True,
+                       text=True, timeout=60)
+    return {f[0]: (f[1], f[2]) for f in (line.split() for line in r.stdout.splitlines())}
+
+
+def drive(jobs: list[Job], locals_: list[Local], on_poll=lambda q: None) -> None:
     """Until every job has ended for good and every local run has exited: start each requeued
     attempt at once, instead of after SLURM's ~120 s BeginTime."""
     def poll() -> bool:
-        on_poll()
+        q = queue()
+        on_poll(q)
         for j in jobs:
-            if sc.release(j.id):
-                j.released.append(time.time())
-        return all(j.ended() for j in jobs) and all(r.done() for r in locals_)
-    sc.wait(poll, "end of every job", TIMEOUT)
+            if q.get(j.id) != ("PENDING", "BeginTime"):
+                j.pending_since = None
+            elif j.pending_since is None:
+                j.pending_since = time.monotonic()
+            elif time.monotonic() - j.pending_since > sc.REVOKED_S:
+                if j.cuts and sc.requeues(j.id) >= j.cuts:
+                    sc.lift_time_limit(j.id)  # the next attempt runs to the end
+                if sc.release(j.id):
+                    j.released.append(time.time())
+        if not all(q.get(j.id, ("?",))[0] in sc.ENDED for j in jobs):
+            return False
+        for j in jobs:
+            j.ended()  # reads the final fields
+        return all(r.done() for r in locals_)
+    sc.wait(poll, "end of every job", TIMEOUT, every=0.5)  # a squeue a poll: not too often
 
 
 def resumes(run_dir: Path) -> list[dict]:
@@ -231,36 +276,57 @@ def s3_env():
 
 @pytest.fixture(scope="module")
 def scenarios(cluster, s3_env, tmp_path_factory):
-    """Every side-by-side scenario in one pass; each test below reads its own."""
+    """Every scenario in one pass of side-by-side jobs; each test below reads its own. All run
+    in the `high` partition but the one that a job of `high` preempts (`low`): it alone can be
+    preempted, and only for CPUs nothing else frees."""
     tmp = tmp_path_factory.mktemp("slurm")
     refs = {"long": Local(tmp / "ref-long", LONG), "short": Local(tmp / "ref-short", SHORT)}
+    high = ["--partition=high"]
     jobs = {form: Job(f"limit-{form.replace(':', '').replace('@', '-')}", tmp,
-                      ["--time=1", f"--signal={form}"], [LONG]) for form in FORMS}
-    jobs["ddp-ref"] = Job("ddp-ref", tmp, ["--ntasks=2"], [LONG])
-    jobs["ddp"] = Job("ddp", tmp, ["--ntasks=2", "--time=1", "--signal=USR1@10"], [LONG])
-    jobs["cancel"] = Job("cancel", tmp, [], [SHORT])
-    jobs["crash"] = Job("crash", tmp, ["--time=1"], [SHORT, "fault.crash_at_step=5"])
-    jobs["bad-key"] = Job("bad-key", tmp, [], [SHORT, "train.epochz=3"])
+                      [*high, "--time=1", f"--signal={form}"], [LONG], cuts=2)
+            for form in FORMS}
+    jobs["ddp-ref"] = Job("ddp-ref", tmp, [*high, "--ntasks=2"], [LONG])
+    jobs["ddp"] = Job("ddp", tmp, [*high, "--ntasks=2", "--time=1", "--signal=USR1@20"], [LONG],
+                      cuts=1)
+    jobs["cancel"] = Job("cancel", tmp, high, [SHORT])
+    jobs["crash"] = Job("crash", tmp, high, [SHORT, "fault.crash_at_step=5"])
+    jobs["bad-key"] = Job("bad-key", tmp, high, [SHORT, "train.epochz=3"])
     remote = "s3://slurm/run"
-    jobs["remote"] = Job("remote", tmp, ["--time=1", "--signal=USR1@10"],
-                         [LONG, f"checkpoint.remote={remote}"], env=job_env(**s3_env))
-    cancel, cancelled, later = jobs["cancel"], [], []
+    jobs["remote"] = Job("remote", tmp, [*high, "--time=1", "--signal=USR1@20"],
+                         [LONG, f"checkpoint.remote={remote}"], env=job_env(**s3_env), cuts=1)
+    jobs["low"] = Job("low", tmp, ["--partition=low", f"--cpus-per-task={LOW_CPUS}"], [SHORT])
+    cancel, low = jobs["cancel"], jobs["low"]
+    cancelled, later, preemptor = [], [], []
 
-    def on_poll():
+    def on_poll(q):
         if not cancelled and logged(cancel.run_dir) >= 20:
             sc.cancel(cancel.id)  # a user's scancel, plain: no --signal, no --batch
             cancelled.append(True)
-        if cancelled and not later and cancel.ended():
+        if cancelled and not later and q[cancel.id][0] in sc.ENDED:
             later.append(Local(cancel.run_dir, SHORT, resume=True))  # resumed by hand, later
-        remote_job = jobs["remote"]
-        f = sc.job(remote_job.id)
-        if f["JobState"] == "PENDING" and f.get("Reason") == "BeginTime":
+        if not preemptor and logged(low.run_dir) >= 20 and all(
+                q[jobs[j].id][0] in sc.ENDED for j in ("crash", "bad-key")):
+            preemptor.append(preempt(low))
+        if q[jobs["remote"].id] == ("PENDING", "BeginTime"):
             # a requeued job lands on another node: nothing of run.dir is left there
-            shutil.rmtree(remote_job.run_dir, ignore_errors=True)
+            shutil.rmtree(jobs["remote"].run_dir, ignore_errors=True)
 
     drive(list(jobs.values()), list(refs.values()), on_poll)
     sc.wait(lambda: bool(later) and later[0].done(), "the resume after scancel", TIMEOUT)
-    return {"jobs": jobs, "refs": refs, "later": later, "tmp": tmp, "remote": remote}
+    return {"jobs": jobs, "refs": refs, "later": later, "tmp": tmp, "remote": remote,
+            "preemptor": sc.job(preemptor[0])}
+
+
+def preempt(low: Job) -> str:
+    """Submit a job to `high` that needs every free CPU and the low job's too."""
+    node = subprocess.run(["scontrol", "-o", "show", "node"], capture_output=True, text=True,
+                          check=True).stdout
+    free = int(re.search(r"CPUTot=(\d+)", node)[1]) - int(re.search(r"CPUAlloc=(\d+)", node)[1])
+    r = subprocess.run(["sbatch", "--parsable", "--partition=high",
+                        f"--cpus-per-task={free + LOW_CPUS}", f"--output={low.out}.high",
+                        "--wrap=true"], env=job_env(), capture_output=True, text=True,
+                       check=True)
+    return r.stdout.strip()
 
 
 def assert_requeued_and_exact(job: Job, ref: Path, at_least: int) -> None:
@@ -294,8 +360,12 @@ def test_two_ddp_ranks_through_srun_save_the_same_step_and_complete_exactly(scen
     job, ref = scenarios["jobs"]["ddp"], scenarios["jobs"]["ddp-ref"]
     assert ref.fields["JobState"] == "COMPLETED", ref.text()[-3000:]
     assert_requeued_and_exact(job, ref.run_dir, at_least=1)
-    # both ranks stopped with the preemption's exit code, at the step the events name
-    assert "tasks 0-1: Exited with exit code 75" in job.text()
+    # at each stop, both ranks exited with the preemption's code (srun names them together,
+    # "tasks 0-1", or one by one)
+    named = re.findall(r"tasks? (0-1|\d): Exited with exit code 75", job.text())
+    exits = sum(2 if tasks == "0-1" else 1 for tasks in named)
+    stops = [e for e in events(job.run_dir) if e["event"] == "slurm_stop"]
+    assert exits == 2 * len(stops), job.text()
     assert state(ref.run_dir)["world_size"] == 2
 
 
@@ -336,15 +406,9 @@ def test_a_requeued_job_on_an_empty_run_dir_resumes_from_the_remote_copy(scenari
 
 
 @pytest.mark.slow
-def test_a_preempted_low_job_checkpoints_in_its_grace_time_and_completes_exactly(scenarios,
-                                                                                 tmp_path):
-    low = Job("low", tmp_path, ["--partition=low"], [SHORT])
-    sc.wait(lambda: logged(low.run_dir) >= 20, "step 20 of the low job", TIMEOUT, low.out)
-    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--exclusive",
-                           f"--output={tmp_path / 'high.out'}", "--wrap=true"],
-                          env=job_env(), capture_output=True, text=True, check=True)
-    drive([low], [])
-    assert sc.job(high.stdout.strip())["JobState"] == "COMPLETED"
+def test_a_preempted_low_job_checkpoints_in_its_grace_time_and_completes_exactly(scenarios):
+    low = scenarios["jobs"]["low"]
+    assert scenarios["preemptor"]["JobState"] == "COMPLETED"
     assert_requeued_and_exact(low, scenarios["refs"]["short"].run_dir, at_least=1)
     assert {e["cause"] for e in events(low.run_dir) if e["event"] == "slurm_stop"} == \
         {"preemption"}

@@ -19,6 +19,8 @@ def _train(args) -> int:
         return 0
     from ironloop.engine import slurm
 
+    if slurm.job_id() is not None:  # before torch's import: a warning signal may come now
+        slurm.EarlySignals().install()
     slurm.adopt_step_env()  # srun --ntasks=N: the ranks torchrun would have described
     config, overrides = _config_and_overrides(args.config, args.overrides)
     if args.strict:

@@ -16,6 +16,9 @@ that a resume deletes, and the previous one is intact. A second signal before th
 (while the step finishes) does the same, unless it came within ``DUPLICATE_S`` of the first:
 SLURM signals every process of a job step and torchrun forwards the signal too, so each rank
 gets the same request twice.
+
+A signal that came earlier, while torch loaded and the run was built, was kept by the CLI's
+``EarlySignals`` (engine/slurm.py) and stops the run at its first step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ironloop.engine.slurm import EarlySignals
 from ironloop.errors import Preempted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -54,6 +58,11 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():  # signal.signal's rule
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+                early = self._previous[sig]
+                if isinstance(early, EarlySignals) and early.signum is not None and \
+                        self.signum is None:  # came while the run was being built
+                    self.signum, self.signalled_at = early.signum, early.at
+                    self._first_at = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:

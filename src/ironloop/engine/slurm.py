@@ -3,8 +3,9 @@
 A signal ends the run at a step, with a checkpoint (engine/preempt.py, exit 75). Under a SLURM
 job that signal has one of three causes, and the scheduler says which (``scontrol show job``):
 
-* a **time limit** near: the job is RUNNING and its EndTime is at most ``TIME_LIMIT_WINDOW_S``
-  away (the ``--signal=...@T`` warning comes T seconds before the limit, up to 60 s earlier);
+* a **time limit** near: the job is RUNNING (or SIGNALING) and its EndTime is at most
+  ``TIME_LIMIT_WINDOW_S`` away (the ``--signal=...@T`` warning comes T seconds before the
+  limit, up to 60 s earlier);
 * a **preemption** by a job of a higher PriorityTier: RUNNING, with a PreemptTime;
 * a user's **scancel**: the job is already COMPLETING or CANCELLED (any other state: the job is
   ending on its own, e.g. killed at its time limit without a warning signal, too late to
@@ -37,6 +38,8 @@ from ironloop.errors import Preempted
 #: a signal this close to the time limit is the limit's warning (SLURM sends it up to 60 s
 #: before the ``--signal`` lead asked for, and leads of a few minutes are the common choice)
 TIME_LIMIT_WINDOW_S = 900.0
+#: a job still running: SIGNALING while SLURM delivers the warning signal
+RUNNING = ("RUNNING", "SIGNALING")
 SCONTROL_TIMEOUT_S = 30.0  # a busy slurmctld answers in well under a second
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % 10000: two jobs on a node rarely collide
 
@@ -48,6 +51,28 @@ class Decision:
     cause: str  # "time limit", "preemption", "scancel", "ending" or "unexplained"
     requeue: bool
     why: str  # what the scheduler said, for the console and events.jsonl
+
+
+class EarlySignals:
+    """The signal handler from the CLI's start to the loop's (engine/preempt.py): SLURM's
+    warning signal may come while torch loads and the run is built (it is sent up to 60 s
+    early, so a requeued attempt can get it at once), and SIGUSR1's default action would kill
+    the process, with nothing saved and no requeue. Kept here, it stops the run at its first
+    step, with a checkpoint, as any stop does."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C (SIGINT) still interrupts at once
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.at: float | None = None  # time.time() of the first
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum, self.at = signum, time.time()
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self)
 
 
 def job_id() -> str | None:
@@ -80,7 +105,7 @@ def decide(fields: dict[str, str], now: float, requeue: bool) -> Decision:
     state = fields.get("JobState", "")
     if not fields:
         return Decision("unexplained", False, "scontrol show job did not answer")
-    if state != "RUNNING":
+    if state not in RUNNING:
         # scancel turns a job COMPLETING at once, CANCELLED soon after; a job killed at its
         # time limit (no warning signal came) is COMPLETING for its TimeLimit reason
         reason = fields.get("Reason", "None")
