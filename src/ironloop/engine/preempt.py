@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from time import time as wall_clock
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,7 @@ class Preemption:
     def _on_signal(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()
-            self.signalled_at = time.time()  # for the record: when the request came
+            self.signalled_at = wall_clock()  # for the record: when the request came
         elif time.monotonic() - self._first_at > DUPLICATE_S:
             os.write(2, f"ironloop: second {signal.Signals(signum).name}: exiting now without a "
                         f"checkpoint; the previous one is intact\n".encode())
