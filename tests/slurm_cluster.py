@@ -79,20 +79,12 @@ def job(job_id: str) -> dict[str, str]:
 REVOKED_S = 2.0
 
 
-def release(job_id: str) -> bool:
+def release(job_id: str, lift: bool = False) -> bool:
     """A requeued job waits ~120 s (Reason=BeginTime) before it may start again: start it now
-    (but see REVOKED_S). True when it was waiting."""
-    fields = job(job_id)
-    if fields["JobState"] != "PENDING" or fields.get("Reason") != "BeginTime":
-        return False
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True,
-                   capture_output=True, timeout=60)
-    return True
-
-
-def lift_time_limit(job_id: str) -> None:
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"], check=True,
-                   capture_output=True, timeout=60)
+    (but see REVOKED_S); ``lift``: with no time limit to speak of. True when it was waiting."""
+    r = subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now",
+                        *(["TimeLimit=30"] if lift else [])], capture_output=True, timeout=60)
+    return r.returncode == 0
 
 
 def requeues(job_id: str) -> int:

@@ -226,11 +226,11 @@ def drive(jobs: list[Job], locals_: list[Local], on_poll=lambda q: None) -> None
                 j.pending_since = None
             elif j.pending_since is None:
                 j.pending_since = time.monotonic()
-            elif time.monotonic() - j.pending_since > sc.REVOKED_S:
-                if j.cuts and sc.requeues(j.id) >= j.cuts:
-                    sc.lift_time_limit(j.id)  # the next attempt runs to the end
-                if sc.release(j.id):
-                    j.released.append(time.time())
+            elif time.monotonic() - j.pending_since > sc.REVOKED_S and sc.release(
+                    # after the requeues its test asks for, the next attempt runs to the end
+                    j.id, lift=bool(j.cuts) and sc.requeues(j.id) >= j.cuts):
+                j.released.append(time.time())
+                j.pending_since = float("inf")  # released: once, until it waits again
         if not all(q.get(j.id, ("?",))[0] in sc.ENDED for j in jobs):
             return False
         for j in jobs:
