@@ -17,6 +17,11 @@ def _train(args) -> int:
     if args.config == "help":
         print(describe())
         return 0
+    from ironloop.engine import slurm
+
+    if slurm.job_id() is not None:  # before torch's import: a warning signal may come now
+        slurm.EarlySignals().install()
+    slurm.adopt_step_env()  # srun --ntasks=N: the ranks torchrun would have described
     config, overrides = _config_and_overrides(args.config, args.overrides)
     if args.strict:
         overrides.append("doctor.strict=true")
@@ -27,8 +32,12 @@ def _train(args) -> int:
               f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
     from ironloop.tools.recipe import train_config
 
-    result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
-                          allow_config_change=args.allow_config_change)
+    try:
+        result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
+                              allow_config_change=args.allow_config_change)
+    except Preempted as stop:  # under SLURM: requeue the job, or not (engine/slurm.py)
+        slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue)
+        raise
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run
     r = result.results

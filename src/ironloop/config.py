@@ -291,6 +291,8 @@ class CheckpointConfig(Section):
                               "to 30 s; then it is skipped with a warning, training goes on")
     remote_wait_s: float = fld(120.0, "at the end of a run (and on SIGTERM), how long pending "
                                "uploads may still take")
+    slurm_requeue: bool = fld(True, "under SLURM, requeue the job (scontrol requeue) after the "
+                              "checkpoint of a time limit or a preemption; never on scancel")
 
     def validate(self) -> None:
         self._non_negative("every_steps", "keep_last", "remote_retries", "remote_wait_s")

@@ -36,3 +36,4 @@ class Preempted(Exception):
             "without a checkpoint (checkpoint.enabled=false)"
         super().__init__(f"preempted by {signal_name}: stopped after step {step}, {what}")
         self.signal_name, self.step, self.saved = signal_name, step, saved
+        self.signalled_at: float | None = None  # when this process got the signal (time.time)

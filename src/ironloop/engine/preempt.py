@@ -16,6 +16,9 @@ that a resume deletes, and the previous one is intact. A second signal before th
 (while the step finishes) does the same, unless it came within ``DUPLICATE_S`` of the first:
 SLURM signals every process of a job step and torchrun forwards the signal too, so each rank
 gets the same request twice.
+
+A signal that came earlier, while torch loaded and the run was built, was kept by the CLI's
+``EarlySignals`` (engine/slurm.py) and stops the run at its first step, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import signal
 import threading
 import time
 from datetime import timedelta
+from time import time as wall_clock
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ironloop.engine.slurm import EarlySignals
 from ironloop.errors import Preempted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -42,6 +47,7 @@ class Preemption:
 
     def __init__(self, distributed: bool, timeout_s: float = 600.0):
         self.signum: int | None = None
+        self.signalled_at: float | None = None  # wall clock of the first signal
         self._first_at = 0.0
         self._previous: dict = {}
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
@@ -53,6 +59,11 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():  # signal.signal's rule
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+                early = self._previous[sig]
+                if isinstance(early, EarlySignals) and early.signum is not None and \
+                        self.signum is None:  # came while the run was being built
+                    self.signum, self.signalled_at = early.signum, early.at
+                    self._first_at = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -66,6 +77,7 @@ class Preemption:
     def _on_signal(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()
+            self.signalled_at = wall_clock()  # for the record: when the request came
         elif time.monotonic() - self._first_at > DUPLICATE_S:
             os.write(2, f"ironloop: second {signal.Signals(signum).name}: exiting now without a "
                         f"checkpoint; the previous one is intact\n".encode())
@@ -97,4 +109,6 @@ class Preemption:
         signal."""
         name = "a signal to another rank" if self.signum is None else \
             signal.Signals(self.signum).name
-        return Preempted(name, step, saved)
+        stop = Preempted(name, step, saved)
+        stop.signalled_at = self.signalled_at
+        return stop

@@ -1,0 +1,414 @@
+"""ironloop under a real SLURM (engine/slurm.py, examples/slurm/train.sbatch).
+
+The decision is tested first as the pure function it is. Then the shipped template meets a real
+one-node cluster (scripts/slurm-up; tests/slurm_cluster.py): a time limit in each of the three
+signal forms, a preemption, a scancel, two DDP ranks through srun, a crash, a bad key and a
+requeue that resumes from S3 run side by side (``scenarios``, one pass). The runs read slowly
+(examples/slow_reads.py: a sleep per sample), so they take wall time without taking the 2
+cores, and each attempt under ``--time=1`` is cut by its warning signal. Asserted: job states,
+requeue counts, events.jsonl and torch.equal weights and optimizer state; the timings are
+printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ironloop.engine.preempt import Preemption
+from ironloop.engine.slurm import Decision, EarlySignals, adopt_step_env, decide
+from tests import slurm_cluster as sc
+from tests.conftest import REPO
+
+# ------------------------------------------------------------------------ the decision --
+NOW = time.mktime(time.strptime("2026-11-26T17:00:00", "%Y-%m-%dT%H:%M:%S"))
+
+
+def fields(state="RUNNING", end="2026-11-26T17:00:40", preempt="None", reason="None") -> dict:
+    return {"JobState": state, "EndTime": end, "PreemptTime": preempt, "Reason": reason,
+            "Restarts": "0"}
+
+
+def test_a_signal_near_the_time_limit_requeues():
+    assert decide(fields(), NOW, True) == Decision("time limit", True, "40 s to the time limit")
+    # SIGNALING: SLURM is delivering the warning signal
+    assert decide(fields(state="SIGNALING"), NOW, True).requeue
+
+
+def test_a_preemption_requeues_whatever_time_is_left():
+    got = decide(fields(end="2026-11-27T17:00:00", preempt="2026-11-26T16:59:58"), NOW, True)
+    assert (got.cause, got.requeue) == ("preemption", True)
+
+
+def test_a_scancel_never_requeues():
+    for state in ("COMPLETING", "CANCELLED"):
+        assert decide(fields(state=state), NOW, True) == \
+            Decision("scancel", False, f"the job is {state}")
+
+
+def test_a_signal_the_scheduler_does_not_explain_stops_without_a_requeue():
+    got = decide(fields(end="2026-11-26T19:00:00"), NOW, True)
+    assert (got.cause, got.requeue) == ("unexplained", False)
+    assert decide({}, NOW, True).requeue is False  # scontrol did not answer
+
+
+def test_slurm_requeue_false_keeps_the_cause_and_does_not_requeue():
+    got = decide(fields(), NOW, False)
+    assert (got.cause, got.requeue) == ("time limit", False)
+    assert "checkpoint.slurm_requeue=false" in got.why
+
+
+def test_an_srun_step_of_two_tasks_becomes_torchrun_ranks():
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "42",
+           "SLURM_STEP_NODELIST": "vm"}
+    adopt_step_env(env)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT")} == \
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "vm", "MASTER_PORT": "20042"}
+    torchrun = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                "RANK": "3"}
+    adopt_step_env(torchrun)  # torchrun inside an allocation: its variables stand
+    assert torchrun["RANK"] == "3" and "WORLD_SIZE" not in torchrun
+
+
+def test_a_warning_signal_while_the_run_is_built_stops_it_at_its_first_step():
+    before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
+    try:
+        EarlySignals().install()
+        os.kill(os.getpid(), signal.SIGUSR1)  # would kill the process with the default action
+        with Preemption(distributed=False) as stop:
+            assert stop.should_stop()
+            assert stop.stopped(1, True).signal_name == "SIGUSR1"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------- the real cluster --
+ARGS = ["examples/slow_reads.yaml", "data.kwargs={n: 512, delay: 0.004}", "log.progress=off",
+        "doctor.preflight=false", "log.every_steps=1"]
+# >= 70 s of reads: more than two attempts under --time=1 (SLURM sends the @20 warning at its
+# first check, every 30 s, from 20 + 30 s before the limit: 10-40 s into a 60 s attempt). How
+# far an attempt gets depends on how busy the machine is (ironloop's start takes 3 s idle, 30 s
+# at load 14), so each job's time limit is lifted once it has been requeued as often as its test
+# asks (``cuts``), and its last attempt runs to the end.
+LONG = "train.epochs=30"
+SHORT = "train.epochs=10"
+FORMS = ("B:TERM@20", "B:USR1@20", "USR1@20")
+TIMEOUT = 600.0  # seconds for a pass of side-by-side jobs; about 3 minutes on 2 idle cores
+LOW_CPUS = 4  # the preempted job's: the high job asks for what is free plus these
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = sc.why_not()
+    if reason:
+        pytest.skip(reason)
+    started = sc.start()
+    saved = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(sc.SLURM_DIR / "slurm.conf")  # scontrol here and in jobs
+    yield
+    if saved is None:
+        del os.environ["SLURM_CONF"]
+    else:
+        os.environ["SLURM_CONF"] = saved
+    if started:
+        sc.stop()
+
+
+def job_env(**more: str) -> dict:
+    """What a user's shell would hold: this venv's python on this checkout's source."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "IRONLOOP_CMD": f"{sys.executable} -m ironloop", **more}
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def logged(run_dir: Path) -> int:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() \
+        if (run_dir / "metrics.jsonl").exists() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except ValueError:  # a line half written
+        return 0
+
+
+def state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def same_training(a: dict, b: dict) -> bool:
+    """Weights and optimizer state, tensor for tensor."""
+    def flat(tree, out, key=""):
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                flat(v, out, f"{key}/{k}")
+        elif isinstance(tree, list | tuple):
+            for i, v in enumerate(tree):
+                flat(v, out, f"{key}/{i}")
+        else:
+            out[key] = tree
+        return out
+    x, y = flat({"m": a["model"], "o": a["optimizer"]}, {}), \
+        flat({"m": b["model"], "o": b["optimizer"]}, {})
+    return x.keys() == y.keys() and all(
+        torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+
+
+class Local:
+    """An uninterrupted ``ironloop train`` on this machine, the reference."""
+
+    def __init__(self, run_dir: Path, *extra: str, resume: bool = False):
+        self.run_dir, self.log = run_dir, run_dir.with_suffix(".log")
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ironloop", "train", *ARGS, *extra, f"run.dir={run_dir}",
+                 *(["--resume"] if resume else [])], cwd=REPO, env=job_env(), stdout=out,
+                stderr=subprocess.STDOUT)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+
+class Job:
+    """One job of the template and what the driver saw of it."""
+
+    def __init__(self, name: str, tmp: Path, options: list[str], extra: list[str],
+                 env: dict | None = None, cuts: int = 0):
+        self.name, self.run_dir, self.out = name, tmp / name, tmp / f"{name}.out"
+        self.cuts = cuts  # after this many requeues, the time limit is lifted
+        self.id = sc.sbatch(*options, args=[*ARGS, *extra, f"run.dir={self.run_dir}"],
+                            out=self.out, env=env or job_env())
+        self.released: list[float] = []  # when each requeued attempt was let start
+        self.pending_since: float | None = None  # when the driver saw it wait on BeginTime
+        self.fields: dict = {}
+
+    def ended(self) -> bool:
+        self.fields = sc.job(self.id)
+        return self.fields["JobState"] in sc.ENDED
+
+    def text(self) -> str:
+        return self.out.read_text() if self.out.exists() else ""
+
+
+def queue() -> dict[str, tuple[str, str]]:
+    """Every job's (state, reason), in one squeue call: the driver polls it often."""
+    r = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %T %r"], capture_output=True,
+                       text=True, timeout=60)
+    return {f[0]: (f[1], f[2]) for f in (line.split() for line in r.stdout.splitlines())}
+
+
+def drive(jobs: list[Job], locals_: list[Local], on_poll=lambda q: None) -> None:
+    """Until every job has ended for good and every local run has exited: start each requeued
+    attempt at once, instead of after SLURM's ~120 s BeginTime."""
+    def poll() -> bool:
+        q = queue()
+        on_poll(q)
+        for j in jobs:
+            if q.get(j.id) != ("PENDING", "BeginTime"):
+                j.pending_since = None
+            elif j.pending_since is None:
+                j.pending_since = time.monotonic()
+            elif time.monotonic() - j.pending_since > sc.REVOKED_S and sc.release(
+                    # after the requeues its test asks for, the next attempt runs to the end
+                    j.id, lift=bool(j.cuts) and sc.requeues(j.id) >= j.cuts):
+                j.released.append(time.time())
+                j.pending_since = float("inf")  # released: once, until it waits again
+        if not all(q.get(j.id, ("?",))[0] in sc.ENDED for j in jobs):
+            return False
+        for j in jobs:
+            j.ended()  # reads the final fields
+        return all(r.done() for r in locals_)
+    sc.wait(poll, "end of every job", TIMEOUT, every=0.5)  # a squeue a poll: not too often
+
+
+def resumes(run_dir: Path) -> list[dict]:
+    return [e for e in events(run_dir) if e["event"] == "resume"]
+
+
+def timings(job: Job) -> list[str]:
+    """Signal to checkpoint (the preemption's record written after the save) and requeue to
+    resume (the attempt let start, to its resume record), from events.jsonl."""
+    ev = events(job.run_dir)
+    stops = [e for e in ev if e["event"] == "slurm_stop"]
+    saved = [e for e in ev if e["event"] == "preempted"]
+    lines = [f"signal->checkpoint {p['time'] - s['signalled_at']:.2f} s"
+             for s, p in zip(stops, saved) if s.get("signalled_at")]
+    lines += [f"requeue->resume {r['time'] - t:.1f} s"
+              for t, r in zip(job.released, resumes(job.run_dir))]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    import fsspec
+
+    fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=env["AWS_ENDPOINT_URL"],
+                      key="testing", secret="testing").mkdir("slurm")
+    yield env
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def scenarios(cluster, s3_env, tmp_path_factory):
+    """Every scenario in one pass of side-by-side jobs; each test below reads its own. All run
+    in the `high` partition but the one that a job of `high` preempts (`low`): it alone can be
+    preempted, and only for CPUs nothing else frees."""
+    tmp = tmp_path_factory.mktemp("slurm")
+    refs = {"long": Local(tmp / "ref-long", LONG), "short": Local(tmp / "ref-short", SHORT)}
+    high = ["--partition=high"]
+    jobs = {form: Job(f"limit-{form.replace(':', '').replace('@', '-')}", tmp,
+                      [*high, "--time=1", f"--signal={form}"], [LONG], cuts=2)
+            for form in FORMS}
+    jobs["ddp-ref"] = Job("ddp-ref", tmp, [*high, "--ntasks=2"], [LONG])
+    jobs["ddp"] = Job("ddp", tmp, [*high, "--ntasks=2", "--time=1", "--signal=USR1@20"], [LONG],
+                      cuts=1)
+    jobs["cancel"] = Job("cancel", tmp, high, [SHORT])
+    jobs["crash"] = Job("crash", tmp, high, [SHORT, "fault.crash_at_step=5"])
+    jobs["bad-key"] = Job("bad-key", tmp, high, [SHORT, "train.epochz=3"])
+    remote = "s3://slurm/run"
+    jobs["remote"] = Job("remote", tmp, [*high, "--time=1", "--signal=USR1@20"],
+                         [LONG, f"checkpoint.remote={remote}"], env=job_env(**s3_env), cuts=1)
+    jobs["low"] = Job("low", tmp, ["--partition=low", f"--cpus-per-task={LOW_CPUS}"], [SHORT])
+    cancel, low = jobs["cancel"], jobs["low"]
+    cancelled, later, preemptor = [], [], []
+
+    def on_poll(q):
+        if not cancelled and logged(cancel.run_dir) >= 20:
+            sc.cancel(cancel.id)  # a user's scancel, plain: no --signal, no --batch
+            cancelled.append(True)
+        if cancelled and not later and q[cancel.id][0] in sc.ENDED:
+            later.append(Local(cancel.run_dir, SHORT, resume=True))  # resumed by hand, later
+        if not preemptor and logged(low.run_dir) >= 20 and all(
+                q[jobs[j].id][0] in sc.ENDED for j in ("crash", "bad-key")):
+            preemptor.append(preempt(low))
+        if q[jobs["remote"].id] == ("PENDING", "BeginTime"):
+            # a requeued job lands on another node: nothing of run.dir is left there
+            shutil.rmtree(jobs["remote"].run_dir, ignore_errors=True)
+
+    drive(list(jobs.values()), list(refs.values()), on_poll)
+    sc.wait(lambda: bool(later) and later[0].done(), "the resume after scancel", TIMEOUT)
+    return {"jobs": jobs, "refs": refs, "later": later, "tmp": tmp, "remote": remote,
+            "preemptor": sc.job(preemptor[0])}
+
+
+def preempt(low: Job) -> str:
+    """Submit a job to `high` that needs every free CPU and the low job's too."""
+    node = subprocess.run(["scontrol", "-o", "show", "node"], capture_output=True, text=True,
+                          check=True).stdout
+    free = int(re.search(r"CPUTot=(\d+)", node)[1]) - int(re.search(r"CPUAlloc=(\d+)", node)[1])
+    r = subprocess.run(["sbatch", "--parsable", "--partition=high",
+                        f"--cpus-per-task={free + LOW_CPUS}", f"--output={low.out}.high",
+                        "--wrap=true"], env=job_env(), capture_output=True, text=True,
+                       check=True)
+    return r.stdout.strip()
+
+
+def assert_requeued_and_exact(job: Job, ref: Path, at_least: int) -> None:
+    out = job.text()
+    assert job.fields["JobState"] == "COMPLETED", out[-3000:]
+    assert int(job.fields["Restarts"]) >= at_least, out[-3000:]
+    ev = events(job.run_dir)
+    stops = [e for e in ev if e["event"] == "slurm_stop"]
+    assert stops and all(e["requeue"] for e in stops), stops
+    assert all(e["ok"] for e in ev if e["event"] == "slurm_requeue")
+    saved = [e["step"] for e in ev if e["event"] == "preempted"]
+    assert [s["step"] for s in stops] == saved  # each decision after its checkpoint
+    resumed = resumes(job.run_dir)
+    assert [r["step"] for r in resumed[-len(saved):]] == saved  # from the step it stopped at
+    assert all(r["steps_redone"] == 0 for r in resumed)
+    assert same_training(state(job.run_dir), state(ref))
+    print(f"{job.name}: {len(saved)} requeues; " + "; ".join(timings(job)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", FORMS)
+def test_a_time_limit_checkpoints_requeues_and_completes_exactly(scenarios, form):
+    job = scenarios["jobs"][form]
+    assert_requeued_and_exact(job, scenarios["refs"]["long"].run_dir, at_least=2)
+    assert {e["cause"] for e in events(job.run_dir) if e["event"] == "slurm_stop"} == \
+        {"time limit"}
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_through_srun_save_the_same_step_and_complete_exactly(scenarios):
+    job, ref = scenarios["jobs"]["ddp"], scenarios["jobs"]["ddp-ref"]
+    assert ref.fields["JobState"] == "COMPLETED", ref.text()[-3000:]
+    assert_requeued_and_exact(job, ref.run_dir, at_least=1)
+    # at each stop, both ranks exited with the preemption's code (srun names them together,
+    # "tasks 0-1", or one by one)
+    named = re.findall(r"tasks? (0-1|\d): Exited with exit code 75", job.text())
+    exits = sum(2 if tasks == "0-1" else 1 for tasks in named)
+    stops = [e for e in events(job.run_dir) if e["event"] == "slurm_stop"]
+    assert exits == 2 * len(stops), job.text()
+    assert state(ref.run_dir)["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_scancel_checkpoints_ends_cancelled_unrequeued_and_resumes_exactly(scenarios):
+    job, later = scenarios["jobs"]["cancel"], scenarios["later"][0]
+    assert job.fields["JobState"] == "CANCELLED" and job.fields["Restarts"] == "0"
+    stop = [e for e in events(job.run_dir) if e["event"] == "slurm_stop"]
+    assert [(e["cause"], e["requeue"]) for e in stop] == [("scancel", False)]
+    assert "slurm_requeue" not in {e["event"] for e in events(job.run_dir)}
+    assert later.proc.returncode == 0, later.log.read_text()[-3000:]
+    assert resumes(job.run_dir)[-1]["step"] == stop[0]["step"]
+    assert same_training(state(job.run_dir), state(scenarios["refs"]["short"].run_dir))
+    print("scancel: " + "; ".join(timings(job)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,code", [("crash", "1"), ("bad-key", "2")])
+def test_a_crash_or_a_user_error_fails_once_and_is_never_requeued(scenarios, name, code):
+    job = scenarios["jobs"][name]
+    assert job.fields["JobState"] == "FAILED", job.text()[-3000:]
+    assert job.fields["Restarts"] == "0" and job.fields["ExitCode"] == f"{code}:0"
+    assert not [e for e in events(job.run_dir) if e["event"].startswith("slurm")]
+
+
+@pytest.mark.slow
+def test_a_requeued_job_on_an_empty_run_dir_resumes_from_the_remote_copy(scenarios):
+    job = scenarios["jobs"]["remote"]
+    out = job.text()
+    assert job.fields["JobState"] == "COMPLETED", out[-3000:]
+    requeued = int(job.fields["Restarts"])
+    assert requeued >= 1, out[-3000:]
+    # run.dir was emptied before each requeued attempt: every resume fetched the remote copy
+    # (the events of the stops were written after their save, so only the console keeps them)
+    assert out.count(f"fetched {scenarios['remote']}/step-") == requeued, out[-3000:]
+    assert out.count("time limit") >= requeued and out.count("): requeued;") == requeued
+    assert same_training(state(job.run_dir), state(scenarios["refs"]["long"].run_dir))
+
+
+@pytest.mark.slow
+def test_a_preempted_low_job_checkpoints_in_its_grace_time_and_completes_exactly(scenarios):
+    low = scenarios["jobs"]["low"]
+    assert scenarios["preemptor"]["JobState"] == "COMPLETED"
+    assert_requeued_and_exact(low, scenarios["refs"]["short"].run_dir, at_least=1)
+    assert {e["cause"] for e in events(low.run_dir) if e["event"] == "slurm_stop"} == \
+        {"preemption"}
