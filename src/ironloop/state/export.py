@@ -79,10 +79,11 @@ def _averaged(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _export_remote(url: str, out: Path, which: str, force: bool) -> Path:
     store = remote.open_remote(url)
+    store.require_bucket()
     with tempfile.TemporaryDirectory(prefix="ironloop-export-") as tmp:
         ckpts = Path(tmp) / "checkpoints"
         got = remote.fetch_newest(store, ckpts, -1, lambda msg: print(f"warning: {msg}"),
-                                  best=which == "best")
+                                  best=which == "best", check=sharded.check_any)
         if got is None:
             raise UserError(f"{url} holds no complete {which} checkpoint"
                             + (": pass --which last" if which == "best" and store.manifests()

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,16 +46,13 @@ from typing import Any
 from ironloop.errors import CheckpointError, UserError
 from ironloop.extras import require
 
-from .io import file_digest, fsync_dir, remove_quietly
+from .io import file_digest, fsync_dir
+from .remote_manifest import LOGS, checked, checked_files
 
 MANIFESTS = "manifests"
 LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
 FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
-#: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
-#: no tb/ files, so TensorBoard must get every row again from the restored JSONL.
-LOGS = ("metrics.jsonl", "epochs.jsonl", "evals.jsonl", "scalars.jsonl", "events.jsonl",
-        "guard.jsonl", "run.json")
 _MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
 _STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
 _LOG_STEP_RE = re.compile(r"^step-(\d+)$")
@@ -66,11 +64,47 @@ def is_remote(location: str | Path) -> bool:
 
 
 # ----------------------------------------------------------------------------------- store --
+#: Protocols whose top folder is a bucket: it must exist (a typo must not create a new one),
+#: and objects need no parent folders.
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+
+
+class StoreUnavailable(UserError):
+    """``checkpoint.remote`` cannot be reached or used: the network, the endpoint, the
+    credentials or the permissions. Not damage: a resume never falls back past it."""
+
+
 class Remote:
-    """One remote checkpoint folder: paths relative to it, and the few operations used."""
+    """One remote checkpoint folder: paths relative to it, and the few operations used. Any
+    store error but a missing object is a StoreUnavailable naming the URL."""
 
     def __init__(self, fs: Any, root: str, url: str):
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else [fs.protocol]
+        self.bucketed = bool(_BUCKETED & set(protocols))
+
+    @contextlib.contextmanager
+    def _reaching(self):
+        try:
+            yield
+        except (FileNotFoundError, UserError):
+            raise
+        except Exception as e:  # botocore, aiohttp, gcsfs: any error type of theirs
+            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be reached "
+                                   f"({type(e).__name__}: {_short(e)}); check its endpoint, "
+                                   f"credentials and network") from e
+
+    def require_bucket(self) -> None:
+        """A bucket that does not exist is an error naming it: it is never created."""
+        if not self.bucketed:
+            return
+        bucket = self.root.split("/", 1)[0]
+        with self._reaching():
+            found = self.fs.exists(bucket)
+        if not found:
+            raise UserError(f"checkpoint.remote {self.url}: the bucket {bucket!r} does not "
+                            f"exist (or these credentials cannot see it); ironloop never "
+                            f"creates one: create it, or fix the URL")
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -79,29 +113,38 @@ class Remote:
         """``rel`` as the user's URL spells it, for messages."""
         return f"{self.url}/{rel}"
 
+    def _parent(self, rel: str) -> None:
+        if not self.bucketed:  # s3fs's makedirs would create a missing bucket
+            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
+
     def put(self, local: Path, rel: str) -> None:
-        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-        self.fs.put_file(str(local), self.path(rel))
+        with self._reaching():
+            self._parent(rel)
+            self.fs.put_file(str(local), self.path(rel))
 
     def write(self, rel: str, data: bytes) -> None:
-        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(self.path(rel), data)
+        with self._reaching():
+            self._parent(rel)
+            self.fs.pipe_file(self.path(rel), data)
 
     def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        with self._reaching():
+            return self.fs.cat_file(self.path(rel))
 
     def get(self, rel: str, local: Path) -> None:
-        self.fs.get_file(self.path(rel), str(local))
+        with self._reaching():
+            self.fs.get_file(self.path(rel), str(local))
 
     def delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._reaching():
             self.fs.rm(self.path(rel), recursive=True)
 
     def names(self, rel: str = "") -> list[str]:
         """The base names directly under ``rel`` ([] when it does not exist)."""
         self.fs.invalidate_cache()  # another process (another rank, another node) writes too
         try:
-            found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
+            with self._reaching():
+                found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
         except FileNotFoundError:
             return []
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in found]
@@ -112,7 +155,9 @@ class Remote:
                       if m)
 
     def manifest(self, step: int) -> dict:
-        return json.loads(self.read(f"{MANIFESTS}/step-{step:08d}.json"))
+        """The manifest of ``step``, its shape checked (``remote_manifest.checked``): a
+        CheckpointError naming what is wrong otherwise."""
+        return checked(self.read(f"{MANIFESTS}/step-{step:08d}.json"), step)
 
     def step_objects(self) -> dict[int, list[str]]:
         """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
@@ -190,6 +235,7 @@ class Mirror:
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
         self.failed: list[int] = []
+        self._deferred: int | None = None  # discard_after's step, while the store is down
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
 
     # -- the training side: never touches the network ------------------------------------
@@ -292,6 +338,12 @@ class Mirror:
         return None
 
     def _upload(self, job: _Job) -> None:
+        deferred = self._deferred
+        if deferred is not None:  # the store did not answer at the start
+            for url in self._retry("the start's clean-up", lambda: self._discard_after(deferred)):
+                self._warn(f"notice: removed {url} from the remote: it is past the step this "
+                           f"run resumed from")
+            self._deferred = None
         for local in sorted(p for p in job.staged.rglob("*") if p.is_file()):
             name = local.relative_to(job.staged).as_posix()
             # the logs apart: "files" must name one checkpoint (older readers check that)
@@ -323,7 +375,7 @@ class Mirror:
             rel = f"{MANIFESTS}/step-{job.step:08d}.rank{r}.json"
             while True:
                 try:
-                    files.update(json.loads(self.remote.read(rel))["files"])
+                    files.update(_marker_files(self.remote.read(rel), job.step))
                     break
                 except FileNotFoundError:
                     if time.monotonic() > deadline:
@@ -335,21 +387,57 @@ class Mirror:
 
     def _retain(self, newest: int) -> None:
         """Delete remote checkpoints past ``keep_last`` (never the newest best save), each
-        manifest first; only checkpoints older than the one that just landed."""
-        steps = [s for s in self.remote.manifests() if s <= newest]
-        best = [s for s in reversed(steps) if self.remote.manifest(s).get("best")][:1]
+        manifest first; only checkpoints older than the one that just landed, and only those
+        whose manifest reads back well-formed: one that does not is kept, never deleted
+        unread."""
+        readable = {s: m for s in self.remote.manifests() if s <= newest
+                    for m in [self._readable(s)] if m is not None}
+        steps = sorted(readable)
+        best = [s for s in reversed(steps) if readable[s].get("best")][:1]
         for step in steps[: max(len(steps) - self.keep, 0)]:
             if step not in best:
                 self.remote.remove_checkpoint(step)
 
+    def _readable(self, step: int) -> dict | None:
+        try:
+            return self.remote.manifest(step)
+        except CheckpointError as e:
+            self._warn(f"warning: kept {self.remote.show(f'step-{step:08d}')}: its manifest is "
+                       f"unreadable ({e}); ironloop deletes no checkpoint it cannot read")
+            return None
+
     def discard_after(self, step: int) -> list[str]:
-        """At the start of a run: remove remote checkpoints past ``step`` (an abandoned future,
-        or uploads a kill cut short), with or without their manifest. Returns their URLs."""
-        gone = set(s for s in self.remote.manifests() if s > step)
-        gone |= {s for s in self.remote.step_objects() if s > step}
-        for s in sorted(gone):
+        """At the start of a run: remove remote checkpoints past ``step`` (an abandoned future
+        whose manifest reads back well-formed, or uploads a kill cut short: no manifest at
+        all). Returns their URLs. A store that does not answer now is warned about and this
+        is done by the upload thread before its first upload."""
+        try:
+            return self._discard_after(step)
+        except StoreUnavailable as e:
+            self._deferred = step
+            self._warn(f"warning: {e}; training goes on from run.dir and uploads retry in the "
+                       f"background")
+            return []
+
+    def _discard_after(self, step: int) -> list[str]:
+        manifests = {s for s in self.remote.manifests() if s > step}
+        orphans = {s for s in self.remote.step_objects() if s > step} - manifests
+        gone = sorted(orphans | {s for s in manifests if self._readable(s) is not None})
+        for s in gone:
             self.remote.remove_checkpoint(s)
-        return [self.remote.show(f"step-{s:08d}") for s in sorted(gone)]
+        return [self.remote.show(f"step-{s:08d}") for s in gone]
+
+
+def _marker_files(data: bytes, step: int) -> dict:
+    """The files a rank's marker (``manifests/step-N.rankR.json``) names, checked as a
+    manifest's are."""
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"the rank marker of step {step} is not a JSON object")
+    return checked_files(marker.get("files"), step, "dcp")
 
 
 def _short(e: BaseException) -> str:
@@ -360,20 +448,24 @@ def _short(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------- resume --
 def fetch_newest(remote: Remote, directory: Path, above: int,
                  warn: Callable[[str], object], best: bool = False,
-                 verified: Callable[[dict], object] | None = None) -> Path | None:
+                 verified: Callable[[dict], object] | None = None,
+                 check: Callable[[Path], object] | None = None) -> Path | None:
     """Download the newest complete remote checkpoint with a step above ``above`` into
-    ``directory`` (a best save with ``best``), checking every file's digest; damaged or
-    incomplete ones are skipped with a one-line reason each. Returns its local path, or None
-    when there is none. ``verified`` gets its manifest once its files are checked and before
-    the checkpoint takes its place (a kill in between leaves no checkpoint)."""
+    ``directory`` (a best save with ``best``). Newest to oldest, as on disk, each is skipped
+    with a one-line reason when its manifest is malformed (``remote_manifest.checked``, before
+    anything is fetched), an object is missing or does not match its digest, or the copy fails
+    ``check``, the checkpoint's own load check (a CheckpointError). Returns its local path, or
+    None when there is none. ``verified`` gets its manifest once it passed and before the
+    checkpoint takes its place (a kill in between leaves no checkpoint). A store that cannot
+    be reached raises StoreUnavailable: that is not damage to fall back past."""
     steps = [s for s in reversed(remote.manifests()) if s > above]
     for step in steps:
         try:
             manifest = remote.manifest(step)
             if best and not manifest.get("best"):
                 continue
-            return _download(remote, manifest, directory, verified)
-        except (CheckpointError, ValueError, KeyError, OSError) as e:
+            return _download(remote, manifest, directory, verified, check)
+        except (CheckpointError, OSError) as e:
             reason = str(e) if isinstance(e, CheckpointError) else _short(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
                  f"({reason}); falling back to an older one")
@@ -381,25 +473,21 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
 
 
 def _download(remote: Remote, manifest: dict, directory: Path,
-              verified: Callable[[dict], object] | None) -> Path:
-    step, files = int(manifest["step"]), manifest["files"]
-    tmp = directory / f".remote-step-{step:08d}.tmp-{os.getpid()}"
+              verified: Callable[[dict], object] | None,
+              check: Callable[[Path], object] | None) -> Path:
+    step, files = manifest["step"], manifest["files"]
     directory.mkdir(parents=True, exist_ok=True)  # only now: an empty run.dir stays empty
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a folder of its own, never one a killed fetch left (remove_leftovers deletes those)
+    tmp = Path(tempfile.mkdtemp(prefix=f".remote-step-{step:08d}.tmp-{os.getpid()}-",
+                                dir=directory))
     try:
         for name, want in files.items():
-            local = tmp / name
+            local = _inside(tmp, name)
             local.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                remote.get(name, local)
-            except FileNotFoundError:
-                raise CheckpointError(f"{name} missing") from None
-            if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
-                raise CheckpointError(f"{name} checksum mismatch")
-        top = {name.split("/", 1)[0] for name in files}
-        if len(top) != 1:
-            raise CheckpointError("its manifest names more than one checkpoint")
-        name = top.pop()
+            _get_checked(remote, name, local, want)
+        name = next(iter(files)).split("/", 1)[0]  # checked(): step-N.pt or step-N.dcp only
+        if check is not None:
+            check(tmp / name)
         if verified is not None:
             verified(manifest)
         target = directory / name
@@ -410,7 +498,38 @@ def _download(remote: Remote, manifest: dict, directory: Path,
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        remove_quietly(tmp)
+
+
+def _inside(folder: Path, rel: str) -> Path:
+    """``folder / rel``, refused unless it stays in ``folder``: ``checked`` lets only plain
+    names through, and this is the one place a remote name becomes a local path."""
+    path = folder / rel
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{rel[:120]!r} would be written outside the fetch folder")
+    return path
+
+
+def _get_checked(remote: Remote, rel: str, local: Path, want: dict) -> None:
+    try:
+        remote.get(rel, local)
+    except FileNotFoundError:
+        raise CheckpointError(f"{rel} missing") from None
+    if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
+        raise CheckpointError(f"{rel} checksum mismatch")
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """The temp folders of fetches a kill cut short (``.remote-step-N.tmp-*`` in checkpoints/,
+    ``.remote-logs.tmp-*`` in run.dir): called under run.dir's lock, so no live fetch owns
+    them. Returns what was removed."""
+    found = [*Path(run_dir, "checkpoints").glob(".remote-step-*.tmp-*"),
+             *Path(run_dir).glob(".remote-logs.tmp-*")]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
@@ -420,7 +539,7 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
 
     Nothing local is overwritten: a run.dir with any log of its own keeps them all. A damaged
     snapshot restores nothing (no history with holes); an older manifest has no ``logs``."""
-    step = int(manifest["step"])
+    step = manifest["step"]
     where = remote.show(f"{LOGS_DIR}/step-{step:08d}")
     logs = manifest.get("logs") or {}
     own = [name for name in LOGS if (run_dir / name).exists()]
@@ -433,7 +552,7 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
                 f"ironloop wrote it): run.dir's logs start at step {step}")
     try:
         names = _download_logs(remote, logs, run_dir)
-    except (CheckpointError, ValueError, KeyError, OSError) as e:
+    except (CheckpointError, OSError) as e:
         reason = str(e) if isinstance(e, CheckpointError) else _short(e)
         return (f"warning: the remote logs {where} are damaged ({reason}); resuming without "
                 f"them: run.dir's logs start at step {step}")
@@ -441,24 +560,14 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
 
 
 def _download_logs(remote: Remote, logs: dict, run_dir: Path) -> list[str]:
-    """Every file of ``logs`` (remote name -> digest and size) into a temp folder, checked,
-    then moved into ``run_dir`` under its base name. The caller found none of them there, and
-    run.dir's lock (state/lock.py) keeps any other process out, so nothing is overwritten."""
-    tmp = run_dir / f".remote-logs.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Every file of ``logs`` (checked: each ``logs/step-N/<one of LOGS>``) into a fresh temp
+    folder, checked, then moved into ``run_dir`` under its base name. The caller found none of
+    them there, and run.dir's lock (state/lock.py) keeps any other process out, so nothing is
+    overwritten."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".remote-logs.tmp-{os.getpid()}-", dir=run_dir))
     try:
         for rel, want in logs.items():
-            name = rel.rsplit("/", 1)[-1]
-            if name not in LOGS:  # the manifest says where files go: only the known names
-                raise CheckpointError(f"{rel} is not a log a run writes")
-            try:
-                remote.get(rel, tmp / name)
-            except FileNotFoundError:
-                raise CheckpointError(f"{rel} missing") from None
-            if (tmp / name).stat().st_size != want["size"] \
-                    or file_digest(tmp / name) != want["blake2b"]:
-                raise CheckpointError(f"{rel} checksum mismatch")
+            _get_checked(remote, rel, _inside(tmp, rel.rsplit("/", 1)[-1]), want)
         names = [name for name in LOGS if (tmp / name).exists()]
         for name in names:
             os.replace(tmp / name, run_dir / name)

@@ -1,0 +1,256 @@
+"""checkpoint.remote as untrusted input: a tampered, garbled or damaged store never writes or
+deletes outside the fetch folder, never loses the store's objects, and the resume falls back
+past damage, newest to oldest, as it does on disk. Outages at the start are one line.
+
+The runs are the tiny ones of test_remote.py (an MLP on blobs, 28 steps); the CLI cases use
+configs/digits.yaml with a few steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ironloop.errors import CheckpointError, UserError
+from ironloop.outputs.readers import read_jsonl
+from ironloop.state.io import file_digest
+from ironloop.state.remote import open_remote
+from tests.conftest import REPO
+from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
+
+__all__ = ["s3", "s3_server", "uninterrupted"]  # fixtures shared with test_remote.py
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (relative name -> digest): what must not change."""
+    return {p.relative_to(root).as_posix(): hashlib.blake2b(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _stopped_at_12(tmp_path: Path) -> tuple[str, dict, int]:
+    """A run mirrored to file:// and stopped at step 12; (url, config, the step before 12)."""
+    url = f"file://{tmp_path}/remote"
+    config = _config(tmp_path, checkpoint__remote=url)
+    _fit(config, callbacks=[StopAt(12)])
+    steps = open_remote(url).manifests()
+    assert steps[-1] == 12 and len(steps) >= 2
+    return url, config, steps[-2]
+
+
+def _new_node(tmp_path: Path) -> tuple[Path, Path]:
+    """run.dir wiped, holding only the user's own files; a sentinel tree outside it."""
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("my notes\n")
+    (tmp_path / "run" / "doctor.json").write_text('{"mine": true}\n')
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "victim.bin").write_bytes(b"precious")
+    (outside / "deep" / "x").write_bytes(b"also precious")
+    return tmp_path / "run", outside
+
+
+def _resumed_step(run_dir: Path) -> list[int]:
+    return [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
+
+
+def _tamper(url: str, step: int, change) -> None:
+    remote = open_remote(url)
+    rel = f"manifests/step-{step:08d}.json"
+    remote.write(rel, json.dumps(change(json.loads(remote.read(rel)))).encode())
+
+
+# ------------------------------------------------------ a tampered manifest writes nothing --
+def _abs(outside: Path):
+    return lambda m: {**m, "files": {str(outside / "victim.bin"): m["files"]["step-00000012.pt"]}}
+
+
+TAMPERED = {
+    "an absolute name": _abs,
+    "a ../ name": lambda outside: lambda m: {**m, "files": {"../x": m["files"][
+        "step-00000012.pt"]}},
+    "a ../ name in a dcp": lambda outside: lambda m: {**m, "kind": "dcp", "files": {
+        "step-00000012.dcp/../../outside/victim.bin": m["files"]["step-00000012.pt"]}},
+    "a log named ../": lambda outside: lambda m: {**m, "logs": {
+        "logs/step-00000012/../../../outside/run.json": next(iter(m["logs"].values()))}},
+    "files a list": lambda outside: lambda m: {**m, "files": list(m["files"])},
+    "an entry a string": lambda outside: lambda m: {**m, "files": {
+        "step-00000012.pt": "step-00000012.pt"}},
+    "the manifest a list": lambda outside: lambda m: [m],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_a_tampered_manifest_changes_no_byte_outside_the_fetch_and_the_resume_falls_back(
+        tmp_path, capsys, uninterrupted, case):
+    url, config, before = _stopped_at_12(tmp_path)
+    run_dir, outside = _new_node(tmp_path)
+    if case == "an absolute name":  # the object it names is there too, with a matching digest
+        planted = tmp_path / "remote" / str(outside / "victim.bin").lstrip("/")
+        planted.parent.mkdir(parents=True)
+        shutil.copyfile(tmp_path / "remote" / "step-00000012.pt", planted)
+    _tamper(url, 12, TAMPERED[case](outside))
+    kept, mine = _tree(outside), _tree(run_dir)
+    resumed = _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert _tree(outside) == kept
+    assert {k: v for k, v in _tree(run_dir).items() if k in mine} == mine
+    assert not (tmp_path / "x").exists()
+    lines = [line for line in out.splitlines() if "step-00000012 is damaged" in line]
+    assert len(lines) == 1 and "its manifest" in lines[0], out
+    assert _resumed_step(run_dir) == [before]
+    assert _equal(resumed, uninterrupted)
+
+
+# --------------------------------------------------- garbled manifests lose no remote object --
+def _store(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("garble", [b"{\"step\": ", b"[]", b"\x00" * 64])
+def test_every_manifest_garbled_refuses_and_keeps_every_remote_object(tmp_path, garble):
+    url, config, _ = _stopped_at_12(tmp_path)
+    remote = open_remote(url)
+    for step in remote.manifests():
+        remote.write(f"manifests/step-{step:08d}.json", garble)
+    held = _store(tmp_path / "remote")
+    shutil.rmtree(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"every checkpoint in checkpoint\.remote .* is "
+                                              r"damaged .* nothing was deleted"):
+        _fit(config, resume=True)
+    assert _store(tmp_path / "remote") == held
+    with pytest.raises(UserError, match=r"already holds a run's checkpoints"):
+        _fit(config)  # a fresh run is refused too; nothing deleted without --overwrite
+    assert _store(tmp_path / "remote") == held
+
+
+def test_a_garbled_manifest_past_the_local_checkpoint_is_kept_not_discarded(tmp_path, capsys):
+    url, config, before = _stopped_at_12(tmp_path)
+    remote = open_remote(url)
+    remote.write("manifests/step-00000012.json", b"garbled")
+    for name in ("step-00000012.pt", "last.pt"):  # this node holds `before` as its newest
+        (tmp_path / "run" / "checkpoints" / name).unlink()
+    held = _store(tmp_path / "remote")
+    _fit(config, resume=True, callbacks=[StopAt(before + 1)])
+    assert _resumed_step(tmp_path / "run") == [before]
+    after = _store(tmp_path / "remote")
+    assert after["manifests/step-00000012.json"] == held["manifests/step-00000012.json"]
+    assert after["step-00000012.pt"] == held["step-00000012.pt"]
+    assert "deletes no checkpoint it cannot read" in capsys.readouterr().out
+
+
+# ------------------------------------------------------- fallback past every kind of damage --
+def _rewrite_object(url: str, root: Path, name: str, data: bytes) -> None:
+    """Replace a stored object and update its manifest to match: damage the digest misses."""
+    (root / name).write_bytes(data)
+    entry = {"blake2b": file_digest(root / name), "size": len(data)}
+    _tamper(url, 12, lambda m: {**m, "files": {name: entry}})
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("PAYLOAD RAN",))
+
+
+def _flip(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 0xFF
+    return bytes(out)
+
+
+def _rotted(path: Path) -> bytes:
+    """The checkpoint with one weight changed and its own digest not: what a flipped bit in
+    memory or on the local disk before the upload gives."""
+    state = torch.load(path, weights_only=True)
+    first = next(iter(state["model"].values()))
+    first.view(-1)[0] += 1.0
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+DAMAGE = {
+    "a garbled manifest": lambda url, root: (root / "manifests" / "step-00000012.json")
+    .write_bytes(b"\x00garbled"),
+    "a missing object": lambda url, root: (root / "step-00000012.pt").unlink(),
+    "a digest mismatch": lambda url, root: (root / "step-00000012.pt").write_bytes(
+        _flip((root / "step-00000012.pt").read_bytes())),
+    "bit rot before the upload": lambda url, root: _rewrite_object(
+        url, root, "step-00000012.pt", _rotted(root / "step-00000012.pt")),
+    "a pickle payload": lambda url, root: _rewrite_object(
+        url, root, "step-00000012.pt", pickle.dumps(_Payload())),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_remote_checkpoint_resumes_from_the_older_intact_one(
+        tmp_path, capsys, uninterrupted, damage):
+    url, config, before = _stopped_at_12(tmp_path)
+    DAMAGE[damage](url, tmp_path / "remote")
+    shutil.rmtree(tmp_path / "run")
+    resumed = _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert f"remote checkpoint {url}/step-00000012 is damaged" in out
+    assert f"fetched {url}/step-{before:08d}.pt" in out and "PAYLOAD RAN" not in out
+    assert _resumed_step(tmp_path / "run") == [before]
+    assert _equal(resumed, uninterrupted)  # as a resume from step `before` is
+
+
+# ------------------------------------------------------------------- leftovers of a fetch --
+def test_a_killed_fetchs_temp_folders_are_removed_at_the_next_run(tmp_path, capsys):
+    _, config, _ = _stopped_at_12(tmp_path)
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "run").mkdir()  # the lock file a killed process leaves
+    (tmp_path / "run" / ".ironloop.lock").write_text(
+        '{"pid": 4242, "host": "gone", "started": "2026-01-01 00:00:00 UTC"}\n')
+    left = [tmp_path / "run" / "checkpoints" / ".remote-step-00000012.tmp-4242",
+            tmp_path / "run" / ".remote-logs.tmp-4242"]
+    for path in left:
+        path.mkdir(parents=True)
+        (path / "half").write_bytes(b"half a download")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert not any(p.exists() for p in left)
+    out = capsys.readouterr().out
+    assert all(f"notice: removed {p}: a fetch that was killed left it\n" in out for p in left)
+    assert not list((tmp_path / "run").rglob(".remote-*.tmp-*"))
+
+
+# ------------------------------------------------------------------------- the CLI: one line --
+CLI = ["configs/digits.yaml", "model.name=mlp", "train.max_steps=6", "checkpoint.every_steps=3",
+       "log.progress=off", "doctor.preflight=false"]
+
+
+def _train(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "ironloop", "train", *CLI,
+                           f"run.dir={run_dir}", *extra], cwd=REPO, text=True,
+                          capture_output=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_cli_every_manifest_garbled_is_one_line_exit_2_and_the_store_keeps_everything(
+        tmp_path):
+    url = f"file://{tmp_path}/remote"
+    first = _train(tmp_path / "run", f"checkpoint.remote={url}")
+    assert first.returncode == 0, first.stderr
+    remote = open_remote(url)
+    for step in remote.manifests():
+        remote.write(f"manifests/step-{step:08d}.json", b'{"files": ["../x"]}')
+    held = _store(tmp_path / "remote")
+    shutil.rmtree(tmp_path / "run")
+    again = _train(tmp_path / "run", f"checkpoint.remote={url}", "--resume")
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.count("\n") == 1 and "Traceback" not in again.stderr
+    assert "every checkpoint in checkpoint.remote" in again.stderr
+    assert _store(tmp_path / "remote") == held
