@@ -13,15 +13,18 @@ import io
 import json
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import open_remote
 from tests.conftest import REPO
@@ -254,3 +257,98 @@ def test_cli_every_manifest_garbled_is_one_line_exit_2_and_the_store_keeps_every
     assert again.stderr.count("\n") == 1 and "Traceback" not in again.stderr
     assert "every checkpoint in checkpoint.remote" in again.stderr
     assert _store(tmp_path / "remote") == held
+
+
+# ------------------------------------------------------------------------------- outages --
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _outage(kind: str, monkeypatch) -> None:
+    """The store as a run meets it after the environment changed: nothing listens at the
+    endpoint, or no credentials anywhere."""
+    if kind == "unreachable":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries: a second, not five
+    else:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+
+
+OUTAGES = ["unreachable", "no credentials"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_s3_clients():
+    """s3fs keeps one client per set of options: a test's outage must not outlive it."""
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    yield
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+
+
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_an_outage_with_good_local_checkpoints_resumes_from_them_and_says_so(
+        tmp_path, s3, monkeypatch, capsys, uninterrupted, outage):
+    url, _ = s3
+    config = _config(tmp_path, checkpoint__remote=url, checkpoint__remote_retries=0,
+                     checkpoint__remote_wait_s=0.5)
+    _fit(config, callbacks=[StopAt(12)])
+    _outage(outage, monkeypatch)
+    resumed = _fit(config, resume=True)
+    out = capsys.readouterr().out
+    assert f"warning: checkpoint.remote {url} cannot be used (" in out
+    assert f"resuming from run.dir's own {tmp_path / 'run' / 'checkpoints'}" in out
+    assert "uploads retry in the background" in out
+    assert _resumed_step(tmp_path / "run") == [12]
+    assert _equal(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_an_outage_with_nothing_local_refuses_naming_the_store(tmp_path, s3, monkeypatch,
+                                                               outage):
+    url, _ = s3
+    config = _config(tmp_path, checkpoint__remote=url)
+    _outage(outage, monkeypatch)
+    with pytest.raises(UserError, match=rf"checkpoint\.remote {url} cannot be used .*check its "
+                                        r"endpoint, credentials and network: run\.dir .* holds "
+                                        r"no checkpoint"):
+        _fit(config, resume=True)
+    with pytest.raises(UserError, match=rf"checkpoint\.remote {url} cannot be used"):
+        _fit(config)  # a fresh run cannot check that no other run holds the store
+    with pytest.raises(UserError, match=rf"checkpoint\.remote {url} cannot be used"):
+        export_run(url, tmp_path / "m.safetensors", "last")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bucket_that_does_not_exist_is_named_and_never_created(tmp_path, s3):
+    url, fs = s3
+    typo = url.replace("s3://b-", "s3://typo-b-")
+    with pytest.raises(UserError, match=r"the bucket 'typo-b-.*' does not exist .* never "
+                                        r"creates one"):
+        _fit(_config(tmp_path, checkpoint__remote=typo))
+    assert not fs.exists(typo.removeprefix("s3://").split("/")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outage", OUTAGES)
+@pytest.mark.parametrize("command", ["train", "train --resume", "export"])
+def test_cli_an_outage_at_the_start_is_one_line_exit_2(tmp_path, s3, s3_server, monkeypatch,
+                                                       outage, command):
+    url, _ = s3
+    _outage(outage, monkeypatch)
+    import os
+
+    args = ["export", url, "--out", str(tmp_path / "m.safetensors")] if command == "export" \
+        else ["train", *CLI, f"run.dir={tmp_path / 'run'}", f"checkpoint.remote={url}",
+              *command.split()[1:]]
+    done = subprocess.run([sys.executable, "-m", "ironloop", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=300, env=dict(os.environ))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"checkpoint.remote {url} cannot be used" in done.stderr

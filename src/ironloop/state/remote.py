@@ -90,7 +90,7 @@ class Remote:
         except (FileNotFoundError, UserError):
             raise
         except Exception as e:  # botocore, aiohttp, gcsfs: any error type of theirs
-            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be reached "
+            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be used "
                                    f"({type(e).__name__}: {_short(e)}); check its endpoint, "
                                    f"credentials and network") from e
 
@@ -99,12 +99,13 @@ class Remote:
         if not self.bucketed:
             return
         bucket = self.root.split("/", 1)[0]
-        with self._reaching():
-            found = self.fs.exists(bucket)
-        if not found:
+        try:  # not fs.exists: s3fs answers False for a store it cannot reach
+            with self._reaching():
+                self.fs.ls(bucket, detail=False)
+        except FileNotFoundError:
             raise UserError(f"checkpoint.remote {self.url}: the bucket {bucket!r} does not "
                             f"exist (or these credentials cannot see it); ironloop never "
-                            f"creates one: create it, or fix the URL")
+                            f"creates one: create it, or fix the URL") from None
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -441,6 +442,8 @@ def _marker_files(data: bytes, step: int) -> dict:
 
 
 def _short(e: BaseException) -> str:
+    if isinstance(e, StoreUnavailable) and e.__cause__ is not None:  # the store's own words
+        e = e.__cause__
     text = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
     return text if len(text) <= 160 else text[:157] + "..."
 
