@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -24,6 +25,7 @@ import torch
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state import remote_lease
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import open_remote
@@ -116,8 +118,9 @@ def test_a_tampered_manifest_changes_no_byte_outside_the_fetch_and_the_resume_fa
 
 # --------------------------------------------------- garbled manifests lose no remote object --
 def _store(root: Path) -> dict[str, str]:
+    """Every checkpoint object of a file:// store; not lease.json, each run's claim on it."""
     return {p.relative_to(root).as_posix(): file_digest(p) for p in sorted(root.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.name != "lease.json"}
 
 
 @pytest.mark.parametrize("garble", [b"{\"step\": ", b"[]", b"\x00" * 64])
@@ -352,3 +355,104 @@ def test_cli_an_outage_at_the_start_is_one_line_exit_2(tmp_path, s3, s3_server, 
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"checkpoint.remote {url} cannot be used" in done.stderr
+
+
+# ------------------------------------------------------------------ one writer per prefix --
+def _lease_of(url: str, **fields) -> None:
+    """Another node's lease on ``url``, refreshed just now unless ``fields`` say otherwise."""
+    lease = {"lineage": "l" * 32, "run": "r" * 32, "host": "node-b", "pid": 77,
+             "refreshed": time.time(), "released": False, **fields}
+    open_remote(url).write(remote_lease.LEASE, json.dumps(lease).encode())
+
+
+def test_a_fresh_run_refuses_a_prefix_another_node_holds_a_live_lease_on(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    _lease_of(url)
+    with pytest.raises(UserError, match=r"checkpoint\.remote .* is in use by run rrrrrrrr "
+                                        r"\(pid 77 on node-b\), whose lease was refreshed"):
+        _fit(_config(tmp_path, checkpoint__remote=url))
+    assert open_remote(url).manifests() == [] and not (tmp_path / "run").exists()
+    assert remote_lease.read(open_remote(url)).host == "node-b"  # its lease stays
+
+
+def test_a_resume_waits_out_a_lease_that_is_not_refreshed_then_takes_it_over(
+        tmp_path, monkeypatch, capsys):
+    url, config, _ = _stopped_at_12(tmp_path)
+    lineage = remote_lease.read(open_remote(url)).lineage
+    monkeypatch.setattr(remote_lease, "TTL_S", 1.5)  # a killed node's lease, soon to expire
+    monkeypatch.setattr(remote_lease, "_POLL_S", 0.1)
+    _lease_of(url, lineage=lineage)
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert "is leased to run rrrrrrrr (pid 77 on node-b); waiting up to" in \
+        capsys.readouterr().out
+    lease = remote_lease.read(open_remote(url))
+    assert (lease.lineage, lease.released) == (lineage, True)  # the same lineage, ended
+    assert lease.run != "r" * 32 and _resumed_step(tmp_path / "run") == [12]
+
+
+def test_a_resume_is_refused_while_another_node_refreshes_its_lease(tmp_path, monkeypatch):
+    url, config, _ = _stopped_at_12(tmp_path)
+    monkeypatch.setattr(remote_lease, "_POLL_S", 0.05)
+    _lease_of(url)
+    real_read = remote_lease.read
+
+    def refreshed_elsewhere(remote):  # node-b refreshes between two looks
+        _lease_of(url)
+        return real_read(remote)
+
+    monkeypatch.setattr(remote_lease, "read", refreshed_elsewhere)
+    held = _store(tmp_path / "remote")
+    with pytest.raises(UserError, match=r"in use by run rrrrrrrr .* which refreshed its lease "
+                                        r"just now; a second writer would delete"):
+        _fit(config, resume=True)
+    assert _store(tmp_path / "remote") == held
+
+
+LONG = ["configs/digits.yaml", "model.name=mlp", "train.epochs=50", "checkpoint.every_steps=5",
+        "log.progress=off", "doctor.preflight=false"]
+
+
+def _popen(run_dir: Path, *extra: str) -> subprocess.Popen:
+    import os
+
+    return subprocess.Popen([sys.executable, "-m", "ironloop", "train", *LONG,
+                             f"run.dir={run_dir}", *extra], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_two_fresh_runs_started_together_on_one_prefix_one_is_refused(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    runs = [_popen(tmp_path / f"run{i}", f"checkpoint.remote={url}", "train.epochs=2")
+            for i in range(2)]
+    done = [(p.wait(timeout=300), p.communicate()) for p in runs]
+    codes = sorted(code for code, _ in done)
+    assert codes == [0, 2], [err for _, (_, err) in done]
+    refused = next(err for code, (_, err) in done if code == 2)
+    assert refused.count("\n") == 1 and ("is in use by run" in refused
+                                         or "at the same moment" in refused), refused
+
+
+@pytest.mark.slow
+def test_a_live_run_on_this_host_keeps_its_prefix_until_it_is_killed(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    live = _popen(tmp_path / "run", f"checkpoint.remote={url}")
+    try:
+        deadline = time.monotonic() + 300
+        while not open_remote(url).manifests():  # it is writing there now
+            assert live.poll() is None, live.communicate()
+            assert time.monotonic() < deadline, "no checkpoint reached the remote"
+            time.sleep(0.05)
+        config = _config(tmp_path, "stray", checkpoint__remote=url)
+        for resume in (False, True):  # a stray fresh run, a stray resume on another run.dir
+            with pytest.raises(UserError, match=rf"in use by run .* \(pid {live.pid} on "):
+                _fit(config, resume=resume)
+    finally:
+        live.kill()
+        live.communicate(timeout=60)
+    held = open_remote(url).manifests()
+    requeued = _popen(tmp_path / "run", f"checkpoint.remote={url}", "--resume")
+    out, err = requeued.communicate(timeout=300)
+    assert requeued.returncode == 0, err
+    assert held and "is leased to" not in out  # its pid is gone: taken over at once

@@ -33,7 +33,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -43,159 +42,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ironloop.errors import CheckpointError, UserError
-from ironloop.extras import require
+from ironloop.errors import CheckpointError
 
+from . import remote_lease
 from .io import file_digest, fsync_dir
-from .remote_manifest import LOGS, checked, checked_files
+from .remote_manifest import LOGS, checked_files
+from .remote_store import LOGS_DIR, MANIFESTS, Remote, StoreUnavailable, open_remote, short_error
 
-MANIFESTS = "manifests"
-LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
+__all__ = ["LOGS", "Remote", "StoreUnavailable", "open_remote"]  # the store, as callers use it
+
 FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
-_MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
-_STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
-_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
 
 
 def is_remote(location: str | Path) -> bool:
     return isinstance(location, str) and "://" in location
-
-
-# ----------------------------------------------------------------------------------- store --
-#: Protocols whose top folder is a bucket: it must exist (a typo must not create a new one),
-#: and objects need no parent folders.
-_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
-
-
-class StoreUnavailable(UserError):
-    """``checkpoint.remote`` cannot be reached or used: the network, the endpoint, the
-    credentials or the permissions. Not damage: a resume never falls back past it."""
-
-
-class Remote:
-    """One remote checkpoint folder: paths relative to it, and the few operations used. Any
-    store error but a missing object is a StoreUnavailable naming the URL."""
-
-    def __init__(self, fs: Any, root: str, url: str):
-        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
-        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else [fs.protocol]
-        self.bucketed = bool(_BUCKETED & set(protocols))
-
-    @contextlib.contextmanager
-    def _reaching(self):
-        try:
-            yield
-        except (FileNotFoundError, UserError):
-            raise
-        except Exception as e:  # botocore, aiohttp, gcsfs: any error type of theirs
-            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be used "
-                                   f"({type(e).__name__}: {_short(e)}); check its endpoint, "
-                                   f"credentials and network") from e
-
-    def require_bucket(self) -> None:
-        """A bucket that does not exist is an error naming it: it is never created."""
-        if not self.bucketed:
-            return
-        bucket = self.root.split("/", 1)[0]
-        try:  # not fs.exists: s3fs answers False for a store it cannot reach
-            with self._reaching():
-                self.fs.ls(bucket, detail=False)
-        except FileNotFoundError:
-            raise UserError(f"checkpoint.remote {self.url}: the bucket {bucket!r} does not "
-                            f"exist (or these credentials cannot see it); ironloop never "
-                            f"creates one: create it, or fix the URL") from None
-
-    def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def show(self, rel: str) -> str:
-        """``rel`` as the user's URL spells it, for messages."""
-        return f"{self.url}/{rel}"
-
-    def _parent(self, rel: str) -> None:
-        if not self.bucketed:  # s3fs's makedirs would create a missing bucket
-            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-
-    def put(self, local: Path, rel: str) -> None:
-        with self._reaching():
-            self._parent(rel)
-            self.fs.put_file(str(local), self.path(rel))
-
-    def write(self, rel: str, data: bytes) -> None:
-        with self._reaching():
-            self._parent(rel)
-            self.fs.pipe_file(self.path(rel), data)
-
-    def read(self, rel: str) -> bytes:
-        with self._reaching():
-            return self.fs.cat_file(self.path(rel))
-
-    def get(self, rel: str, local: Path) -> None:
-        with self._reaching():
-            self.fs.get_file(self.path(rel), str(local))
-
-    def delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError), self._reaching():
-            self.fs.rm(self.path(rel), recursive=True)
-
-    def names(self, rel: str = "") -> list[str]:
-        """The base names directly under ``rel`` ([] when it does not exist)."""
-        self.fs.invalidate_cache()  # another process (another rank, another node) writes too
-        try:
-            with self._reaching():
-                found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in found]
-
-    def manifests(self) -> list[int]:
-        """The steps with a complete checkpoint (a manifest), oldest first."""
-        return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, self.names(MANIFESTS))
-                      if m)
-
-    def manifest(self, step: int) -> dict:
-        """The manifest of ``step``, its shape checked (``remote_manifest.checked``): a
-        CheckpointError naming what is wrong otherwise."""
-        return checked(self.read(f"{MANIFESTS}/step-{step:08d}.json"), step)
-
-    def step_objects(self) -> dict[int, list[str]]:
-        """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
-        ``step-N.dcp`` at the remote's top, and its log snapshot ``logs/step-N``."""
-        found: dict[int, list[str]] = {}
-        for name in self.names():
-            m = _STEP_OBJECT_RE.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), []).append(name)
-        for name in self.names(LOGS_DIR):
-            m = _LOG_STEP_RE.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), []).append(f"{LOGS_DIR}/{name}")
-        return found
-
-    def remove_checkpoint(self, step: int) -> None:
-        """Manifest first: from then on the checkpoint does not count, whatever is left."""
-        self.delete(f"{MANIFESTS}/step-{step:08d}.json")
-        for name in self.names(MANIFESTS):
-            if name.startswith(f"step-{step:08d}.rank"):
-                self.delete(f"{MANIFESTS}/{name}")
-        for name in self.step_objects().get(step, []):
-            self.delete(name)
-
-
-def open_remote(url: str, options: dict | None = None) -> Remote:
-    """The fsspec filesystem for ``url``; fsspec (and s3fs, gcsfs) are imported only here."""
-    fsspec = require("fsspec", "remote", f"checkpoint.remote={url}")
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    except ImportError as e:  # fsspec names the package: "Install s3fs to access S3"
-        raise UserError(f"checkpoint.remote={url} needs a package that is not installed "
-                        f"({str(e).splitlines()[0]}): pip install 'ironloop[remote]'") from None
-    except (ValueError, TypeError) as e:
-        raise UserError(f"checkpoint.remote={url} cannot be opened ({e}); check the URL and "
-                        f"checkpoint.remote_options") from None
-    return Remote(fs, root, url)
 
 
 # ---------------------------------------------------------------------------------- upload --
@@ -237,6 +99,10 @@ class Mirror:
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
         self.failed: list[int] = []
         self._deferred: int | None = None  # discard_after's step, while the store is down
+        # rank 0's claim on the prefix (remote_lease), made at the start of the run
+        self.lease = remote_lease.held(remote.url) if rank == 0 else None
+        if self.lease is not None:
+            self.lease.start(warn)
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
 
     # -- the training side: never touches the network ------------------------------------
@@ -286,6 +152,8 @@ class Mirror:
             for job in self._pending:  # not started: dropped (the one in flight may finish)
                 shutil.rmtree(job.staged, ignore_errors=True)
             self._pending.clear()
+        if self.lease is not None:
+            self.lease.release()
         return self._summary(unfinished) if self.rank == 0 else None
 
     def _summary(self, unfinished: list[int]) -> str:
@@ -316,7 +184,7 @@ class Mirror:
             except Exception as e:  # noqa: BLE001 - an upload never stops training
                 self.failed.append(job.step)
                 self._warn(f"warning: remote checkpoint step {job.step} was not uploaded to "
-                           f"{self.remote.url} ({_short(e)}); the local copy is intact and "
+                           f"{self.remote.url} ({short_error(e)}); the local copy is intact and "
                            f"training goes on")
             finally:
                 shutil.rmtree(job.staged, ignore_errors=True)
@@ -332,8 +200,9 @@ class Mirror:
             except Exception as e:  # any store or network error is retried
                 if attempt == self.retries:
                     raise
-                self._warn(f"warning: uploading {what} to {self.remote.url} failed ({_short(e)});"
-                           f" retry {attempt + 1} of {self.retries} in {delay:g} s")
+                self._warn(f"warning: uploading {what} to {self.remote.url} failed "
+                           f"({short_error(e)}); retry {attempt + 1} of {self.retries} in "
+                           f"{delay:g} s")
                 time.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         return None
@@ -391,6 +260,8 @@ class Mirror:
         manifest first; only checkpoints older than the one that just landed, and only those
         whose manifest reads back well-formed: one that does not is kept, never deleted
         unread."""
+        if not self._owner():
+            return
         readable = {s: m for s in self.remote.manifests() if s <= newest
                     for m in [self._readable(s)] if m is not None}
         steps = sorted(readable)
@@ -420,7 +291,13 @@ class Mirror:
                        f"background")
             return []
 
+    def _owner(self) -> bool:
+        """Whether this run may delete in the prefix: not once another run took it over."""
+        return self.lease is None or self.lease.owned
+
     def _discard_after(self, step: int) -> list[str]:
+        if not self._owner():
+            return []
         manifests = {s for s in self.remote.manifests() if s > step}
         orphans = {s for s in self.remote.step_objects() if s > step} - manifests
         gone = sorted(orphans | {s for s in manifests if self._readable(s) is not None})
@@ -439,13 +316,6 @@ def _marker_files(data: bytes, step: int) -> dict:
     if not isinstance(marker, dict):
         raise CheckpointError(f"the rank marker of step {step} is not a JSON object")
     return checked_files(marker.get("files"), step, "dcp")
-
-
-def _short(e: BaseException) -> str:
-    if isinstance(e, StoreUnavailable) and e.__cause__ is not None:  # the store's own words
-        e = e.__cause__
-    text = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 # ---------------------------------------------------------------------------------- resume --
@@ -469,7 +339,7 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
                 continue
             return _download(remote, manifest, directory, verified, check)
         except (CheckpointError, OSError) as e:
-            reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+            reason = str(e) if isinstance(e, CheckpointError) else short_error(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
                  f"({reason}); falling back to an older one")
     return None
@@ -556,7 +426,7 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
     try:
         names = _download_logs(remote, logs, run_dir)
     except (CheckpointError, OSError) as e:
-        reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+        reason = str(e) if isinstance(e, CheckpointError) else short_error(e)
         return (f"warning: the remote logs {where} are damaged ({reason}); resuming without "
                 f"them: run.dir's logs start at step {step}")
     return f"notice: restored {', '.join(names)} from {where}: the run's logs up to step {step}"

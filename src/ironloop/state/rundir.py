@@ -16,7 +16,7 @@ import yaml
 from ironloop.config import Config
 from ironloop.errors import CheckpointError, UserError
 from ironloop.parallel.world import World, barrier, gather_objects
-from ironloop.state import dcp as sharded, drift, remote as mirror
+from ironloop.state import dcp as sharded, drift, remote as mirror, remote_lease
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, claim, written_by_ironloop
 from ironloop.state.manager import has_checkpoints, step_entries
@@ -233,6 +233,7 @@ def _fetch(ckpt_dir: Path, cfg: Config, local: tuple[Path, dict] | None,
     logs = functools.partial(_restore_logs, remote, ckpt_dir.parent)
     try:
         remote.require_bucket()
+        remote_lease.claim(remote, resume=True)  # before the run deletes anything there
         fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn, verified=logs,
                                       check=sharded.check_any)
         held = remote.manifests() if fetched is None and local is None else []
@@ -282,8 +283,10 @@ def fresh_remote(cfg: Config, overwrite: bool) -> None:
     refused, or with --overwrite, those are deleted (manifests first)."""
     remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
     remote.require_bucket()
+    lease = remote_lease.claim(remote, resume=False)  # refused while another run writes there
     held = sorted(set(remote.manifests()) | set(remote.step_objects()))
     if held and not overwrite:
+        lease.release()
         raise UserError(f"checkpoint.remote {remote.url} already holds a run's checkpoints "
                         f"(steps {held[0]}..{held[-1]}); pass --resume to continue it, "
                         f"--overwrite to delete them and start over, or choose another "
