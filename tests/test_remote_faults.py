@@ -25,11 +25,11 @@ import torch
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.outputs.readers import read_jsonl
-from ironloop.state import remote_lease
+from ironloop.state import dcp as sharded, remote_lease
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
-from ironloop.state.remote import open_remote
-from tests.conftest import REPO
+from ironloop.state.remote import Mirror, fetch_newest, open_remote
+from tests.conftest import REPO, tiny_mlp
 from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
 __all__ = ["s3", "s3_server", "uninterrupted"]  # fixtures shared with test_remote.py
@@ -456,3 +456,34 @@ def test_a_live_run_on_this_host_keeps_its_prefix_until_it_is_killed(tmp_path):
     out, err = requeued.communicate(timeout=300)
     assert requeued.returncode == 0, err
     assert held and "is leased to" not in out  # its pid is gone: taken over at once
+
+
+def test_a_sharded_checkpoint_with_a_pickle_in_its_extras_falls_back_to_the_older_one(
+        tmp_path, capsys):
+    """A .dcp whose extras-rank0.pt holds a pickle payload, its manifest updated to match:
+    refused by its own load check on the fetched copy, and the older one fetched instead."""
+    url = f"file://{tmp_path}/remote"
+    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=2)
+    manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=2, mirror=mirror)
+    model = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in (3, 6):
+        manager.save({"format_version": 1, "progress": {"step": step, "epoch": 0,
+                                                        "offset": 0}}, model, opt, step)
+    manager.close()
+    root = tmp_path / "remote"
+    name = "step-00000006.dcp/extras-rank0.pt"
+    (root / name).write_bytes(pickle.dumps(_Payload()))
+    inner = root / "step-00000006.dcp" / "manifest.json"  # its own digests updated too
+    own = json.loads(inner.read_text())
+    own["files"]["extras-rank0.pt"] = file_digest(root / name)
+    inner.write_text(json.dumps(own))
+    files = {**open_remote(url).manifest(6)["files"],
+             **{str(p.relative_to(root)): {"blake2b": file_digest(p), "size": p.stat().st_size}
+                for p in (root / name, inner)}}
+    _tamper(url, 6, lambda m: {**m, "files": files})
+    got = fetch_newest(open_remote(url), tmp_path / "new", -1, print, check=sharded.check_any)
+    out = capsys.readouterr().out
+    assert got is not None and sharded.verify(got) == 3
+    assert f"remote checkpoint {url}/step-00000006 is damaged" in out
+    assert "PAYLOAD RAN" not in out and not (tmp_path / "new" / "step-00000006.dcp").exists()
