@@ -20,8 +20,10 @@ Retention follows ``keep_last`` (at least the newest is kept) plus the newest be
 checkpoints are deleted with their logs, manifest first, only after the newer manifest landed.
 A failed upload is retried with backoff and warned about, never raised: training goes on with
 its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint
-newer than the local one, checks every digest and falls back past damaged ones with a one-line
-reason each. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
+newer than the local one, its manifest checked first (``remote_manifest.py``: every byte from
+the store is untrusted), into a fresh temp folder in run.dir; it checks every digest and the
+checkpoint's own load check, and falls back past damaged ones with a one-line reason each.
+The store's operations are ``remote_store.py``; one writer per prefix, ``remote_lease.py``. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
 checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
 warning and the checkpoint resumes without it. The resume then truncates them as any resume
 does (``outputs/runlog.py``), so the history continues from step 1 with each row once.
