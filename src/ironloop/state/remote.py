@@ -23,7 +23,8 @@ its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete re
 newer than the local one, its manifest checked first (``remote_manifest.py``: every byte from
 the store is untrusted), into a fresh temp folder in run.dir; it checks every digest and the
 checkpoint's own load check, and falls back past damaged ones with a one-line reason each.
-The store's operations are ``remote_store.py``; one writer per prefix, ``remote_lease.py``. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
+The store's operations are ``remote_store.py``; one writer per prefix, ``remote_lease.py``.
+When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
 checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
 warning and the checkpoint resumes without it. The resume then truncates them as any resume
 does (``outputs/runlog.py``), so the history continues from step 1 with each row once.
@@ -154,8 +155,8 @@ class Mirror:
             for job in self._pending:  # not started: dropped (the one in flight may finish)
                 shutil.rmtree(job.staged, ignore_errors=True)
             self._pending.clear()
-        if self.lease is not None:
-            self.lease.release()
+        if self.lease is not None:  # within the same bounded wait
+            self.lease.release(deadline - time.monotonic())
         return self._summary(unfinished) if self.rank == 0 else None
 
     def _summary(self, unfinished: list[int]) -> str:

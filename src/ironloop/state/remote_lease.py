@@ -168,15 +168,23 @@ class Holder:
             except (StoreUnavailable, CheckpointError):
                 continue  # the store is down: the next tick tries again
 
-    def release(self) -> None:
-        """At the run's end: a resume elsewhere may take the prefix at once."""
+    def release(self, wait_s: float = 10.0) -> None:
+        """At the run's end: marked released, so a resume elsewhere may take the prefix at
+        once. The write runs in a thread, given ``wait_s`` at most: a stalled store never
+        holds the run's end longer (the lease then expires after TTL_S)."""
         self._stop.set()
         _live.discard(self.lease.run)
         _claimed.pop(self.remote.url, None)
         if self.owned:
             self.lease.released = True
-            with contextlib.suppress(StoreUnavailable):  # else it expires after TTL_S
-                _write(self.remote, self.lease)
+            writer = threading.Thread(target=self._write_quietly, daemon=True,
+                                      name="ironloop-remote-lease")
+            writer.start()
+            writer.join(timeout=max(wait_s, 0.0))
+
+    def _write_quietly(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            _write(self.remote, self.lease)
 
 
 _claimed: dict[str, Holder] = {}  # URL -> the lease this process holds there
