@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -487,3 +488,40 @@ def test_a_sharded_checkpoint_with_a_pickle_in_its_extras_falls_back_to_the_olde
     assert got is not None and sharded.verify(got) == 3
     assert f"remote checkpoint {url}/step-00000006 is damaged" in out
     assert "PAYLOAD RAN" not in out and not (tmp_path / "new" / "step-00000006.dcp").exists()
+
+
+def test_two_claims_that_both_found_the_prefix_free_end_with_one_writer(tmp_path, monkeypatch):
+    """The race no look-before-write can close: both runs read "no lease", both write theirs;
+    each reads its own back after SETTLE_S, and only the write that landed last goes on."""
+    remote = open_remote(f"file://{tmp_path}/remote")
+    both_looked = threading.Barrier(2)
+    first_look = threading.local()
+    real_read = remote_lease.read
+
+    def read(store):  # each thread's first look waits for the other's: both see it free
+        found = real_read(store)
+        if not getattr(first_look, "done", False):
+            first_look.done = True
+            both_looked.wait(timeout=60)
+        return found
+
+    monkeypatch.setattr(remote_lease, "read", read)
+    results: list = []
+
+    def start() -> None:
+        try:
+            results.append(remote_lease.claim(remote, resume=False))
+        except UserError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    holders = [r for r in results if isinstance(r, remote_lease.Holder)]
+    refused = [str(r) for r in results if isinstance(r, UserError)]
+    assert len(holders) == 1 and len(refused) == 1, results
+    assert "at the same moment as this run; one writer per prefix" in refused[0]
+    assert real_read(remote).run == holders[0].lease.run
+    holders[0].release()
