@@ -525,3 +525,17 @@ def test_two_claims_that_both_found_the_prefix_free_end_with_one_writer(tmp_path
     assert "at the same moment as this run; one writer per prefix" in refused[0]
     assert real_read(remote).run == holders[0].lease.run
     holders[0].release()
+
+
+def test_orphaned_remote_objects_of_this_run_are_removed_by_its_next_upload(tmp_path):
+    url, config, _ = _stopped_at_12(tmp_path)
+    remote = open_remote(url)
+    # what a killed upload of step 3 left (no manifest), and a step whose manifest is garbled
+    remote.put(tmp_path / "run" / "checkpoints" / "step-00000012.pt", "step-00000003.pt")
+    remote.put(tmp_path / "run" / "metrics.jsonl", "logs/step-00000003/metrics.jsonl")
+    remote.put(tmp_path / "run" / "checkpoints" / "step-00000012.pt", "step-00000004.pt")
+    remote.write("manifests/step-00000004.json", b"garbled")
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert 3 not in remote.step_objects() and "step-00000003" not in remote.names("logs")
+    assert 4 in remote.step_objects() and 4 in remote.manifests()  # unread: never deleted
+    assert remote.manifests()[-1] == 13

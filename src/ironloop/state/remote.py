@@ -262,10 +262,17 @@ class Mirror:
         """Delete remote checkpoints past ``keep_last`` (never the newest best save), each
         manifest first; only checkpoints older than the one that just landed, and only those
         whose manifest reads back well-formed: one that does not is kept, never deleted
-        unread."""
+        unread. Orphaned objects older than it (no manifest) go too. Nothing once another run
+        took the prefix over."""
         if not self._owner():
             return
-        readable = {s: m for s in self.remote.manifests() if s <= newest
+        manifests = self.remote.manifests()
+        # objects of steps with no manifest at all, older than the one that just landed: this
+        # run's uploads that a kill cut short or that a newer checkpoint superseded mid-way
+        for step in sorted(set(self.remote.step_objects()) - set(manifests)):
+            if step < newest:
+                self.remote.remove_checkpoint(step)
+        readable = {s: m for s in manifests if s <= newest
                     for m in [self._readable(s)] if m is not None}
         steps = sorted(readable)
         best = [s for s in reversed(steps) if readable[s].get("best")][:1]
