@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import ironloop
 from ironloop.callbacks import Callback
-from ironloop.errors import UserError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.outputs.readers import read_jsonl
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -88,6 +89,33 @@ def test_callback_state_is_checkpointed_and_resumed(tmp_path):
                  callbacks=[resumed],
                  resume=str(tmp_path / "run" / "checkpoints" / "step-00000005.pt"))
     assert resumed.steps == 14  # 5 restored from the checkpoint + 9 seen after it
+
+
+class NumpyBest(Callback):
+    """Keeps the best loss as a numpy scalar, as ``np.min(losses)`` returns it."""
+
+    def __init__(self):
+        self.best = {"loss": np.float64(1.5), "seen": [1, 2]}
+
+    def on_step_end(self, run, metrics):
+        pass
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state):
+        self.best = state["best"]
+
+
+def test_a_callback_state_a_checkpoint_cannot_load_fails_at_the_first_save_naming_it(
+        tmp_path):
+    conf = cfg(tmp_path, train__epochs=2, checkpoint__every_steps=5)
+    with pytest.raises(CheckpointError, match=r"^callback 1:NumpyBest: its state_dict holds "
+                                              r"np\.float64\(1\.5\) \(numpy\.float64\) at "
+                                              r"\['best'\]\['loss'\], which a checkpoint "
+                                              r"cannot load back .*\(float\(x\)"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf, callbacks=[StepCounter(), NumpyBest()])
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*.pt"))
 
 
 def test_an_object_with_no_hooks_is_refused(tmp_path):

@@ -27,9 +27,13 @@ Callbacks run on every rank; check ``run.world.is_main`` for work only one proce
 
 from __future__ import annotations
 
+import io
+from collections import OrderedDict
 from typing import Any
 
-from ironloop.errors import ConfigError
+import torch
+
+from ironloop.errors import CheckpointError, ConfigError
 from ironloop.specs import import_spec
 
 HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_checkpoint",
@@ -87,9 +91,61 @@ def _key(i: int, cb) -> str:
 
 
 def callbacks_state(callbacks: list) -> dict:
-    """The state of every stateful callback, keyed by position and class name."""
-    return {_key(i, cb): cb.state_dict() for i, cb in enumerate(callbacks)
-            if hasattr(cb, "state_dict")}
+    """The state of every stateful callback, keyed by position and class name. A state the
+    checkpoint could not load back (``torch.load(weights_only=True)`` refuses a numpy scalar
+    or any other object) is refused here, at the save, naming the callback and the value:
+    otherwise every checkpoint is written and every one is later rejected as damaged."""
+    states = {}
+    for i, cb in enumerate(callbacks):
+        if hasattr(cb, "state_dict"):
+            states[_key(i, cb)] = state = cb.state_dict()
+            bad = _unloadable(state, "")
+            if bad is not None:
+                where, value = bad
+                kind = f"{type(value).__module__}.{type(value).__qualname__}"
+                raise CheckpointError(
+                    f"callback {_key(i, cb)}: its state_dict holds {_show(value)} ({kind}) at "
+                    f"{where or 'its top'}, which a checkpoint cannot load back "
+                    f"(weights_only); return plain Python values instead (float(x), int(x), "
+                    f"x.tolist()) or tensors")
+    return states
+
+
+_PLAIN = (str, int, float, bool, bytes, type(None))
+
+
+def _unloadable(value: Any, where: str) -> tuple[str, Any] | None:
+    """(where, value) of the first part of a state that ``torch.load(weights_only=True)``
+    would refuse; None when it loads. Tensors and plain values are never saved here: only an
+    unusual leaf is tried on its own, so a large state costs one walk."""
+    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
+        return None
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            bad = _unloadable(key, f"{where}[{key!r}]") or \
+                _unloadable(item, f"{where}[{key!r}]")
+            if bad is not None:
+                return bad
+        return None
+    if type(value) in (list, tuple):
+        for n, item in enumerate(value):
+            bad = _unloadable(item, f"{where}[{n}]")
+            if bad is not None:
+                return bad
+        return None
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # noqa: BLE001 - pickle and torch raise many kinds for one cause
+        return where, value
+    return None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_callbacks_state(callbacks: list, state: dict | None) -> None:

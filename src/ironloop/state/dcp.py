@@ -43,7 +43,15 @@ from ironloop.state.dcp_safe import (
     refused_item,
 )
 
-from .io import LoadFailure, file_digest, fsync_dir, load_checked, save_atomic, write_failed
+from .io import (
+    LoadFailure,
+    file_digest,
+    fsync_dir,
+    load_checked,
+    load_verified,
+    save_atomic,
+    write_failed,
+)
 from .manager import retention_victims, step_entries
 from .remote import Mirror
 
@@ -405,3 +413,19 @@ def latest_any(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict
             raise errors[0]
         return None
     return max(found, key=lambda hit: hit[1]["progress"]["step"])
+
+
+def check_any(path: Path) -> None:
+    """A checkpoint's own load check, file or sharded (a fetched copy's, before it takes its
+    place): a ``.pt``'s digest of its contents, read with weights_only; a ``.dcp``'s manifest,
+    metadata and every rank's extras. CheckpointError naming what failed."""
+    path = Path(path)
+    if path.suffix != ".dcp":
+        load_verified(path)
+        return
+    try:
+        verify(path)
+        for extras in sorted(path.glob("extras-rank*.pt")):
+            load_checked(extras, "cpu")
+    except LoadFailure as e:
+        raise CheckpointError(str(e)) from None

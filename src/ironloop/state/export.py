@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from ironloop.errors import UserError
 from ironloop.state import dcp as sharded, remote
-from ironloop.state.io import load_verified, strip_prefixes, temp_path
+from ironloop.state.io import load_verified, remove_quietly, strip_prefixes, temp_path
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
@@ -20,10 +20,24 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
                for k, v in strip_prefixes(state_dict).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
-    # One metadata key only: safetensors writes the metadata map in hash order, so with two
-    # keys identical weights could give different bytes (and different checksums).
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    try:
+        # One metadata key only: safetensors writes the metadata map in hash order, so with
+        # two keys identical weights could give different bytes (and different checksums).
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    except BaseException as e:
+        remove_quietly(tmp)  # a full disk leaves no half-written temp file behind
+        if isinstance(e, OSError) or "I/O error" in str(e):  # safetensors' own error type
+            raise UserError(f"{path} cannot be written ({_io_reason(e)}); free space (or "
+                            f"raise the quota) on {path.parent} and try again: a run's "
+                            f"checkpoints are intact, and --resume finishes it") from None
+        raise
+
+
+def _io_reason(e: BaseException) -> str:
+    """The OS's words: safetensors says 'Error while serializing: I/O error: <reason>'."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return text.rsplit("I/O error: ", 1)[-1].strip()[:120]
 
 
 def export_run(run_dir: Path | str, out: Path, which: str = "best", force: bool = False) -> Path:
@@ -79,10 +93,11 @@ def _averaged(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _export_remote(url: str, out: Path, which: str, force: bool) -> Path:
     store = remote.open_remote(url)
+    store.require_bucket()
     with tempfile.TemporaryDirectory(prefix="ironloop-export-") as tmp:
         ckpts = Path(tmp) / "checkpoints"
         got = remote.fetch_newest(store, ckpts, -1, lambda msg: print(f"warning: {msg}"),
-                                  best=which == "best")
+                                  best=which == "best", check=sharded.check_any)
         if got is None:
             raise UserError(f"{url} holds no complete {which} checkpoint"
                             + (": pass --which last" if which == "best" and store.manifests()

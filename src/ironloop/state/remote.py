@@ -20,8 +20,11 @@ Retention follows ``keep_last`` (at least the newest is kept) plus the newest be
 checkpoints are deleted with their logs, manifest first, only after the newer manifest landed.
 A failed upload is retried with backoff and warned about, never raised: training goes on with
 its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint
-newer than the local one, checks every digest and falls back past damaged ones with a one-line
-reason each. When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
+newer than the local one, its manifest checked first (``remote_manifest.py``: every byte from
+the store is untrusted), into a fresh temp folder in run.dir; it checks every digest and the
+checkpoint's own load check, and falls back past damaged ones with a one-line reason each.
+The store's operations are ``remote_store.py``; one writer per prefix, ``remote_lease.py``.
+When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
 checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
 warning and the checkpoint resumes without it. The resume then truncates them as any resume
 does (``outputs/runlog.py``), so the history continues from step 1 with each row once.
@@ -33,8 +36,8 @@ import contextlib
 import functools
 import json
 import os
-import re
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,114 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ironloop.errors import CheckpointError, UserError
-from ironloop.extras import require
+from ironloop.errors import CheckpointError
 
-from .io import file_digest, fsync_dir, remove_quietly
+from . import remote_lease
+from .io import file_digest, fsync_dir
+from .remote_manifest import LOGS, checked_files
+from .remote_store import LOGS_DIR, MANIFESTS, Remote, StoreUnavailable, open_remote, short_error
 
-MANIFESTS = "manifests"
-LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
+__all__ = ["LOGS", "Remote", "StoreUnavailable", "open_remote"]  # the store, as callers use it
+
 FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
-#: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
-#: no tb/ files, so TensorBoard must get every row again from the restored JSONL.
-LOGS = ("metrics.jsonl", "epochs.jsonl", "evals.jsonl", "scalars.jsonl", "events.jsonl",
-        "guard.jsonl", "run.json")
-_MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
-_STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
-_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
 
 
 def is_remote(location: str | Path) -> bool:
     return isinstance(location, str) and "://" in location
-
-
-# ----------------------------------------------------------------------------------- store --
-class Remote:
-    """One remote checkpoint folder: paths relative to it, and the few operations used."""
-
-    def __init__(self, fs: Any, root: str, url: str):
-        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
-
-    def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def show(self, rel: str) -> str:
-        """``rel`` as the user's URL spells it, for messages."""
-        return f"{self.url}/{rel}"
-
-    def put(self, local: Path, rel: str) -> None:
-        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-        self.fs.put_file(str(local), self.path(rel))
-
-    def write(self, rel: str, data: bytes) -> None:
-        self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(self.path(rel), data)
-
-    def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
-
-    def get(self, rel: str, local: Path) -> None:
-        self.fs.get_file(self.path(rel), str(local))
-
-    def delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path(rel), recursive=True)
-
-    def names(self, rel: str = "") -> list[str]:
-        """The base names directly under ``rel`` ([] when it does not exist)."""
-        self.fs.invalidate_cache()  # another process (another rank, another node) writes too
-        try:
-            found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in found]
-
-    def manifests(self) -> list[int]:
-        """The steps with a complete checkpoint (a manifest), oldest first."""
-        return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, self.names(MANIFESTS))
-                      if m)
-
-    def manifest(self, step: int) -> dict:
-        return json.loads(self.read(f"{MANIFESTS}/step-{step:08d}.json"))
-
-    def step_objects(self) -> dict[int, list[str]]:
-        """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
-        ``step-N.dcp`` at the remote's top, and its log snapshot ``logs/step-N``."""
-        found: dict[int, list[str]] = {}
-        for name in self.names():
-            m = _STEP_OBJECT_RE.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), []).append(name)
-        for name in self.names(LOGS_DIR):
-            m = _LOG_STEP_RE.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), []).append(f"{LOGS_DIR}/{name}")
-        return found
-
-    def remove_checkpoint(self, step: int) -> None:
-        """Manifest first: from then on the checkpoint does not count, whatever is left."""
-        self.delete(f"{MANIFESTS}/step-{step:08d}.json")
-        for name in self.names(MANIFESTS):
-            if name.startswith(f"step-{step:08d}.rank"):
-                self.delete(f"{MANIFESTS}/{name}")
-        for name in self.step_objects().get(step, []):
-            self.delete(name)
-
-
-def open_remote(url: str, options: dict | None = None) -> Remote:
-    """The fsspec filesystem for ``url``; fsspec (and s3fs, gcsfs) are imported only here."""
-    fsspec = require("fsspec", "remote", f"checkpoint.remote={url}")
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    except ImportError as e:  # fsspec names the package: "Install s3fs to access S3"
-        raise UserError(f"checkpoint.remote={url} needs a package that is not installed "
-                        f"({str(e).splitlines()[0]}): pip install 'ironloop[remote]'") from None
-    except (ValueError, TypeError) as e:
-        raise UserError(f"checkpoint.remote={url} cannot be opened ({e}); check the URL and "
-                        f"checkpoint.remote_options") from None
-    return Remote(fs, root, url)
 
 
 # ---------------------------------------------------------------------------------- upload --
@@ -190,6 +101,11 @@ class Mirror:
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
         self.failed: list[int] = []
+        self._deferred: int | None = None  # discard_after's step, while the store is down
+        # rank 0's claim on the prefix (remote_lease), made at the start of the run
+        self.lease = remote_lease.held(remote.url) if rank == 0 else None
+        if self.lease is not None:
+            self.lease.start(warn)
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
 
     # -- the training side: never touches the network ------------------------------------
@@ -239,6 +155,8 @@ class Mirror:
             for job in self._pending:  # not started: dropped (the one in flight may finish)
                 shutil.rmtree(job.staged, ignore_errors=True)
             self._pending.clear()
+        if self.lease is not None:  # within the same bounded wait
+            self.lease.release(deadline - time.monotonic())
         return self._summary(unfinished) if self.rank == 0 else None
 
     def _summary(self, unfinished: list[int]) -> str:
@@ -269,7 +187,7 @@ class Mirror:
             except Exception as e:  # noqa: BLE001 - an upload never stops training
                 self.failed.append(job.step)
                 self._warn(f"warning: remote checkpoint step {job.step} was not uploaded to "
-                           f"{self.remote.url} ({_short(e)}); the local copy is intact and "
+                           f"{self.remote.url} ({short_error(e)}); the local copy is intact and "
                            f"training goes on")
             finally:
                 shutil.rmtree(job.staged, ignore_errors=True)
@@ -285,13 +203,20 @@ class Mirror:
             except Exception as e:  # any store or network error is retried
                 if attempt == self.retries:
                     raise
-                self._warn(f"warning: uploading {what} to {self.remote.url} failed ({_short(e)});"
-                           f" retry {attempt + 1} of {self.retries} in {delay:g} s")
+                self._warn(f"warning: uploading {what} to {self.remote.url} failed "
+                           f"({short_error(e)}); retry {attempt + 1} of {self.retries} in "
+                           f"{delay:g} s")
                 time.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         return None
 
     def _upload(self, job: _Job) -> None:
+        deferred = self._deferred
+        if deferred is not None:  # the store did not answer at the start
+            for url in self._retry("the start's clean-up", lambda: self._discard_after(deferred)):
+                self._warn(f"notice: removed {url} from the remote: it is past the step this "
+                           f"run resumed from")
+            self._deferred = None
         for local in sorted(p for p in job.staged.rglob("*") if p.is_file()):
             name = local.relative_to(job.staged).as_posix()
             # the logs apart: "files" must name one checkpoint (older readers check that)
@@ -323,7 +248,7 @@ class Mirror:
             rel = f"{MANIFESTS}/step-{job.step:08d}.rank{r}.json"
             while True:
                 try:
-                    files.update(json.loads(self.remote.read(rel))["files"])
+                    files.update(_marker_files(self.remote.read(rel), job.step))
                     break
                 except FileNotFoundError:
                     if time.monotonic() > deadline:
@@ -335,71 +260,117 @@ class Mirror:
 
     def _retain(self, newest: int) -> None:
         """Delete remote checkpoints past ``keep_last`` (never the newest best save), each
-        manifest first; only checkpoints older than the one that just landed."""
-        steps = [s for s in self.remote.manifests() if s <= newest]
-        best = [s for s in reversed(steps) if self.remote.manifest(s).get("best")][:1]
+        manifest first; only checkpoints older than the one that just landed, and only those
+        whose manifest reads back well-formed: one that does not is kept, never deleted
+        unread. Orphaned objects older than it (no manifest) go too. Nothing once another run
+        took the prefix over."""
+        if not self._owner():
+            return
+        manifests = self.remote.manifests()
+        # objects of steps with no manifest at all, older than the one that just landed: this
+        # run's uploads that a kill cut short or that a newer checkpoint superseded mid-way
+        for step in sorted(set(self.remote.step_objects()) - set(manifests)):
+            if step < newest:
+                self.remote.remove_checkpoint(step)
+        readable = {s: m for s in manifests if s <= newest
+                    for m in [self._readable(s)] if m is not None}
+        steps = sorted(readable)
+        best = [s for s in reversed(steps) if readable[s].get("best")][:1]
         for step in steps[: max(len(steps) - self.keep, 0)]:
             if step not in best:
                 self.remote.remove_checkpoint(step)
 
+    def _readable(self, step: int) -> dict | None:
+        try:
+            return self.remote.manifest(step)
+        except CheckpointError as e:
+            self._warn(f"warning: kept {self.remote.show(f'step-{step:08d}')}: its manifest is "
+                       f"unreadable ({e}); ironloop deletes no checkpoint it cannot read")
+            return None
+
     def discard_after(self, step: int) -> list[str]:
-        """At the start of a run: remove remote checkpoints past ``step`` (an abandoned future,
-        or uploads a kill cut short), with or without their manifest. Returns their URLs."""
-        gone = set(s for s in self.remote.manifests() if s > step)
-        gone |= {s for s in self.remote.step_objects() if s > step}
-        for s in sorted(gone):
+        """At the start of a run: remove remote checkpoints past ``step`` (an abandoned future
+        whose manifest reads back well-formed, or uploads a kill cut short: no manifest at
+        all). Returns their URLs. A store that does not answer now is warned about and this
+        is done by the upload thread before its first upload."""
+        try:
+            return self._discard_after(step)
+        except StoreUnavailable as e:
+            self._deferred = step
+            self._warn(f"warning: {e}; training goes on from run.dir and uploads retry in the "
+                       f"background")
+            return []
+
+    def _owner(self) -> bool:
+        """Whether this run may delete in the prefix: not once another run took it over."""
+        return self.lease is None or self.lease.owned
+
+    def _discard_after(self, step: int) -> list[str]:
+        if not self._owner():
+            return []
+        manifests = {s for s in self.remote.manifests() if s > step}
+        orphans = {s for s in self.remote.step_objects() if s > step} - manifests
+        gone = sorted(orphans | {s for s in manifests if self._readable(s) is not None})
+        for s in gone:
             self.remote.remove_checkpoint(s)
-        return [self.remote.show(f"step-{s:08d}") for s in sorted(gone)]
+        return [self.remote.show(f"step-{s:08d}") for s in gone]
 
 
-def _short(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
+def _marker_files(data: bytes, step: int) -> dict:
+    """The files a rank's marker (``manifests/step-N.rankR.json``) names, checked as a
+    manifest's are."""
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"the rank marker of step {step} is not a JSON object")
+    return checked_files(marker.get("files"), step, "dcp")
 
 
 # ---------------------------------------------------------------------------------- resume --
 def fetch_newest(remote: Remote, directory: Path, above: int,
                  warn: Callable[[str], object], best: bool = False,
-                 verified: Callable[[dict], object] | None = None) -> Path | None:
+                 verified: Callable[[dict], object] | None = None,
+                 check: Callable[[Path], object] | None = None) -> Path | None:
     """Download the newest complete remote checkpoint with a step above ``above`` into
-    ``directory`` (a best save with ``best``), checking every file's digest; damaged or
-    incomplete ones are skipped with a one-line reason each. Returns its local path, or None
-    when there is none. ``verified`` gets its manifest once its files are checked and before
-    the checkpoint takes its place (a kill in between leaves no checkpoint)."""
+    ``directory`` (a best save with ``best``). Newest to oldest, as on disk, each is skipped
+    with a one-line reason when its manifest is malformed (``remote_manifest.checked``, before
+    anything is fetched), an object is missing or does not match its digest, or the copy fails
+    ``check``, the checkpoint's own load check (a CheckpointError). Returns its local path, or
+    None when there is none. ``verified`` gets its manifest once it passed and before the
+    checkpoint takes its place (a kill in between leaves no checkpoint). A store that cannot
+    be reached raises StoreUnavailable: that is not damage to fall back past."""
     steps = [s for s in reversed(remote.manifests()) if s > above]
     for step in steps:
         try:
             manifest = remote.manifest(step)
             if best and not manifest.get("best"):
                 continue
-            return _download(remote, manifest, directory, verified)
-        except (CheckpointError, ValueError, KeyError, OSError) as e:
-            reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+            return _download(remote, manifest, directory, verified, check)
+        except (CheckpointError, OSError) as e:
+            reason = str(e) if isinstance(e, CheckpointError) else short_error(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
                  f"({reason}); falling back to an older one")
     return None
 
 
 def _download(remote: Remote, manifest: dict, directory: Path,
-              verified: Callable[[dict], object] | None) -> Path:
-    step, files = int(manifest["step"]), manifest["files"]
-    tmp = directory / f".remote-step-{step:08d}.tmp-{os.getpid()}"
+              verified: Callable[[dict], object] | None,
+              check: Callable[[Path], object] | None) -> Path:
+    step, files = manifest["step"], manifest["files"]
     directory.mkdir(parents=True, exist_ok=True)  # only now: an empty run.dir stays empty
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a folder of its own, never one a killed fetch left (remove_leftovers deletes those)
+    tmp = Path(tempfile.mkdtemp(prefix=f".remote-step-{step:08d}.tmp-{os.getpid()}-",
+                                dir=directory))
     try:
         for name, want in files.items():
-            local = tmp / name
+            local = _inside(tmp, name)
             local.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                remote.get(name, local)
-            except FileNotFoundError:
-                raise CheckpointError(f"{name} missing") from None
-            if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
-                raise CheckpointError(f"{name} checksum mismatch")
-        top = {name.split("/", 1)[0] for name in files}
-        if len(top) != 1:
-            raise CheckpointError("its manifest names more than one checkpoint")
-        name = top.pop()
+            _get_checked(remote, name, local, want)
+        name = next(iter(files)).split("/", 1)[0]  # checked(): step-N.pt or step-N.dcp only
+        if check is not None:
+            check(tmp / name)
         if verified is not None:
             verified(manifest)
         target = directory / name
@@ -410,7 +381,38 @@ def _download(remote: Remote, manifest: dict, directory: Path,
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        remove_quietly(tmp)
+
+
+def _inside(folder: Path, rel: str) -> Path:
+    """``folder / rel``, refused unless it stays in ``folder``: ``checked`` lets only plain
+    names through, and this is the one place a remote name becomes a local path."""
+    path = folder / rel
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{rel[:120]!r} would be written outside the fetch folder")
+    return path
+
+
+def _get_checked(remote: Remote, rel: str, local: Path, want: dict) -> None:
+    try:
+        remote.get(rel, local)
+    except FileNotFoundError:
+        raise CheckpointError(f"{rel} missing") from None
+    if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
+        raise CheckpointError(f"{rel} checksum mismatch")
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """The temp folders of fetches a kill cut short (``.remote-step-N.tmp-*`` in checkpoints/,
+    ``.remote-logs.tmp-*`` in run.dir): called under run.dir's lock, so no live fetch owns
+    them. Returns what was removed."""
+    found = [*Path(run_dir, "checkpoints").glob(".remote-step-*.tmp-*"),
+             *Path(run_dir).glob(".remote-logs.tmp-*")]
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
@@ -420,7 +422,7 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
 
     Nothing local is overwritten: a run.dir with any log of its own keeps them all. A damaged
     snapshot restores nothing (no history with holes); an older manifest has no ``logs``."""
-    step = int(manifest["step"])
+    step = manifest["step"]
     where = remote.show(f"{LOGS_DIR}/step-{step:08d}")
     logs = manifest.get("logs") or {}
     own = [name for name in LOGS if (run_dir / name).exists()]
@@ -433,32 +435,22 @@ def restore_logs(remote: Remote, manifest: dict, run_dir: Path) -> str | None:
                 f"ironloop wrote it): run.dir's logs start at step {step}")
     try:
         names = _download_logs(remote, logs, run_dir)
-    except (CheckpointError, ValueError, KeyError, OSError) as e:
-        reason = str(e) if isinstance(e, CheckpointError) else _short(e)
+    except (CheckpointError, OSError) as e:
+        reason = str(e) if isinstance(e, CheckpointError) else short_error(e)
         return (f"warning: the remote logs {where} are damaged ({reason}); resuming without "
                 f"them: run.dir's logs start at step {step}")
     return f"notice: restored {', '.join(names)} from {where}: the run's logs up to step {step}"
 
 
 def _download_logs(remote: Remote, logs: dict, run_dir: Path) -> list[str]:
-    """Every file of ``logs`` (remote name -> digest and size) into a temp folder, checked,
-    then moved into ``run_dir`` under its base name. The caller found none of them there, and
-    run.dir's lock (state/lock.py) keeps any other process out, so nothing is overwritten."""
-    tmp = run_dir / f".remote-logs.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Every file of ``logs`` (checked: each ``logs/step-N/<one of LOGS>``) into a fresh temp
+    folder, checked, then moved into ``run_dir`` under its base name. The caller found none of
+    them there, and run.dir's lock (state/lock.py) keeps any other process out, so nothing is
+    overwritten."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".remote-logs.tmp-{os.getpid()}-", dir=run_dir))
     try:
         for rel, want in logs.items():
-            name = rel.rsplit("/", 1)[-1]
-            if name not in LOGS:  # the manifest says where files go: only the known names
-                raise CheckpointError(f"{rel} is not a log a run writes")
-            try:
-                remote.get(rel, tmp / name)
-            except FileNotFoundError:
-                raise CheckpointError(f"{rel} missing") from None
-            if (tmp / name).stat().st_size != want["size"] \
-                    or file_digest(tmp / name) != want["blake2b"]:
-                raise CheckpointError(f"{rel} checksum mismatch")
+            _get_checked(remote, rel, _inside(tmp, rel.rsplit("/", 1)[-1]), want)
         names = [name for name in LOGS if (tmp / name).exists()]
         for name in names:
             os.replace(tmp / name, run_dir / name)

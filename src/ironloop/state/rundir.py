@@ -15,8 +15,8 @@ import yaml
 
 from ironloop.config import Config
 from ironloop.errors import CheckpointError, UserError
-from ironloop.parallel.world import World, barrier
-from ironloop.state import dcp as sharded, drift, remote as mirror
+from ironloop.parallel.world import World, barrier, gather_objects
+from ironloop.state import dcp as sharded, drift, remote as mirror, remote_lease
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, claim, written_by_ironloop
 from ironloop.state.manager import has_checkpoints, step_entries
@@ -190,31 +190,76 @@ def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict]
     """The newest valid checkpoint to resume from: run.dir's, or, when ``checkpoint.remote``
     has a newer complete one (a new node, an emptied disk), that one, fetched into run.dir
     (``ckpt_dir``'s parent) with the run's logs as they were at its step, when run.dir has
-    none of its own. The resume then truncates them as it does local logs."""
+    none of its own. The resume then truncates them as it does local logs.
+
+    Rank 0 fetches; a refusal there (the store unreachable with nothing local, every remote
+    checkpoint damaged) is handed to every rank, so all of them stop with the same line."""
     if not cfg.checkpoint.remote:
         return sharded.latest_any(ckpt_dir, warn)
-    remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
     local, error = None, None
     try:
         local = sharded.latest_any(ckpt_dir, warn)
     except CheckpointError as e:  # every local one is damaged: the remote may hold a good one
         error = e
-    fetched = None
+    fetched, refusal = None, None
     if world.is_main:  # rank 0 fetches; every rank reads run.dir, as for a local resume
-        above = local[1]["progress"]["step"] if local is not None else -1
-        logs = functools.partial(_restore_logs, remote, ckpt_dir.parent)
-        fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn, verified=logs)
-        if fetched is not None:
-            print(f"notice: fetched {remote.show(fetched.name)} into {fetched}: it is newer "
-                  f"than anything in run.dir")
-            if not (ckpt_dir / "best.pt").exists():  # the final restore reads best.pt
-                _fetch_best(remote, ckpt_dir, warn)
-    barrier(world)
+        try:
+            fetched = _fetch(ckpt_dir, cfg, local, warn)
+        except UserError as e:
+            refusal = e
+    agreed = gather_objects(None if refusal is None else str(refusal), world)[0]
+    if refusal is not None:
+        raise refusal
+    if agreed is not None:
+        raise UserError(agreed)
     if fetched is not None or world.distributed:  # read again: the fetched one is the newest
         return sharded.latest_any(ckpt_dir, lambda msg: None)
     if error is not None:
         raise error
     return local
+
+
+def _fetch(ckpt_dir: Path, cfg: Config, local: tuple[Path, dict] | None,
+           warn) -> Path | None:
+    """Rank 0: the remote checkpoint newer than ``local``, fetched and checked, or None. With
+    a good local checkpoint, a store that does not answer is a warning (the run resumes from
+    it and uploads retry in the background); without one, it is the refusal."""
+    for path in mirror.remove_leftovers(ckpt_dir.parent):
+        print(f"notice: removed {path}: a fetch that was killed left it")
+    said: set[str] = set()
+    warn = functools.partial(_once, warn, said)  # the best save's fetch meets the same damage
+    remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
+    above = local[1]["progress"]["step"] if local is not None else -1
+    logs = functools.partial(_restore_logs, remote, ckpt_dir.parent)
+    try:
+        remote.require_bucket()
+        remote_lease.claim(remote, resume=True)  # before the run deletes anything there
+        fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn, verified=logs,
+                                      check=sharded.check_any)
+        held = remote.manifests() if fetched is None and local is None else []
+    except mirror.StoreUnavailable as e:
+        if local is None:
+            raise UserError(f"{e}: run.dir {ckpt_dir.parent} holds no checkpoint to resume "
+                            f"from without it") from None
+        warn(f"{e}; resuming from run.dir's own {local[0]}")
+        return None
+    if held:  # nothing local and nothing remote passed: refused as a local resume would be
+        raise CheckpointError(f"every checkpoint in checkpoint.remote {remote.url} is damaged "
+                              f"(steps {held[0]}..{held[-1]}, see the warnings above) and "
+                              f"run.dir has none; nothing was deleted. Repair or remove them "
+                              f"yourself, or choose another checkpoint.remote")
+    if fetched is not None:
+        print(f"notice: fetched {remote.show(fetched.name)} into {fetched}: it is newer than "
+              f"anything in run.dir")
+        if not (ckpt_dir / "best.pt").exists():  # the final restore reads best.pt
+            _fetch_best(remote, ckpt_dir, warn)
+    return fetched
+
+
+def _once(warn, said: set[str], line: str) -> None:
+    if line not in said:
+        said.add(line)
+        warn(line)
 
 
 def _restore_logs(remote: mirror.Remote, run_dir: Path, manifest: dict) -> None:
@@ -226,7 +271,7 @@ def _restore_logs(remote: mirror.Remote, run_dir: Path, manifest: dict) -> None:
 
 
 def _fetch_best(remote: mirror.Remote, ckpt_dir: Path, warn) -> None:
-    best = mirror.fetch_newest(remote, ckpt_dir, -1, warn, best=True)
+    best = mirror.fetch_newest(remote, ckpt_dir, -1, warn, best=True, check=sharded.check_any)
     if best is not None and best.suffix == ".pt":
         best.with_name(".best.pt.tmp-fetch").unlink(missing_ok=True)
         os.link(best, best.with_name(".best.pt.tmp-fetch"))
@@ -237,8 +282,11 @@ def fresh_remote(cfg: Config, overwrite: bool) -> None:
     """A fresh run must not mix its checkpoints with another run's in checkpoint.remote:
     refused, or with --overwrite, those are deleted (manifests first)."""
     remote = mirror.open_remote(cfg.checkpoint.remote, cfg.checkpoint.remote_options)
+    remote.require_bucket()
+    lease = remote_lease.claim(remote, resume=False)  # refused while another run writes there
     held = sorted(set(remote.manifests()) | set(remote.step_objects()))
     if held and not overwrite:
+        lease.release()
         raise UserError(f"checkpoint.remote {remote.url} already holds a run's checkpoints "
                         f"(steps {held[0]}..{held[-1]}); pass --resume to continue it, "
                         f"--overwrite to delete them and start over, or choose another "

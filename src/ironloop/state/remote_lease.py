@@ -1,0 +1,195 @@
+"""One writer per ``checkpoint.remote`` prefix: the lease object ``lease.json``.
+
+Two runs writing one prefix delete each other's checkpoints (retention, a resume's discard of
+an abandoned future). So rank 0 claims the prefix before it deletes or uploads anything there:
+
+* ``lease.json`` names the lineage (the run as its user knows it, kept across resumes), this
+  process's run id, its host and pid, and when it was last refreshed; the mirror refreshes it
+  every ``TTL_S / 3`` while the run lives and marks it released at the end (``Lease``);
+* a fresh run refuses a prefix whose lease is live (the "already holds a run's checkpoints"
+  refusal in rundir.py covers the runs that ended);
+* a resume takes over a released or expired lease and keeps its lineage. A live one it
+  watches for up to ``TTL_S``: a killed run's lease expires (on the same host at once, when
+  its pid is gone), a live run refreshes it, and then the resume is refused, naming it;
+* an object store has no compare-and-swap, so after writing its lease a run waits
+  ``SETTLE_S`` and reads it back: of two runs that started together, the one whose write
+  landed last goes on and the other is refused.
+
+Times are each host's wall clock: hosts whose clocks differ by more than ``TTL_S`` can
+misjudge a lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from ironloop.errors import CheckpointError, UserError
+
+from .remote_store import Remote, StoreUnavailable
+
+LEASE = "lease.json"
+TTL_S = 30.0  # a lease not refreshed for this long belongs to a run that is gone
+SETTLE_S = 0.5  # how long two concurrent claims have to both land before either reads back
+_POLL_S = 1.0
+_live: set[str] = set()  # run ids whose lease this process holds now
+
+
+@dataclass
+class Lease:
+    """What ``lease.json`` holds, and (for this process's own) its refresher."""
+
+    lineage: str
+    run: str = field(default_factory=lambda: uuid.uuid4().hex)
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    refreshed: float = field(default_factory=time.time)
+    released: bool = False
+
+    def who(self) -> str:
+        return f"run {self.run[:8]} (pid {self.pid} on {self.host})"
+
+    def live(self) -> bool:
+        if self.released or time.time() > self.refreshed + TTL_S:
+            return False
+        if self.host == socket.gethostname() and self.run not in _live:
+            return self.pid != os.getpid() and _alive(self.pid)  # ours, or killed: gone
+        return True
+
+
+def read(remote: Remote) -> Lease | None:
+    """The prefix's lease, or None (none yet, or one too garbled to name anybody)."""
+    try:
+        data = json.loads(remote.read(LEASE))
+        return Lease(**{k: data[k] for k in ("lineage", "run", "host", "pid", "refreshed",
+                                             "released")})
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print) -> Holder:
+    """Claim ``remote`` for this run (rank 0, before anything there is deleted or uploaded),
+    or raise a UserError naming the run that holds it."""
+    earlier = _claimed.get(remote.url)
+    if earlier is not None and earlier.started is False:  # a run of this process was refused
+        earlier.release()
+    found = read(remote)
+    if found is not None and found.live():
+        if not resume:
+            raise UserError(f"checkpoint.remote {remote.url} is in use by {found.who()}, "
+                            f"whose lease was refreshed {time.time() - found.refreshed:.0f} s "
+                            f"ago; wait for that run to end, or choose another "
+                            f"checkpoint.remote")
+        _wait_out(remote, found, say)
+    mine = Lease(lineage=found.lineage if found is not None and resume else uuid.uuid4().hex)
+    _write(remote, mine)
+    time.sleep(SETTLE_S)  # see the module's docstring: the write that landed last wins
+    back = read(remote)
+    if back is None or back.run != mine.run:
+        raise UserError(f"checkpoint.remote {remote.url} was claimed by "
+                        f"{back.who() if back else 'another run'} at the same moment as this "
+                        f"run; one writer per prefix: choose another checkpoint.remote, or "
+                        f"resume that one")
+    return Holder(remote, mine)
+
+
+def _wait_out(remote: Remote, found: Lease, say: Callable[[str], object]) -> None:
+    """Until ``found`` expires (its run was killed): or a UserError when it is refreshed, or
+    names a process that runs on this host."""
+    if found.host == socket.gethostname():  # live() saw its pid running
+        raise _in_use(remote, found, "runs on this host")
+    say(f"notice: checkpoint.remote {remote.url} is leased to {found.who()}; waiting up to "
+        f"{found.refreshed + TTL_S - time.time():.0f} s for the lease to expire, as a killed "
+        f"run's does")
+    while time.time() <= found.refreshed + TTL_S:
+        time.sleep(_POLL_S)
+        now = read(remote)
+        if now is None or now.released:
+            return
+        if now.run != found.run or now.refreshed != found.refreshed:
+            raise _in_use(remote, now, "refreshed its lease just now")
+
+
+def _in_use(remote: Remote, lease: Lease, how: str) -> UserError:
+    return UserError(f"checkpoint.remote {remote.url} is in use by {lease.who()}, which {how}; "
+                     f"a second writer would delete its checkpoints: wait for it to end (or "
+                     f"stop it), or choose another checkpoint.remote")
+
+
+def _write(remote: Remote, lease: Lease) -> None:
+    remote.write(LEASE, json.dumps(asdict(lease)).encode())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the pid exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Holder:
+    """This run's lease: refreshed in a thread of its own, so the loop never waits on it;
+    ``owned`` turns False for good when another run took the prefix over (this one stalled
+    past ``TTL_S``): the mirror then deletes nothing there."""
+
+    def __init__(self, remote: Remote, lease: Lease):
+        self.remote, self.lease, self.owned = remote, lease, True
+        self._stop = threading.Event()
+        self.started = False  # the mirror refreshes it: the run got past its start
+        _live.add(lease.run)
+        _claimed[remote.url] = self
+
+    def start(self, warn: Callable[[str], object]) -> None:
+        self.started = True
+        threading.Thread(target=self._refresh, args=(warn,), daemon=True,
+                         name="ironloop-remote-lease").start()
+
+    def _refresh(self, warn: Callable[[str], object]) -> None:
+        while not self._stop.wait(TTL_S / 3):
+            try:
+                now = read(self.remote)
+                if now is not None and now.run != self.lease.run:
+                    self.owned = False
+                    warn(f"warning: checkpoint.remote {self.remote.url} was taken over by "
+                         f"{now.who()}; this run uploads on but deletes nothing there")
+                    return
+                self.lease.refreshed = time.time()
+                _write(self.remote, self.lease)
+            except (StoreUnavailable, CheckpointError):
+                continue  # the store is down: the next tick tries again
+
+    def release(self, wait_s: float = 10.0) -> None:
+        """At the run's end: marked released, so a resume elsewhere may take the prefix at
+        once. The write runs in a thread, given ``wait_s`` at most: a stalled store never
+        holds the run's end longer (the lease then expires after TTL_S)."""
+        self._stop.set()
+        _live.discard(self.lease.run)
+        _claimed.pop(self.remote.url, None)
+        if self.owned:
+            self.lease.released = True
+            writer = threading.Thread(target=self._write_quietly, daemon=True,
+                                      name="ironloop-remote-lease")
+            writer.start()
+            writer.join(timeout=max(wait_s, 0.0))
+
+    def _write_quietly(self) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            _write(self.remote, self.lease)
+
+
+_claimed: dict[str, Holder] = {}  # URL -> the lease this process holds there
+
+
+def held(url: str) -> Holder | None:
+    """The lease this process claimed on ``url`` (for the mirror to refresh), if any."""
+    return _claimed.get(url.rstrip("/"))

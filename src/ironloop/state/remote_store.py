@@ -1,0 +1,163 @@
+"""The remote checkpoint folder (``checkpoint.remote``) as a store: its names, and the few
+operations the mirror and the resume use, with every store error but a missing object turned
+into one StoreUnavailable naming the URL. fsspec (and s3fs, gcsfs) are imported only here."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any
+
+from ironloop.errors import UserError
+from ironloop.extras import require
+
+from .remote_manifest import checked
+
+MANIFESTS = "manifests"
+LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
+_MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
+_STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+# ----------------------------------------------------------------------------------- store --
+#: Protocols whose top folder is a bucket: it must exist (a typo must not create a new one),
+#: and objects need no parent folders.
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
+
+
+class StoreUnavailable(UserError):
+    """``checkpoint.remote`` cannot be reached or used: the network, the endpoint, the
+    credentials or the permissions. Not damage: a resume never falls back past it."""
+
+
+class Remote:
+    """One remote checkpoint folder: paths relative to it, and the few operations used. Any
+    store error but a missing object is a StoreUnavailable naming the URL."""
+
+    def __init__(self, fs: Any, root: str, url: str):
+        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else [fs.protocol]
+        self.bucketed = bool(_BUCKETED & set(protocols))
+
+    @contextlib.contextmanager
+    def _reaching(self):
+        try:
+            yield
+        except (FileNotFoundError, UserError):
+            raise
+        except Exception as e:  # botocore, aiohttp, gcsfs: any error type of theirs
+            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be used "
+                                   f"({type(e).__name__}: {short_error(e)}); check its endpoint, "
+                                   f"credentials and network") from e
+
+    def require_bucket(self) -> None:
+        """A bucket that does not exist is an error naming it: it is never created."""
+        if not self.bucketed:
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:  # not fs.exists: s3fs answers False for a store it cannot reach
+            with self._reaching():
+                self.fs.ls(bucket, detail=False)
+        except FileNotFoundError:
+            raise UserError(f"checkpoint.remote {self.url}: the bucket {bucket!r} does not "
+                            f"exist (or these credentials cannot see it); ironloop never "
+                            f"creates one: create it, or fix the URL") from None
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def show(self, rel: str) -> str:
+        """``rel`` as the user's URL spells it, for messages."""
+        return f"{self.url}/{rel}"
+
+    def _parent(self, rel: str) -> None:
+        if not self.bucketed:  # s3fs's makedirs would create a missing bucket
+            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
+
+    def put(self, local: Path, rel: str) -> None:
+        with self._reaching():
+            self._parent(rel)
+            self.fs.put_file(str(local), self.path(rel))
+
+    def write(self, rel: str, data: bytes) -> None:
+        with self._reaching():
+            self._parent(rel)
+            self.fs.pipe_file(self.path(rel), data)
+
+    def read(self, rel: str) -> bytes:
+        with self._reaching():
+            return self.fs.cat_file(self.path(rel))
+
+    def get(self, rel: str, local: Path) -> None:
+        with self._reaching():
+            self.fs.get_file(self.path(rel), str(local))
+
+    def delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError), self._reaching():
+            self.fs.rm(self.path(rel), recursive=True)
+
+    def names(self, rel: str = "") -> list[str]:
+        """The base names directly under ``rel`` ([] when it does not exist)."""
+        self.fs.invalidate_cache()  # another process (another rank, another node) writes too
+        try:
+            with self._reaching():
+                found = self.fs.ls(self.path(rel) if rel else self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    def manifests(self) -> list[int]:
+        """The steps with a complete checkpoint (a manifest), oldest first."""
+        return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.match, self.names(MANIFESTS))
+                      if m)
+
+    def manifest(self, step: int) -> dict:
+        """The manifest of ``step``, its shape checked (``remote_manifest.checked``): a
+        CheckpointError naming what is wrong otherwise."""
+        return checked(self.read(f"{MANIFESTS}/step-{step:08d}.json"), step)
+
+    def step_objects(self) -> dict[int, list[str]]:
+        """step -> what its checkpoint holds besides the manifest: ``step-N.pt`` or
+        ``step-N.dcp`` at the remote's top, and its log snapshot ``logs/step-N``."""
+        found: dict[int, list[str]] = {}
+        for name in self.names():
+            m = _STEP_OBJECT_RE.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(name)
+        for name in self.names(LOGS_DIR):
+            m = _LOG_STEP_RE.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(f"{LOGS_DIR}/{name}")
+        return found
+
+    def remove_checkpoint(self, step: int) -> None:
+        """Manifest first: from then on the checkpoint does not count, whatever is left."""
+        self.delete(f"{MANIFESTS}/step-{step:08d}.json")
+        for name in self.names(MANIFESTS):
+            if name.startswith(f"step-{step:08d}.rank"):
+                self.delete(f"{MANIFESTS}/{name}")
+        for name in self.step_objects().get(step, []):
+            self.delete(name)
+
+
+def open_remote(url: str, options: dict | None = None) -> Remote:
+    """The fsspec filesystem for ``url``; fsspec (and s3fs, gcsfs) are imported only here."""
+    fsspec = require("fsspec", "remote", f"checkpoint.remote={url}")
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    except ImportError as e:  # fsspec names the package: "Install s3fs to access S3"
+        raise UserError(f"checkpoint.remote={url} needs a package that is not installed "
+                        f"({str(e).splitlines()[0]}): pip install 'ironloop[remote]'") from None
+    except (ValueError, TypeError) as e:
+        raise UserError(f"checkpoint.remote={url} cannot be opened ({e}); check the URL and "
+                        f"checkpoint.remote_options") from None
+    return Remote(fs, root, url)
+
+
+def short_error(e: BaseException) -> str:
+    if isinstance(e, StoreUnavailable) and e.__cause__ is not None:  # the store's own words
+        e = e.__cause__
+    text = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."

@@ -1,0 +1,34 @@
+"""state/export.py: weights out as safetensors, written atomically or not at all."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# A file-size limit is a real write failure (EFBIG) without a full disk to fill: the process
+# ignores SIGXFSZ, so the write returns the error as a full disk's would (ENOSPC).
+FULL = """
+import resource, signal, sys, torch
+from pathlib import Path
+from ironloop.errors import UserError
+from ironloop.state.export import save_safetensors
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+try:
+    save_safetensors({"w": torch.zeros(100_000)}, Path(sys.argv[1]) / "final.safetensors")
+except UserError as e:
+    print(e)
+"""
+
+
+def test_final_weights_that_cannot_be_written_are_one_line_and_leave_no_temp_file(tmp_path):
+    done = subprocess.run([sys.executable, "-c", FULL, str(tmp_path)], cwd=REPO, text=True,
+                          capture_output=True, timeout=120, env={"PYTHONPATH": "src"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == (f"{tmp_path}/final.safetensors cannot be written (File too large "
+                           f"(os error 27)); free space (or raise the quota) on {tmp_path} and "
+                           f"try again: a run's checkpoints are intact, and --resume finishes "
+                           f"it\n")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temp
