@@ -93,3 +93,24 @@ def test_a_dict_config_is_parsed_once_per_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(fit_module, "as_config", counting)
     ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
     assert len(parsed) == 1
+
+
+def test_the_wait_for_checkpoint_writes_and_uploads_at_the_end_is_not_training_time(
+        tmp_path, monkeypatch):
+    """Closing the outputs waits for an async checkpoint write and the remote's uploads (up to
+    checkpoint.remote_wait_s); that wait is kept out of train_seconds. A clock that jumps 1000 s
+    while the outputs close stands in for a stalled store (no wall-clock assertion)."""
+    import time
+
+    from ironloop.engine.run import Outputs
+
+    shift, real_clock, real_close = [0.0], time.perf_counter, Outputs.close
+
+    def slow_close(self):
+        shift[0] += 1000.0
+        real_close(self)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + shift[0])
+    monkeypatch.setattr(Outputs, "close", slow_close)
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    assert shift[0] == 1000.0 and result.results["train_seconds"] < 1000.0
