@@ -141,3 +141,15 @@ def open_all_in_browser(targets: list[tuple[Path | str, int]], wait_until: str =
         finally:
             browser.close()
     return results
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The files with the most slow (fault-injection, multi-process, cluster) tests first: with
+    ``--dist loadfile`` a worker takes whole files in collection order, and a long file started
+    last would run alone at the end while the other worker idles. Stable: within a file, and
+    between files of equal weight, the order is pytest's own."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))
