@@ -21,6 +21,7 @@ from ironloop.config import Config
 from ironloop.data.lm import ContiguousStreams
 from ironloop.data.loader import EvalSampler
 from ironloop.errors import ConfigError
+from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import read_jsonl
 from ironloop.tools.doctor.run import check, outcomes, subject
 from ironloop.tools.recipe import train_config
@@ -250,7 +251,9 @@ def test_the_plain_progress_line_shows_its_own_steps_loss_and_lr(tmp_path, capsy
     assert len(lines) >= 3
     for line in lines:
         step = int(line.split()[1].split("/")[0])
-        assert f"loss {rows[step]['loss']:.4f}" in line and f"lr {rows[step]['lr']:.2e}" in line
+        # the console's own number format: 4 significant figures (outputs/numbers.py)
+        assert f"loss {number(rows[step]['loss'])}" in line
+        assert f"lr {number(rows[step]['lr'])}" in line
 
 
 # --- 6. a resumed LM run with an unchanged config ----------------------------------------------
