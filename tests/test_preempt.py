@@ -230,3 +230,33 @@ def test_a_signal_in_process_ends_fit_with_preempted_and_an_event_naming_the_sig
     stop = events(tmp_path / "run")[-1]
     assert (stop["event"], stop["signal"], stop["saved"]) == ("preempted", "SIGUSR1", True)
     assert stop["step"] == ckpt_step(tmp_path / "run" / "checkpoints" / "last.pt") == 3
+
+
+def test_a_run_preempted_at_an_epochs_last_step_logs_its_lr_and_position_after_the_resume(
+        tmp_path, capsys):
+    """A signal at the epoch's last (ragged) step: the resumed process ends that epoch with no
+    step of its own, and its epochs.jsonl and evals.jsonl rows still carry the LR that step
+    used (the checkpoint keeps it), as an uninterrupted run's do; the resume line counts the
+    ragged step (7/7 steps into the epoch, not 6/7)."""
+    class Signal(Callback):
+        def on_step_end(self, run, metrics: dict) -> None:
+            if metrics["step"] == 7:  # 200 samples / 32: 7 steps, the last one ragged
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    def rows(run_dir: Path, name: str) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / f"{name}.jsonl").read_text().splitlines()]
+
+    def config(name: str) -> dict:
+        return cfg(tmp_path / name, schedule__name="cosine")
+
+    ironloop.fit(tiny_mlp(), blobs(200), blobs(64, seed=1), config("whole"))
+    with pytest.raises(Preempted):
+        ironloop.fit(tiny_mlp(), blobs(200), blobs(64, seed=1), config("cut"),
+                     callbacks=[Signal()])
+    capsys.readouterr()
+    ironloop.fit(tiny_mlp(), blobs(200), blobs(64, seed=1), config("cut"), resume=True)
+    assert "(epoch 1, 7/7 steps into it)" in capsys.readouterr().out
+    whole, cut = tmp_path / "whole" / "run", tmp_path / "cut" / "run"
+    for name in ("epochs", "evals"):
+        lrs = [r["lr"] for r in rows(whole, name)]
+        assert lrs[0] > 0 and [r["lr"] for r in rows(cut, name)] == lrs, name

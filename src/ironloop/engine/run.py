@@ -141,7 +141,10 @@ class Run:
             sampler={**self.data.source.state_dict(), "epoch": p.epoch, "offset": p.offset},
             callbacks=callbacks_state(self.hooks.callbacks), evaluation=self.last_eval,
             schedule_steps=m.schedule_steps,  # kept when a resume extends the run
-            average=m.average.state_dict() if m.average is not None else None)
+            average=m.average.state_dict() if m.average is not None else None,
+            # the LR the last step used: an epoch line written right after a resume (preempted
+            # at the epoch's last step) reports it, as the uninterrupted run's does
+            lr=m.lr)
 
     def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
         """Load every part; a checkpoint that does not fit gets a CheckpointError naming
@@ -157,6 +160,7 @@ class Run:
         if m.average is not None:  # none in a checkpoint from before averaging: a fresh one
             m.average.load_state_dict(state.get("average"))
         self.last_eval = state.get("evaluation") or {}
+        m.lr = state.get("lr", m.lr)  # absent in checkpoints from before it was kept
         if m.carry is not None:
             m.carry.load_state_dict(state.get("carry"))
         restore_rng(state)

@@ -44,7 +44,9 @@ class RunPlan(NamedTuple):
         return max(1, min(self.epochs, math.ceil(self.total_steps / self.steps_per_epoch)))
 
     def steps_into(self, p: Position) -> int:
-        return p.offset // max(1, self.window)
+        """Optimizer steps taken in the epoch in progress; an epoch's ragged last window (a
+        partial one) is a step too."""
+        return -(-p.offset // max(1, self.window))
 
 
 class EpochProgress:
