@@ -75,14 +75,15 @@ def holder(run_dir: Path) -> str:
     try:
         record = json.loads((Path(run_dir) / LOCK_NAME).read_text())
         pid, host = int(record["pid"]), record["host"]
-        if host == socket.gethostname() and not _alive(pid):
+        if host == socket.gethostname() and not alive(pid):
             return _NOT_YET
         return f"pid {pid} on {host}, started {record['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return _NOT_YET
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the pid exists
     except ProcessLookupError:

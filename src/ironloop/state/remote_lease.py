@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state.lock import alive
 
 from .remote_store import Remote, StoreUnavailable
 
@@ -60,7 +61,7 @@ class Lease:
         if self.released or time.time() > self.refreshed + TTL_S:
             return False
         if self.host == socket.gethostname() and self.run not in _live:
-            return self.pid != os.getpid() and _alive(self.pid)  # ours, or killed: gone
+            return self.pid != os.getpid() and alive(self.pid)  # ours, or killed: gone
         return True
 
 
@@ -125,16 +126,6 @@ def _in_use(remote: Remote, lease: Lease, how: str) -> UserError:
 
 def _write(remote: Remote, lease: Lease) -> None:
     remote.write(LEASE, json.dumps(asdict(lease)).encode())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the pid exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Holder:

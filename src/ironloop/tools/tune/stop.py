@@ -22,6 +22,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from ironloop.state.lock import alive
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PREFIX = "ironloop-tune-"
 
@@ -82,18 +84,9 @@ def clean_stale(root: Path | None = None) -> int:
     for path in root.glob(f"{PREFIX}*-*"):
         pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
         if not pid.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid() \
-                or _alive(int(pid)):
+                or alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed += 1
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: an existence check, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
