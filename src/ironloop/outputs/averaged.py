@@ -87,6 +87,16 @@ def compare(row: dict) -> Comparison | None:
     return Comparison(pairs) if pairs else None
 
 
+def last_compared(rows: list[dict]) -> tuple[dict, Comparison] | None:
+    """The last evaluation row that ran the averaged weights, with its comparison; None when
+    no row did."""
+    for row in reversed(rows):
+        found = compare(row)
+        if found is not None:
+            return row, found
+    return None
+
+
 def _first_set(row: dict) -> str | None:
     """"" for the plain ``val_avg_loss``, "clean_" for ``val_avg_clean_loss``: the first set
     the row holds an averaged loss for; None without one."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ironloop.errors import UserError
-from ironloop.outputs.averaged import compare
+from ironloop.outputs.averaged import last_compared
 from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 
@@ -395,11 +395,11 @@ def _epochs_done(epochs: list[dict], metrics: list[dict]) -> str:
 
 def _averaged_words(evals: list[dict]) -> str | None:
     """The last evaluation that ran the averaged weights, in words (outputs/averaged.py)."""
-    for row in reversed(evals):
-        found = compare(row)
-        if found is not None:
-            return f"{found.words()} at the last evaluation (step {row.get('step')})"
-    return None
+    last = last_compared(evals)
+    if last is None:
+        return None
+    row, found = last
+    return f"{found.words()} at the last evaluation (step {row.get('step')})"
 
 
 def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:

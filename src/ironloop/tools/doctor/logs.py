@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ironloop.outputs.averaged import compare
+from ironloop.outputs.averaged import last_compared
 from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
 from ironloop.tools.doctor.findings import Finding, info
@@ -196,12 +196,14 @@ def average_worse(evals: list[dict], cfg: dict) -> list[Finding]:
     """The averaged weights (average.kind) lose to the raw ones at the last evaluation that
     ran both: their loss more than AVERAGE_WORSE higher, and no judged metric better
     (outputs/averaged.py). final_avg.safetensors is then the worse of the two files."""
-    last = next(((r, c) for r in reversed(evals) if (c := compare(r)) is not None), None)
-    if last is None or any(p.outcome == "better" for p in last[1].pairs) or \
-            not any(p.lower_is_better and p.avg > (1 + AVERAGE_WORSE) * p.raw
-                    for p in last[1].pairs):
+    last = last_compared(evals)
+    if last is None:
         return []
     row, found = last
+    if any(p.outcome == "better" for p in found.pairs) or \
+            not any(p.lower_is_better and p.avg > (1 + AVERAGE_WORSE) * p.raw
+                    for p in found.pairs):
+        return []
     if get_dotted(cfg, "average.kind") == "swa":
         cause = "SWA's equal average gives the early weights as much say as the last ones"
         fix = "start it later with average.start_step (e.g. the last quarter of the steps)"
