@@ -125,10 +125,6 @@ class GuardReporter:
         self.log: RunLog | None = None
         self.is_main = True
 
-    @property
-    def lr_factor(self) -> float:
-        return self.policy.lr_factor
-
     # ---------------------------------------------------------------- set-up, state ---------
     def start(self, owner: Stateful, meter, offset: int, log: RunLog | None, world: World,
               resume: tuple[bool, bool], model: nn.Module) -> None:
