@@ -532,3 +532,18 @@ def test_a_signal_in_a_trials_last_step_stops_the_tune(tmp_path):
     quiet = Subject(cfg, lambda: _SignalsAt(0), data, {})  # no signal: the trial is measured
     with stop_on_signals():
         assert run_trial(quiet, {}, plan, time.perf_counter() + 120).step_ms > 0
+
+
+def test_a_signal_inside_a_model_factory_stops_the_tune_and_is_not_the_factorys_error(tmp_path):
+    """SIGINT while the config's model factory runs (a trial setting up): the tune's handler
+    raises Stopped there, and the factory's error wrapper (specs.call_factory) must let it
+    through; it turned it into "the config does not train as it stands", exit 2 (CI, stop 47)."""
+    from ironloop.specs import call_factory
+    from ironloop.tools.tune.stop import Stopped, stop_on_signals
+
+    def factory():
+        os.kill(os.getpid(), signal.SIGINT)
+        return nn.Linear(4, 2)
+
+    with stop_on_signals(), pytest.raises(Stopped, match="stopped by SIGINT"):
+        call_factory(factory, "model factory 'f'", "model.name")

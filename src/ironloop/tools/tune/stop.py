@@ -28,7 +28,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PREFIX = "ironloop-tune-"
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """A signal stopped the tune; ``exit_code`` is 128 + the signal's number."""
 
     def __init__(self, signal_name: str):
