@@ -86,7 +86,7 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
                           cfg.early_stop.min_delta)
     cadence = Cadence(cfg.log.every_steps, cfg.eval.every_steps if validates else 0,
-                      cfg.checkpoint.every_steps, total_steps(cfg, data), validates,
+                      cfg.checkpoint.every_steps, module.total_steps, validates,
                       faults.steps)
     hooks = Hooks(callbacks, Preemption(world.distributed, cfg.dist.timeout_s), faults)
     # The outputs come after the restore (the logs are truncated to the resumed step).
