@@ -31,6 +31,7 @@ from ironloop.state import dcp as sharded, remote_lease
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import Mirror, fetch_newest, open_remote
+from ironloop.state.remote_store import Remote, StoreUnavailable
 from tests.conftest import REPO, tiny_mlp
 from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
@@ -410,6 +411,45 @@ def test_a_resume_is_refused_while_another_node_refreshes_its_lease(tmp_path, mo
     assert _store(tmp_path / "remote") == held
 
 
+@pytest.mark.parametrize("outage_at_start", [False, True], ids=["store-up", "outage-at-start"])
+def test_a_resume_onto_a_prefix_another_run_took_over_is_refused_and_deletes_nothing(
+        tmp_path, monkeypatch, outage_at_start):
+    """Run A stopped at step 12; run B then took A's prefix with --overwrite and saved up to
+    step 20. Resuming A's run.dir would delete B's steps past 12 (an abandoned future, as it
+    seemed): refused for the other lineage, at the start (its claim), or, when the store did
+    not answer then, when its mirror claims the prefix before its first delete."""
+    url, config, _ = _stopped_at_12(tmp_path)
+    _fit(_config(tmp_path, "b", checkpoint__remote=url), overwrite=True, callbacks=[StopAt(20)])
+    held = _store(tmp_path / "remote")
+    assert max(open_remote(url).manifests()) == 20
+    if outage_at_start:  # the resume's first look at the store fails: no claim made there
+        calls = []
+        real = Remote.require_bucket
+
+        def down_once(self):
+            calls.append(1)
+            if len(calls) == 1:
+                raise StoreUnavailable(f"checkpoint.remote {url} cannot be used (timed out)")
+            return real(self)
+
+        monkeypatch.setattr(Remote, "require_bucket", down_once)
+    with pytest.raises(UserError, match=r"holds the checkpoints of another run \(lineage "
+                                        r"[0-9a-f]{8}, last written by run .*\), not of the run "
+                                        r"this run\.dir resumes"):
+        _fit(config, resume=True)
+    assert _store(tmp_path / "remote") == held  # B's steps 13..20 are all there
+
+
+def test_a_new_node_adopts_the_prefixs_lineage_and_records_it(tmp_path):
+    url, config, _ = _stopped_at_12(tmp_path)
+    lineage = remote_lease.read(open_remote(url)).lineage
+    assert remote_lease.recorded(tmp_path / "run" / "checkpoints") == lineage
+    _new_node(tmp_path)
+    _fit(config, resume=True, callbacks=[StopAt(13)])
+    assert remote_lease.recorded(tmp_path / "run" / "checkpoints") == lineage
+    assert remote_lease.read(open_remote(url)).lineage == lineage
+
+
 LONG = ["configs/digits.yaml", "model.name=mlp", "train.epochs=50", "checkpoint.every_steps=5",
         "log.progress=off", "doctor.preflight=false"]
 
@@ -547,3 +587,25 @@ def test_orphaned_remote_objects_of_this_run_are_removed_by_its_next_upload(tmp_
     assert 3 not in remote.step_objects() and "step-00000003" not in remote.names("logs")
     assert 4 in remote.step_objects() and 4 in remote.manifests()  # unread: never deleted
     assert remote.manifests()[-1] == 13
+
+
+def test_a_mirror_that_started_without_a_claim_claims_before_uploading_or_refuses(tmp_path):
+    """The upload thread of a run whose start met an outage: the store answers again, and the
+    prefix now holds another lineage's checkpoints (its run ended): nothing is uploaded or
+    deleted there, the warning says so once, and the run's last line too."""
+    url, _, _ = _stopped_at_12(tmp_path)
+    _lease_of(url, released=True)  # lineage "l...": another run's, ended
+    held = _store(tmp_path / "remote")
+    run_dir = tmp_path / "run"
+    warnings: list[str] = []
+    mirror = Mirror(open_remote(url), run_dir / "checkpoints" / ".remote-staging", keep_last=1,
+                    wait_s=30.0, warn=warnings.append, logs_from=run_dir)
+    assert mirror.lease is None  # this process never claimed the prefix
+    for step in (13, 14):
+        mirror.push(step, {"step-00000012.pt": run_dir / "checkpoints" / "step-00000012.pt"},
+                    "file", best=False)
+    line = mirror.close()
+    assert _store(tmp_path / "remote") == held
+    assert len([w for w in warnings if "uploads nothing to" in w]) == 1, warnings
+    assert line is not None and "none went there: checkpoint.remote" in line
+    assert "holds the checkpoints of another run (lineage llllllll" in line

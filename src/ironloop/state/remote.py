@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ironloop.errors import CheckpointError
+from ironloop.errors import CheckpointError, UserError
 
 from . import remote_lease
 from .io import file_digest, fsync_dir
@@ -102,8 +102,10 @@ class Mirror:
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
         self.failed: list[int] = []
         self._deferred: int | None = None  # discard_after's step, while the store is down
-        # rank 0's claim on the prefix (remote_lease), made at the start of the run
+        # rank 0's claim on the prefix (remote_lease), made at the start of the run; a run
+        # whose start met an outage claims it before its first delete or upload (_claim)
         self.lease = remote_lease.held(remote.url) if rank == 0 else None
+        self.refused: str | None = None  # another run holds the prefix: nothing goes there
         if self.lease is not None:
             self.lease.start(warn)
         shutil.rmtree(self.staging, ignore_errors=True)  # links left by a killed run
@@ -164,7 +166,9 @@ class Mirror:
         done = sorted(set(self.uploaded))
         head = (f"remote: {len(done)} checkpoint(s) uploaded to {where}, the newest step "
                 f"{done[-1]}" if done else f"remote: no checkpoint uploaded to {where}")
-        if self.failed:
+        if self.refused:
+            head += f"; none went there: {self.refused}"
+        elif self.failed:
             head += f"; failed after {self.retries} retries: steps {sorted(set(self.failed))}"
         if unfinished:
             head += (f"; {len(unfinished)} upload(s) unfinished after {self.wait_s:g} s "
@@ -186,6 +190,12 @@ class Mirror:
                 self._upload(job)
             except Exception as e:  # noqa: BLE001 - an upload never stops training
                 self.failed.append(job.step)
+                if _refusal(e):
+                    if self.refused is None:
+                        self.refused = str(e)
+                        self._warn(f"warning: this run uploads nothing to {self.remote.url}: "
+                                   f"{e}; its local checkpoints in run.dir are complete")
+                    continue
                 self._warn(f"warning: remote checkpoint step {job.step} was not uploaded to "
                            f"{self.remote.url} ({short_error(e)}); the local copy is intact and "
                            f"training goes on")
@@ -201,7 +211,7 @@ class Mirror:
             try:
                 return fn()
             except Exception as e:  # any store or network error is retried
-                if attempt == self.retries:
+                if attempt == self.retries or _refusal(e):
                     raise
                 self._warn(f"warning: uploading {what} to {self.remote.url} failed "
                            f"({short_error(e)}); retry {attempt + 1} of {self.retries} in "
@@ -210,7 +220,24 @@ class Mirror:
                 delay = min(delay * 2, _BACKOFF_MAX_S)
         return None
 
+    def _claim(self) -> None:
+        """Rank 0 deletes and uploads only in a prefix it claimed (remote_lease). A run whose
+        start met an outage resumed without a claim: it claims here, once the store answers,
+        as its start would have (refused for a live run's or another lineage's prefix)."""
+        if self.rank != 0 or self.lease is not None:
+            return
+        if self.refused is not None:
+            raise UserError(self.refused)
+        ckpt_dir = self.logs_from / "checkpoints" if self.logs_from is not None else None
+        lease = remote_lease.claim(self.remote, resume=True, say=self._warn,
+                                   lineage=remote_lease.recorded(ckpt_dir) if ckpt_dir else None)
+        if ckpt_dir is not None:
+            remote_lease.record(ckpt_dir, lease.lease.lineage)
+        self.lease = lease
+        lease.start(self._warn)
+
     def _upload(self, job: _Job) -> None:
+        self._retry("the prefix's lease", self._claim)
         deferred = self._deferred
         if deferred is not None:  # the store did not answer at the start
             for url in self._retry("the start's clean-up", lambda: self._discard_after(deferred)):
@@ -294,6 +321,7 @@ class Mirror:
         all). Returns their URLs. A store that does not answer now is warned about and this
         is done by the upload thread before its first upload."""
         try:
+            self._claim()
             return self._discard_after(step)
         except StoreUnavailable as e:
             self._deferred = step
@@ -302,8 +330,9 @@ class Mirror:
             return []
 
     def _owner(self) -> bool:
-        """Whether this run may delete in the prefix: not once another run took it over."""
-        return self.lease is None or self.lease.owned
+        """Whether this run may delete in the prefix: only once claimed, and not once another
+        run took it over."""
+        return self.lease is not None and self.lease.owned
 
     def _discard_after(self, step: int) -> list[str]:
         if not self._owner():
@@ -314,6 +343,12 @@ class Mirror:
         for s in gone:
             self.remote.remove_checkpoint(s)
         return [self.remote.show(f"step-{s:08d}") for s in gone]
+
+
+def _refusal(e: Exception) -> bool:
+    """A UserError that is not the store failing: the prefix is another run's
+    (remote_lease). Retrying cannot change it."""
+    return isinstance(e, UserError) and not isinstance(e, StoreUnavailable)
 
 
 def _marker_files(data: bytes, step: int) -> dict:

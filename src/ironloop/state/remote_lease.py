@@ -8,9 +8,12 @@ an abandoned future). So rank 0 claims the prefix before it deletes or uploads a
   every ``TTL_S / 3`` while the run lives and marks it released at the end (``Lease``);
 * a fresh run refuses a prefix whose lease is live (the "already holds a run's checkpoints"
   refusal in rundir.py covers the runs that ended);
-* a resume takes over a released or expired lease and keeps its lineage. A live one it
-  watches for up to ``TTL_S``: a killed run's lease expires (on the same host at once, when
-  its pid is gone), a live run refreshes it, and then the resume is refused, naming it;
+* a resume takes over a released or expired lease of its own lineage and keeps it (run.dir
+  records the lineage its checkpoints belong to: ``checkpoints/remote-lineage``; a new node
+  with an empty run.dir adopts the prefix's). A live one it watches for up to ``TTL_S``: a
+  killed run's lease expires (on the same host at once, when its pid is gone), a live run
+  refreshes it, and then the resume is refused, naming it. A prefix of another lineage is
+  refused: the resume would delete that run's checkpoints past its own step;
 * an object store has no compare-and-swap, so after writing its lease a run waits
   ``SETTLE_S`` and reads it back: of two runs that started together, the one whose write
   landed last goes on and the other is refused.
@@ -30,13 +33,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state.io import write_atomic
 from ironloop.state.lock import alive
 
 from .remote_store import Remote, StoreUnavailable
 
 LEASE = "lease.json"
+RECORD = "remote-lineage"  # in run.dir/checkpoints: the lineage its checkpoints belong to
 TTL_S = 30.0  # a lease not refreshed for this long belongs to a run that is gone
 SETTLE_S = 0.5  # how long two concurrent claims have to both land before either reads back
 _POLL_S = 1.0
@@ -75,9 +81,11 @@ def read(remote: Remote) -> Lease | None:
         return None
 
 
-def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print) -> Holder:
+def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print,
+          lineage: str | None = None) -> Holder:
     """Claim ``remote`` for this run (rank 0, before anything there is deleted or uploaded),
-    or raise a UserError naming the run that holds it."""
+    or raise a UserError naming the run that holds it. ``lineage``: a resume's, as run.dir
+    recorded it (``recorded``); None for a new node's empty run.dir."""
     earlier = _claimed.get(remote.url)
     if earlier is not None and earlier.started is False:  # a run of this process was refused
         earlier.release()
@@ -89,7 +97,16 @@ def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print) ->
                             f"ago; wait for that run to end, or choose another "
                             f"checkpoint.remote")
         _wait_out(remote, found, say)
-    mine = Lease(lineage=found.lineage if found is not None and resume else uuid.uuid4().hex)
+    if resume and found is not None and lineage is not None and found.lineage != lineage:
+        raise UserError(f"checkpoint.remote {remote.url} holds the checkpoints of another run "
+                        f"(lineage {found.lineage[:8]}, last written by {found.who()}), not "
+                        f"of the run this run.dir resumes (lineage {lineage[:8]}), and the "
+                        f"resume would delete its checkpoints past this run's step; resume "
+                        f"that run on an empty run.dir, or give this run its own "
+                        f"checkpoint.remote")
+    if resume and found is not None:
+        lineage = found.lineage
+    mine = Lease(lineage=lineage if resume and lineage else uuid.uuid4().hex)
     _write(remote, mine)
     time.sleep(SETTLE_S)  # see the module's docstring: the write that landed last wins
     back = read(remote)
@@ -184,3 +201,19 @@ _claimed: dict[str, Holder] = {}  # URL -> the lease this process holds there
 def held(url: str) -> Holder | None:
     """The lease this process claimed on ``url`` (for the mirror to refresh), if any."""
     return _claimed.get(url.rstrip("/"))
+
+
+def recorded(ckpt_dir: Path) -> str | None:
+    """The lineage run.dir's checkpoints belong to (``record``), or None: none recorded (a new
+    node, a run from before the record) or one too garbled to compare."""
+    try:
+        text = (ckpt_dir / RECORD).read_text().strip()
+    except OSError:
+        return None
+    return text if len(text) == 32 and all(c in "0123456789abcdef" for c in text) else None
+
+
+def record(ckpt_dir: Path, lineage: str) -> None:
+    """Note in run.dir which lineage its checkpoints belong to (rank 0, once claimed)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(ckpt_dir / RECORD, lineage + "\n")

@@ -81,6 +81,9 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
+            lease = remote_lease.held(cfg.checkpoint.remote) if cfg.checkpoint.remote else None
+            if lease is not None:  # which run's checkpoints these are, for the next resume
+                remote_lease.record(run_dir / "checkpoints", lease.lease.lineage)
         except OSError as e:
             raise unwritable(run_dir, e) from e
     barrier(world)
@@ -233,7 +236,8 @@ def _fetch(ckpt_dir: Path, cfg: Config, local: tuple[Path, dict] | None,
     logs = functools.partial(_restore_logs, remote, ckpt_dir.parent)
     try:
         remote.require_bucket()
-        remote_lease.claim(remote, resume=True)  # before the run deletes anything there
+        # before the run deletes anything there; refused for another run's checkpoints
+        remote_lease.claim(remote, resume=True, lineage=remote_lease.recorded(ckpt_dir))
         fetched = mirror.fetch_newest(remote, ckpt_dir, above, warn, verified=logs,
                                       check=sharded.check_any)
         held = remote.manifests() if fetched is None and local is None else []
