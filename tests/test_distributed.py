@@ -316,3 +316,39 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
     out = logs[0].read_text()
     assert procs[0].returncode != 0
     assert "dist.timeout_s" in out and "Timed out" in out, out[-3000:]
+
+
+def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_path):
+    """A fresh two-rank run onto a checkpoint.remote another node holds (a live lease): rank 0
+    refuses before anything is written; rank 1, waiting at the next collective, stopped with
+    gloo's "Connection closed by peer" traceback (#42). Now both exit 2, the line once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "lease.json").write_text(json.dumps({
+        "lineage": "l" * 32, "run": "r" * 32, "host": "node-b", "pid": 77,
+        "refreshed": time.time() + 600, "released": False}))  # live for the test's length
+    procs, logs = [], []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        logs.append(tmp_path / f"rank{rank}.log")
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={tmp_path / 'run'}",
+                 f"checkpoint.remote=file://{remote}", "doctor.preflight=false"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    text = [log.read_text() for log in logs]
+    assert codes == [2, 2], text
+    assert not any("Traceback" in t for t in text), text
+    said = [line for t in text for line in t.splitlines() if line.startswith("ironloop: error")]
+    assert len(said) == 1 and "is in use by run rrrrrrrr (pid 77 on node-b)" in said[0], text
+    assert not (tmp_path / "run").exists()

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ironloop.errors import Preempted, UserError
+from ironloop.errors import Preempted, RankZeroError, UserError
 
 
 def _train(args) -> int:
@@ -263,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        # A mistake the user can fix: one line, exit 2, no traceback.
-        print(f"ironloop: error: {e}", file=sys.stderr)
+        # A mistake the user can fix: one line, exit 2, no traceback (rank 0's refusal once).
+        if not isinstance(e, RankZeroError):
+            print(f"ironloop: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 3: the guard stopped the run (guard/reporter.py)
     except Preempted as e:  # a signal stopped the run after a checkpoint: not an error
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run

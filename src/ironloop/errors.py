@@ -22,6 +22,12 @@ class CheckpointError(UserError):
     """A checkpoint is missing, damaged, unsafe or does not fit the model."""
 
 
+class RankZeroError(UserError):
+    """Rank 0's refusal, raised on the other ranks too (``parallel.world.rank_zero_first``):
+    every rank stops with it, none left waiting in a collective for a rank that is gone. Rank 0
+    speaks for the run: the CLI prints it there only."""
+
+
 class Preempted(Exception):
     """A signal (SIGTERM, SIGINT, SIGUSR1) stopped the run at the end of an optimizer step, after
     a checkpoint of that step was written. Not a mistake: the CLI prints the message on one line

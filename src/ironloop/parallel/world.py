@@ -6,13 +6,17 @@ import functools
 import gc
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ironloop.errors import UserError
+from ironloop.errors import RankZeroError, UserError
+
+T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = 900.0  # seconds every rank may take to join the process group
 
@@ -146,6 +150,24 @@ def gather_objects(obj, world: World) -> list:
     gathered: list = [None] * world.size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def rank_zero_first(fn: Callable[[], T], world: World) -> T | None:
+    """``fn()`` on rank 0 (None on the others), then a collective: a UserError it raised stops
+    every rank with the same line (a ``RankZeroError`` on the others). A rank left waiting in
+    a barrier for a rank that stopped dies with gloo's "Connection closed by peer" traceback."""
+    result, refusal = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except UserError as e:
+            refusal = e
+    said = gather_objects(None if refusal is None else str(refusal), world)[0]
+    if refusal is not None:
+        raise refusal
+    if said is not None:
+        raise RankZeroError(said)
+    return result
 
 
 def barrier(world: World) -> None:

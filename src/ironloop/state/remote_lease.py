@@ -92,10 +92,10 @@ def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print,
     found = read(remote)
     if found is not None and found.live():
         if not resume:
+            ago = max(0.0, time.time() - found.refreshed)  # another host's clock may run ahead
             raise UserError(f"checkpoint.remote {remote.url} is in use by {found.who()}, "
-                            f"whose lease was refreshed {time.time() - found.refreshed:.0f} s "
-                            f"ago; wait for that run to end, or choose another "
-                            f"checkpoint.remote")
+                            f"whose lease was refreshed {ago:.0f} s ago; wait for that run to "
+                            f"end, or choose another checkpoint.remote")
         _wait_out(remote, found, say)
     if resume and found is not None and lineage is not None and found.lineage != lineage:
         raise UserError(f"checkpoint.remote {remote.url} holds the checkpoints of another run "

@@ -15,7 +15,7 @@ import yaml
 
 from ironloop.config import Config
 from ironloop.errors import CheckpointError, UserError
-from ironloop.parallel.world import World, barrier, gather_objects
+from ironloop.parallel.world import World, rank_zero_first
 from ironloop.state import dcp as sharded, drift, remote as mirror, remote_lease
 from ironloop.state.io import load_verified, write_atomic
 from ironloop.state.lock import LOCK_NAME, claim, written_by_ironloop
@@ -56,38 +56,46 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume, overwrite: bool, world: 
     ``ironloop.state.drift``) or whose checkpoint would leave another run's newer ones to be
     deleted. Then run.dir is claimed (state/lock.py) and config.yaml written."""
     state = source = None
-    if world.is_main:
-        check_run_dir(run_dir, resume, overwrite)
-        if not resume and cfg.checkpoint.remote:
-            fresh_remote(cfg, overwrite)  # refused, or with --overwrite emptied (manifests first)
+    rank_zero_first(functools.partial(_refuse, run_dir, cfg, resume, overwrite), world)
     if resume:
         source, state = _resume_from(run_dir, resume, cfg, world)
         if state is not None:
             drift.check(state.get("config") or {}, cfg.to_dict(), allow_config_change,
                         say=print if world.is_main else (lambda msg: None),
                         worlds=(state.get("world_size", world.size), world.size))
-            if world.is_main and source is not None:
-                _refuse_other_lineage(run_dir, Path(source), _step_of(state))
+            if source is not None:
+                rank_zero_first(functools.partial(_refuse_other_lineage, run_dir,
+                                                  Path(source), _step_of(state)), world)
         elif world.is_main:
             print(f"notice: no checkpoint in {run_dir / 'checkpoints'}; starting a fresh run")
-    if world.is_main:
-        claim(run_dir)
-        if overwrite and not resume:  # only the files a run writes; anything else stays
-            for path in (run_dir / n for n in RUN_OUTPUTS):
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
-            lease = remote_lease.held(cfg.checkpoint.remote) if cfg.checkpoint.remote else None
-            if lease is not None:  # which run's checkpoints these are, for the next resume
-                remote_lease.record(run_dir / "checkpoints", lease.lease.lineage)
-        except OSError as e:
-            raise unwritable(run_dir, e) from e
-    barrier(world)
+    rank_zero_first(functools.partial(_take, run_dir, cfg, resume, overwrite, record), world)
     return state, source
+
+
+def _refuse(run_dir: Path, cfg: Config, resume, overwrite: bool) -> None:
+    """Rank 0: the refusals before anything is written."""
+    check_run_dir(run_dir, resume, overwrite)
+    if not resume and cfg.checkpoint.remote:
+        fresh_remote(cfg, overwrite)  # refused, or with --overwrite emptied (manifests first)
+
+
+def _take(run_dir: Path, cfg: Config, resume, overwrite: bool, record: dict) -> None:
+    """Rank 0: run.dir claimed (its lock), emptied for --overwrite, config.yaml written."""
+    claim(run_dir)
+    if overwrite and not resume:  # only the files a run writes; anything else stays
+        for path in (run_dir / n for n in RUN_OUTPUTS):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(record, sort_keys=False))
+        lease = remote_lease.held(cfg.checkpoint.remote) if cfg.checkpoint.remote else None
+        if lease is not None:  # which run's checkpoints these are, for the next resume
+            remote_lease.record(run_dir / "checkpoints", lease.lease.lineage)
+    except OSError as e:
+        raise unwritable(run_dir, e) from e
 
 
 def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:
@@ -204,17 +212,8 @@ def latest(ckpt_dir: Path, cfg: Config, world: World, warn) -> tuple[Path, dict]
         local = sharded.latest_any(ckpt_dir, warn)
     except CheckpointError as e:  # every local one is damaged: the remote may hold a good one
         error = e
-    fetched, refusal = None, None
-    if world.is_main:  # rank 0 fetches; every rank reads run.dir, as for a local resume
-        try:
-            fetched = _fetch(ckpt_dir, cfg, local, warn)
-        except UserError as e:
-            refusal = e
-    agreed = gather_objects(None if refusal is None else str(refusal), world)[0]
-    if refusal is not None:
-        raise refusal
-    if agreed is not None:
-        raise UserError(agreed)
+    # rank 0 fetches; every rank reads run.dir, as for a local resume
+    fetched = rank_zero_first(functools.partial(_fetch, ckpt_dir, cfg, local, warn), world)
     if fetched is not None or world.distributed:  # read again: the fetched one is the newest
         return sharded.latest_any(ckpt_dir, lambda msg: None)
     if error is not None:
