@@ -239,29 +239,33 @@ CLI = ["configs/digits.yaml", "model.name=mlp", "train.max_steps=6", "checkpoint
        "log.progress=off", "doctor.preflight=false"]
 
 
-def _train(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
+def _cli(capsys, monkeypatch, *args: str) -> tuple[int, str]:
+    """``ironloop *args`` in this process (cli.main, what ``python -m ironloop`` runs before its
+    exit): its exit code and stderr. In-process, no interpreter start: the contract under test is
+    the code and the one line, which no signal or kill is needed for."""
+    from ironloop.cli import main
 
-    return subprocess.run([sys.executable, "-m", "ironloop", "train", *CLI,
-                           f"run.dir={run_dir}", *extra], cwd=REPO, text=True,
-                          capture_output=True, timeout=300, env={**os.environ, **(env or {})})
+    monkeypatch.chdir(REPO)  # configs/digits.yaml, as from the repository
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_cli_every_manifest_garbled_is_one_line_exit_2_and_the_store_keeps_everything(
-        tmp_path):
+        tmp_path, capsys, monkeypatch):
     url = f"file://{tmp_path}/remote"
-    first = _train(tmp_path / "run", f"checkpoint.remote={url}")
-    assert first.returncode == 0, first.stderr
+    run = ["train", *CLI, f"run.dir={tmp_path / 'run'}", f"checkpoint.remote={url}"]
+    code, err = _cli(capsys, monkeypatch, *run)
+    assert code == 0, err
     remote = open_remote(url)
     for step in remote.manifests():
         remote.write(f"manifests/step-{step:08d}.json", b'{"files": ["../x"]}')
     held = _store(tmp_path / "remote")
     shutil.rmtree(tmp_path / "run")
-    again = _train(tmp_path / "run", f"checkpoint.remote={url}", "--resume")
-    assert again.returncode == 2, again.stderr
-    assert again.stderr.count("\n") == 1 and "Traceback" not in again.stderr
-    assert "every checkpoint in checkpoint.remote" in again.stderr
+    code, err = _cli(capsys, monkeypatch, *run, "--resume")
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "every checkpoint in checkpoint.remote" in err
     assert _store(tmp_path / "remote") == held
 
 
@@ -341,23 +345,19 @@ def test_a_bucket_that_does_not_exist_is_named_and_never_created(tmp_path, s3):
     assert not fs.exists(typo.removeprefix("s3://").split("/")[0])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("outage", OUTAGES)
 @pytest.mark.parametrize("command", ["train", "train --resume", "export"])
-def test_cli_an_outage_at_the_start_is_one_line_exit_2(tmp_path, s3, s3_server, monkeypatch,
+def test_cli_an_outage_at_the_start_is_one_line_exit_2(tmp_path, s3, capsys, monkeypatch,
                                                        outage, command):
     url, _ = s3
     _outage(outage, monkeypatch)
-    import os
-
     args = ["export", url, "--out", str(tmp_path / "m.safetensors")] if command == "export" \
         else ["train", *CLI, f"run.dir={tmp_path / 'run'}", f"checkpoint.remote={url}",
               *command.split()[1:]]
-    done = subprocess.run([sys.executable, "-m", "ironloop", *args], cwd=REPO, text=True,
-                          capture_output=True, timeout=300, env=dict(os.environ))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"checkpoint.remote {url} cannot be used" in done.stderr
+    code, err = _cli(capsys, monkeypatch, *args)
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"checkpoint.remote {url} cannot be used" in err
 
 
 # ------------------------------------------------------------------ one writer per prefix --
