@@ -501,7 +501,10 @@ def test_a_live_run_on_this_host_keeps_its_prefix_until_it_is_killed(tmp_path):
         live.kill()
         live.communicate(timeout=60)
     held = open_remote(url).manifests()
-    requeued = _popen(tmp_path / "run", f"checkpoint.remote={url}", "--resume")
+    # the requeue trains the rest of the 50 epochs: a checkpoint (and an upload) every 5 steps
+    # there was most of this test's time, and the takeover it proves happens at the start
+    requeued = _popen(tmp_path / "run", f"checkpoint.remote={url}", "--resume",
+                      "checkpoint.every_steps=100000")
     out, err = requeued.communicate(timeout=300)
     assert requeued.returncode == 0, err
     assert held and "is leased to" not in out  # its pid is gone: taken over at once
