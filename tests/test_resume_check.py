@@ -18,7 +18,6 @@ from ironloop.tools.doctor.resume_compare import (
     first_step_difference,
     state_differences,
 )
-from tests.conftest import run_cli
 
 CASES = "tests.resume_cases"
 #: 6 steps an epoch: 9 steps cross an epoch end; checkpoints at 3, 6, 9, the kill at 4.
@@ -170,24 +169,31 @@ def test_tbptt_step_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path):
+def test_cli_exits_1_when_not_exact_and_adds_to_doctor_json(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from ironloop.cli import main
+
+    # The command in this process (cli.main, what `python -m ironloop` runs): its scratch runs
+    # are the processes that matter, and one interpreter start less per check.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept scratch runs go there
     run = tmp_path / "run"
     run.mkdir()
     (run / "doctor.json").write_text(json.dumps({"seconds": 1.0, "findings": ["kept"]}))
     args = ["doctor", f"data.name={CASES}:counting_data", f"run.dir={run}", "model.name=mlp",
             "model.kwargs={hidden: [16]}", "train.batch_size=16", "--resume-check",
             "--steps", str(STEPS)]
-    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})  # the kept scratch runs go there
-    assert proc.returncode == 1, proc.stderr
-    assert "resume is NOT exact" in proc.stdout and "cause: the batches differ" in proc.stdout
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "resume is NOT exact" in out and "cause: the batches differ" in out
     doctor = json.loads((run / "doctor.json").read_text())
     assert doctor["findings"] == ["kept"]  # the other checks' findings stay
     assert doctor["resume_check"]["exact"] is False
     assert doctor["resume_check"]["first_difference"]["what"] == "batch"
     args[1] = f"data.name={CASES}:clean_data"
-    proc = run_cli(*args, env={"TMPDIR": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resume is exact (9 steps, kill at step 4" in proc.stdout
+    code, out = main(args), capsys.readouterr().out
+    assert code == 0, out
+    assert "resume is exact (9 steps, kill at step 4" in out
     assert json.loads((run / "doctor.json").read_text())["resume_check"]["exact"] is True
 
 
@@ -249,7 +255,10 @@ def test_step_with_a_global_is_caught_and_the_global_named(tmp_path):
                for f in result.findings)
 
 
-def test_bad_steps_or_nproc_is_one_line_exit_2(tmp_path):
-    proc = run_cli("doctor", f"run.dir={tmp_path / 'run'}", "--resume-check", "--nproc", "0")
-    assert proc.returncode == 2 and "--nproc 0" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+def test_bad_steps_or_nproc_is_one_line_exit_2(tmp_path, capsys):
+    from ironloop.cli import main
+
+    code = main(["doctor", f"run.dir={tmp_path / 'run'}", "--resume-check", "--nproc", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--nproc 0" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
