@@ -8,9 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from ironloop.cli import main
+from tests.conftest import REPO, run_cli
 
 FAST = ["train.epochs=2", "log.progress=off"]
+DIGITS = str(REPO / "configs" / "digits.yaml")
+
+# One test below and the fixture start `python -m ironloop` as a user would; the others call
+# cli.main (what that command runs) in this process: no interpreter start each.
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +45,11 @@ def test_train_writes_every_output(digits_run):
 
 
 def test_accumulation_equivalence_through_the_cli(tmp_path):
-    common = ["configs/digits.yaml", "model.name=mlp", "train.epochs=2", "log.progress=off",
+    common = [DIGITS, "model.name=mlp", "train.epochs=2", "log.progress=off",
               "checkpoint.enabled=false"]
-    a = run_cli("train", *common, f"run.dir={tmp_path / 'a'}", "train.batch_size=64")
-    b = run_cli("train", *common, f"run.dir={tmp_path / 'b'}", "train.batch_size=16",
-                "train.accumulation_steps=4")
-    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert main(["train", *common, f"run.dir={tmp_path / 'a'}", "train.batch_size=64"]) == 0
+    assert main(["train", *common, f"run.dir={tmp_path / 'b'}", "train.batch_size=16",
+                 "train.accumulation_steps=4"]) == 0
     wa = load_file(tmp_path / "a" / "final.safetensors")
     wb = load_file(tmp_path / "b" / "final.safetensors")
     assert wa.keys() == wb.keys()
@@ -55,12 +59,13 @@ def test_accumulation_equivalence_through_the_cli(tmp_path):
     assert steps[0] == steps[1] == 2 * 23  # ceil(1438 / 64) optimizer steps per epoch
 
 
-def test_existing_run_dir_is_refused_without_resume_or_overwrite(digits_run):
+def test_existing_run_dir_is_refused_without_resume_or_overwrite(digits_run, capsys):
     run_dir, _ = digits_run
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
-    res = run_cli("train", "configs/digits.yaml", f"run.dir={run_dir}", *FAST)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "--resume" in res.stderr and "--overwrite" in res.stderr
+    code = main(["train", DIGITS, f"run.dir={run_dir}", *FAST])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--resume" in err and "--overwrite" in err
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
 
 
@@ -68,11 +73,9 @@ def test_overwrite_keeps_files_the_user_put_in_run_dir(tmp_path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
-    args = ["train", "configs/digits.yaml", f"run.dir={run_dir}", "train.epochs=1",
-            "log.progress=off"]
-    assert run_cli(*args).returncode == 0
-    res = run_cli(*args, "--overwrite")
-    assert res.returncode == 0, res.stderr
+    args = ["train", DIGITS, f"run.dir={run_dir}", "train.epochs=1", "log.progress=off"]
+    assert main(args) == 0
+    assert main([*args, "--overwrite"]) == 0
     assert (run_dir / "notes.txt").read_text() == "mine"
     assert len((run_dir / "epochs.jsonl").read_text().splitlines()) == 1
 
@@ -82,16 +85,16 @@ def test_python_dash_m_and_help():
     assert res.returncode == 0 and "train" in res.stdout and "export" in res.stdout
 
 
-def test_report_renders_a_real_run(digits_run, tmp_path):
+def test_report_renders_a_real_run(digits_run, tmp_path, capsys):
     run_dir, _ = digits_run
-    res = run_cli("report", str(run_dir), "--out", str(tmp_path / "rep"))
-    assert res.returncode == 0, res.stderr
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
     for name in ("loss.png", "accuracy.png", "lr.png", "grad_norm.png", "grad_norm_hist.png",
                  "report.md", "report.html"):
         assert (tmp_path / "rep" / name).stat().st_size > 0, name
     assert "best val acc" in (tmp_path / "rep" / "report.md").read_text()
-    bad = run_cli("report", str(tmp_path))
-    assert bad.returncode == 2 and "metrics.jsonl" in bad.stderr
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
 
 
 # --- flags and overrides in any order, --version, run.dir errors (issue 13) ---
