@@ -293,7 +293,7 @@ def run(quick: bool) -> dict:
                  "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    steps = {"mlp": size(512, 128, 4, quick), "small_cnn": size(128, 24, 2, quick)}
+    steps = {"mlp": size(512, 64, 4, quick), "small_cnn": size(128, 16, 2, quick)}
     reps = {"mlp": size(7, 2, 1, quick), "small_cnn": size(5, 2, 1, quick)}
     long = size(5, 3, 2, quick)  # quick: (t(3) - t(1)) / 2, 9 epochs a loop, not 13
     specs = [Spec("mlp", tiny_mlp, dataset(steps["mlp"] * BATCH, (64,))),
