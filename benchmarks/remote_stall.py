@@ -129,7 +129,7 @@ def run(quick: bool) -> dict:
     torch.set_num_threads(1)
     width = size(1024, 512, 64, quick)
     steps, every = size(400, 200, 20, quick), size(20, 20, 5, quick)
-    reps = size(5, 3, 1, quick)
+    reps = size(5, 2, 1, quick)
     rows: dict[str, list[dict]] = {"none": [], "slow": [], "stalled": []}
     with tempfile.TemporaryDirectory() as d:
         for rep in range(reps):  # interleaved, so drifting machine load hits both alike
