@@ -3,6 +3,8 @@ exact the first difference with what most likely causes it and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ironloop.tools.doctor.findings import Finding
 from ironloop.tools.doctor.resume_compare import Difference
 
@@ -83,7 +85,7 @@ UNREAD = ("nothing the run computed read it: every batch, module output, loss an
 
 
 def findings_for(headline: str, differences: list[Difference], resume_from: int, steps: int,
-                 stateless: list[str], unread: list[Difference] = ()) -> list[Finding]:
+                 stateless: list[str], unread: Sequence[Difference] = ()) -> list[Finding]:
     """The headline finding (info when exact, error when not), then every hidden state found
     (errors), then, when the run is exact, attributes that differ but that nothing read and
     callbacks without state_dict (warnings)."""
