@@ -12,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,37 @@ def test_sigterm_during_setup_is_one_line_exit_143_and_leaves_run_dir_as_it_was(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "SIGTERM during setup, before the first step" in err[0], err
     assert not (tmp_path / "run").exists()  # the lock's directory and file taken back
+
+
+# --- the CLI: a second run while the first builds its data -------------------------------------
+
+SEEN: dict[str, bool] = {}
+
+
+def data_that_probes_the_lock():
+    """A data factory (a download, a tokenizer: seconds to minutes) that records whether
+    run.dir was held while it ran, as a second process would find it, then stops the run."""
+    import fcntl
+
+    from ironloop.state.lock import LOCK_NAME
+
+    fd = os.open(Path(SEEN["run_dir"]) / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:  # a new open file description: flock conflicts with the holder's, even in-process
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        SEEN["held"] = False
+    except BlockingIOError:
+        SEEN["held"] = True
+    finally:
+        os.close(fd)
+    raise DataError("stop here: the lock was probed")
+
+
+def test_run_dir_is_held_while_the_data_is_built_so_a_second_run_names_the_holder(
+        capsys, tmp_path):
+    # A run building its data did not hold run.dir yet: a second run on it found it free and an
+    # older run there ("already holds a run") instead of naming the live one (pid, host).
+    (tmp_path / "run").mkdir()
+    SEEN.update(run_dir=str(tmp_path / "run"))
+    refused(capsys, ["train", f"run.dir={tmp_path / 'run'}",
+                     f"data.name={__name__}:data_that_probes_the_lock"], "stop here")
+    assert SEEN["held"] is True

@@ -37,15 +37,22 @@ def _train_run(args, slurm) -> int:
     if args.strict:
         overrides.append("doctor.strict=true")
     cfg = load_config(config, overrides)
-    if os.environ.get("RANK", "0") == "0":  # before torch's import: seconds of silence otherwise
-        print(f"ironloop train: {cfg.model.name} on {cfg.data.name} from "
-              f"{config or 'the defaults'}, run.dir {cfg.run.dir}"
-              f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
-    from ironloop.tools.recipe import train_config
+    from ironloop.state import lock  # no torch: it takes a fraction of a second
 
+    main = os.environ.get("RANK", "0") == "0"
     try:
-        result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
-                              allow_config_change=args.allow_config_change)
+        # run.dir is held from here, not from after torch's import and the data's build
+        # (seconds, or minutes of download): a second run started meanwhile names this one
+        # as the holder instead of finding run.dir free and an older run in it.
+        with lock.hold(Path(cfg.run.dir), main):
+            if main:  # before torch's import: seconds of silence otherwise
+                print(f"ironloop train: {cfg.model.name} on {cfg.data.name} from "
+                      f"{config or 'the defaults'}, run.dir {cfg.run.dir}"
+                      f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
+            from ironloop.tools.recipe import train_config
+
+            result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
+                                  allow_config_change=args.allow_config_change)
     except Preempted as stop:  # under SLURM: requeue the job, or not (engine/slurm.py)
         slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue)
         raise

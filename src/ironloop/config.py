@@ -3,7 +3,8 @@
 One dataclass per section, one line of doc per field. ``load_config`` reads YAML, applies dotted
 ``key=value`` overrides and validates everything; every error names the dotted key and the
 allowed values, and is a ``ConfigError`` (the CLI turns it into exit code 2, no traceback).
-No ``exec``, no ``eval``: values are parsed with ``yaml.safe_load`` and coerced to the field type.
+No ``exec``, no ``eval``: values are parsed with a safe YAML loader (that refuses a key given
+twice: ``config_fields.load_yaml``) and coerced to the field type.
 """
 
 from __future__ import annotations
