@@ -208,10 +208,16 @@ def refused(capsys, argv: list[str], *named: str) -> None:
     assert len(err) == 1 and all(n in err[0] for n in named), err
 
 
-@pytest.mark.parametrize("seed", ["99999999999999999999", "-99999999999999999999"])
-def test_a_seed_out_of_64_bit_range_is_refused_before_torch_sees_it(seed, capsys, tmp_path):
+@pytest.mark.parametrize(("seed", "named"), [
+    ("99999999999999999999", "out of range"),  # torch.manual_seed: "Overflow", a traceback
+    ("-99999999999999999999", "out of range"),
+    ("1e23", "expected an integer"),  # YAML reads it as text
+    ("1.0e+23", "expected an integer"),  # a float
+])
+def test_a_seed_out_of_64_bit_range_is_refused_before_torch_sees_it(seed, named, capsys,
+                                                                    tmp_path):
     refused(capsys, ["train", "configs/digits.yaml", f"run.seed={seed}",
-                     f"run.dir={tmp_path / 'run'}"], f"run.seed={seed}", "out of range")
+                     f"run.dir={tmp_path / 'run'}"], "run.seed=", named)
     assert not (tmp_path / "run").exists()
 
 
