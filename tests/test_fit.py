@@ -50,7 +50,7 @@ def test_run_threads_0_leaves_torch_s_default_and_records_it(tmp_path):
 
 
 def test_negative_run_threads_is_refused_with_its_key():
-    with pytest.raises(ConfigError, match=r"run\.threads.*must be >= 0"):
+    with pytest.raises(ConfigError, match=r"run\.threads=-1: must be in \[0, 1024\]"):
         ironloop.Config().with_overrides({"run.threads": -1})
 
 

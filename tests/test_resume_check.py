@@ -14,10 +14,13 @@ from ironloop.config import load_config
 from ironloop.errors import UserError
 from ironloop.tools.doctor.resume_check import CheckPlan, plan_for, resume_check
 from ironloop.tools.doctor.resume_compare import (
+    Difference,
     checkpoint_difference,
     first_step_difference,
     state_differences,
+    without_unread,
 )
+from ironloop.tools.doctor.resume_diagnose import findings_for
 
 CASES = "tests.resume_cases"
 #: 6 steps an epoch: 9 steps cross an epoch end; checkpoints at 3, 6, 9, the kill at 4.
@@ -93,6 +96,19 @@ def test_state_comparison_names_attributes_that_a_checkpoint_does_not_hold():
     assert "m.N is 2 after the resume, 1 uninterrupted" in state_differences(a, b)[1].detail
 
 
+def test_an_attribute_that_changed_no_step_is_named_but_not_counted_against_the_resume():
+    model = Difference(0, "model", "CallCounter.calls (module 1) is 10 after the resume, 13 "
+                                   "uninterrupted")
+    data, callback = Difference(0, "data", "Set.reads ..."), Difference(0, "callback", "0:C ...")
+    assert without_unread([model, data]) == ([], [model, data])  # every step equal: unread
+    assert without_unread([model, callback]) == ([callback], [model])  # a callback: recorded
+    loss = Difference(4, "loss", "loss 1.2 instead of 1.1")
+    assert without_unread([loss, model]) == ([loss, model], [])  # the likely cause: kept
+    found = findings_for("resume is exact (...)", [], 3, 9, [], [model])
+    assert [f.severity for f in found] == ["info", "warning"]
+    assert "CallCounter.calls" in found[1].measured and "unread" in found[1].measured
+
+
 # --- real scratch runs --------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -129,6 +145,17 @@ def test_model_python_counter_is_caught(tmp_path):
     assert "CountingScale" in result.first.detail  # the module whose output differs first
     assert result.findings[0].cause.startswith("the model or the step")
     assert any("CountingScale.calls" in f.measured for f in result.findings)
+
+
+@pytest.mark.slow
+def test_a_call_counter_that_forward_never_reads_leaves_the_resume_exact(tmp_path):
+    # #42 finding 11: "NOT exact ... every step is equal" (exit 1) where a real crash and
+    # resume is torch.equal: the counter differs, nothing the run computes reads it.
+    cfg = config(tmp_path, "clean_data", f"model.name={CASES}:call_counting_model")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+    assert [d.detail.split(" ")[0] for d in result.unread] == ["CallCounter.calls"]
+    assert [f.severity for f in result.findings] == ["info", "warning"]
 
 
 @pytest.mark.slow

@@ -211,7 +211,8 @@ def test_tune_arguments_mix_like_train_s():
 
 
 def test_a_budget_of_zero_is_refused(tmp_path):
-    with pytest.raises(ironloop.errors.ConfigError, match="--budget=0: must be > 0 seconds"):
+    with pytest.raises(ironloop.errors.ConfigError,
+                       match="--budget=0: must be a finite number of seconds > 0"):
         ironloop.tune(nn.Linear(4, 2), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)),
                       {"run.dir": str(tmp_path / "run")}, budget=0)
     assert not (tmp_path / "run").exists()

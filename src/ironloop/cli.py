@@ -8,11 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from ironloop.errors import Preempted, RankZeroError, UserError
+from ironloop.errors import Preempted, RankZeroError, StoppedInSetup, UserError
 
 
 def _train(args) -> int:
-    from ironloop.config import describe, load_config
+    from ironloop.config import describe
 
     if args.config == "help":
         print(describe())
@@ -21,20 +21,38 @@ def _train(args) -> int:
 
     if slurm.job_id() is not None:  # before torch's import: a warning signal may come now
         slurm.EarlySignals().install()
+        return _train_run(args, slurm)
+    before = slurm.SetupSignals().install()  # a signal now stops the setup with one line
+    try:
+        return _train_run(args, slurm)
+    finally:
+        slurm.restore(before)  # main() may be called again in this process (tests, tools)
+
+
+def _train_run(args, slurm) -> int:
+    from ironloop.config import load_config
+
     slurm.adopt_step_env()  # srun --ntasks=N: the ranks torchrun would have described
     config, overrides = _config_and_overrides(args.config, args.overrides)
     if args.strict:
         overrides.append("doctor.strict=true")
     cfg = load_config(config, overrides)
-    if os.environ.get("RANK", "0") == "0":  # before torch's import: seconds of silence otherwise
-        print(f"ironloop train: {cfg.model.name} on {cfg.data.name} from "
-              f"{config or 'the defaults'}, run.dir {cfg.run.dir}"
-              f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
-    from ironloop.tools.recipe import train_config
+    from ironloop.state import lock  # no torch: it takes a fraction of a second
 
+    main = os.environ.get("RANK", "0") == "0"
     try:
-        result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
-                              allow_config_change=args.allow_config_change)
+        # run.dir is held from here, not from after torch's import and the data's build
+        # (seconds, or minutes of download): a second run started meanwhile names this one
+        # as the holder instead of finding run.dir free and an older run in it.
+        with lock.hold(Path(cfg.run.dir), main):
+            if main:  # before torch's import: seconds of silence otherwise
+                print(f"ironloop train: {cfg.model.name} on {cfg.data.name} from "
+                      f"{config or 'the defaults'}, run.dir {cfg.run.dir}"
+                      f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
+            from ironloop.tools.recipe import train_config
+
+            result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
+                                  allow_config_change=args.allow_config_change)
     except Preempted as stop:  # under SLURM: requeue the job, or not (engine/slurm.py)
         slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue)
         raise
@@ -270,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # a signal stopped the run after a checkpoint: not an error
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
             print(f"ironloop: {e}", file=sys.stderr)
+        return e.exit_code
+    except StoppedInSetup as e:  # SIGTERM or SIGUSR1 before the first step (engine/slurm.py)
+        print(f"ironloop: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("ironloop: interrupted; resume with --resume", file=sys.stderr)

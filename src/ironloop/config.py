@@ -3,7 +3,8 @@
 One dataclass per section, one line of doc per field. ``load_config`` reads YAML, applies dotted
 ``key=value`` overrides and validates everything; every error names the dotted key and the
 allowed values, and is a ``ConfigError`` (the CLI turns it into exit code 2, no traceback).
-No ``exec``, no ``eval``: values are parsed with ``yaml.safe_load`` and coerced to the field type.
+No ``exec``, no ``eval``: values are parsed with a safe YAML loader (that refuses a key given
+twice: ``config_fields.load_yaml``) and coerced to the field type.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from ironloop.config_fields import (
     Section,
     build_section,
     doc_field as fld,  # short: it is on every field below
+    load_yaml,
     split_override,
     yaml_key,
 )
 from ironloop.errors import ConfigError
+
+#: The most threads or loader processes one run may start (a typo's millions fork-bomb).
+MAX_PROCS = 1024
 
 
 @dataclass
@@ -37,8 +42,9 @@ class RunConfig(Section):
                        "run; 0 = torch's default (OMP_NUM_THREADS, else one per core)")
 
     def validate(self) -> None:
-        if self.threads < 0:
-            self._bad("threads", "must be >= 0 (0 = torch's default)")
+        if not 0 <= self.threads <= MAX_PROCS:
+            # torch.set_num_threads takes any count; OpenMP then crashes the run (SIGSEGV)
+            self._bad("threads", f"must be in [0, {MAX_PROCS}] (0 = torch's default)")
 
 
 @dataclass
@@ -66,7 +72,9 @@ class DataConfig(Section):
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             self._bad("val_fraction", "must be in [0, 1)")
-        self._non_negative("num_workers")
+        if not 0 <= self.num_workers <= MAX_PROCS:
+            self._bad("num_workers", f"must be in [0, {MAX_PROCS}] (0 = load in the main "
+                      f"process; a few per core is plenty)")
         self._positive("num_samples", "num_classes")
         if not self.input_shape or any(not isinstance(d, int) or d <= 0 for d in self.input_shape):
             self._bad("input_shape", "must be a non-empty list of positive ints, e.g. [1, 28, 28]")
@@ -481,7 +489,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path} not found; pass the path of a YAML file, "
                               f"e.g. configs/digits.yaml")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = load_yaml(path.read_text(), str(path)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}".replace("\n", " ")) from e
         except UnicodeDecodeError as e:

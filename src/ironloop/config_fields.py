@@ -88,7 +88,47 @@ def coerce(dotted: str, value: Any, typ: Any, meta: Any) -> Any:
     if not ok:
         allowed = f" (one of {', '.join(map(str, meta['choices']))})" if meta.get("choices") else ""
         raise ConfigError(f"{dotted}={value!r}: expected {want}{allowed}")
+    if typ is int and not -INT64 <= value < INT64:
+        # torch and numpy take 64-bit integers: a larger one fails deep in torch (run.seed)
+        raise ConfigError(f"{dotted}={value}: out of range; an integer key takes values of "
+                          f"magnitude below 2**63")
     return value
+
+
+#: Integer keys hold values that torch takes as a 64-bit signed integer.
+INT64 = 2**63
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: YAML lets the last one win
+    silently, so a stray second ``seed:`` would quietly replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<': merging is meant to override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            with contextlib.suppress(TypeError):  # an unhashable key: construct_mapping says so
+                if key in first:
+                    raise ConfigError(f"{key_node.start_mark.name} line {line}: the key {key!r} "
+                                      f"is given twice in one mapping (first on line "
+                                      f"{first[key]}); YAML would keep only the last: delete "
+                                      f"one of them")
+                first[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, name: str) -> Any:
+    """A config file's YAML, safely (no object construction), with no key given twice; errors
+    name the file (``name``) and the line."""
+    loader = UniqueKeyLoader(text)
+    loader.name = name  # the marks in its errors name the file, not "<unicode string>"
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def build_section(cls: type[Section], raw: Any) -> Any:

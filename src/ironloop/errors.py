@@ -43,3 +43,19 @@ class Preempted(Exception):
         super().__init__(f"preempted by {signal_name}: stopped after step {step}, {what}")
         self.signal_name, self.step, self.saved = signal_name, step, saved
         self.signalled_at: float | None = None  # when this process got the signal (time.time)
+
+
+class StoppedInSetup(BaseException):
+    """A signal (SIGTERM, SIGUSR1) while ``ironloop train`` loaded torch and built the run,
+    before the loop's own handler took over (engine/preempt.py): nothing was trained or saved
+    yet, so the run stops at once. A BaseException, as KeyboardInterrupt is: no ``except
+    Exception`` on the way (a doctor check, a user's factory) takes it for an error of its own.
+    The CLI prints the message on one line and exits 128 + the signal's number, what the
+    signal's default action gives (SIGTERM: 143), so a job script reads it as it did before."""
+
+    def __init__(self, signal_name: str, signum: int):
+        super().__init__(f"stopped by {signal_name} during setup, before the first step: "
+                         f"nothing was trained or saved (a previous run's checkpoints are as "
+                         f"they were); run the same command again to start (--resume continues "
+                         f"a run)")
+        self.exit_code = 128 + signum

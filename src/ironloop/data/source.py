@@ -300,10 +300,16 @@ def validation_sets(val_data, cfg: Config, train_collate, world_size: int
     dict's names for a dict (``val_<name>_<metric>``), {} for none; and how each is batched,
     under "val" (one set) or "val_<name>"."""
     named = val_data if isinstance(val_data, dict) else {"": val_data}
+    if named is val_data and not named:
+        raise DataError("val_data={} names no validation set; pass None for a run without "
+                        "validation, or {name: dataset, ...}")
     sets, batching = {}, {}
     for name, data in named.items():
         if named is val_data:
             check_set_name(name)
+            if data is None:  # None means "no validation" for val_data itself, not for a name
+                raise DataError(f"val_data[{name!r}] is None; give each named set a dataset, "
+                                f"or leave {name!r} out")
         what = f"val_data[{name!r}]" if name else "val_data"
         refuse_eval_stream(data, what)
         dataset, batching[f"val_{name}" if name else "val"] = eval_split(

@@ -68,7 +68,7 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
               world: World, precision: str, given: Given, faults: Faults) -> tuple[Run, str]:
     """The finished run, and its parallel strategy ("ddp", "fsdp" or "none")."""
     # fit()'s own callbacks, then train.callbacks: positions key their checkpointed state
-    callbacks = check_callbacks([*(given.callbacks or []), *from_specs(cfg.train.callbacks)])
+    callbacks = check_callbacks([*_as_list(given.callbacks), *from_specs(cfg.train.callbacks)])
     progress = Progress()
     meter = Meter(device, reduce=lambda t: all_reduce_sum(t, world))
     verdicts = device_verdicts(cfg.guard, meter.loss_sum.device, meter.loss_sum.dtype) \
@@ -151,9 +151,10 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
     if step_fn is None and cfg.train.step_fn:
         step_fn = step_fns.named_step(cfg.train.step_fn)  # 'lm' or the user's 'module:function'
     if step_fn is None:
-        step_fn, check_labels = step_fns.classification(cfg, model, device, given.loss_fn,
-                                                         given.num_classes, data,
-                                                         metrics is not None)
+        step_fn, check_labels, classes = step_fns.classification(
+            cfg, model, device, given.loss_fn, given.num_classes, data, metrics is not None)
+        if metrics is not None:
+            metrics.check_classes(classes)  # now, not at the first evaluation an epoch later
     step_fn, stateful = carry.stateful(step_fn, device, cfg.train.carry_reset)
     step_fn = faults.wrap_step(step_fn, progress,
                                verdicts.policy if verdicts is not None else None)
@@ -282,6 +283,17 @@ def _warn_batchnorm(model: nn.Module, cfg: Config, world: World) -> None:
               f"{cfg.train.accumulation_steps}: BatchNorm normalises each micro-batch of "
               f"{cfg.train.batch_size} separately, so accumulation is not equivalent to a "
               f"batch of {cfg.train.batch_size * cfg.train.accumulation_steps}")
+
+
+def _as_list(callbacks) -> list:
+    """fit()'s ``callbacks=``: a list (or tuple) of callbacks, or None."""
+    if callbacks is None or isinstance(callbacks, (list, tuple)):
+        return list(callbacks or [])
+    single = any(hasattr(callbacks, hook) for hook in HOOKS)
+    raise UserError(f"callbacks={callbacks!r:.60}: must be a list of callbacks, not "
+                    f"{type(callbacks).__name__}; " +
+                    ("wrap it in one: callbacks=[...]" if single else
+                     "pass [MyCallback(), ...] (ironloop.callbacks.Callback subclasses)"))
 
 
 def check_callbacks(callbacks) -> list[Callback]:

@@ -27,6 +27,7 @@ from ironloop.engine import build, evaluate, loop, optim, step_fns
 from ironloop.engine.oom import out_of_memory
 from ironloop.engine.precision import resolve_device, resolve_precision
 from ironloop.engine.run import Run
+from ironloop.engine.train_module import check_model
 from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.readers import read_jsonl
@@ -173,6 +174,7 @@ def _check_arguments(model, train_data) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}; pass the "
                         f"model instance (a function: wrap it in an nn.Module's forward)")
+    check_model(model)  # on the meta device, or nothing to train: before anything is built
     if train_data is None:
         raise DataError("train_data is None; pass the training split: a Dataset, a "
                         "DataLoader, a Hugging Face datasets.Dataset or an (inputs, targets) "

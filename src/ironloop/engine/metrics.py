@@ -38,6 +38,17 @@ class SplitMetrics:
         self.metrics: dict[str, Any] = {
             n: m.to(device) if isinstance(m, torch.nn.Module) else m for n, m in metrics.items()}
 
+    def check_classes(self, num_classes: int | None) -> None:
+        """A metric built for another class count than the run's (torchmetrics' Multiclass*
+        ``num_classes``) fails at the first evaluation, perhaps an epoch in: refused here."""
+        for name, metric in self.metrics.items():
+            theirs = getattr(metric, "num_classes", None)
+            if num_classes and isinstance(theirs, int) and theirs != num_classes:
+                raise ConfigError(f"eval.metrics.{name}: num_classes={theirs}, but the run has "
+                                  f"{num_classes} classes (the data's, the model's outputs); "
+                                  f"set eval.metrics.{name}.num_classes={num_classes} (or "
+                                  f"build the metric passed to fit() with it)")
+
     def reset(self) -> None:
         for metric in self.metrics.values():
             metric.reset()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ironloop.engine.slurm import EarlySignals
+from ironloop.engine.slurm import EarlySignals, SetupSignals
 from ironloop.errors import Preempted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -68,7 +68,8 @@ class Preemption:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # the setup's handler says "during setup": past the loop, the default action again
+            signal.signal(sig, signal.SIG_DFL if isinstance(handler, SetupSignals) else handler)
         self._previous = {}
         if self._pending is not None:  # every rank sent it: it completes without waiting
             self._pending[0].wait()

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ironloop.errors import Preempted
+from ironloop.errors import Preempted, StoppedInSetup
 
 #: a signal this close to the time limit is the limit's warning (SLURM sends it up to 60 s
 #: before the ``--signal`` lead asked for, and leads of a few minutes are the common choice)
@@ -73,6 +73,36 @@ class EarlySignals:
     def install(self) -> None:
         for sig in self.SIGNALS:
             signal.signal(sig, self)
+
+
+class SetupSignals:
+    """Outside SLURM, the signal handler from the CLI's start to the loop's: a SIGTERM or
+    SIGUSR1 while torch loads and the run is built stops it at once with a line that says so
+    (``StoppedInSetup``), where the default action killed the process without a word. The
+    exception unwinds like Ctrl-C's: run.dir's lock gives back what a run that never claimed it
+    had created, and a temporary file is removed. Under SLURM ``EarlySignals`` keeps the signal
+    instead (a requeued job must save a checkpoint and requeue)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C (SIGINT) raises KeyboardInterrupt
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __call__(self, signum: int, frame) -> None:
+        if os.getpid() != self.pid:  # a forked child (a loader worker): the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise StoppedInSetup(signal.Signals(signum).name, signum)
+
+    def install(self) -> dict:
+        """Install it; returns the handlers it replaced (``restore`` puts them back)."""
+        return {sig: signal.signal(sig, self) for sig in self.SIGNALS}
+
+
+def restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def job_id() -> str | None:

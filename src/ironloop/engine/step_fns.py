@@ -132,17 +132,17 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
 
     def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
-            return output_loss(model(**batch)), {}
+            return output_loss(keyword_call(model, batch)), {}
         x, y = batch[0], batch[1]
         try:
             out = model(x)
         except RuntimeError as e:
-            raise _int_inputs(x, e) or e from None
+            raise input_error(model, x, e) or e from None
         if not isinstance(out, torch.Tensor):
             return output_loss(out), {}
         try:
             loss = loss_fn(out, y)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, IndexError) as e:  # IndexError: a scalar output
             if not _is_shape_error(e):
                 raise
             raise misfit(out, y, e) from None
@@ -160,27 +160,72 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
 def _is_shape_error(e: Exception) -> bool:
     text = str(e).lower()
     return any(w in text for w in ("size", "shape", "dimension", "expected input",
-                                   "expected target", "type for target"))
+                                   "expected target", "type for target", "target tensor"))
 
 
-def _int_inputs(x, e: RuntimeError) -> DataError | None:
-    """Integer inputs into a model that computes in floats (a Linear or Conv on token ids or
-    raw uint8 pixels): one line naming the inputs and the fix; None for any other error."""
-    if not isinstance(x, torch.Tensor) or x.is_floating_point() or "type" not in str(e):
+def _first_line(e: Exception, width: int = 160) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:width]
+
+
+def input_error(model: nn.Module, x, e: RuntimeError) -> UserError | None:
+    """The model's forward failed on the batch's inputs: integer inputs into a model that
+    computes in floats (a Linear or Conv on token ids or raw uint8 pixels), floats of another
+    dtype than the model's (float64 from numpy), or inputs of another shape than the first
+    layer takes. One line naming the inputs and the fix; None for any other error (the model's
+    own, with its traceback)."""
+    if not isinstance(x, torch.Tensor):
         return None
-    first = (str(e).strip().splitlines() or [""])[0][:160]
-    return DataError(f"the inputs are {describe(x)} but the model computes in floats "
-                     f"({first}); convert them with .float() (scaled, e.g. / 255 for pixels), "
-                     f"or start the model with an nn.Embedding for token ids")
+    text = str(e)
+    if not x.is_floating_point() and "type" in text:
+        return DataError(f"the inputs are {describe(x)} but the model computes in floats "
+                         f"({_first_line(e)}); convert them with .float() (scaled, e.g. / 255 "
+                         f"for pixels), or start the model with an nn.Embedding for token ids")
+    theirs = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if theirs is not None and x.dtype != theirs and "type" in text:
+        mine, want = (str(t).removeprefix("torch.") for t in (x.dtype, theirs))
+        return DataError(f"the inputs are {describe(x)} but the model's parameters are "
+                         f"{want} ({_first_line(e)}); convert the data with .to(torch.{want}) "
+                         f"(numpy arrays are float64: torch.from_numpy(a).float()), or the model "
+                         f"with model.to(torch.{mine}) to train in {mine}")
+    if _is_shape_error(e) or "cannot be multiplied" in text:
+        first = f" (e.g. nn.Linear({x.shape[-1]}, ...))" if x.ndim == 2 else ""
+        return UserError(f"the model's forward failed on inputs {describe(x)} "
+                         f"({_first_line(e)}); make the model take samples of shape "
+                         f"{list(x.shape[1:])}, the data's, in its first layer{first}, or "
+                         f"reshape the data")
+    return None
+
+
+def keyword_call(model: nn.Module, batch: dict):
+    """``model(**batch)``, Hugging Face style; a dict whose keys the forward does not take
+    (a dataset returning {'x': ..., 'y': ...}) is one line naming the keys and the fix."""
+    try:
+        inspect.signature(model.forward).bind(**batch)
+    except TypeError as e:
+        raise UserError(f"the batches are dicts ({describe(batch)}), which the default step "
+                        f"passes as model(**batch), and the model's forward does not take them "
+                        f"({e}); return (inputs, targets) pairs from the dataset, or pass a "
+                        f"step_fn(model, batch) that unpacks the dict") from None
+    except ValueError:  # no signature to read (a C extension's forward): call it as it is
+        pass
+    return model(**batch)
 
 
 def misfit(out: torch.Tensor, y: torch.Tensor, e: Exception) -> UserError:
     """The one-line error for a model output whose shape does not fit the loss."""
-    first = (str(e).strip().splitlines() or [""])[0][:200]
+    if out.ndim == 0:
+        fix = "the model returned one number for the whole batch (a .sum() or .mean() in its " \
+              "forward?): return one row of scores per sample"
+    elif isinstance(y, torch.Tensor) and y.ndim == 2 and y.shape[1] == 1 and \
+            not y.is_floating_point():
+        fix = "class indices go in a [batch] tensor, not [batch, 1]: flatten the targets " \
+              "(y.view(-1), or y.squeeze(1) in the dataset)"
+    else:
+        fix = "make the model's last layer output what the loss takes (cross_entropy: " \
+              "[batch, classes] scores for [batch] class indices)"
     return UserError(f"the model's output {describe(out)} does not fit the loss for targets "
-                     f"{describe(y)} ({first}); make the model's last layer output what the loss "
-                     f"takes (cross_entropy: [batch, classes] scores for [batch] class indices), "
-                     f"or set loss.name / pass a loss_fn or step_fn")
+                     f"{describe(y)} ({_first_line(e, 200)}); {fix}, or set loss.name / pass "
+                     f"a loss_fn or step_fn")
 
 
 def output_loss(out) -> torch.Tensor:
@@ -226,23 +271,24 @@ def label_checker(num_classes: int) -> Callable[[Any], None]:
 
 # ------------------------------------------------------------------ the classification step --
 def classification(cfg: Config, model: nn.Module, device, loss_fn, num_classes,
-                   data: RunData, feed_metrics: bool = False) -> tuple[Any, Any]:
-    """The default (inputs, targets) step, and the label check it needs (or None when every
-    dataset is an in-memory tensor whose labels were checked here, once, in full)."""
+                   data: RunData, feed_metrics: bool = False) -> tuple[Any, Any, int | None]:
+    """The default (inputs, targets) step, the label check it needs (or None when every
+    dataset is an in-memory tensor whose labels were checked here, once, in full), and the
+    class count (given, inferred from the model, or None)."""
     if num_classes is None:
         num_classes = num_classes_of(model, data.first_sample, device)
     if loss_fn is None and ":" in cfg.loss.name:
         loss_fn = import_spec(cfg.loss.name, "loss.name")
     step_fn = classification_step(loss_fn or Loss(cfg.loss, num_classes), feed_metrics)
     if not num_classes:
-        return step_fn, None
+        return step_fn, None, None
     check = label_checker(num_classes)
     if not data.in_memory():
-        return step_fn, check  # checked batch by batch, on the host
+        return step_fn, check, num_classes  # checked batch by batch, on the host
     for ds in (data.train, *data.val_sets.values(), data.test):
         if ds is not None:
             check((ds.x[:1], ds.y))
-    return step_fn, None
+    return step_fn, None, num_classes
 
 
 def infer_num_classes(model: nn.Module, dataset, device) -> int | None:

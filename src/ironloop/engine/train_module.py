@@ -33,7 +33,7 @@ from ironloop.engine.metrics import SplitMetrics
 from ironloop.engine.precision import autocast
 from ironloop.engine.progress import Meter, Progress
 from ironloop.engine.step_fns import StepFn, describe, unpack
-from ironloop.errors import ConfigError
+from ironloop.errors import ConfigError, UserError
 from ironloop.guard.reporter import lr_scaled
 from ironloop.guard.verdict import DeviceVerdicts, forget_unscale, masked_step
 from ironloop.parallel.world import World
@@ -48,6 +48,27 @@ def takes_closure(optimizer: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):  # no readable signature: called without one, as before
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse, before anything runs, a model that cannot train: one on the meta device (no
+    values to compute with), or one with no parameter that requires a gradient (none at all,
+    only buffers, or all frozen), where the first backward would fail deep in autograd."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        raise UserError("the model is on the meta device (its tensors have shapes, no values); "
+                        "materialize it first: model.to_empty(device='cpu'), then initialize "
+                        "it (or load_state_dict(state, assign=True))")
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return
+    buffers = [name for name, _ in model.named_buffers()]
+    what = f"all {len(params)} of its parameter tensors are frozen (requires_grad=False)" \
+        if params else "it has no parameters" + (f", only buffers ({', '.join(buffers[:3])})"
+                                                   if buffers else "")
+    raise UserError(f"the model has nothing to train: {what}; unfreeze what should learn "
+                    f"(p.requires_grad_(True)), or hold its weights in nn.Parameter (a buffer "
+                    f"or a plain tensor attribute is not trained)")
 
 
 def check_closure(optimizer: torch.optim.Optimizer, accumulation: int, precision: str,

@@ -38,6 +38,7 @@ from ironloop.tools.doctor.resume_compare import (
     read_records,
     state_differences,
     stateless_callbacks,
+    without_unread,
 )
 from ironloop.tools.doctor.resume_diagnose import findings_for
 
@@ -93,6 +94,7 @@ class ResumeCheck:
     seconds: float
     scratch: str | None = None  # kept when not exact, for a look at the records
     differences: list[Difference] = field(default_factory=list)
+    unread: list[Difference] = field(default_factory=list)  # differ, changed no step
 
     @property
     def headline(self) -> str:
@@ -106,6 +108,7 @@ class ResumeCheck:
         return {"exact": self.exact, **self.plan.to_dict(), "ranks": self.nproc,
                 "first_difference": self.first.to_dict() if self.first else None,
                 "differences": [d.to_dict() for d in self.differences],
+                "unread": [d.to_dict() for d in self.unread],
                 "findings": [f.to_dict() for f in self.findings],
                 "seconds": round(self.seconds, 3), "scratch": self.scratch}
 
@@ -302,8 +305,9 @@ def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] |
     scratch = Path(tempfile.mkdtemp(prefix="ironloop-resume-check-", dir=scratch_root))
     try:
         run_scratch(cfg, plan, scratch, list(callbacks or []), nproc)
-        differences = earliest_first([d for rank in range(nproc) for d in _ranked(
-            compare_rank(scratch, plan, rank), rank, nproc)])
+        differences, unread = without_unread(earliest_first([
+            d for rank in range(nproc) for d in _ranked(compare_rank(scratch, plan, rank), rank,
+                                                         nproc)]))
         state = read_records(scratch / "straight-rank0.jsonl").state
     except BaseException:
         print(f"resume check: scratch runs kept in {scratch}", file=sys.stderr)
@@ -313,9 +317,9 @@ def resume_check(cfg: Config, steps: int = DEFAULT_STEPS, callbacks: list[str] |
         shutil.rmtree(scratch, ignore_errors=True)
     result = ResumeCheck(exact, plan, nproc, differences[0] if differences else None, [],
                          time.perf_counter() - started, None if exact else str(scratch),
-                         differences)
+                         differences, unread)
     result.findings = findings_for(result.headline, differences, plan.resume_from, plan.steps,
-                                   stateless_callbacks(state))
+                                   stateless_callbacks(state), unread)
     return result
 
 

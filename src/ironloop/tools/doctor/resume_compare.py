@@ -164,6 +164,28 @@ def state_differences(a: dict | None, b: dict | None) -> list[Difference]:
     return found
 
 
+#: Hidden state whose effect the check sees at every step: a module's attribute that forward
+#: reads changes that module's output, a dataset's that __getitem__ reads changes a batch.
+OBSERVED = ("model", "data")
+
+
+def without_unread(found: list[Difference]) -> tuple[list[Difference], list[Difference]]:
+    """(what makes the resume not exact, module and dataset attributes that differ but that
+    nothing read). With every step (batches, module outputs, losses, weights) and the last
+    checkpoints equal, such an attribute changed nothing the run computed: a call counter that
+    forward increments and never reads. It is named, not counted against the resume. Callbacks'
+    attributes and globals stay differences: what they change (a log line, a decision) is not
+    recorded per step."""
+    if any(d.what not in HIDDEN_KINDS for d in found):  # the trajectory differs: keep them all
+        return found, []
+    unread = [d for d in found if d.what in OBSERVED]
+    return [d for d in found if d.what not in OBSERVED], unread
+
+
+#: What ``state_differences`` reports, as Difference.what.
+HIDDEN_KINDS = ("model", "data", "global", "callback")
+
+
 def _pairs(keys: list[str], resumed: dict, straight: dict) -> str:
     return "; ".join(f"{k}: {resumed.get(k)!r} vs {straight.get(k)!r}" for k in keys[:3])
 

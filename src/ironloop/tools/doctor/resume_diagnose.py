@@ -3,6 +3,8 @@ exact the first difference with what most likely causes it and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ironloop.tools.doctor.findings import Finding
 from ironloop.tools.doctor.resume_compare import Difference
 
@@ -74,12 +76,23 @@ def cause_and_fix(d: Difference, plan_resume_from: int) -> tuple[str, str]:
     return OPTIMIZER
 
 
+#: A module or dataset attribute that a resume starts over, while every step was equal.
+UNREAD = ("nothing the run computed read it: every batch, module output, loss and weight after "
+          "the resume is equal (a counter that forward or __getitem__ only increments)",
+          "nothing to do while nothing reads it; if forward (or __getitem__) ever will, keep it "
+          "in the state_dict: a buffer (self.register_buffer('calls', torch.zeros((), "
+          "dtype=torch.long))) instead of a Python attribute")
+
+
 def findings_for(headline: str, differences: list[Difference], resume_from: int, steps: int,
-                 stateless: list[str]) -> list[Finding]:
+                 stateless: list[str], unread: Sequence[Difference] = ()) -> list[Finding]:
     """The headline finding (info when exact, error when not), then every hidden state found
-    (errors), then callbacks without state_dict (warnings, when the run is exact)."""
+    (errors), then, when the run is exact, attributes that differ but that nothing read and
+    callbacks without state_dict (warnings)."""
     if not differences:
         found = [Finding(CHECK, "info", headline, "", "")]
+        found += [Finding(CHECK, "warning", f"{d.what} attribute differs after the resume, "
+                          f"unread: {d.detail}", *UNREAD) for d in unread]
         return found + [Finding(CHECK, "warning", f"callback {name} holds attributes and has "
                                 f"no state_dict; they did not change these {steps} steps",
                                 *CALLBACK) for name in stateless]

@@ -15,9 +15,11 @@ from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.source import eval_split
 from ironloop.data.stream import is_stream
+from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
 from ironloop.engine.step_fns import classification_step, infer_num_classes, named_step
+from ironloop.engine.train_module import check_model
 from ironloop.errors import UserError
 from ironloop.specs import import_spec
 from ironloop.state.rng import preserved_rng
@@ -40,6 +42,7 @@ def subject(model: nn.Module, train, val=None, test=None, cfg: Config | None = N
     ``train.step_fn``, else the default step with ``loss_fn`` (or ``loss.*``). The class count
     is inferred only for the default step, and a model it cannot be inferred from has none."""
     cfg = cfg or Config()
+    check_model(model)  # meta device, nothing to train: the run's refusal, before any check
     if is_stream(train):
         raise UserError("the doctor reads samples by index, and the training data is a stream "
                         "(an IterableDataset); check a map-style sample of it instead")
@@ -227,6 +230,9 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
           "skips them)...", flush=True)
     started = time.perf_counter()
     s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes)
+    metrics = build_metrics(cfg.eval.metrics, None, s.device)
+    if metrics is not None:  # what fit() refuses too: before the checks take their seconds
+        metrics.check_classes(s.num_classes)
     # A check that fails is reported skipped; the run's own step raising stops the run here.
     findings = check(s, quick=True, raise_step=True)
     seconds = time.perf_counter() - started

@@ -350,8 +350,9 @@ def run_tune(subject: Subject, budget: float,
              progress: str = "auto") -> tuple[Tuner, dict, dict]:
     """Measure; return the tuner (its rows), the chosen free overrides and the trajectory
     winners."""
-    if budget <= 0:
-        raise ConfigError(f"--budget={budget}: must be > 0 seconds (default {DEFAULT_BUDGET:.0f})")
+    if not 0 < budget < math.inf:  # nan fails every comparison; inf never ends
+        raise ConfigError(f"--budget={budget}: must be a finite number of seconds > 0 (default "
+                          f"{DEFAULT_BUDGET:.0f})")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("ironloop tune runs in one process: start it without torchrun")
     device = resolve_device(subject.cfg.run.device)
