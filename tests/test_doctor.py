@@ -202,6 +202,23 @@ def test_strict_preflight_stops_before_training(softmax_pkg, tmp_path, capsys):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_fit_runs_the_preflight_when_doctor_preflight_is_true_and_not_by_default(tmp_path,
+                                                                                capsys):
+    """ironloop.fit() with doctor.preflight=true runs the quick checks the CLI runs (issue 44:
+    it ignored the key), with the run's own loss_fn; fit()'s default (null) does not."""
+    softmax = nn.Sequential(nn.Linear(8, 3), nn.Softmax(dim=1))
+    conf = cfg(tmp_path, doctor__preflight=True, doctor__strict=True)
+    with pytest.raises(DoctorError, match="probabilities"):
+        ironloop.fit(softmax, blobs(96), blobs(32, seed=1), conf)
+    assert (tmp_path / "run" / "doctor.json").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert "preflight:" in capsys.readouterr().out
+    plain = cfg(tmp_path / "plain", train__epochs=1)
+    ironloop.fit(tiny_mlp(), blobs(96), blobs(32, seed=1), plain)
+    assert "preflight:" not in capsys.readouterr().out
+    assert not (tmp_path / "plain" / "run" / "doctor.json").exists()
+
+
 def test_cli_doctor_names_the_softmax_and_the_fix(softmax_pkg, tmp_path):
     r = run_cli("doctor", "configs/digits.yaml", "model.name=pkg:softmax_model",
                 f"run.dir={tmp_path / 'doc'}", "--strict",

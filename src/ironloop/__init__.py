@@ -12,7 +12,7 @@ import importlib
 from ironloop.version import __version__
 
 _LAZY = {"Config": "ironloop.config", "load_config": "ironloop.config",
-         "fit": "ironloop.engine.fit", "FitResult": "ironloop.engine.fit",
+         "fit": "ironloop.tools.recipe", "FitResult": "ironloop.engine.fit",
          "tune": "ironloop.tools.tune", "TuneResult": "ironloop.tools.tune"}
 
 __all__ = ["Config", "FitResult", "TuneResult", "__version__", "fit", "load_config", "tune"]

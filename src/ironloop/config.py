@@ -366,7 +366,9 @@ class ProfileConfig(Section):
 @dataclass
 class DoctorConfig(Section):
     _name = "doctor"
-    preflight: bool = fld(True, "run the quick doctor checks before training (doctor.json)")
+    preflight: bool | None = fld(None, "the doctor's quick checks before training (doctor.json): "
+                                 "null = ironloop train runs them, fit() does not; true = "
+                                 "fit() too; false = neither")
     strict: bool = fld(False, "stop before training (exit 2) when a check finds an error")
     overfit_steps: int = fld(30, "overfit-one-batch check: optimizer steps allowed")
     max_batches: int = fld(8, "preflight: batches timed, and read from data not in memory")

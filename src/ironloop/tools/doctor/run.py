@@ -213,13 +213,14 @@ def stop_if_strict(findings: list[Finding], strict: bool) -> None:
 
 
 def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
-              strict: bool | None = None) -> list[Finding]:
-    """The quick checks before ``ironloop train``: printed, written to run.dir/doctor.json.
+              strict: bool | None = None, step_fn=None, loss_fn=None) -> list[Finding]:
+    """The quick checks before training (``ironloop train``, or ``fit()`` with
+    doctor.preflight=true): printed, written to run.dir/doctor.json.
 
-    Skipped when doctor.preflight is off, on ranks other than 0, and on a --resume whose run
+    Skipped when doctor.preflight is false, on ranks other than 0, and on a --resume whose run
     already ran it (doctor.json exists)."""
     out = Path(cfg.run.dir) / "doctor.json"
-    if not cfg.doctor.preflight or os.environ.get("RANK", "0") != "0" or \
+    if cfg.doctor.preflight is False or os.environ.get("RANK", "0") != "0" or \
             (resume and out.exists()):
         return []
     if is_stream(bundle.train):
@@ -229,7 +230,8 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     print("preflight: the doctor's quick checks of model and data (doctor.preflight=false "
           "skips them)...", flush=True)
     started = time.perf_counter()
-    s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes)
+    s = subject(model, bundle.train, bundle.first_val, bundle.test, cfg, bundle.num_classes,
+                loss_fn=loss_fn, step_fn=step_fn)
     metrics = build_metrics(cfg.eval.metrics, None, s.device)
     if metrics is not None:  # what fit() refuses too: before the checks take their seconds
         metrics.check_classes(s.num_classes)
