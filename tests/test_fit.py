@@ -69,7 +69,7 @@ def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypat
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
     run = SimpleNamespace(cfg=ironloop.Config(), module=SimpleNamespace(
-        device=torch.device("cuda"), optimizer=opt, precision="fp32"))
+        device=torch.device("cuda"), optimizer=opt, precision="fp32", takes_closure=False))
     compute_bound = {"data": 0.0, "copy": 0.0, "forward": 4.0, "backward": 5.0,
                      "optimizer": 1.0, "checkpoint": 0.0, "validation": 0.0, "other": 0.0}
     assert any("train.precision=bf16" in a for a in advice(compute_bound, settings_of(run)))

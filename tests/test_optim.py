@@ -30,6 +30,27 @@ def test_optimizer_choice_and_lr():
         assert isinstance(opt, cls) and opt.param_groups[0]["lr"] == 0.5
 
 
+def test_any_torch_optim_class_by_name_takes_lr_weight_decay_and_args():
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    rms = build_optimizer(model, load_config(None, ["optim.name=RMSprop", "optim.lr=0.5",
+                                                    "optim.args={alpha: 0.9}"]).optim)
+    assert isinstance(rms, torch.optim.RMSprop) and rms.defaults["alpha"] == 0.9
+    assert [g["weight_decay"] for g in rms.param_groups] == [0.01, 0.0]  # decay groups kept
+    lbfgs = build_optimizer(model, load_config(None, ["optim.name=LBFGS",
+                                                      "optim.args={history_size: 3}"]).optim)
+    assert isinstance(lbfgs, torch.optim.LBFGS) and lbfgs.defaults["history_size"] == 3
+
+
+def test_an_unknown_optimizer_name_or_argument_is_one_line_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"optim.name='lbfgs': .*torch.optim class \(LBFGS: "):
+        load_config(None, ["optim.name=lbfgs"])
+    with pytest.raises(ConfigError, match=r"optim.name='Optimizer': must be one of adamw"):
+        load_config(None, ["optim.name=Optimizer"])
+    cfg = load_config(None, ["optim.name=LBFGS", "optim.args={bogus: 1}"]).optim
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'bogus'; see help"):
+        build_optimizer(nn.Linear(2, 2), cfg)
+
+
 @pytest.mark.parametrize("name", ["constant", "warmup_cosine", "onecycle", "cosine",
                                   "cosine_restarts", "plateau"])
 def test_every_schedule_builds_with_its_cadence(name):

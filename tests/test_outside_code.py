@@ -185,6 +185,27 @@ def test_lbfgs_trains_with_its_closure_equal_to_the_plain_torch_loop(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_lbfgs_by_name_from_the_config_equals_the_plain_torch_loop(tmp_path):
+    """optim.name=LBFGS (any torch.optim class by name) with optim.args: what a config-only
+    tool (ironloop train, doctor --resume-check, tune) can reach, not only fit(optimizer=)."""
+    data = blobs(n=64)
+    ours, plain = tiny_mlp(), tiny_mlp()
+    ironloop.fit(ours, data, None, cfg(tmp_path, train__epochs=3, train__batch_size=64,
+                                       data__shuffle=False, clip__max_norm=0.0,
+                                       optim__name="LBFGS", optim__lr=0.5,
+                                       optim__args={"max_iter": 4}))
+    opt = torch.optim.LBFGS(plain.parameters(), lr=0.5, max_iter=4)
+    for _ in range(3):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(plain(data.x), data.y)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    for (name, a), b in zip(ours.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_lbfgs_with_accumulation_is_refused_at_build_time_saying_why(tmp_path):
     with pytest.raises(ConfigError, match="LBFGS takes a closure .*accumulation_steps=1"):
         ironloop.fit(tiny_mlp(), blobs(), None, cfg(tmp_path, train__accumulation_steps=2),

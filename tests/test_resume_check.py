@@ -124,6 +124,14 @@ def test_clean_pipeline_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_lbfgs_by_name_is_exact(tmp_path):
+    # optim.name takes any torch.optim class: the check reaches a closure optimizer (issue 44)
+    cfg = config(tmp_path, "clean_data", "optim.name=LBFGS", "optim.args={max_iter: 3}")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
 def test_dataset_counter_is_caught_and_blamed_on_the_data(tmp_path):
     result = check(tmp_path, config(tmp_path, "counting_data"), steps=STEPS)
     assert not result.exact

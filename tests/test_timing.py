@@ -107,6 +107,21 @@ def test_advice_names_the_bottleneck():
     assert advice(copies, RunSettings(device="cpu", cores=2, optimizer="fused")) == []
 
 
+def test_optimizer_advice_knows_which_optimizer_and_which_knobs_apply():
+    """Issue 44: an LBFGS run was told to set optim.foreach=true (LBFGS has no such argument,
+    its optimizer was the user's, and its time is the closure's evaluations)."""
+    slow_opt = {"data": 0.01, "forward": 1, "backward": 1, "optimizer": 5.0}
+    lbfgs = RunSettings(optimizer="loop", foreach_open=False, closure=True,
+                        optimizer_class="LBFGS")
+    (line,) = advice(slow_opt, lbfgs)
+    assert "closure's extra forward + backward" in line and "optim." not in line
+    assert advice(slow_opt, RunSettings(optimizer="loop", foreach_open=False)) == []
+    (line,) = advice(slow_opt, RunSettings(optimizer="loop", optimizer_class="SGD"))
+    assert "pass foreach=True to SGD" in line and "optim." not in line
+    (line,) = advice(slow_opt, RunSettings(optimizer="loop"))
+    assert "set optim.foreach=true" in line
+
+
 def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     split = {"data": 1.0, "copy": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 2.0,
              "checkpoint": 0.0, "validation": 0.0, "other": 0.0}

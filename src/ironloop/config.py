@@ -127,10 +127,27 @@ class TrainConfig(Section):
                           "'module:Class', kwarg: value}, e.g. [my_pkg.cbs:Printer]")
 
 
+#: The optimizers optim.* configures in full; any other torch.optim class is taken by name.
+BUILT_IN_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def torch_optimizer(name: str) -> type | None:
+    """The torch.optim class called ``name``, or None (torch is imported only for such a name)."""
+    if not name.isidentifier() or name.startswith("_"):
+        return None
+    import torch.optim
+
+    cls = getattr(torch.optim, name, None)
+    optimizer = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+    return cls if optimizer and cls is not torch.optim.Optimizer else None
+
+
 @dataclass
 class OptimConfig(Section):
     _name = "optim"
-    name: str = fld("adamw", "optimizer", ("adamw", "adam", "sgd"))
+    name: str = fld("adamw", "optimizer: adamw | adam | sgd, or a torch.optim class by name "
+                    "(LBFGS, RMSprop, ...: lr, weight_decay and optim.args reach it, torch's "
+                    "defaults the rest)")
     lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr); 0 "
                     "freezes the weights, also on a resume")
     weight_decay: float = fld(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
@@ -140,8 +157,20 @@ class OptimConfig(Section):
     eps: float = fld(1e-8, "adamw, adam: denominator epsilon")
     fused: bool | None = fld(None, "fused optimizer kernel (true, false; null = torch's default)")
     foreach: bool | None = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
+    args: dict = fld({}, "more keyword arguments for the optimizer class, e.g. for LBFGS "
+                     "{history_size: 10, max_iter: 20}")
 
     def validate(self) -> None:
+        if self.name not in BUILT_IN_OPTIMIZERS and not torch_optimizer(self.name):
+            import torch.optim
+
+            near = [n for n in dir(torch.optim) if n.lower() == self.name.lower()
+                    and torch_optimizer(n)]
+            self._bad("name", f"must be one of {', '.join(BUILT_IN_OPTIMIZERS)}, or the name of "
+                      f"a torch.optim class ({near[0] if near else 'LBFGS, RMSprop, ...'}: the "
+                      f"case matters)")
+        if any(k in self.args for k in ("params", "lr")):
+            self._bad("args", "params and lr are set by ironloop (lr: optim.lr); remove them")
         self._positive("eps")
         self._non_negative("lr", "weight_decay", "momentum")
         if len(self.betas) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float))

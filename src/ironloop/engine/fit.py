@@ -266,6 +266,8 @@ def settings_of(run: Run) -> RunSettings:
         device=device.type, num_workers=cfg.data.num_workers, cores=cores,
         threads=torch.get_num_threads(), pin_memory=cfg.data.pin_memory,
         optimizer=optim.kernel(module.optimizer), fused_open=optim.fused_open(module.optimizer),
+        foreach_open=optim.takes(module.optimizer, "foreach"), closure=module.takes_closure,
+        optimizer_class=optim.foreign(module.optimizer, cfg.optim),
         checkpoint_async=cfg.checkpoint.async_write,
         checkpoint_every_steps=cfg.checkpoint.every_steps, precision=module.precision,
         bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported())

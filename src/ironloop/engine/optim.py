@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
 
+from ironloop.config import torch_optimizer
 from ironloop.errors import ConfigError, UserError
 from ironloop.parallel.data_parallel import is_sharded
 
@@ -29,17 +30,30 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool) -> list
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm)
+    """adamw, adam, sgd as ``optim.*`` describes; any other torch.optim class by its name, with
+    optim.lr, optim.weight_decay and optim.fused/foreach where its constructor takes them,
+    optim.args, and torch's defaults for the rest."""
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
+           "sgd": torch.optim.SGD}.get(cfg.name) or torch_optimizer(cfg.name)
+    takes = inspect.signature(cls.__init__).parameters
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm) \
+        if "weight_decay" in takes else [p for p in model.parameters() if p.requires_grad]
     # None = let torch pick its default kernel; passing fused=None is not the same on every torch.
-    kernels = {k: v for k, v in (("fused", cfg.fused), ("foreach", cfg.foreach)) if v is not None}
-    if not kernels and _fused_fits(model):
+    kernels = {k: v for k, v in (("fused", cfg.fused), ("foreach", cfg.foreach))
+               if v is not None and k in takes}
+    if not kernels and "fused" in takes and _fused_fits(model):
         # Fused when neither key is set: the guard can then skip a bad step inside the kernel
         # (found_inf) without reading its verdict on the host (guard/verdict.py).
         kernels = {"fused": True}
-    if cfg.name in ("adamw", "adam"):
-        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-        return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **kernels)
+    known = {"adamw": {"betas": tuple(cfg.betas), "eps": cfg.eps},
+             "adam": {"betas": tuple(cfg.betas), "eps": cfg.eps},
+             "sgd": {"momentum": cfg.momentum}}.get(cfg.name, {})
+    try:
+        return cls(groups, lr=cfg.lr, **known, **kernels, **cfg.args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optim.name={cfg.name} with optim.args={cfg.args}: "
+                          f"{str(e).splitlines()[0]}; see help(torch.optim.{cls.__name__})"
+                          ) from None
 
 
 def _fused_fits(model: nn.Module) -> bool:
@@ -63,11 +77,25 @@ def kernel(opt: torch.optim.Optimizer) -> str:
     return "foreach" if foreach else "loop"
 
 
+def takes(opt: torch.optim.Optimizer, argument: str) -> bool:
+    """Whether the optimizer's class takes ``argument`` (LBFGS takes neither fused nor
+    foreach)."""
+    return argument in inspect.signature(type(opt).__init__).parameters
+
+
+def foreign(opt: torch.optim.Optimizer, cfg) -> str:
+    """The optimizer's class name when it is not the class ``optim.name`` builds (the user
+    passed their own), else ''."""
+    built = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
+             "sgd": torch.optim.SGD}.get(cfg.name) or torch_optimizer(cfg.name)
+    return "" if type(opt) is built else type(opt).__name__
+
+
 def fused_open(opt: torch.optim.Optimizer) -> bool:
     """Whether torch has a fused kernel for this optimizer's class and parameters."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # private
 
-    if "fused" not in inspect.signature(type(opt).__init__).parameters:
+    if not takes(opt, "fused"):
         return False
     devices = _get_fused_kernels_supported_devices()
     params = [p for g in opt.param_groups for p in g["params"]]

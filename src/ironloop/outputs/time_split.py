@@ -56,6 +56,9 @@ class RunSettings:
     pin_memory: bool = False      # data.pin_memory, as applied (CUDA only)
     optimizer: str = "loop"       # the optimizer's kernel: fused, foreach, or loop (per tensor)
     fused_open: bool = False      # a fused kernel exists for this optimizer and device
+    foreach_open: bool = True     # the optimizer's class takes foreach= (LBFGS does not)
+    closure: bool = False         # step(closure): its time holds the closure's evaluations
+    optimizer_class: str = ""     # the optimizer's class, when it is not the one optim.* names
     checkpoint_async: bool = False
     checkpoint_every_steps: int = 0  # 0: at epoch ends only
     precision: str = "fp32"
@@ -109,14 +112,21 @@ def _optimizer_advice(share: dict[str, float], run: RunSettings) -> str:
     opt = share["optimizer"]
     if opt <= 0.3 or opt <= share["forward"] + share["backward"] or run.optimizer == "fused":
         return ""
+    head = f"the optimizer step is {100 * opt:.0f}% of step time, more than forward + backward"
+    if run.closure:  # LBFGS: its step re-runs forward + backward; no kernel changes that
+        return (f"{head}: it holds the closure's extra forward + backward evaluations "
+                f"(max_iter per step); fewer iterations cut it, no kernel setting does")
+    # the config's key, or the constructor's argument when the optimizer is the user's own
+    fused, foreach = (("set optim.fused=true", "set optim.foreach=true") if not
+                      run.optimizer_class else (f"pass fused=True to {run.optimizer_class}",
+                                                f"pass foreach=True to {run.optimizer_class}"))
     if run.fused_open:
-        step = f"set optim.fused=true (now the {run.optimizer} kernel)"
-    elif run.optimizer == "loop":
-        step = "set optim.foreach=true (one kernel per step for all tensors)"
+        step = f"{fused} (now the {run.optimizer} kernel)"
+    elif run.optimizer == "loop" and run.foreach_open:
+        step = f"{foreach} (one kernel per step for all tensors)"
     else:
-        return ""  # foreach, and no fused kernel here: nothing left to switch on
-    return (f"the optimizer step is {100 * opt:.0f}% of step time, more than forward + "
-            f"backward: {step}")
+        return ""  # foreach, or no kernel to switch to here: nothing left to switch on
+    return f"{head}: {step}"
 
 
 def _precision_advice(share: dict[str, float], run: RunSettings) -> str:
