@@ -1,6 +1,7 @@
-"""MkDocs hook: the reference pages, generated from the code at build time (mkdocs.yml `hooks`).
-
-Never written by hand, so they cannot drift from the code:
+"""The reference pages, generated from the code and committed under docs/, so that their links
+read on GitHub as on the site. ``python scripts/docs_hooks.py`` writes them; as an MkDocs hook
+(mkdocs.yml `hooks`) it fails the build when one is stale, and tests/test_docs.py checks the same
+without a build. Never written by hand, so they cannot drift from the code:
 
 - reference/config.md: every config key, read off the config dataclasses (``ironloop.config``:
   the same fields ``ironloop train help`` prints), with its type, default, allowed values, doc,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import html
+import os
 import sys
 import typing
 from pathlib import Path
@@ -31,7 +33,8 @@ sys.path.insert(0, str(REPO / "src"))
 from ironloop import cli, config as config_mod  # noqa: E402
 from ironloop.state import drift, rundir  # noqa: E402
 
-GENERATED = "*Generated from the code at build time ({source}); do not edit by hand.*"
+GENERATED = ("*Generated from {source} by `python scripts/docs_hooks.py`; do not edit by "
+             "hand.*")
 
 #: What each file or directory in RUN_OUTPUTS holds. A file added to RUN_OUTPUTS without a line
 #: here fails the docs build: say what it holds.
@@ -101,16 +104,27 @@ OTHER_FILES: dict[str, str] = {
 }
 
 
-def on_files(files, config):
-    """Add the generated pages to the site (nothing is written into docs/)."""
-    from mkdocs.structure.files import File
+def pages() -> dict[str, str]:
+    """docs/-relative path -> the page as the code generates it now."""
+    return {"reference/config.md": config_page(), "reference/cli.md": cli_page(),
+            "reference/run-files.md": run_files_page(),
+            "project/benchmark-figures.md": (REPO / "BENCHMARKS.md").read_text()}
 
-    pages = {"reference/config.md": config_page(), "reference/cli.md": cli_page(),
-             "reference/run-files.md": run_files_page(),
-             "project/benchmark-figures.md": (REPO / "BENCHMARKS.md").read_text()}
-    for path, content in pages.items():
-        files.append(File.generated(config, path, content=content))
-    return files
+
+def stale() -> list[str]:
+    """The committed pages that differ from what the code generates (missing ones too)."""
+    docs = REPO / "docs"
+    return [f"docs/{path}" for path, text in pages().items()
+            if not (docs / path).is_file() or (docs / path).read_text() != text]
+
+
+def on_pre_build(config):
+    """Stop the build on a stale page, with the command that regenerates it."""
+    if stale():
+        from mkdocs.exceptions import PluginError  # the build stops with this one line
+
+        raise PluginError(f"{', '.join(stale())} differ from the code; run `python "
+                          f"scripts/docs_hooks.py` to regenerate them, and commit them")
 
 
 def _cell(text: str) -> str:
@@ -196,6 +210,17 @@ def _arguments(p: argparse.ArgumentParser) -> list[str]:
 
 
 def cli_page() -> str:
+    """The CLI page, its usage lines wrapped at 100 columns on every terminal (argparse reads
+    COLUMNS), so the committed page is the same wherever it is regenerated."""
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        return _cli_page()
+    finally:
+        os.environ.pop("COLUMNS") if before is None else os.environ.update(COLUMNS=before)
+
+
+def _cli_page() -> str:
     top = cli.parser()
     out = ["# CLI", "", GENERATED.format(source="the argparse parser in `ironloop/cli.py`"), "",
            top.description or "", "", "```", top.format_usage().strip(), "```", "",
@@ -229,3 +254,9 @@ def run_files_page() -> str:
             "| file | content |", "|---|---|"]
     out += [f"| `{n}` | {_cell(d)} |" for n, d in OTHER_FILES.items()]
     return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    for path, text in pages().items():
+        (REPO / "docs" / path).write_text(text)
+        print(f"wrote docs/{path}")

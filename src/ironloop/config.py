@@ -157,8 +157,8 @@ class OptimConfig(Section):
     eps: float = fld(1e-8, "adamw, adam: denominator epsilon")
     fused: bool | None = fld(None, "fused optimizer kernel (true, false; null = torch's default)")
     foreach: bool | None = fld(None, "multi-tensor (foreach) kernel (null = torch's default)")
-    args: dict = fld({}, "more keyword arguments for the optimizer class, e.g. for LBFGS "
-                     "{history_size: 10, max_iter: 20}")
+    args: dict = fld({}, "more keyword arguments for the optimizer class (a mapping, e.g. "
+                     "LBFGS's history_size and max_iter)")
 
     def validate(self) -> None:
         if self.name not in BUILT_IN_OPTIMIZERS and not torch_optimizer(self.name):
@@ -536,6 +536,11 @@ def describe() -> str:
         defaults = cls()
         for f in dataclasses.fields(cls):
             default = getattr(defaults, f.name)
+            choices = f.metadata.get("choices")
+            doc = f.metadata["doc"]
+            # the allowed values, unless the doc already names each of them
+            allowed = f" (one of: {' | '.join(map(str, choices))})" if choices and \
+                not all(str(c) in doc for c in choices) else ""
             lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
-                         f"# {f.metadata['doc']}")
+                         f"# {doc}{allowed}")
     return "\n".join(lines)
