@@ -72,8 +72,9 @@ RUN_FILES: dict[str, str] = {
     "final.safetensors": "the final weights, after any best-weights restore",
     "final_avg.safetensors": "the averaged weights (average.kind: EMA or SWA, SWA's BatchNorm "
                              "statistics recomputed); only with weight averaging on",
-    "results.json": "`best_val_acc`, `final_val_acc`, `test_acc`/`test_loss` (datasets with a "
-    "test split), `steps`, `epochs` (1-based like the console: the epochs trained in, one "
+    "results.json": "`best_val_acc`, `final_val_acc`, `test_acc`/`test_loss`/`test_ppl` "
+    "(datasets with a test split; `test_ppl` with `eval.perplexity`) and `test_weights` (`best` "
+    "when a best exists: restored by early stopping, or `best.pt`; else `last`), `steps`, `epochs` (1-based like the console: the epochs trained in, one "
     "that `train.max_steps` ended the run inside included), `seconds` (sum of the epochs' "
     "training + validation, and that open epoch's so far), "
     "`train_seconds` (training time over every process of the run), "

@@ -126,3 +126,30 @@ def test_a_ragged_validation_set_of_per_token_losses_is_the_mean_over_its_tokens
         by_hand = float(torch.nn.functional.cross_entropy(logits, val.y.reshape(-1),
                                                           ignore_index=-100))
     assert logged == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_the_test_split_is_printed_and_measured_on_the_best_weights_when_a_best_exists(
+        tmp_path, capsys):
+    """Issue 44: the test result was never printed, and it measured the last weights unless
+    early_stop.patience > 0 (word_language_model tests its best). Monitoring val_loss with
+    mode=max makes the first, worst epoch the best, so best and last weights differ."""
+    import torch
+    import torch.nn.functional as F
+
+    from ironloop.engine.tokens import perplexity
+
+    test = blobs(n=48, seed=2)
+    result = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
+                          cfg(tmp_path, train__epochs=3, early_stop__mode="max",
+                              eval__perplexity=True), test_data=test)
+    best = tiny_mlp()
+    best.load_state_dict(load_verified(tmp_path / "run/checkpoints/best.pt")["model"])
+    with torch.no_grad():
+        on_best = F.cross_entropy(best(test.x), test.y).item()
+        on_last = F.cross_entropy(result.model(test.x), test.y).item()
+    r = result.results
+    assert r["test_weights"] == "best" and r["test_loss"] == pytest.approx(on_best, rel=1e-5)
+    assert abs(on_best - on_last) > 1e-3  # the last weights would give another figure
+    assert r["test_ppl"] == pytest.approx(perplexity(r["test_loss"]))
+    out = capsys.readouterr().out
+    assert "test (best weights): test_loss " in out and " test_ppl " in out

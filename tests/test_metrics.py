@@ -19,6 +19,7 @@ import ironloop
 from ironloop.config import load_config
 from ironloop.errors import ConfigError, UserError
 from ironloop.outputs.readers import read_jsonl
+from ironloop.state.io import load_verified
 from ironloop.tools.models import from_config
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
@@ -38,7 +39,10 @@ def test_f1_over_a_split_equals_sklearns(tmp_path):
     result = ironloop.fit(tiny_mlp(), blobs(200), val,
                           cfg(tmp_path, eval__metrics={"f1m": F1}, early_stop__metric="val_f1"),
                           test_data=test, metrics={"f1": MulticlassF1Score(3, average="macro")})
-    assert result.results["test_f1"] == pytest.approx(sklearn_f1(result.model, test), abs=1e-6)
+    best = tiny_mlp()  # the test split is measured on the best weights (best.pt)
+    best.load_state_dict(load_verified(tmp_path / "run/checkpoints/best.pt")["model"])
+    assert result.results["test_weights"] == "best"
+    assert result.results["test_f1"] == pytest.approx(sklearn_f1(best, test), abs=1e-6)
     last = read_jsonl(tmp_path / "run" / "evals.jsonl")[-1]
     want = sklearn_f1(result.model, val)
     assert last["val_f1"] == pytest.approx(want, abs=1e-6)

@@ -4,7 +4,9 @@ schedule, log evals.jsonl, fire on_eval_end. The same ``run_evaluation`` serves 
 
 from __future__ import annotations
 
+import copy
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import sum_over_ranks
+from ironloop.state import rundir
 
 
 def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
@@ -71,6 +74,23 @@ def validation_metrics(run: Run) -> dict[str, float]:
         val.update(_prefixed(run, f"val_avg_{name}_" if name else "val_avg_",
                              evaluate(run, dataset, split, averaged)))
     return val
+
+
+def test_metrics(run: Run, restored: bool) -> tuple[dict[str, float], str]:
+    """The test split's metrics (``ppl`` too with eval.perplexity) and the weights that gave
+    them: the best when a best exists (early stopping restored it, or best.pt holds it, as
+    word_language_model tests its best model), else the last. ({}, '') without a test split."""
+    test_set = run.data.test
+    if test_set is None or not len(test_set):
+        return {}, ""
+    best = None if restored else rundir.best_weights(Path(run.cfg.run.dir), run.cfg,
+                                                     restoring=False)
+    model = None
+    if best is not None:  # a copy, so the last weights stay the run's (final.safetensors)
+        model = copy.deepcopy(run.module.raw_model)
+        model.load_state_dict(best)
+    return (_prefixed(run, "", evaluate(run, test_set, "test", model)),
+            "best" if restored or best is not None else "last")
 
 
 def _prefixed(run: Run, prefix: str, metrics: dict[str, float]) -> dict[str, float]:

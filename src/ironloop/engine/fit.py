@@ -30,6 +30,7 @@ from ironloop.engine.run import Run
 from ironloop.engine.train_module import check_model
 from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
+from ironloop.outputs.console import say, test_line
 from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.time_split import RunSettings, table
 from ironloop.parallel import data_parallel
@@ -228,10 +229,11 @@ def _finish(run: Run, started: float) -> FitResult:
     restored = best is not None and run.cfg.early_stop.patience > 0
     if restored and best is not None:
         module.raw_model.load_state_dict(best)
-    test_set = run.data.test
-    test = evaluate.evaluate(run, test_set, "test") if test_set is not None and \
-        len(test_set) else {}
+    test, tested = evaluate.test_metrics(run, restored)
     results = _results(run, test, train_seconds, restored, started)
+    if test:  # issue 44: printed, with its perplexity, and which weights it measured
+        results.update(test_ppl=test.get("ppl"), test_weights=tested)
+        say(run.world.is_main, test_line(test, tested))
     weights = data_parallel.full_model_state(module.raw_model)  # a collective under FSDP2
     averaged = _final_average(run)
     if run.world.is_main:

@@ -120,6 +120,13 @@ def eval_line(row: dict, total_steps: int, what: str = "eval") -> str:
             + "  ".join(vals) + f"  ({row['seconds']:.1f} s)" + _averaged(row))
 
 
+def test_line(test: dict, weights: str) -> str:
+    """The test split's result: ``test (best weights): test_loss 1.234  test_ppl 3.435``."""
+    vals = [f"test_{k} {_value(f'test_{k}', v)}" for k, v in test.items()
+            if isinstance(v, (int, float)) and k != "seconds"]
+    return f"test ({weights} weights): " + "  ".join(vals)
+
+
 def _averaged(row: dict) -> str:
     found = compare(row)
     return f"; {found.words(figures=False)}" if found is not None else ""

@@ -300,9 +300,10 @@ def fresh_remote(cfg: Config, overwrite: bool) -> None:
         print(f"notice: removed {len(held)} checkpoint(s) from {remote.url} (--overwrite)")
 
 
-def best_weights(run_dir: Path, cfg: Config) -> dict | None:
-    """After a resume, the best weights for the final restore come back from best.pt."""
+def best_weights(run_dir: Path, cfg: Config, restoring: bool = True) -> dict | None:
+    """The best weights from best.pt: after a resume, for early stopping's final restore
+    (``restoring``: none without patience); else for the test split, whatever the patience."""
     best = run_dir / "checkpoints" / "best.pt"
-    if cfg.early_stop.patience == 0 or not best.exists():
+    if (restoring and cfg.early_stop.patience == 0) or not best.exists():
         return None
     return load_verified(best)["model"]
