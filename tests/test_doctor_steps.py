@@ -5,6 +5,7 @@ skipped, with its reason, never as passed and never as a crash."""
 
 from __future__ import annotations
 
+import math
 import textwrap
 from types import SimpleNamespace
 
@@ -259,3 +260,26 @@ def test_the_input_bound_fix_names_only_the_steps_still_open(monkeypatch):
     assert "already have the 2 cores" in done and "=" not in done.split(";")[0], done
     assert "data.pin_memory=true" in fix(cuda, **{"data.pin_memory": False})
     assert "pin_memory" not in fix(cuda, **{"data.pin_memory": True})
+
+
+class Loud(LogitsAndLoss):
+    """The LM with a last layer initialised 30x too large: confidently wrong at step 0."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.head.weight.mul_(30)
+
+
+@pytest.mark.parametrize("step", ["lm", "perplexity"])
+def test_a_language_models_initial_loss_is_judged_against_log_vocab(step):
+    """Issue 44: the doctor had no reference for an LM; log(vocab) is known (the last layer's
+    width), for the LM step or a user step whose loss is a per-token NLL (eval.perplexity)."""
+    kwargs = ({"cfg": config(train__step_fn="lm")} if step == "lm" else
+              {"cfg": config(eval__perplexity=True), "step_fn": tuple_step})
+    found = {f.check: f for f in check(subject(LogitsAndLoss(), tokens(64), None, **kwargs),
+                                       quick=True)}
+    assert f"expected about {math.log(V):.4f} = log({V})" in found["initial_loss"].measured
+    assert found["initial_loss"].severity == "info"
+    loud = {f.check: f for f in check(subject(Loud(), tokens(64), None, **kwargs), quick=True)}
+    assert loud["initial_loss"].severity == "warning", loud["initial_loss"].render()

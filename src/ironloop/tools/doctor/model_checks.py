@@ -9,6 +9,7 @@ from torch import nn
 
 from ironloop.data.loader import batch_size_of
 from ironloop.engine.gradients import clip_gradients
+from ironloop.engine.step_fns import lm_step
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import DoctorSubject, repeated
 
@@ -16,9 +17,14 @@ from ironloop.tools.doctor.subject import DoctorSubject, repeated
 SQUASHERS = (nn.Softmax, nn.LogSoftmax, nn.Sigmoid, nn.Softmax2d)
 
 
-def expected_initial_loss(s: DoctorSubject) -> tuple[float, str] | None:
-    """(value, how) a model with near-uniform outputs should start at, or None if unknown."""
+def expected_initial_loss(s: DoctorSubject, outputs: int | None = None
+                          ) -> tuple[float, str] | None:
+    """(value, how) a model with near-uniform outputs should start at, or None if unknown.
+    ``outputs``: the width of the model's last layer, read on the batch; for a language model
+    (the LM step, or a step whose loss is a per-token NLL: eval.perplexity) it is the vocab."""
     c, name = s.num_classes, s.cfg.loss.name
+    if s.user_step and outputs and (s.step_fn is lm_step or s.cfg.eval.perplexity):
+        return math.log(outputs), f"log({outputs}), a uniform next token over the vocab"
     if not c:
         return None
     if name == "cross_entropy":
@@ -44,17 +50,26 @@ def loss_floor(s: DoctorSubject) -> float:
 def check_initial_loss(s: DoctorSubject, batch) -> list[Finding]:
     """1. The loss at initialisation against the value a near-uniform model gives."""
     model, _ = s.copy()
-    with torch.no_grad():
-        loss = float(s.loss(model, batch)[0])  # host sync: the doctor, not the hot path
+    widths: list[int] = []  # the last leaf's output width: a language model's vocab
+    hooks = [m.register_forward_hook(lambda mod, i, o: widths.append(
+        o.shape[-1] if isinstance(o, torch.Tensor) and o.ndim else 0))
+        for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            loss = float(s.loss(model, batch)[0])  # host sync: the doctor, not the hot path
+    finally:
+        for h in hooks:
+            h.remove()
     if not math.isfinite(loss):
         return [Finding("initial_loss", "error", f"the loss at initialisation is {loss}",
                         "log(0) or a division by zero in the loss or the model, or NaN/inf "
                         "in the inputs", "check the inputs for NaN/inf and the model's forward "
                         "for log/sqrt/division of values that can be 0")]
-    expected = expected_initial_loss(s)
+    expected = expected_initial_loss(s, widths[-1] if widths else None)
     if expected is None:
         return [info("initial_loss", f"initial loss {loss:.4f} (no reference value for "
-                     f"loss.name={s.cfg.loss.name})")]
+                     f"loss.name={s.cfg.loss.name}; a language model's step gets log(vocab) "
+                     f"with eval.perplexity=true)")]
     value, how = expected
     measured = f"initial loss {loss:.4f}, expected about {value:.4f} = {how}"
     if loss > 1.5 * value + 0.1:
