@@ -528,3 +528,20 @@ def test_an_eval_subset_is_counted_as_what_is_evaluated(tmp_path):
                     "(eval.max_batches=20))")
     whole = _summary_rows(_sized_run(tmp_path / "whole", max_batches=0))["data"]
     assert whole == "examples.char_gpt:data (1,003,854 train, 240 val)"
+
+
+def test_a_language_models_validation_plot_draws_perplexity_on_its_own_labelled_panel(
+        tmp_path, monkeypatch):
+    """Issue 44: an LM's validation.png put perplexity on an unlabelled second axis beside an
+    empty accuracy panel. Now: loss on the left, perplexity on the right, one axis each."""
+    rows = [{"step": s, "epoch": 1, "val_loss": 4.0 - s / 100, "val_ppl": math.exp(4.0 - s / 100)}
+            for s in (50, 100, 150, 200)]
+    figures = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, out: (figures.append(
+        [(ax.get_ylabel(), ax.get_title(), len(ax.lines)) for ax in fig.axes]), save(fig, out))[1])
+    assert_real_plot(report.plot_validation(rows, tmp_path / "validation.png"))
+    assert figures == [[("validation loss", "Validation loss per evaluation", 1),
+                        ("validation perplexity", "Validation perplexity", 1)]]
+    report.plot_accuracy([{**r, "epoch": i + 1} for i, r in enumerate(rows)], tmp_path / "a.png")
+    assert figures[1][1][:2] == ("validation perplexity", "Validation perplexity")

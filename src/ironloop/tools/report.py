@@ -217,7 +217,8 @@ def _pct(values: list[float]) -> list[float]:
 
 
 def plot_accuracy(epoch_rows: list[dict], out) -> Path:
-    """Left: train and val loss per epoch. Right: val accuracy (%) per epoch."""
+    """Left: train and val loss per epoch. Right: val accuracy (%) per epoch, or a language
+    model's val perplexity."""
     from matplotlib.ticker import MaxNLocator
 
     fig, (left, right) = _figure(1, 2, size=(9.0, 4.0))
@@ -230,13 +231,7 @@ def plot_accuracy(epoch_rows: list[dict], out) -> Path:
             drawn = True
     _finish(left, drawn, "no epochs recorded", xlabel="epoch", ylabel="loss",
             title="Loss per epoch")
-    xs, ys = _xy(rows, "epoch", "val_acc")
-    if xs:
-        right.plot(xs, _pct(ys), marker="o", color="C2")
-        right.grid(alpha=0.3)
-    else:
-        _note(right, "no validation accuracy recorded", ticks=False)
-    right.set(xlabel="epoch", ylabel="validation accuracy (%)", title="Validation accuracy")
+    _accuracy_or_perplexity(right, rows, "epoch", "epoch")
     for ax in (left, right):
         if ax.get_xticks().size:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -244,30 +239,38 @@ def plot_accuracy(epoch_rows: list[dict], out) -> Path:
 
 
 def plot_validation(eval_rows: list[dict], out) -> Path:
-    """A step-based run (no epoch ended): val loss (and val ppl) vs step on the left, val
-    accuracy vs step on the right, from evals.jsonl."""
+    """A step-based run (no epoch ended), from evals.jsonl: val loss vs step on the left; on
+    the right val accuracy, or for a language model (no accuracy) val perplexity."""
     fig, (left, right) = _figure(1, 2, size=(9.0, 4.0))
     rows = continuous(eval_rows)
-    drawn = False
-    for key in ("val_loss", "val_ppl"):
-        xs, ys = _xy(rows, "step", key)
-        if xs:
-            axis = left if key == "val_loss" else left.twinx()
-            axis.plot(xs, ys, marker="o", ms=3, color="C0" if key == "val_loss" else "C1",
-                      label=key.replace("_", " "))
-            axis.set_ylabel(key.replace("_", " "))
-            drawn = True
-    _finish(left, drawn, "no evaluations recorded", xlabel="optimizer step",
-            title="Validation per evaluation")
-    xs, ys = _xy(rows, "step", "val_acc")
+    xs, ys = _xy(rows, "step", "val_loss")
     if xs:
-        right.plot(xs, _pct(ys), marker="o", ms=3, color="C2")
-        right.grid(alpha=0.3)
-    else:
-        _note(right, "no validation accuracy recorded", ticks=False)
-    right.set(xlabel="optimizer step", ylabel="validation accuracy (%)",
-              title="Validation accuracy")
+        left.plot(xs, ys, marker="o", ms=3, color="C0", label="val loss")
+    _finish(left, bool(xs), "no evaluations recorded", xlabel="optimizer step",
+            ylabel="validation loss", title="Validation loss per evaluation")
+    _accuracy_or_perplexity(right, rows, "step", "optimizer step")
     return _save(fig, out)
+
+
+def _accuracy_or_perplexity(ax, rows: list[dict], x: str, xlabel: str) -> None:
+    """The right panel: val accuracy (%), else val perplexity (a language model's), each on
+    its own labelled axis; a note when the run recorded neither."""
+    xs, ys = _xy(rows, x, "val_acc")
+    if xs:
+        ax.plot(xs, _pct(ys), marker="o", ms=3, color="C2")
+        ax.grid(alpha=0.3)
+        ax.set(xlabel=xlabel, ylabel="validation accuracy (%)", title="Validation accuracy")
+        return
+    xs, ys = _xy(rows, x, "val_ppl")
+    if xs:
+        ax.plot(xs, ys, marker="o", ms=3, color="C1")
+        ax.grid(alpha=0.3)
+        if _spans(ys, 1):
+            ax.set_yscale("log")
+        ax.set(xlabel=xlabel, ylabel="validation perplexity", title="Validation perplexity")
+        return
+    _note(ax, "no validation accuracy or perplexity recorded", ticks=False)
+    ax.set(xlabel=xlabel, title="Validation accuracy")
 
 
 def averaged_pairs(eval_rows: list[dict]) -> list[tuple[str, str]]:
