@@ -57,3 +57,57 @@ def test_batchify_and_packed_sequences():
     assert len(packed) == 2
     x, y = packed[1]
     assert x.tolist() == [5, 6, 7, 8] and y.tolist() == [6, 7, 8, 9]
+
+
+class TimeFirstRNN(torch.nn.Module):
+    """word_language_model's RNNModel contract: forward(input (T, B), hidden) -> (log-probs
+    (T*B, V), hidden), init_hidden(bsz), an nn.LSTM without batch_first."""
+
+    def __init__(self, ntoken: int = 11, nhid: int = 12):
+        super().__init__()
+        self.ntoken, self.nhid = ntoken, nhid
+        self.encoder = torch.nn.Embedding(ntoken, 8)
+        self.rnn = torch.nn.LSTM(8, nhid, 1)
+        self.decoder = torch.nn.Linear(nhid, ntoken)
+
+    def forward(self, input, hidden):
+        output, hidden = self.rnn(self.encoder(input), hidden)
+        return torch.log_softmax(self.decoder(output).view(-1, self.ntoken), dim=1), hidden
+
+    def init_hidden(self, bsz):
+        w = next(self.parameters())
+        return w.new_zeros(1, bsz, self.nhid), w.new_zeros(1, bsz, self.nhid)
+
+
+def test_word_language_models_time_first_loop_equals_the_examples_step_on_batch_first_streams(
+        tmp_path):
+    """ContiguousStreams is batch-first; word_language_model's batchify + get_batch are
+    time-first. examples/word_language_model.py's step transposes, and equals main.py's loop
+    (its batchify, get_batch, repackage_hidden, clip 0.25, p -= lr * grad) weight for weight."""
+    from examples.word_language_model import step
+
+    ids = torch.arange(300) * 7 % 11
+    streams, bptt, lr = 4, 9, 0.5
+    torch.manual_seed(0)
+    ours, plain = TimeFirstRNN(), TimeFirstRNN()
+    plain.load_state_dict(ours.state_dict())
+    ironloop.fit(ours, ContiguousStreams(ids, streams, bptt), None, {
+        "run.dir": str(tmp_path / "run"), "train.epochs": 1, "train.batch_size": streams,
+        "train.step_fn": "examples.word_language_model:step", "data.shuffle": False,
+        "optim.name": "sgd", "optim.lr": lr, "optim.momentum": 0.0, "optim.weight_decay": 0.0,
+        "clip.max_norm": 0.25, "log.progress": "off", "checkpoint.keep_last": 0}, step_fn=step)
+    data = ids[:len(ids) // streams * streams].view(streams, -1).t().contiguous()  # batchify
+    hidden = plain.init_hidden(streams)
+    for i in range(0, data.size(0) - 1, bptt):
+        seq_len = min(bptt, len(data) - 1 - i)  # get_batch
+        x, y = data[i:i + seq_len], data[i + 1:i + 1 + seq_len].reshape(-1)
+        hidden = tuple(h.detach() for h in hidden)  # repackage_hidden
+        plain.zero_grad()
+        output, hidden = plain(x, hidden)
+        torch.nn.functional.nll_loss(output, y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.25)
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.add_(p.grad, alpha=-lr)
+    for (name, a), b in zip(ours.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -11,7 +11,10 @@ stream. A model that carries its hidden state from one batch to the next (a stat
     stream 1: tokens[n : 2n]     chunk 0 | chunk 1 | ...
     ...
 
-Sample ``k`` is chunk ``k // streams`` of stream ``k % streams``: ``bptt`` input tokens and the
+Batches are batch-first, ``(streams, bptt)``; ``get_batch``'s are time-first, ``(bptt,
+streams)``, so a time-first model (word_language_model's ``RNNModel``) gets ``x.t()``
+(examples/word_language_model.py). Sample ``k`` is chunk ``k // streams`` of stream
+``k % streams``: ``bptt`` input tokens and the
 same tokens shifted by one, the last chunk shorter (``min(bptt, n - 1 - start)``), exactly as
 ``get_batch``. A step that returns its token count as the loss weight makes that short chunk
 count for what it holds (``ironloop.engine.step_fns.lm_step`` does).
