@@ -91,3 +91,8 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("run.dir", "train.accumulation_steps", "checkpoint.async", "schedule.T_0"):
         assert key in out
+    # each key's allowed values (issue 44: schedule.name and optim.name gave none)
+    lines = {line.split(" = ")[0]: line for line in out.splitlines()}
+    assert "(one of: constant | warmup_cosine | onecycle | cosine" in lines["schedule.name"]
+    assert "adamw | adam | sgd, or a torch.optim class" in lines["optim.name"]
+    assert "(one of: norm | value)" in lines["clip.mode"]

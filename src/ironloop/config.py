@@ -538,9 +538,9 @@ def describe() -> str:
             default = getattr(defaults, f.name)
             choices = f.metadata.get("choices")
             doc = f.metadata["doc"]
-            # the allowed values, unless the doc already names each of them
+            # the allowed values, unless the doc already lists them (as "a | b | c")
             allowed = f" (one of: {' | '.join(map(str, choices))})" if choices and \
-                not all(str(c) in doc for c in choices) else ""
+                " | " not in doc else ""
             lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
                          f"# {doc}{allowed}")
     return "\n".join(lines)
