@@ -74,7 +74,8 @@ RUN_FILES: dict[str, str] = {
                              "statistics recomputed); only with weight averaging on",
     "results.json": "`best_val_acc`, `final_val_acc`, `test_acc`/`test_loss`/`test_ppl` "
     "(datasets with a test split; `test_ppl` with `eval.perplexity`) and `test_weights` (`best` "
-    "when a best exists: restored by early stopping, or `best.pt`; else `last`), `steps`, `epochs` (1-based like the console: the epochs trained in, one "
+    "when a best exists: restored by early stopping, or `best.pt`; else `last`), `steps`, "
+    "`epochs` (1-based like the console: the epochs trained in, one "
     "that `train.max_steps` ended the run inside included), `seconds` (sum of the epochs' "
     "training + validation, and that open epoch's so far), "
     "`train_seconds` (training time over every process of the run), "

@@ -304,10 +304,16 @@ class LogConfig(Section):
     mlflow: bool = fld(False, "also log to MLflow (pip install 'ironloop[mlflow]')")
     mlflow_tracking_uri: str = fld("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
     mlflow_experiment: str = fld("ironloop", "MLflow experiment name")
+    loss_growth: float = fld(10.0, "warn once when a logged loss exceeds this many times the "
+                             "first one the process logged (a finite divergence; no extra "
+                             "device sync); 0 = off")
 
     def validate(self) -> None:
         self._positive("every_steps")
         self._non_negative("progress_every_steps", "progress_every_s")
+        if self.loss_growth and self.loss_growth <= 1:
+            self._bad("loss_growth", "must be > 1 (a factor over the first logged loss), or 0 "
+                      "to turn the warning off")
 
 
 @dataclass

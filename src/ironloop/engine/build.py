@@ -19,6 +19,7 @@ from ironloop.data.source import RunData
 from ironloop.engine import carry, step_fns
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
+from ironloop.engine.divergence import LossGrowth
 from ironloop.engine.early_stop import BestTracker, check_monitor
 from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import resolve_optimizer, resolve_scheduler
@@ -91,7 +92,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     hooks = Hooks(callbacks, Preemption(world.distributed, cfg.dist.timeout_s), faults)
     # The outputs come after the restore (the logs are truncated to the resumed step).
     run = Run(cfg, world, data, module, progress, meter, tracker,
-              Outputs(None, None, _timer(cfg, device, world)), guard, cadence, hooks)
+              Outputs(None, None, _timer(cfg, device, world)), guard, cadence, hooks,
+              growth=LossGrowth(cfg.log.loss_growth))
     resumed, source = _prepare_run_dir(run, given)
     if resumed is not None:
         _restore(run, resumed, source or "", strategy)

@@ -33,9 +33,8 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """adamw, adam, sgd as ``optim.*`` describes; any other torch.optim class by its name, with
     optim.lr, optim.weight_decay and optim.fused/foreach where its constructor takes them,
     optim.args, and torch's defaults for the rest."""
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-           "sgd": torch.optim.SGD}.get(cfg.name) or torch_optimizer(cfg.name)
-    takes = inspect.signature(cls.__init__).parameters
+    cls = _class_of(cfg.name)
+    takes = inspect.signature(cls).parameters
     groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm) \
         if "weight_decay" in takes else [p for p in model.parameters() if p.requires_grad]
     # None = let torch pick its default kernel; passing fused=None is not the same on every torch.
@@ -49,7 +48,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
              "adam": {"betas": tuple(cfg.betas), "eps": cfg.eps},
              "sgd": {"momentum": cfg.momentum}}.get(cfg.name, {})
     try:
-        return cls(groups, lr=cfg.lr, **known, **kernels, **cfg.args)
+        return cls(groups, lr=cfg.lr, **known, **kernels, **cfg.args)  # type: ignore[call-arg]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optim.name={cfg.name} with optim.args={cfg.args}: "
                           f"{str(e).splitlines()[0]}; see help(torch.optim.{cls.__name__})"
@@ -86,9 +85,16 @@ def takes(opt: torch.optim.Optimizer, argument: str) -> bool:
 def foreign(opt: torch.optim.Optimizer, cfg) -> str:
     """The optimizer's class name when it is not the class ``optim.name`` builds (the user
     passed their own), else ''."""
-    built = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
-             "sgd": torch.optim.SGD}.get(cfg.name) or torch_optimizer(cfg.name)
-    return "" if type(opt) is built else type(opt).__name__
+    return "" if type(opt) is _class_of(cfg.name) else type(opt).__name__
+
+
+def _class_of(name: str) -> type[torch.optim.Optimizer]:
+    """The class ``optim.name`` names (the config checked it is one)."""
+    builtin = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    cls = builtin.get(name) or torch_optimizer(name)
+    if cls is None:
+        raise ConfigError(f"optim.name={name!r}: not a torch.optim class")
+    return cls
 
 
 def fused_open(opt: torch.optim.Optimizer) -> bool:

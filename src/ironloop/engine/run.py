@@ -34,6 +34,7 @@ from ironloop.callbacks import Callback, callbacks_state, fire, load_callbacks_s
 from ironloop.config import Config
 from ironloop.data.source import RunData
 from ironloop.engine.cadence import Cadence
+from ironloop.engine.divergence import LossGrowth
 from ironloop.engine.early_stop import BestTracker
 from ironloop.engine.preempt import Preemption
 from ironloop.engine.progress import Meter, Progress
@@ -110,6 +111,7 @@ class Run:
     cadence: Cadence
     hooks: Hooks
     last_eval: dict = field(default_factory=dict)
+    growth: LossGrowth = field(default_factory=lambda: LossGrowth(0.0))  # log.loss_growth
 
     @functools.cached_property
     def view(self) -> RunView:
