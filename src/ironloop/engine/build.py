@@ -92,8 +92,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     hooks = Hooks(callbacks, Preemption(world.distributed, cfg.dist.timeout_s), faults)
     # The outputs come after the restore (the logs are truncated to the resumed step).
     run = Run(cfg, world, data, module, progress, meter, tracker,
-              Outputs(None, None, _timer(cfg, device, world)), guard, cadence, hooks,
-              growth=LossGrowth(cfg.log.loss_growth))
+              Outputs(None, None, _timer(cfg, device, world),
+                      growth=LossGrowth(cfg.log.loss_growth)), guard, cadence, hooks)
     resumed, source = _prepare_run_dir(run, given)
     if resumed is not None:
         _restore(run, resumed, source or "", strategy)

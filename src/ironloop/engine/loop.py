@@ -204,7 +204,7 @@ def log_step(run: Run, bar: EpochProgress) -> dict:
                          run.cfg.profile.peak_tflops)
     run.outputs.write("metrics", row)
     bar.set_postfix(loss=row["loss"], lr=row["lr"], refresh=False)  # console formats them
-    grown = run.growth.check(p.step, row["loss"])  # the loss already read above: no sync
+    grown = run.outputs.growth.check(p.step, row["loss"])  # the loss already read above: no sync
     if grown:
         console.say(run.world.is_main, grown)
     return row

@@ -59,6 +59,7 @@ class Outputs:
     checkpoints: CheckpointManager | sharded.ShardedCheckpointManager | None
     timer: StepTimer
     last_saved: int = 0  # the step of the previous save: on disk once the next one returns
+    growth: LossGrowth = field(default_factory=lambda: LossGrowth(0.0))  # log.loss_growth
 
     def write(self, kind: str, row: dict) -> None:
         """One line of ``kind``.jsonl (and the trackers'): rank 0 writes, the others do not."""
@@ -111,7 +112,6 @@ class Run:
     cadence: Cadence
     hooks: Hooks
     last_eval: dict = field(default_factory=dict)
-    growth: LossGrowth = field(default_factory=lambda: LossGrowth(0.0))  # log.loss_growth
 
     @functools.cached_property
     def view(self) -> RunView:
