@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +92,23 @@ def train_or_kill(cmd: list[str], run_dir: Path, cwd: Path, env: dict,
         return
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+
+
+@pytest.fixture(scope="module")
+def cpu_alone():
+    """Tests whose outcome rests on measured speed (tune's trials) or on a timed sequence of
+    signals (SLURM's preemption grace time and time limits) take turns, across the test
+    workers: under --dist loadfile test_tune.py and test_slurm.py both start first (the files
+    with most slow tests), and side by side each made the other fail (CI of stop 48: tune
+    found no faster micro-batch, the low-priority job was never preempted). An exclusive lock
+    on one file in the temp directory, held for the whole module (before its module fixtures:
+    the SLURM cluster's jobs start there); other files run beside either as before."""
+    with (Path(tempfile.gettempdir()) / "ironloop-tests-cpu-alone.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture

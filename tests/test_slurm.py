@@ -31,6 +31,9 @@ from ironloop.engine.slurm import Decision, EarlySignals, adopt_step_env, decide
 from tests import slurm_cluster as sc
 from tests.conftest import REPO
 
+# measured speed or timed signals: never beside the other (tests/conftest.py cpu_alone)
+pytestmark = pytest.mark.usefixtures("cpu_alone")
+
 # ------------------------------------------------------------------------ the decision --
 NOW = time.mktime(time.strptime("2026-11-26T17:00:00", "%Y-%m-%dT%H:%M:%S"))
 

@@ -34,6 +34,9 @@ from ironloop.tools.tune.output import tuned_yaml
 from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
 from tests.conftest import REPO, run_cli
 
+# measured speed or timed signals: never beside the other (tests/conftest.py cpu_alone)
+pytestmark = pytest.mark.usefixtures("cpu_alone")
+
 
 def measure(median: float, lo: float, hi: float) -> Measure:
     return Measure(samples_per_s=median, spread=(lo, hi), windows=[lo, median, hi],
@@ -387,6 +390,7 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
                            apply_trajectory_changes=True)
     out = capsys.readouterr().out
     assert result.chosen == {}, out  # in-memory tensors: no worker trials, nothing else to win
+    assert "train.batch_size" in result.trajectory, out
     batch, accum = result.trajectory["train.batch_size"], result.trajectory[
         "train.accumulation_steps"]
     assert batch > 4 and batch * accum == 32, out
