@@ -279,16 +279,14 @@ def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_p
     assert two_to_two["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-12)
 
 
-def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
-    # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
-    # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
-    # non-zero with a one-line message naming the setting, instead of hanging forever.
-    # Rank 1 also starts 2 x dist.timeout_s late: joining the group has its own, generous
-    # timeout (RENDEZVOUS_TIMEOUT_S), so a slow start is not a hang.
+def _two_ranks_by_hand(tmp_path: Path, overrides: list[str],
+                       late: float = 0) -> tuple[list[subprocess.Popen], list[Path]]:
+    """`ironloop train` as ranks 0 and 1 of one group, started by hand (not torchrun, which
+    would tear the job down itself), each writing to tmp_path/rank{r}.log; rank 1 ``late``
+    seconds after rank 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_dir = tmp_path / "run"
     procs, logs = [], []
     for rank in (0, 1):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(rank),
@@ -296,12 +294,23 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
                "MASTER_PORT": str(port)}
         logs.append(tmp_path / f"rank{rank}.log")
         with logs[-1].open("w") as out:
-            late = ["sh", "-c", 'sleep 6 && exec "$0" "$@"'] if rank == 1 else []
+            wait = ["sh", "-c", f'sleep {late:g} && exec "$0" "$@"'] if rank == 1 and late else []
             procs.append(subprocess.Popen(
-                [*late, sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}",
-                 "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
-                 "checkpoint.enabled=false", "dist.timeout_s=3"],
+                [*wait, sys.executable, "-m", "ironloop", "train", *ARGS, *overrides],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
+    # Two ranks started by hand (not torchrun, which would tear the job down itself): rank 1 is
+    # SIGSTOPped mid-run. Rank 0's next collective gives up after dist.timeout_s and it exits
+    # non-zero with a one-line message naming the setting, instead of hanging forever.
+    # Rank 1 also starts 2 x dist.timeout_s late: joining the group has its own, generous
+    # timeout (RENDEZVOUS_TIMEOUT_S), so a slow start is not a hang.
+    run_dir = tmp_path / "run"
+    procs, logs = _two_ranks_by_hand(tmp_path, [
+        f"run.dir={run_dir}", "train.epochs=100", "train.batch_size=32", "log.every_steps=1",
+        "checkpoint.enabled=false", "dist.timeout_s=3"], late=6)
     try:
         wait_for_step(run_dir, 3, procs[0], logs[0])
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -322,25 +331,14 @@ def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_
     """A fresh two-rank run onto a checkpoint.remote another node holds (a live lease): rank 0
     refuses before anything is written; rank 1, waiting at the next collective, stopped with
     gloo's "Connection closed by peer" traceback (#42). Now both exit 2, the line once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "lease.json").write_text(json.dumps({
         "lineage": "l" * 32, "run": "r" * 32, "host": "node-b", "pid": 77,
         "refreshed": time.time() + 600, "released": False}))  # live for the test's length
-    procs, logs = [], []
-    for rank in (0, 1):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        logs.append(tmp_path / f"rank{rank}.log")
-        with logs[-1].open("w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ironloop", "train", *ARGS, f"run.dir={tmp_path / 'run'}",
-                 f"checkpoint.remote=file://{remote}", "doctor.preflight=false"],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+    procs, logs = _two_ranks_by_hand(tmp_path, [
+        f"run.dir={tmp_path / 'run'}", f"checkpoint.remote=file://{remote}",
+        "doctor.preflight=false"])
     try:
         codes = [p.wait(timeout=TIMEOUT) for p in procs]
     finally:
