@@ -167,14 +167,11 @@ def test_a_validation_batch_that_cannot_be_made_stops_the_run_in_the_preflight(t
 
 # --- 3. closure optimizers ---------------------------------------------------------------------
 
-def test_lbfgs_trains_with_its_closure_equal_to_the_plain_torch_loop(tmp_path):
-    data = blobs(n=64)
-    ours, plain = tiny_mlp(), tiny_mlp()
-    ironloop.fit(ours, data, None, cfg(tmp_path, train__epochs=3, train__batch_size=64,
-                                       data__shuffle=False, clip__max_norm=0.0),
-                 optimizer=lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4))
+def _equals_plain_lbfgs(ours, plain, data) -> None:
+    """``plain`` trained by time_sequence_prediction's loop (3 full-batch LBFGS steps, lr 0.5,
+    max_iter 4) ends torch.equal to ``ours``."""
     opt = torch.optim.LBFGS(plain.parameters(), lr=0.5, max_iter=4)
-    for _ in range(3):  # time_sequence_prediction's loop
+    for _ in range(3):
         def closure():
             opt.zero_grad()
             loss = F.cross_entropy(plain(data.x), data.y)
@@ -183,6 +180,15 @@ def test_lbfgs_trains_with_its_closure_equal_to_the_plain_torch_loop(tmp_path):
         opt.step(closure)
     for (name, a), b in zip(ours.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_lbfgs_trains_with_its_closure_equal_to_the_plain_torch_loop(tmp_path):
+    data = blobs(n=64)
+    ours, plain = tiny_mlp(), tiny_mlp()
+    ironloop.fit(ours, data, None, cfg(tmp_path, train__epochs=3, train__batch_size=64,
+                                       data__shuffle=False, clip__max_norm=0.0),
+                 optimizer=lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4))
+    _equals_plain_lbfgs(ours, plain, data)
 
 
 def test_lbfgs_by_name_from_the_config_equals_the_plain_torch_loop(tmp_path):
@@ -194,16 +200,7 @@ def test_lbfgs_by_name_from_the_config_equals_the_plain_torch_loop(tmp_path):
                                        data__shuffle=False, clip__max_norm=0.0,
                                        optim__name="LBFGS", optim__lr=0.5,
                                        optim__args={"max_iter": 4}))
-    opt = torch.optim.LBFGS(plain.parameters(), lr=0.5, max_iter=4)
-    for _ in range(3):
-        def closure():
-            opt.zero_grad()
-            loss = F.cross_entropy(plain(data.x), data.y)
-            loss.backward()
-            return loss
-        opt.step(closure)
-    for (name, a), b in zip(ours.state_dict().items(), plain.state_dict().values()):
-        assert torch.equal(a, b), name
+    _equals_plain_lbfgs(ours, plain, data)
 
 
 def test_lbfgs_with_accumulation_is_refused_at_build_time_saying_why(tmp_path):
