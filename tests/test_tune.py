@@ -111,6 +111,41 @@ def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
     assert both.pairs["against"] == {"run.threads": 1} and "beat it" in threads.verdict
 
 
+def test_the_screen_leaves_a_contender_the_budget_of_its_pairs():
+    """On an H200, a 60 s tune screened all 13 loader rows and had no time left for a single
+    pair: 4 workers at 3.5x the baseline went unconfirmed and nothing was applied. Once a row
+    screens faster, the screen stops where the budget left would no longer hold that row's
+    pairs. Every trial here costs one 'second' of a simulated budget of 12."""
+    import types
+
+    speed = {(): 100.0, (("data.num_workers", 1),): 95.0, (("data.num_workers", 2),): 170.0,
+             (("data.num_workers", 4),): 350.0, (("data.num_workers", 8),): 390.0,
+             (("data.num_workers", 16),): 380.0}
+    clock = {"spent": 0.0}
+
+    def fake(overrides, extra_s=0.0):
+        clock["spent"] += 1.0
+        return measure(speed[tuple(sorted(overrides.items()))], 0, 0)
+
+    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner.est_s, tuner.measure, tuner.rows = 1.0, fake, []
+    tuner.left = lambda: 12.0 - clock["spent"]
+    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
+    tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
+    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0),
+                         projected_s=10.0)
+    tuner.baseline = base
+    rows = [tune_rows.Row(f"data.num_workers={n}", {"data.num_workers": n})
+            for n in (1, 2, 4, 8, 16)]
+    winner = tuner.group(rows, {}, base)
+    # without the hold: 5 screens, then 3 pairs where a winner needs 4, and no winner
+    assert winner is not None and winner.won and winner.setting == "data.num_workers=8"
+    assert winner.pairs["ratios"] == pytest.approx([3.9] * 4)
+    skipped = [r for r in rows if r.status == "skipped"]
+    assert [r.setting for r in skipped] == ["data.num_workers=16"]
+    assert "held for the paired runs" in skipped[0].reason
+
+
 def test_a_row_after_a_winner_is_judged_against_the_winner_and_says_so():
     """The table's "x base" is against the baseline, the screen's verdict against the best so
     far: a bf16 row at 1.9x the baseline beside a 1.9x winner is "within noise of" that winner,
@@ -363,7 +398,9 @@ def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
 @pytest.mark.slow
 def test_a_crashing_trial_is_reported_and_skipped(tmp_path):
     config = _cli_subject(tmp_path, extra=", kwargs: {crash: true, n: 256}")
-    proc = run_cli("tune", config, "model.name=tune_subjects:small", "--budget", "10", cwd=tmp_path,
+    # 30 s: once a row screens faster (run.threads=1 may), the screen holds back its pairs'
+    # budget, and 10 s left no worker row a trial
+    proc = run_cli("tune", config, "model.name=tune_subjects:small", "--budget", "30", cwd=tmp_path,
                    env=_env())
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "run/tune.json").read_text())

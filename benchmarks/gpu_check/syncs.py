@@ -2,11 +2,15 @@
 over every plain step, in fp32, bf16 and fp16, guard and step-time split on (their defaults).
 
 A plain step is one without a log line (every ``log.every_steps``), where ironloop promises no
-host read at all; the first step (lazy initialisation) is left out too. The mode is armed in
-the ``on_step_end`` before a plain step, so the next batch's fetch and its non_blocking copy,
-the forward, backward, unscale, clip, the guard's verdict, the fused optimizer step and the
-timer's CUDA events all run armed; it is disarmed at that step's own ``on_step_end``. Any host
-sync there raises, and the row says where. The goal is 0.
+host read at all; the first two steps (lazy initialisation) are left out too. The check must not
+change what it measures: a callback with ``on_step_end`` makes every step a settle point (a host
+read, by design: it sees exact numbers), so the mode is armed and disarmed from an optimizer
+step post-hook instead. After optimizer step k, when step k is plain, it arms: step k's
+scheduler step and the rest of its turn (no settle is due), the next batch's fetch and its
+non_blocking copy, the forward, backward, unscale, clip, the guard's verdict, the fused
+optimizer step and the timer's CUDA events all run armed; after the step of a log line, or the
+last step, it disarms before that step's settle. Any host sync there raises, and the row says
+where. The goal is 0.
 
 The rows: in-memory tensors (ironloop's sliced path) in each precision, and fp16 through a
 DataLoader with workers and pinned memory. Without CUDA (a dry run) the same runs go through
@@ -31,25 +35,31 @@ LOG_EVERY = 10
 
 
 class ArmPlainSteps(Callback):
-    """Arms sync debug mode "error" for each plain step up to ``last``; counts the plain steps
-    finished. The epoch's end (its settle, a host read) follows step ``last`` and must run
-    disarmed: ``on_epoch_end`` checks that it did, which a CPU can check too."""
+    """Arms sync debug mode "error" after each plain optimizer step up to ``last`` and
+    disarms after the others, from an optimizer step post-hook (no ``on_step_end``: see the
+    module's docstring); counts the steps that ran armed. The epoch's end (its settle, a host
+    read) follows step ``last`` and must run disarmed: ``on_epoch_end`` checks that it did,
+    which a CPU can check too."""
 
     def __init__(self, cuda: bool, last: int):
         self.cuda, self.last, self.armed, self.checked = cuda, last, False, 0
-        self.upcoming = 1  # the step armed for, once armed
+        self.upcoming = 1  # the optimizer step that runs next
+        self.handle = None
 
     def arm(self, on: bool) -> None:
         if self.cuda:
             torch.cuda.set_sync_debug_mode("error" if on else "default")
         self.armed = on
 
-    def on_step_end(self, run, metrics: dict) -> None:
-        self.checked += self.armed
-        self.arm(False)
-        self.upcoming = metrics["step"] + 1
-        if self.upcoming <= self.last and self.upcoming % LOG_EVERY:  # no log line: no read
-            self.arm(True)
+    def on_train_start(self, run, metrics: dict) -> None:
+        self.handle = run.optimizer.register_step_post_hook(self.after_optimizer_step)
+
+    def after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        step, self.upcoming = self.upcoming, self.upcoming + 1
+        self.checked += self.armed  # step ran armed from its batch's fetch to its update
+        # Armed through the rest of a plain step's turn (its settle is not due) and into the
+        # next step; a log step's (or the last step's) settle reads the verdicts: disarmed.
+        self.arm(1 < step < self.last and step % LOG_EVERY != 0)
 
     def on_epoch_end(self, run, metrics: dict) -> None:
         if self.armed:
@@ -57,6 +67,8 @@ class ArmPlainSteps(Callback):
 
     def on_train_end(self, run, metrics: dict) -> None:
         self.arm(False)
+        if self.handle is not None:
+            self.handle.remove()
 
 
 def where(e: BaseException) -> str:

@@ -144,7 +144,14 @@ def table(result) -> str:
     tuned = base.projected_s / result.speedup
     lines += ["", f"run time at {what} (training only): {duration(base.projected_s)} -> "
               f"{duration(tuned)} ({result.speedup:.2f}x)"]
-    if not result.chosen:
+    pairs = result.info.get("plan", {}).get("pairs", 4)
+    unconfirmed = [r.setting for r in result.rows if r.kind == "free" and r.pairs
+                   and len(r.pairs["ratios"]) < pairs and all(x > 1.0 for x in r.pairs["ratios"])]
+    if not result.chosen and unconfirmed:
+        lines.append(f"the budget ran out during the paired runs of {', '.join(unconfirmed)} "
+                     f"(faster in every pair measured): tuned.yaml is the input config; rerun "
+                     f"with a larger --budget to confirm them")
+    elif not result.chosen:
         lines.append("no trajectory-free setting was faster beyond the noise (faster in "
                      "every paired run, median more than 5%): tuned.yaml is the input config")
     return "\n".join(lines)
