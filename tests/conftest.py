@@ -172,3 +172,26 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         if item.get_closest_marker("slow") is not None:
             slow[item.path] = slow.get(item.path, 0) + 1
     items.sort(key=lambda item: -slow.get(item.path, 0))
+
+
+#: Seconds per test file (setup, call and teardown of its tests, module fixtures included), as
+#: the reports reach this process: under xdist, the controller, from every worker.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The ten slowest test files, and the sum over all files: the suite's time is about that
+    sum over the workers, so this is where to look first when it grows (issue 45)."""
+    if len(_FILE_SECONDS) < 2:
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
+    terminalreporter.write_sep("-", f"the ten slowest test files of {len(_FILE_SECONDS)} "
+                                    f"(seconds, module fixtures included; all files: "
+                                    f"{sum(_FILE_SECONDS.values()):.0f} s)")
+    for path, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")

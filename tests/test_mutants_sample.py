@@ -17,17 +17,19 @@ spec.loader.exec_module(sample)
 
 
 def _names() -> list[str]:
-    sizes = {"engine": 50, "state": 30, "guard": 8, "data": 20}
+    sizes = {"engine": 50, "state": 30, "guard": 8, "data": 20, "tools": 40, "outputs": 12,
+             "parallel": 10}
     return [f"ironloop.{p}.mod.x_f__mutmut_{i}" for p, n in sizes.items() for i in range(n)]
 
 
 def test_the_draw_is_per_package_seeded_and_takes_all_of_a_small_package():
-    drawn = sample.draw(_names(), 40, seed=0)
+    drawn = sample.draw(_names(), 70, seed=0)
     per = {p: sum(m.split(".")[1] == p for m in drawn) for p in sample.PACKAGES}
-    assert per == {"engine": 10, "state": 10, "guard": 8, "data": 10}
+    assert per == {"engine": 10, "state": 10, "guard": 8, "data": 10, "tools": 10, "outputs": 10,
+                   "parallel": 10}
     assert len(set(drawn)) == len(drawn)
-    assert drawn == sample.draw(list(reversed(_names())), 40, seed=0)  # the input's order aside
-    assert drawn != sample.draw(_names(), 40, seed=1)
+    assert drawn == sample.draw(list(reversed(_names())), 70, seed=0)  # the input's order aside
+    assert drawn != sample.draw(_names(), 70, seed=1)
 
 
 def test_the_interval_is_wilsons():
@@ -45,7 +47,8 @@ def test_timeouts_count_as_caught_and_segfaults_do_not(capsys):
     codes[names[2]] = 0  # state: one survivor
     rows = sample.report(names, codes, {p: 2 for p in sample.PACKAGES})
     assert rows["engine"]["caught"] == 1 and rows["state"]["caught"] == 1
-    assert rows["guard"]["caught"] == 2 and rows["all"]["caught"] == 6
-    assert rows["weighted"] == pytest.approx(0.75)
+    # 14 drawn, 2 per package: 12 caught, all packages the same size
+    assert rows["guard"]["caught"] == 2 and rows["all"]["caught"] == 12
+    assert rows["weighted"] == pytest.approx(12 / 14)
     out = capsys.readouterr().out
     assert "segfault" in out and "survived" in out and names[1] in out
