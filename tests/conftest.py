@@ -16,7 +16,15 @@ import pytest
 import torch
 from torch import nn
 
+import ironloop
 from ironloop.data.loader import TensorData
+
+# A `python -m ironloop` that a test starts imports the code this process imported: under mutmut
+# that is its mutated copy (mutants/src), whose trampolines read the mutant's name from the
+# environment the subprocess inherits, so the end-to-end tests see a mutant too (issue 45).
+# Otherwise it is this checkout's src/, as the editable install's would be.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+    str(Path(ironloop.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
