@@ -32,9 +32,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: (module, title, seconds of the default budget), in the order of the issue and the tables.
-#: The seconds: the first run on an H200 (2026-11-26) took story 154 (with a 60 s tune; now
-#: 120 s), syncs 15, peers 53 (10 steps an epoch; 173 at 30 with char_gpt left out), resume
-#: 28, CUDA tests 19; peers now runs 20 steps an epoch for ResNet-50.
+#: The seconds, from the H200 runs of 2026-11-26/27: story 154 with a 60 s tune and 213 with
+#: 120 s (now 100 s); syncs 15; peers 53 at 10 ResNet steps an epoch, 173 at 30 with char_gpt
+#: left out (now 20 steps, the profile last); resume 28; CUDA tests 19.
 PARTS = [
     ("story", "1. The seed's story: same model, same GPU", 210),
     ("syncs", "2. Host syncs in plain steps (goal: 0)", 25),

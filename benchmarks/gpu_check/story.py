@@ -107,7 +107,7 @@ class Story:
         measured like the other rows."""
         found = ironloop.tune(self.make_model(), self.data, {**self.base, "run.dir":
                                                              str(tmp / "tune")},
-                              step_fn=step_fn(False), budget=4.0 if self.part.dry else 120.0,
+                              step_fn=step_fn(False), budget=4.0 if self.part.dry else 100.0,
                               apply_trajectory_changes=True)
         picked = {**found.chosen, **found.trajectory}
         got = self.row({**self.base, **picked}, False, tmp)
