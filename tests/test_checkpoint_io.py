@@ -484,6 +484,16 @@ def test_latest_valid_falls_back_past_damaged_files(tmp_path):
     assert len(warnings) == 2 and "step-00000003.pt" in warnings[1]
 
 
+def test_an_unreadable_step_file_is_skipped_with_the_os_reason_in_the_warning(tmp_path):
+    save_atomic(small_state(2), tmp_path / "step-00000002.pt")
+    (tmp_path / "step-00000003.pt").mkdir()  # reading fails with EISDIR (EACCES, for non-root)
+    warnings: list[str] = []
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
+    assert warnings == [f"checkpoint {tmp_path / 'step-00000003.pt'} is damaged (Is a "
+                        f"directory); falling back to an older one"]
+
+
 def test_latest_valid_all_damaged_or_none(tmp_path):
     assert latest_valid(tmp_path / "absent", print) is None
     assert latest_valid(tmp_path, print) is None and not has_checkpoints(tmp_path)
