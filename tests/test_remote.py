@@ -324,6 +324,13 @@ def test_export_from_a_remote_replaces_with_force_and_names_the_fix_when_it_find
         export_run(empty, out, "best", force=True)
 
 
+def test_remote_options_reach_the_fsspec_filesystem(tmp_path):
+    # checkpoint.remote_options: an S3 endpoint, credentials, ... here a local filesystem's own
+    url = f"file://{tmp_path}/remote"
+    assert open_remote(url, {"auto_mkdir": True}).fs.auto_mkdir is True
+    assert open_remote(url).fs.auto_mkdir is False
+
+
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(UserError, match=r"pip install 'ironloop\[remote\]'"):
