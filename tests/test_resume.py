@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ironloop
+from ironloop.callbacks import Callback
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
 from ironloop.engine.progress import Meter
@@ -263,6 +264,27 @@ def test_resume_of_a_killed_run_that_had_checkpoints_disabled_is_refused(tmp_pat
     with pytest.raises(UserError, match=r"wrote no checkpoint \(checkpoint.enabled=false\)"):
         ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
     assert (run_dir / "metrics.jsonl").exists()
+
+
+class StopAt(Callback):
+    """Ends the run after ``step``, which saves there: the interruption."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        if run.step >= self.step:
+            run.stop()
+
+
+def test_a_run_with_the_guard_off_checkpoints_without_guard_state_and_resumes(tmp_path):
+    conf = cfg(tmp_path, train__epochs=2, guard__enabled=False, checkpoint__every_steps=3)
+    full = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "full")})
+    ironloop.fit(tiny_mlp(), blobs(), None, conf, callbacks=[StopAt(6)])  # saved at step 6
+    assert ckpt_io.load_verified(tmp_path / "run" / "checkpoints" / "last.pt")["guard"] is None
+    resumed = ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
+    assert resumed.results["steps"] == full.results["steps"] == 14
+    assert _same_weights(resumed.model, full.model)
 
 
 def test_a_two_rank_meter_resumed_on_one_process_sums_the_ranks_losses_and_samples():
