@@ -61,6 +61,9 @@ def test_a_callback_logs_its_own_scalars(tmp_path):
     evals = read_jsonl(tmp_path / "run" / "evals.jsonl")
     assert [r["step"] for r in rows] == [7, 14] and rows[0]["note"] == "text is fine"
     assert [r["double_val"] for r in rows] == [2 * e["val_loss"] for e in evals]
+    # each row is stamped as the run's own logs are: the 1-based epoch and the wall time
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert all(isinstance(r["time"], float) for r in rows)
 
 
 class StepCounter(Callback):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
+from ironloop.state.io import LoadFailure
 from tests.conftest import tiny_mlp
 from tests.test_checkpoint_io import Renames
 
@@ -94,6 +95,27 @@ def test_damaged_or_unfinished_directories_are_skipped_and_cleaned(tmp_path):
     removed = manager.discard_after(2)
     assert {p.name for p in removed} == {"step-00000003.dcp", "step-00000009.dcp"}
     assert not (tmp_path / ".step-00000004.dcp.tmp").exists()
+
+
+def test_a_dcp_directory_a_kill_left_without_manifest_or_metadata_is_sharded_and_incomplete(
+        tmp_path):
+    # --resume step-N.dcp/ must say the save never finished, not "no checkpoint in this dir"
+    unfinished = tmp_path / "step-00000009.dcp"
+    unfinished.mkdir()
+    assert sharded.is_sharded(unfinished) and not sharded.is_sharded(tmp_path)
+    with pytest.raises(LoadFailure, match="incomplete"):
+        sharded.verify(unfinished)
+
+
+def test_a_shard_that_changed_is_refused_naming_it_and_the_fix(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 1)
+    shard = next((tmp_path / "step-00000001.dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes() + b"!")
+    with pytest.raises(LoadFailure, match=f"{shard.name} does not match its manifest digest; "
+                                          "resume from another checkpoint") as info:
+        sharded.verify(tmp_path / "step-00000001.dcp")
+    assert info.value.reason == f"{shard.name} changed"
 
 
 def test_every_directory_damaged_is_an_error_naming_them(tmp_path):

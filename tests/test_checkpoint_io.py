@@ -377,6 +377,42 @@ def test_a_failed_last_pt_link_or_copy_names_it_and_keeps_the_previous_one(tmp_p
     assert not [n for n in listing(tmp_path) if ".tmp-" in n]  # no temp file left behind
 
 
+def test_without_hard_links_last_and_best_are_byte_copies_of_the_step_file(tmp_path,
+                                                                           monkeypatch):
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")  # e.g. a FUSE or SMB mount
+
+    monkeypatch.setattr(os, "link", no_links)
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr.save(small_state(1), 1, best=True)
+    step_bytes = (tmp_path / "step-00000001.pt").read_bytes()
+    assert (tmp_path / "last.pt").read_bytes() == step_bytes
+    assert (tmp_path / "best.pt").read_bytes() == step_bytes
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_and_the_save_stands(
+        tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(small_state(1), 1)
+    real_unlink = os.unlink
+
+    def busy(path, *args, **kwargs):
+        if Path(path).name == "step-00000001.pt":
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy)
+    with pytest.warns(UserWarning, match="could not delete old checkpoint .*step-00000001.pt"):
+        mgr.save(small_state(2), 2)
+    assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
+
+
+def test_a_directory_with_only_step_files_has_checkpoints(tmp_path):
+    assert not has_checkpoints(tmp_path)
+    save_atomic(small_state(3), tmp_path / "step-00000003.pt")  # a kill before last.pt moved on
+    assert has_checkpoints(tmp_path)
+
+
 def test_discard_after_deletes_newer_step_files_and_killed_writers_temp_files(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=5)
     for step in (2, 4, 6):
@@ -446,6 +482,16 @@ def test_latest_valid_falls_back_past_damaged_files(tmp_path):
     path, state = latest_valid(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
     assert len(warnings) == 2 and "step-00000003.pt" in warnings[1]
+
+
+def test_an_unreadable_step_file_is_skipped_with_the_os_reason_in_the_warning(tmp_path):
+    save_atomic(small_state(2), tmp_path / "step-00000002.pt")
+    (tmp_path / "step-00000003.pt").mkdir()  # reading fails with EISDIR (EACCES, for non-root)
+    warnings: list[str] = []
+    path, state = latest_valid(tmp_path, warnings.append)
+    assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
+    assert warnings == [f"checkpoint {tmp_path / 'step-00000003.pt'} is damaged (Is a "
+                        f"directory); falling back to an older one"]
 
 
 def test_latest_valid_all_damaged_or_none(tmp_path):

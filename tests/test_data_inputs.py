@@ -4,6 +4,7 @@ resume does), and a Hugging Face datasets.Dataset and a DataLoader from a CLI fa
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, WeightedRandomSampler
@@ -192,6 +193,7 @@ def test_the_preflight_doctor_takes_dataloaders_from_a_factory(tmp_path):
 
 FACTORY = '''
 import datasets
+import pytest
 import torch
 from torch import nn
 
@@ -252,3 +254,53 @@ def test_which_order_each_torch_sampler_gets():
         assert torch.equal(order.indices(4, torch.zeros(0, dtype=torch.long), 0, 3),
                            order_of(sampler, 10, seed=0)[0].indices(
                                4, torch.zeros(0, dtype=torch.long), 0, 3))
+
+
+def test_the_guard_finds_nan_inputs_in_a_map_style_dataset_of_tuples_or_dicts():
+    from torch.utils.data import TensorDataset
+
+    from ironloop.data.source import nonfinite_inputs
+
+    x = torch.zeros(4, 3)
+    x[2, 1] = float("nan")
+    pairs = TensorDataset(x, torch.arange(4))  # not TensorData: read sample by sample
+    assert nonfinite_inputs(pairs, [0, 1, 2, 3]) == [2]
+    records = [{"x": x[i], "mask": torch.ones(3, dtype=torch.long)} for i in range(4)]
+    records[3]["x"] = torch.full((3,), float("inf"))
+    assert nonfinite_inputs(records, [1, 2, 3]) == [2, 3]
+
+
+def test_an_empty_validation_set_counts_as_none_for_plateau_and_early_stopping():
+    from ironloop.data.loader import TensorData
+    from ironloop.data.source import check_needs_val
+    from ironloop.errors import ConfigError
+
+    empty = TensorData(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    config = ironloop.Config()
+    check_needs_val(config, empty)  # nothing asks for validation
+    for key, value, needs in [("schedule.name", "plateau", "schedule.name='plateau' needs"),
+                              ("early_stop.patience", 2, "early_stop.patience > 0 needs")]:
+        with pytest.raises(ConfigError, match=needs):
+            check_needs_val(config.with_overrides({key: value}), empty)
+        check_needs_val(config.with_overrides({key: value}), blobs(8))
+
+
+def test_a_stream_is_described_by_its_datasets_type_and_length_when_it_has_one():
+    from torch.utils.data import IterableDataset
+
+    from ironloop.data.source import describe
+    from ironloop.data.stream import Stream
+
+    class Sized(IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+        def __len__(self):
+            return 5
+
+    class Endless(IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    assert describe(Stream(Sized(), 2)) == {"type": "Sized", "size": 5}
+    assert describe(Stream(Endless(), 2)) == {"type": "Endless", "size": None}

@@ -131,3 +131,26 @@ def test_augmentation_is_exact_after_sigkill_and_resume_with_other_num_workers(t
     _train(tmp_path, resumed, workers=2)
     a, b = load_file(reference / "final.safetensors"), load_file(resumed / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_workers_numpy_and_python_seeds_are_torchs_worker_seed_mod_2_32():
+    # torch gives each worker a 64-bit seed; numpy takes at most 32 bits, so both generators
+    # get its low 32 bits (augmentations with np.random or random reproduce per worker)
+    import random
+
+    import numpy as np
+
+    from ironloop.data.loader import _seed_worker
+
+    states = np.random.get_state(), random.getstate()
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(2**40 + 12345)
+            _seed_worker(0)
+            got = np.random.randint(1 << 30), random.random()
+        np.random.seed(12345)
+        random.seed(12345)
+        assert got == (np.random.randint(1 << 30), random.random())
+    finally:  # this process's generators as they were
+        np.random.set_state(states[0])
+        random.setstate(states[1])

@@ -56,6 +56,13 @@ def test_fashion_mnist_from_idx_files_uses_the_published_stats(tmp_path):
     torch.testing.assert_close(torch.sort(got)[0], torch.sort(expected.flatten())[0])
 
 
+def test_a_one_sample_training_split_is_not_refused_as_empty():
+    # (an empty one is refused: "the training split is empty"; the built-in loaders refuse
+    # empty files before that, naming them)
+    one = build_data(data_cfg("data.name=synthetic", "data.num_samples=1"))
+    assert len(one.train) == 1
+
+
 def test_missing_fashion_files_say_where_ironloop_looked(tmp_path):
     with pytest.raises(DataError, match="data.download"):
         build_data(data_cfg("data.name=fashion-mnist", f"data.root={tmp_path}"))

@@ -96,3 +96,21 @@ def test_marks_round_trip_and_tolerate_a_missing_file(tmp_path):
     assert durable.read_marks(tmp_path) == {}
     durable.write_marks(tmp_path, {"tensorboard": 12, "wandb": None})
     assert durable.read_marks(tmp_path) == {"tensorboard": 12}
+
+
+def test_with_async_checkpoint_writes_a_tracker_gets_every_row_a_save_on_disk_covers(
+        tmp_path, monkeypatch, recwarn):
+    # An async save is on disk once the next save returns, so each save hands the tracker the
+    # rows up to the previous one; the first save of a run hands over those up to its start.
+    import ironloop
+    from ironloop.outputs import loggers
+    from tests.conftest import blobs, cfg, tiny_mlp
+
+    store = Store()
+    monkeypatch.setattr(loggers, "build",
+                        lambda *a: [loggers.Guarded(durable.Durable(store, 0))])
+    ironloop.fit(tiny_mlp(), blobs(), None,
+                 cfg(tmp_path, **{"checkpoint.async": True}, checkpoint__every_steps=2))
+    assert not [w for w in recwarn if "logging failed" in str(w.message)]
+    assert sorted({r["step"] for kind, r in store.rows if kind == "metrics"}) == \
+        list(range(1, 15))

@@ -5,6 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from ironloop.errors import UserError
+from ironloop.state.export import export_run
+from ironloop.state.io import save_atomic
 from tests.conftest import REPO
 
 # A file-size limit is a real write failure (EFBIG) without a full disk to fill: the process
@@ -32,3 +38,13 @@ def test_final_weights_that_cannot_be_written_are_one_line_and_leave_no_temp_fil
                            f"try again: a run's checkpoints are intact, and --resume finishes "
                            f"it\n")
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temp
+
+
+@pytest.mark.parametrize("which, has, other", [("best", "last.pt", "last"),
+                                               ("last", "best.pt", "best")])
+def test_export_of_a_checkpoint_the_run_lacks_names_the_which_it_has(tmp_path, which, has, other):
+    (tmp_path / "checkpoints").mkdir()
+    save_atomic({"model": {"w": torch.zeros(2)}, "progress": {"step": 1}},
+                tmp_path / "checkpoints" / has)
+    with pytest.raises(UserError, match=f"this run has {has}: pass --which {other}$"):
+        export_run(tmp_path, tmp_path / "m.safetensors", which=which)

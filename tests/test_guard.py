@@ -85,6 +85,16 @@ def test_spike_detection_skips_warmup_and_never_learns_bad_values():
     assert g.observe(32, 1.01, 2.0) is None
 
 
+def test_a_history_of_exact_zeros_does_not_turn_rounding_noise_into_spikes():
+    # a loss that reached exactly 0 (a margin loss, separable data) with a zero grad norm:
+    # sigma and the median's 1% are both 0, so the spike test keeps a tiny absolute floor
+    g = GuardPolicy(max_bad_steps=100, spike_factor=6, spike_window=4, spike_warmup=0)
+    for i in range(4):
+        assert g.observe(i, 0.0, 0.0) is None
+    assert g.observe(4, 1e-14, 1e-14) is None
+    assert g.observe(5, 1.0, 0.0) == "spike"
+
+
 def test_state_dict_round_trip_gives_the_same_decisions():
     a = GuardPolicy(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     for i, v in enumerate([1.0, 1.1, 0.9, 1.0, math.nan]):
@@ -252,6 +262,22 @@ def test_a_resume_drops_the_guard_lines_past_its_checkpoint_so_none_is_written_t
     assert [(r.get("n"), r["step"]) for r in rows] == [(1, 2), (2, 5)]
 
 
+def test_fault_crash_at_step_exits_the_process_with_status_1_right_after_that_step(
+        monkeypatch):
+    from ironloop.config import FaultConfig
+    from ironloop.guard import faults
+
+    def exit_now(status):  # os._exit would end pytest too: the status is what a lab reads
+        raise SystemExit(status)
+
+    monkeypatch.setattr(faults.os, "_exit", exit_now)
+    knob = faults.Faults(FaultConfig(crash_at_step=3))
+    knob.at_step(2)  # not yet
+    with pytest.raises(SystemExit) as info:
+        knob.at_step(3)
+    assert info.value.code == 1
+
+
 def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only():
     from torch.utils.data import TensorDataset
 
@@ -283,6 +309,8 @@ def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, 
     assert rollback["source"] == {"checkpoint": "checkpoints/last.pt",
                                   "memory": "memory snapshot"}[rollback_to]
     assert rollback["lr_factor"] == 0.5
+    assert rollback["epoch"] == 1  # 1-based, as every log's epoch: step 4 ends in the first
+    assert all(isinstance(row["time"], float) for row in (bad_line, rollback))  # wall time
     assert bad in rollback["samples_added"] and len(rollback["samples_added"]) == 32
     state = load_verified(run_dir / "checkpoints" / "last.pt")
     assert bad in state["guard"]["skip"] and state["guard"]["lr_factor"] == 0.5

@@ -64,6 +64,9 @@ def test_gzip_detected_by_magic_not_suffix(tmp_path):
     a = np.arange(10, dtype=np.uint8)
     write_idx(tmp_path / "gz-without-suffix", a, gz=True)
     write_idx(tmp_path / "raw-with-suffix.gz", a, gz=False)
+    # an explicit gz wins over the name's suffix
+    assert (tmp_path / "gz-without-suffix").read_bytes()[:2] == b"\x1f\x8b"
+    assert (tmp_path / "raw-with-suffix.gz").read_bytes()[:4] == bytes([0, 0, 8, 1])
     np.testing.assert_array_equal(read_idx(tmp_path / "gz-without-suffix"), a)
     np.testing.assert_array_equal(read_idx(tmp_path / "raw-with-suffix.gz"), a)
 

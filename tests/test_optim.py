@@ -75,6 +75,19 @@ def test_cosine_starts_at_full_lr_and_ignores_warmup_steps():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
 
 
+def test_cosine_restarts_returns_to_full_lr_every_epoch_by_default():
+    # schedule.T_0 unset: one cosine cycle per epoch (steps_per_epoch), then a warm restart
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, ["schedule.name=cosine_restarts", "schedule.warmup_steps=3"]).schedule
+    sched, _ = build_scheduler(opt, cfg, steps_per_epoch=4, total_steps=12)
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == lrs[4] == pytest.approx(0.1) and lrs[3] < lrs[2] < lrs[1] < 0.1
+
+
 def per_sample_mean_is_additive(loss: Loss, out: torch.Tensor, y: torch.Tensor) -> None:
     whole = loss(out, y)
     parts = loss(out[:3], y[:3]) * 3 / 7 + loss(out[3:], y[3:]) * 4 / 7

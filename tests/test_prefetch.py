@@ -85,3 +85,23 @@ def test_without_look_ahead_a_batch_is_read_only_when_it_is_trained():
     reads.clear()
     next(it)
     assert reads == [0, 1]
+
+
+def test_every_tensor_of_a_nested_batch_is_kept_alive_for_the_compute_stream():
+    # The side stream's tensors must be recorded on the stream that reads them, in dicts and
+    # lists alike, or the allocator may reuse their memory mid-step (CUDA streams: stood in
+    # for here by a tensor type that records what it was given).
+    from ironloop.data.prefetch import _keep_alive
+
+    seen: list = []
+
+    class Recorded(torch.Tensor):
+        def record_stream(self, stream):
+            seen.append(stream)
+
+    def t():
+        return torch.zeros(2).as_subclass(Recorded)
+
+    compute = object()
+    _keep_alive({"x": t(), "pair": (t(), [t()]), "meta": "text"}, compute)
+    assert seen == [compute] * 3

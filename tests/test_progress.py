@@ -66,3 +66,16 @@ def test_a_checkpoint_from_before_token_sums_loads_with_zero_tokens():
     _step(resumed, False)
     row = resumed.flush_window()
     assert row["loss"] == 1.0 and row["clipped"] == 1 and "tokens_per_s" not in row
+
+
+def test_float32_totals_from_an_mps_checkpoint_resume_as_float64_sums_on_cpu():
+    # MPS has no float64, so its checkpoint holds float32 totals; on CPU (or CUDA) the resumed
+    # sums are float64 again, or a long run's window loss loses its digits after the resume.
+    meter = Meter(torch.device("cpu"))
+    _step(meter, True)
+    state = meter.state_dict()
+    state["totals"] = state["totals"].float()
+    resumed = Meter(torch.device("cpu"))
+    resumed.load_state_dict(state)
+    assert {t.dtype for t in (resumed.loss_sum, resumed.clipped, resumed.skipped,
+                              resumed.tokens)} == {torch.float64}

@@ -324,6 +324,13 @@ def test_export_from_a_remote_replaces_with_force_and_names_the_fix_when_it_find
         export_run(empty, out, "best", force=True)
 
 
+def test_remote_options_reach_the_fsspec_filesystem(tmp_path):
+    # checkpoint.remote_options: an S3 endpoint, credentials, ... here a local filesystem's own
+    url = f"file://{tmp_path}/remote"
+    assert open_remote(url, {"auto_mkdir": True}).fs.auto_mkdir is True
+    assert open_remote(url).fs.auto_mkdir is False
+
+
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(UserError, match=r"pip install 'ironloop\[remote\]'"):
@@ -452,6 +459,45 @@ def test_a_staging_folder_that_cannot_be_deleted_never_stops_the_uploads(tmp_pat
         while step not in mirror.uploaded and time.monotonic() < deadline:
             time.sleep(0.01)  # one at a time: a queued older step would be superseded
     assert mirror.close() == f"remote: 2 checkpoint(s) uploaded to {url}, the newest step 2"
+
+
+def test_without_hard_links_a_checkpoint_is_copied_to_staging_and_lands_with_its_bytes(
+        tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")  # e.g. a FUSE mount
+
+    monkeypatch.setattr(remote_module.os, "link", no_links)
+    url = f"file://{tmp_path}/remote"
+    mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=5,
+                    wait_s=3.0)
+    path = tmp_path / "ckpt" / "step-00000004.pt"
+    path.parent.mkdir()
+    save_atomic({"progress": {"step": 4}}, path)
+    mirror.push(4, {path.name: path}, "file", best=False)
+    assert mirror.close() == f"remote: 1 checkpoint(s) uploaded to {url}, the newest step 4"
+    assert open_remote(url).read(path.name) == path.read_bytes()
+
+
+def test_rank_0s_manifest_of_a_two_rank_checkpoint_names_the_files_rank_1_uploaded(tmp_path):
+    # each rank's Mirror uploads its own shard; rank 0 waits for rank 1's marker and lists its
+    # files in the one manifest a new node resumes from (two Mirrors, one process: no gloo)
+    url = f"file://{tmp_path}/remote"
+    dcp_dir = tmp_path / "ckpt" / "step-00000005.dcp"
+    dcp_dir.mkdir(parents=True)
+    for r in (0, 1):
+        (dcp_dir / f"__{r}_0.distcp").write_bytes(bytes([r]) * 8)
+    rank1 = Mirror(open_remote(url), tmp_path / "ckpt" / ".staging1", keep_last=2, rank=1,
+                   world_size=2, wait_s=3.0)
+    rank1.push(5, {"step-00000005.dcp/__1_0.distcp": dcp_dir / "__1_0.distcp"}, "dcp",
+               best=False)
+    assert rank1.close() is None and rank1.uploaded == [5]
+    rank0 = Mirror(open_remote(url), tmp_path / "ckpt" / ".staging0", keep_last=2,
+                   world_size=2, wait_s=3.0)
+    rank0.push(5, {"step-00000005.dcp/__0_0.distcp": dcp_dir / "__0_0.distcp"}, "dcp",
+               best=False)
+    assert rank0.close() == f"remote: 1 checkpoint(s) uploaded to {url}, the newest step 5"
+    assert set(open_remote(url).manifest(5)["files"]) == {"step-00000005.dcp/__0_0.distcp",
+                                                          "step-00000005.dcp/__1_0.distcp"}
 
 
 # ------------------------------------------------------------------------------- sharded --

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ironloop
+from ironloop.callbacks import Callback
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
 from ironloop.engine.progress import Meter
@@ -235,6 +236,55 @@ def test_a_fresh_run_over_a_run_dir_with_checkpoints_but_no_log_line_is_refused(
     with pytest.raises(UserError, match="already holds a run; pass --resume"):
         ironloop.fit(tiny_mlp(), blobs(), None, conf)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_resuming_another_runs_checkpoint_past_this_run_dirs_own_steps_is_allowed_not_before(
+        tmp_path):
+    # Another lineage's checkpoint may seed run.dir while run.dir's own checkpoints are all
+    # older than its step; one that would leave newer ones behind (to be deleted) is refused.
+    conf = cfg(tmp_path, train__epochs=1, checkpoint__every_steps=2, checkpoint__keep_last=5)
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "a")})
+    ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "train.max_steps": 4})  # own: steps 2, 4
+    other = tmp_path / "a" / "checkpoints"
+    with pytest.raises(CheckpointError, match="holds its own checkpoints up to step 4, past "
+                                              "this checkpoint's step 2"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=str(other / "step-00000002.pt"))
+    res = ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=str(other / "step-00000006.pt"))
+    assert res.results["steps"] == 7
+
+
+def test_resume_of_a_killed_run_that_had_checkpoints_disabled_is_refused(tmp_path):
+    # killed before its end (no results.json, no final weights): config.yaml says it wrote no
+    # checkpoint, so --resume would start it over and overwrite its outputs
+    conf = cfg(tmp_path, train__epochs=1, checkpoint__enabled=False)
+    ironloop.fit(tiny_mlp(), blobs(), None, conf)
+    run_dir = tmp_path / "run"
+    for name in ("results.json", "final.safetensors"):
+        (run_dir / name).unlink()
+    with pytest.raises(UserError, match=r"wrote no checkpoint \(checkpoint.enabled=false\)"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+class StopAt(Callback):
+    """Ends the run after ``step``, which saves there: the interruption."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        if run.step >= self.step:
+            run.stop()
+
+
+def test_a_run_with_the_guard_off_checkpoints_without_guard_state_and_resumes(tmp_path):
+    conf = cfg(tmp_path, train__epochs=2, guard__enabled=False, checkpoint__every_steps=3)
+    full = ironloop.fit(tiny_mlp(), blobs(), None, {**conf, "run.dir": str(tmp_path / "full")})
+    ironloop.fit(tiny_mlp(), blobs(), None, conf, callbacks=[StopAt(6)])  # saved at step 6
+    assert ckpt_io.load_verified(tmp_path / "run" / "checkpoints" / "last.pt")["guard"] is None
+    resumed = ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
+    assert resumed.results["steps"] == full.results["steps"] == 14
+    assert _same_weights(resumed.model, full.model)
 
 
 def test_a_two_rank_meter_resumed_on_one_process_sums_the_ranks_losses_and_samples():

@@ -61,3 +61,16 @@ def test_one_seed_gives_one_stream_and_another_seed_another():
     seed_everything(9)
     nine = draws()
     assert all(nine[i] != seven[i] for i in range(len(seven)))
+
+
+def test_a_checkpoint_from_more_gpus_restores_the_cuda_generators_this_machine_has(
+        monkeypatch):
+    # The CUDA path without a GPU: a checkpoint of a 4-GPU node resumed on a 2-GPU one hands
+    # torch the first two generators' states (torch.cuda stood in for by what it is given).
+    saved, given = rng_state(), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", given.append)
+    gpus = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
+    set_rng_state({**saved, "cuda": gpus})
+    assert len(given) == 1 and [int(s[0]) for s in given[0]] == [0, 1]

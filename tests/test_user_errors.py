@@ -144,6 +144,30 @@ def test_inputs_and_targets_of_different_lengths_are_one_line(tmp_path):
                      conf(tmp_path))
 
 
+def test_a_step_fn_returning_a_bare_loss_is_one_line_naming_the_form_to_return(tmp_path):
+    def bare(model, batch):
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    with pytest.raises(UserError, match=r"^step_fn returned Tensor\[\] float32; return \(loss, "
+                                        r"\{name: scalar tensor\}\) or \(loss, \{...\}, weight\)"):
+        ironloop.fit(tiny_mlp(), blobs(), None, conf(tmp_path), step_fn=bare)
+
+
+def test_a_models_own_runtime_error_keeps_its_message_and_is_not_called_a_shape_misfit(
+        tmp_path):
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, x):
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")  # not about inputs
+
+    with pytest.raises(RuntimeError, match="CUDNN_STATUS_INTERNAL_ERROR") as info:
+        ironloop.fit(Broken(), blobs(), None, conf(tmp_path))
+    assert type(info.value) is RuntimeError
+
+
 def test_integer_inputs_into_a_float_model_are_one_line(tmp_path):
     x, y = torch.randint(0, 5, (32, 8)), torch.randint(0, 3, (32,))
     with pytest.raises(DataError, match=r"inputs are Tensor\[\d+, 8\] int64.*\.float\(\)"):
