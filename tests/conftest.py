@@ -22,9 +22,13 @@ from ironloop.data.loader import TensorData
 # A `python -m ironloop` that a test starts imports the code this process imported: under mutmut
 # that is its mutated copy (mutants/src), whose trampolines read the mutant's name from the
 # environment the subprocess inherits, so the end-to-end tests see a mutant too (issue 45).
-# Otherwise it is this checkout's src/, as the editable install's would be.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
-    str(Path(ironloop.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+# Otherwise it is this checkout's src/, as the editable install's would be. Set per test
+# (pytest_runtest_setup): not in mutmut's mapping run ("stats"), where a subprocess's trampoline
+# would look for mutmut's config in the subprocess's directory and fail, and whose hits a
+# subprocess could not report anyway.
+_PYTHONPATH = os.environ.get("PYTHONPATH")
+_WITH_SRC = os.pathsep.join(filter(None, [str(Path(ironloop.__file__).resolve().parents[1]),
+                                          _PYTHONPATH]))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -168,6 +172,15 @@ def open_all_in_browser(targets: list[tuple[Path | str, int]], wait_until: str =
         finally:
             browser.close()
     return results
+
+
+def pytest_runtest_setup(item) -> None:
+    """PYTHONPATH for the subprocesses this test (and its fixtures) start: see _WITH_SRC."""
+    path = _PYTHONPATH if os.environ.get("MUTANT_UNDER_TEST") == "stats" else _WITH_SRC
+    if path is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = path
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
