@@ -146,6 +146,37 @@ def test_the_screen_leaves_a_contender_the_budget_of_its_pairs():
     assert "held for the paired runs" in skipped[0].reason
 
 
+def test_when_the_budget_ends_the_pairs_the_last_line_says_so_not_no_faster_setting():
+    """A contender faster in every pair measured, but fewer than PAIRS of them, is not applied;
+    the table's last line says the budget ended its pairs and to raise --budget, instead of
+    "no setting was faster" (which an H200's 3.9x num_workers was called)."""
+    import types
+
+    from ironloop.tools.tune import output
+
+    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 90, 110),
+                         projected_s=100.0)
+    cut = tune_rows.Row("data.num_workers=8", {"data.num_workers": 8}, status="ok",
+                        measure=measure(390.0, 380, 400), projected_s=25.0,
+                        pairs={"ratios": [3.8, 3.9], "wins": False})
+    lost = tune_rows.Row("run.threads=1", {"run.threads": 1}, status="ok",
+                         measure=measure(101.0, 90, 110), projected_s=99.0,
+                         pairs={"ratios": [1.02, 0.97], "wins": False})
+    base.measure.peak_mb = 512.0
+    base.ratio, cut.ratio, lost.ratio = 1.0, 3.9, 1.01
+    info = {"config": "c.yaml", "device": "cuda:0", "cpus": 16, "load_average": [1.0] * 3,
+            "budget_s": 60, "used_s": 59, "tokens_per_sample": None, "max_steps": None,
+            "planned_samples": 1000, "epochs": 1, "train_samples": 1000,
+            "plan": {"pairs": tune_mod.PAIRS}}
+    result = types.SimpleNamespace(info=info, baseline=base, rows=[cut, lost], chosen={},
+                                   speedup=1.0)
+    last = output.table(result).splitlines()[-1]
+    assert "the budget ran out during the paired runs of data.num_workers=8" in last
+    assert "run.threads=1" not in last and "--budget" in last
+    cut.pairs = {"ratios": [3.8, 3.9, 3.7, 4.0], "wins": False}  # all four ran: not the budget
+    assert output.table(result).splitlines()[-1].startswith("no trajectory-free setting")
+
+
 def test_a_row_after_a_winner_is_judged_against_the_winner_and_says_so():
     """The table's "x base" is against the baseline, the screen's verdict against the best so
     far: a bf16 row at 1.9x the baseline beside a 1.9x winner is "within noise of" that winner,
