@@ -11,6 +11,8 @@ files its generation writes), and mutmut runs them; this only draws and counts.
     ./scripts/mutants sample 350 7        another 350 (seed 7)
     ./scripts/mutants sample 400 0 again  after adding tests: run seed 0's mutants that were not
                                           caught once more (mutmut maps the new tests first)
+    ./scripts/mutants sample 350 2 report the scores of what has run so far (a sample stopped
+                                          part way); runs no mutant
 
 Writes mutants/sample-<seed>.json: every drawn mutant's status, and the scores.
 """
@@ -94,6 +96,7 @@ def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 400
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     again = sys.argv[3:4] == ["again"]
+    scored_only = sys.argv[3:4] == ["report"]  # score what has run, run nothing more
     mutmut = [sys.executable, "-m", "mutmut"]
     if not exit_codes():  # generate the mutants (mutmut's run does; no mutant has this name)
         subprocess.run([*mutmut, "run", "ironloop.no_such_module.*"], check=False)
@@ -112,7 +115,7 @@ def main() -> int:
     # interrupted sample goes on where it stopped
     todo = [m for m in sample if codes.get(m) is None
             or (again and codes[m] not in CAUGHT)]
-    if todo:
+    if todo and not scored_only:
         workers = os.environ.get("IRONLOOP_MUTANT_WORKERS", "2")
         done = subprocess.run([*mutmut, "run", "--max-children", workers, *todo], check=False)
         if done.returncode != 0:  # e.g. "Failed to run clean test": a test fails unmutated
