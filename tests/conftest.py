@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import ironloop
+from ironloop.callbacks import Callback
 from ironloop.data.loader import TensorData
 
 # A `python -m ironloop` that a test starts imports the code this process imported: under mutmut
@@ -41,6 +42,17 @@ def blobs(n: int = 200, d: int = 8, c: int = 3, seed: int = 0) -> TensorData:
     y = torch.randint(0, c, (n,), generator=g)
     x = torch.randn(n, d, generator=g) + centres[y]
     return TensorData(x, y)
+
+
+class StopAt(Callback):
+    """Ends the run after ``step`` (saved there, as train.max_steps would): the interruption."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, run, metrics: dict) -> None:
+        if run.step >= self.step:
+            run.stop()
 
 
 def tiny_mlp(d: int = 8, c: int = 3, dropout: float = 0.0, seed: int = 0) -> nn.Module:

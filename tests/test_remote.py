@@ -33,20 +33,9 @@ from ironloop.state.export import export_run
 from ironloop.state.io import file_digest, save_atomic
 from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
 from ironloop.state.rundir import RUN_OUTPUTS
-from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
+from tests.conftest import REPO, StopAt, blobs, cfg, logged_step, tiny_mlp
 
 STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
-
-
-class StopAt(Callback):
-    """Ends the run after ``step`` (saved there, as train.max_steps would): the interruption."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, run, metrics: dict) -> None:
-        if run.step >= self.step:
-            run.stop()
 
 
 def _config(tmp_path: Path, run: str = "run", **more) -> dict:

@@ -11,14 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 import ironloop
-from ironloop.callbacks import Callback
 from ironloop.cli import main
 from ironloop.data.loader import TensorData
 from ironloop.engine.progress import Meter
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state import io as ckpt_io
 from ironloop.state.resume import rank_meter
-from tests.conftest import blobs, cfg, tiny_mlp
+from tests.conftest import StopAt, blobs, cfg, tiny_mlp
 
 
 class CountingData(TensorData):
@@ -264,17 +263,6 @@ def test_resume_of_a_killed_run_that_had_checkpoints_disabled_is_refused(tmp_pat
     with pytest.raises(UserError, match=r"wrote no checkpoint \(checkpoint.enabled=false\)"):
         ironloop.fit(tiny_mlp(), blobs(), None, conf, resume=True)
     assert (run_dir / "metrics.jsonl").exists()
-
-
-class StopAt(Callback):
-    """Ends the run after ``step``, which saves there: the interruption."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, run, metrics: dict) -> None:
-        if run.step >= self.step:
-            run.stop()
 
 
 def test_a_run_with_the_guard_off_checkpoints_without_guard_state_and_resumes(tmp_path):
