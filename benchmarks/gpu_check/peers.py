@@ -64,6 +64,11 @@ class Spec:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
 
+    @property
+    def steps(self) -> int:
+        """Optimizer steps in one epoch (the last batch ragged)."""
+        return -(-len(self.dataset) // self.batch)  # type: ignore[arg-type]
+
 
 @dataclass
 class Env:
@@ -263,7 +268,7 @@ def profile(spec: Spec, env: Env, names: tuple[str, ...] = ("hand", "ironloop"))
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda"
                                            else [])
-    steps = -(-len(spec.dataset) // spec.batch)  # type: ignore[arg-type]
+    steps = spec.steps
     device_sort = "cuda_time_total" if env.device.type == "cuda" else "cpu_time_total"
     for name in names:
         with torch_profile(activities=activities) as prof:
@@ -283,7 +288,7 @@ def run_spec(part: Part, make_spec: Callable[[], Spec], env: Env, reps: int,
     loops = {name: fn for name, (fn, module) in LOOPS.items() if _installed(module)}
     for name in LOOPS.keys() - loops.keys():
         part.write(f"{spec.name}: {name}", f"skipped: {LOOPS[name][1]} is not importable")
-    steps = -(-len(spec.dataset) // spec.batch)  # type: ignore[arg-type]
+    steps = spec.steps
     x, y = next(iter(DataLoader(spec.dataset, batch_size=spec.batch)))
     flops = train_flops(spec.make_model(), (x.to(env.device), y.to(env.device)), spec.loss,
                         env.device, env.dtype)
