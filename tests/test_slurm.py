@@ -307,9 +307,9 @@ def scenarios(cluster, s3_env, tmp_path_factory):
             cancelled.append(True)
         if cancelled and not later and q[cancel.id][0] in sc.ENDED:
             later.append(Local(cancel.run_dir, SHORT, resume=True))  # resumed by hand, later
-        if not preemptor and logged(low.run_dir) >= 20 and all(
+        if logged(low.run_dir) >= 20 and unpreempted(q, low, preemptor) and all(
                 q[jobs[j].id][0] in sc.ENDED for j in ("crash", "bad-key")):
-            preemptor.append(preempt(low))
+            preemptor.append(preempt(low, stale=preemptor[-1] if preemptor else None))
         if q[jobs["remote"].id] == ("PENDING", "BeginTime"):
             # a requeued job lands on another node: nothing of run.dir is left there
             shutil.rmtree(jobs["remote"].run_dir, ignore_errors=True)
@@ -317,18 +317,43 @@ def scenarios(cluster, s3_env, tmp_path_factory):
     drive(list(jobs.values()), list(refs.values()), on_poll)
     sc.wait(lambda: bool(later) and later[0].done(), "the resume after scancel", TIMEOUT)
     return {"jobs": jobs, "refs": refs, "later": later, "tmp": tmp, "remote": remote,
-            "preemptor": sc.job(preemptor[0])}
+            "preemptor": sc.job(preemptor[-1])}
 
 
-def preempt(low: Job) -> str:
-    """Submit a job to `high` that needs every free CPU and the low job's too."""
+ASKED: dict[str, int] = {}  # the CPUs each preemptor asked for, by job id
+
+
+def unpreempted(q: dict, low: Job, preemptor: list[str]) -> bool:
+    """Whether to send a (new) preemptor: the low job runs, SLURM has not decided to preempt it,
+    no other job waits to start (one the driver releases would take the CPUs counted as free),
+    and the last preemptor, if any, waits for more CPUs than preempting the low job would free:
+    a job started after it was sent and took CPUs it had counted as free (seen in CI)."""
+    if q[low.id][0] != "RUNNING" or any(
+            state == "PENDING" for job_id, (state, _) in q.items() if job_id not in preemptor):
+        return False
+    if preemptor and (q.get(preemptor[-1], ("",))[0] != "PENDING"
+                      or ASKED[preemptor[-1]] <= free_cpus() + LOW_CPUS):
+        return False  # it ran, or preempting the low job still lets it run
+    return sc.job(low.id)["PreemptTime"] == "None"
+
+
+def free_cpus() -> int:
     node = subprocess.run(["scontrol", "-o", "show", "node"], capture_output=True, text=True,
                           check=True).stdout
-    free = int(re.search(r"CPUTot=(\d+)", node)[1]) - int(re.search(r"CPUAlloc=(\d+)", node)[1])
+    return int(re.search(r"CPUTot=(\d+)", node)[1]) - int(re.search(r"CPUAlloc=(\d+)", node)[1])
+
+
+def preempt(low: Job, stale: str | None = None) -> str:
+    """Submit a job to `high` that needs every free CPU and the low job's too; ``stale``, an
+    earlier one that can no longer start by preempting the low job alone, is cancelled."""
+    if stale:
+        sc.cancel(stale)
+    free = free_cpus()
     r = subprocess.run(["sbatch", "--parsable", "--partition=high",
                         f"--cpus-per-task={free + LOW_CPUS}", f"--output={low.out}.high",
                         "--wrap=true"], env=job_env(), capture_output=True, text=True,
                        check=True)
+    ASKED[r.stdout.strip()] = free + LOW_CPUS
     return r.stdout.strip()
 
 
