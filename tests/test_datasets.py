@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from ironloop.config import load_config
 from ironloop.data import build_data
-from ironloop.data.builtin.datasets import FASHION_MEAN, FASHION_STD
+from ironloop.data.builtin.datasets import FASHION_MEAN, FASHION_STD, digits_arrays
 from ironloop.data.builtin.idx import write_idx
 from ironloop.errors import ConfigError, DataError
 
@@ -24,6 +27,21 @@ def test_digits_split_is_80_20_fixed_and_normalised_on_train_only():
     assert abs(float(a.train.x.mean())) < 1e-5 and abs(float(a.train.x.std()) - 1) < 1e-4
     assert abs(float(a.val.x.mean())) > 1e-5  # val was not standardised with its own stats
     assert a.input_shape == (1, 8, 8) and a.num_classes == 10
+
+
+def test_digits_are_sklearns_load_digits_exactly_without_importing_sklearn():
+    from sklearn.datasets import load_digits
+
+    images, labels = digits_arrays()
+    d = load_digits()
+    assert images.dtype == d.images.dtype and np.array_equal(images, d.images)
+    assert np.array_equal(labels, d.target)
+    # a fresh process that reads digits does not pay for importing scikit-learn (about 2 s)
+    code = ("import sys; from ironloop.data.builtin.datasets import digits_arrays; "
+            "digits_arrays(); print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_mnist1d_has_its_standard_4000_1000_split():

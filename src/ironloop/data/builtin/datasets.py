@@ -8,6 +8,7 @@ only, never from val or test.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +52,28 @@ def _bundle(x, y, test, val_fraction, input_shape, num_classes, stats=(None, Non
         input_shape=input_shape, num_classes=num_classes)
 
 
-def digits(cfg) -> DataBundle:
-    """scikit-learn's bundled 8x8 digits: 1797 images, 10 classes, no network needed."""
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (images (N, 8, 8), labels), read from the CSV file that
+    ships inside the package: importing sklearn.datasets (scipy, pandas) costs about 2 s of CPU,
+    more than torch itself, in every process that trains on digits. load_digits, which reads
+    the same file, where a scikit-learn release keeps it elsewhere."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
     from ironloop.extras import require
 
     d = require("sklearn.datasets", "data", "data.name=digits").load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.long)
+    return d.images, d.target
+
+
+def digits(cfg) -> DataBundle:
+    """scikit-learn's bundled 8x8 digits: 1797 images, 10 classes, no network needed."""
+    images, labels = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8)
+    y = torch.tensor(labels, dtype=torch.long)
     return _bundle(x, y, None, cfg.val_fraction, (1, 8, 8), 10)
 
 

@@ -218,8 +218,6 @@ def warm_imports(cfg) -> None:
     names = [spec.partition(":")[0] for spec in (cfg.data.name, cfg.model.name,
                                                  cfg.train.step_fn, cfg.loss.name)
              if ":" in spec]
-    if cfg.data.name == "digits":
-        names.append("sklearn.datasets")
     for name in names:
         # a module that fails to import: the scratch run reports it where it happens
         with contextlib.suppress(Exception):
