@@ -615,6 +615,35 @@ def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
     assert {t.device.type for t in (verdict.ring, verdict.filled, verdict.good)} == {"meta"}
 
 
+
+def test_the_guards_state_round_trips_its_device_spike_statistics_and_none_loads_fresh(
+        tmp_path):
+    from types import SimpleNamespace
+
+    from ironloop.config import Config
+    from ironloop.guard.reporter import GuardReporter
+    from ironloop.guard.verdict import device_verdicts
+
+    conf = Config().with_overrides(["guard.spike_factor=4", "guard.spike_window=6",
+                                    "guard.spike_warmup=0"]).guard
+
+    def reporter() -> GuardReporter:
+        verdicts = device_verdicts(conf, torch.device("cpu"), torch.float64)
+        return GuardReporter(conf, tmp_path, verdicts, False, 1, "")
+
+    fresh, judged = reporter().state_dict(), reporter()
+    zero, world = torch.zeros((), dtype=torch.float64), SimpleNamespace(distributed=False)
+    for loss in (1.0, 1.1, 0.9, 1.05):
+        judged.device.judge.verdict(torch.tensor(loss, dtype=torch.float64), zero,
+                                    torch.tensor(2.0), 1, None, world)
+    state = judged.state_dict()
+    assert state["losses"] == pytest.approx([1.0, 1.1, 0.9, 1.05]) and state["good"] == 4
+    resumed = reporter()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    resumed.load_state_dict(None)  # a checkpoint without guard state
+    assert resumed.state_dict() == fresh
+
 def _verdict_and_guard(factor: float, window: int, warmup: int):
     from types import SimpleNamespace
 
