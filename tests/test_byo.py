@@ -200,6 +200,7 @@ def test_loss_name_module_function_is_the_loss_of_the_default_classification_ste
     assert {row["loss"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")} == {7.0}
 
 def test_bad_specs_name_the_key(tmp_path, monkeypatch):
+    from ironloop.data.builtin.datasets import build_data
     from ironloop.tools.models import build_model
 
     monkeypatch.chdir(tmp_path)
@@ -209,6 +210,8 @@ def test_bad_specs_name_the_key(tmp_path, monkeypatch):
         Config().with_overrides(["train.step_fn=x.y"])
     with pytest.raises(ConfigError, match="model.name='no_such_mod:f': cannot import"):
         build_model("no_such_mod:f", (4,), 3, {})
+    with pytest.raises(ConfigError, match="data.name='no_such_mod:f': cannot import"):
+        build_data(Config().with_overrides(["data.name=no_such_mod:f"]).data)
 
 
 def loader_data(root=None):
