@@ -189,7 +189,18 @@ def test_cli_loss_name_takes_a_user_function(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "r" / "evals.jsonl")[0]["val_loss"] > 0
 
 
+
+def test_loss_name_module_function_is_the_loss_of_the_default_classification_step(
+        tmp_path, monkeypatch):
+    (tmp_path / "byo_loss_c.py").write_text("def seven(output, target):\n"
+                                            "    return output.sum() * 0 + 7.0\n")
+    monkeypatch.chdir(tmp_path)  # only the CWD makes it importable
+    ironloop.fit(tiny_mlp(), blobs(), None,
+                 cfg(tmp_path, train__epochs=1, loss__name="byo_loss_c:seven"))
+    assert {row["loss"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")} == {7.0}
+
 def test_bad_specs_name_the_key(tmp_path, monkeypatch):
+    from ironloop.data.builtin.datasets import build_data
     from ironloop.tools.models import build_model
 
     monkeypatch.chdir(tmp_path)
@@ -199,6 +210,8 @@ def test_bad_specs_name_the_key(tmp_path, monkeypatch):
         Config().with_overrides(["train.step_fn=x.y"])
     with pytest.raises(ConfigError, match="model.name='no_such_mod:f': cannot import"):
         build_model("no_such_mod:f", (4,), 3, {})
+    with pytest.raises(ConfigError, match="data.name='no_such_mod:f': cannot import"):
+        build_data(Config().with_overrides(["data.name=no_such_mod:f"]).data)
 
 
 def loader_data(root=None):

@@ -300,6 +300,20 @@ def test_load_model_state_reports_the_misfit():
     assert_same(before, dict(model.state_dict()))  # nothing half-loaded
 
 
+
+def test_a_long_reason_from_the_models_own_load_is_cut_to_one_short_line():
+    model = net()
+    reason = "the checkpoint's quantization scales were written for another bit width " * 4
+
+    def refuse(*args, **kwargs):  # a user module's load hook, with a long complaint
+        raise RuntimeError(reason)
+
+    model.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(model, net().state_dict(), "runs/a/last.pt")
+    msg = str(info.value)
+    assert f"does not fit this model: {reason[:117]}..." in msg and reason[:118] not in msg
+
 # ----------------------------------------------------------------------------- manager.py --
 def test_retention_victims():
     assert retention_victims([5, 1, 3, 9, 7], 2) == [1, 3, 5]

@@ -323,6 +323,31 @@ def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, 
     assert "| rollbacks | 1 |" in summary and "| skipped samples | 32 |" in summary
 
 
+
+def rolled_back_in_epoch_2(tmp_path):
+    """Bad steps 11 and 12 (first attempts only) roll back to the checkpoint of step 10."""
+    return ironloop.fit(tiny_mlp(), *split(),
+                        cfg(tmp_path, fault__nan_at_step=[11, 12], guard__max_bad_steps=2,
+                            guard__max_rollbacks=1, checkpoint__every_steps=2,
+                            train__epochs=3), overwrite=True)
+
+
+def test_a_rollback_in_a_later_epoch_keeps_the_finished_epochs_lines(tmp_path):
+    result = rolled_back_in_epoch_2(tmp_path)
+    rollback = rows(tmp_path / "run" / "guard.jsonl")[-1]
+    assert (rollback["event"], rollback["to_step"], rollback["epoch"]) == ("rollback", 10, 2)
+    assert [e["epoch"] for e in rows(tmp_path / "run" / "epochs.jsonl")] == [1, 2, 3]
+    assert result.results["steps"] == 8 + 6 + 6  # 64 samples skipped from the rollback on
+
+
+def test_a_transient_fault_spent_before_a_rollback_to_its_step_does_not_fire_again(tmp_path):
+    # the rollback goes back to step 10, where the faults at 11 and 12 had not yet fired:
+    # their attempts were spent, so the run goes on clean instead of stopping the guard
+    result = rolled_back_in_epoch_2(tmp_path)
+    assert (result.results["bad_steps"], result.results["rollbacks"]) == (2, 1)
+    assert [r["event"] for r in rows(tmp_path / "run" / "guard.jsonl")] == \
+        ["bad_step", "bad_step", "rollback"]
+
 def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp_path, capsys,
                                                                              monkeypatch):
     monkeypatch.chdir(REPO)
@@ -589,6 +614,35 @@ def test_a_loaded_verdict_keeps_its_spike_statistics_on_the_guards_device():
     verdict.load_state_dict({"losses": [1.0, 1.1], "norms": [2.0, 2.1], "good": 5})
     assert {t.device.type for t in (verdict.ring, verdict.filled, verdict.good)} == {"meta"}
 
+
+
+def test_the_guards_state_round_trips_its_device_spike_statistics_and_none_loads_fresh(
+        tmp_path):
+    from types import SimpleNamespace
+
+    from ironloop.config import Config
+    from ironloop.guard.reporter import GuardReporter
+    from ironloop.guard.verdict import device_verdicts
+
+    conf = Config().with_overrides(["guard.spike_factor=4", "guard.spike_window=6",
+                                    "guard.spike_warmup=0"]).guard
+
+    def reporter() -> GuardReporter:
+        verdicts = device_verdicts(conf, torch.device("cpu"), torch.float64)
+        return GuardReporter(conf, tmp_path, verdicts, False, 1, "")
+
+    fresh, judged = reporter().state_dict(), reporter()
+    zero, world = torch.zeros((), dtype=torch.float64), SimpleNamespace(distributed=False)
+    for loss in (1.0, 1.1, 0.9, 1.05):
+        judged.device.judge.verdict(torch.tensor(loss, dtype=torch.float64), zero,
+                                    torch.tensor(2.0), 1, None, world)
+    state = judged.state_dict()
+    assert state["losses"] == pytest.approx([1.0, 1.1, 0.9, 1.05]) and state["good"] == 4
+    resumed = reporter()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    resumed.load_state_dict(None)  # a checkpoint without guard state
+    assert resumed.state_dict() == fresh
 
 def _verdict_and_guard(factor: float, window: int, warmup: int):
     from types import SimpleNamespace

@@ -117,3 +117,22 @@ def test_cross_entropy_label_smoothing_and_weight_count_check():
     torch.testing.assert_close(Loss(cfg)(out, y), expected)
     with pytest.raises(ConfigError, match="one weight per class"):
         Loss(load_config(None, ["loss.class_weights=[1, 2]"]).loss, num_classes=3)
+
+
+def test_cross_entropy_class_weights_scale_each_samples_loss_by_its_class_weight():
+    cfg = load_config(None, ["loss.class_weights=[2.0, 0.0, 1.0]"]).loss
+    out, y = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)), \
+        torch.tensor([0, 1, 2, 0, 1, 2])
+    per = nn.functional.cross_entropy(out, y, reduction="none")
+    # a per-sample mean of the weighted losses, not torch's weight-normalised mean
+    weighted = per * torch.tensor([2.0, 0.0, 1.0])[y]
+    torch.testing.assert_close(Loss(cfg, 3)(out, y), weighted.mean())
+
+
+@pytest.mark.parametrize("name", ["bce_logits", "mse", "huber", "kl_div"])
+def test_integer_targets_are_one_hot_over_the_outputs_classes_even_when_a_batch_lacks_the_last(
+        name):
+    cfg = load_config(None, [f"loss.name={name}"]).loss
+    out, y = torch.zeros(4, 3), torch.tensor([0, 1, 1, 0])  # class 2 not in this batch
+    torch.testing.assert_close(Loss(cfg, 3)(out, y),
+                               Loss(cfg, 3)(out, nn.functional.one_hot(y, 3).float()))

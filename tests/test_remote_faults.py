@@ -31,7 +31,7 @@ from ironloop.state import dcp as sharded, remote_lease
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import Mirror, fetch_newest, open_remote
-from ironloop.state.remote_store import Remote, StoreUnavailable
+from ironloop.state.remote_store import Remote, StoreUnavailable, short_error
 from tests.conftest import REPO, tiny_mlp
 from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
@@ -43,6 +43,18 @@ def _tree(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): hashlib.blake2b(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
 
+
+
+def test_a_stores_error_is_told_in_its_own_first_line_cut_to_160_characters():
+    botocore = "An error occurred (SlowDown) when calling the PutObject operation: " + "x" * 200
+    try:
+        try:
+            raise OSError(botocore + "\nRetries exhausted")
+        except OSError as e:
+            raise StoreUnavailable("the store did not answer") from e
+    except StoreUnavailable as e:
+        told = short_error(e)
+    assert told == botocore[:157] + "..."
 
 def _stopped_at_12(tmp_path: Path) -> tuple[str, dict, int]:
     """A run mirrored to file:// and stopped at step 12; (url, config, the step before 12)."""

@@ -224,6 +224,18 @@ def test_a_resumed_run_restores_the_best_weights_from_best_pt_at_its_end(tmp_pat
     assert all(torch.equal(final[k], v) for k, v in best["model"].items())
 
 
+
+def test_without_patience_a_resume_never_reads_best_pt_so_its_damage_does_not_stop_it(tmp_path):
+    conf = cfg(tmp_path, train__epochs=2)  # early_stop.patience=0: no final restore
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), {**conf, "train.max_steps": 10})
+    best = tmp_path / "run" / "checkpoints" / "best.pt"
+    data = best.read_bytes()
+    best.unlink()  # a hard link to a step file: that one stays intact
+    best.write_bytes(data[:100])  # a disk error in a file this resume has no use for
+    res = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), conf, resume=True,
+                       allow_config_change=True)
+    assert res.results["steps"] == 14 and not res.results["restored_best"]
+
 def test_a_fresh_run_over_a_run_dir_with_checkpoints_but_no_log_line_is_refused(tmp_path):
     # A run killed after a checkpoint but before its first log line (log.every_steps larger
     # than checkpoint.every_steps): its checkpoints alone are a run to resume, not to overwrite.

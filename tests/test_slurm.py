@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from ironloop.engine.preempt import Preemption
-from ironloop.engine.slurm import Decision, EarlySignals, adopt_step_env, decide
+from ironloop.engine.slurm import Decision, EarlySignals, adopt_step_env, after_stop, decide
+from ironloop.errors import Preempted
 from tests import slurm_cluster as sc
 from tests.conftest import REPO
 
@@ -98,6 +99,48 @@ def test_a_warning_signal_while_the_run_is_built_stops_it_at_its_first_step():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+
+def fake_scontrol(bin_dir: Path, show: str) -> None:
+    """A ``scontrol`` on PATH: ``show job`` prints ``show``; ``requeue`` succeeds."""
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = requeue ] && exit 0\necho '{show}'\n")
+    script.chmod(0o755)
+
+
+def stop_under_slurm(tmp_path: Path, monkeypatch, show: str) -> list[dict]:
+    """``after_stop`` of a saved SIGUSR1 stop at step 7 of job 42; the events it wrote."""
+    fake_scontrol(tmp_path / "bin", show)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("RANK", raising=False)  # no torchrun: this process is rank 0
+    stop = Preempted("SIGUSR1", 7, saved=True)
+    before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
+    try:  # a requeue ignores SIGTERM and SIGUSR1 from here on
+        after_stop(tmp_path, stop, requeue=True)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return events(tmp_path) if (tmp_path / "events.jsonl").exists() else []
+
+
+def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_its_job(
+        tmp_path, monkeypatch):
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
+    got = stop_under_slurm(tmp_path, monkeypatch, f"JobId=42 JobState=RUNNING EndTime={end} "
+                                                  "PreemptTime=None Restarts=2")
+    assert [e["event"] for e in got] == ["slurm_stop", "slurm_requeue"]
+    assert got[0]["cause"] == "time limit" and got[0]["why"].endswith("s to the time limit")
+    assert (got[0]["job"], got[0]["step"], got[0]["restarts"]) == ("42", 7, 2)
+    assert (got[1]["job"], got[1]["ok"]) == ("42", True)
+
+
+def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch):
+    got = stop_under_slurm(tmp_path, monkeypatch, "JobId=42 JobState=CANCELLED Reason=None")
+    assert [(e["event"], e["cause"], e["why"], e["requeue"]) for e in got] == \
+        [("slurm_stop", "scancel", "the job is CANCELLED", False)]
 
 
 # --------------------------------------------------------------------- the real cluster --

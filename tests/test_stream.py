@@ -284,6 +284,34 @@ def test_a_hugging_face_shuffle_buffer_is_resumed_by_replay():
     assert resumes_by_replay(Stream(rows), "replay")
 
 
+
+def test_a_passed_loader_resumes_from_its_own_state_never_by_replay():
+    from ironloop.data.stream import Stream, resumes_by_replay
+
+    loader = StatefulDataLoader(Plain(), batch_size=16)  # a stateless reader inside it
+    assert resumes_by_replay(Stream(Plain()), "auto")  # ironloop's own loader would replay it
+    assert not resumes_by_replay(Stream(Plain(), loader=loader), "auto")
+    assert not resumes_by_replay(Stream(Plain(), loader=loader), "replay")
+
+
+def test_a_passed_loaders_own_worker_init_fn_still_runs_in_its_workers():
+    import signal
+
+    from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.data.workers import STOP_SIGNALS
+
+    seen: list[int] = []
+    loader = StatefulDataLoader(Plain(), batch_size=16, num_workers=2,
+                                worker_init_fn=seen.append)
+    opened = StreamOrder(Stream(loader.dataset, loader=loader), 16, seed=0).open()
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        opened.worker_init_fn(1)  # what worker 1 runs first, here in this process
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert seen == [1]
+
 def test_stream_resume_state_needs_a_state_dict(tmp_path):
     with pytest.raises(ConfigError, match="data.stream_resume=state: Plain has no state_dict"):
         fit(tmp_path, Plain(), train__max_steps=2, data__stream_resume="state")
