@@ -314,3 +314,100 @@ def test_preflight_is_skipped_on_a_resume_that_already_ran_it(tmp_path, capsys):
     assert capsys.readouterr().out.count("doctor: 8 checks passed") == 1
     assert preflight(config(run__dir=str(tmp_path), doctor__preflight=False), tiny_mlp(),
                      bundle) == []
+
+
+def test_the_batch_search_doubles_the_real_batch_until_a_step_runs_out_of_memory(monkeypatch):
+    """``doctor.memory_search``: each doubled batch is the first batch's samples repeated (the
+    step sees real inputs of that size), and the answer is the last size whose step fit."""
+    from ironloop.tools.doctor import model_checks as mc
+
+    s = subject(tiny_mlp(), blobs(256), None, None, config())
+    batch = s.batch()  # 32 samples
+    seen = []
+
+    def step_on_a_device_of_200_samples(s, model, opt, big):
+        seen.append((len(big[0]), len(big[1])))
+        assert torch.equal(big[0][32:64], batch[0])  # the first batch's samples, repeated
+        if len(big[0]) > 200:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 0
+
+    monkeypatch.setattr(mc, "_peak_of_step", step_on_a_device_of_200_samples)
+    model, opt = s.copy()
+    assert mc._search_batch(s, model, opt, batch, total=2**30) == 128
+    assert seen == [(64, 64), (128, 128), (256, 256)]
+
+
+def test_a_loader_with_one_batch_is_not_called_input_bound():
+    """The first batch is left out of the timing (one-off costs): a loader with nothing after
+    it measured no loading time, and must not be blamed for the step's."""
+    from ironloop.tools.doctor.data_checks import check_input_bound
+
+    s = subject(tiny_mlp(), blobs(32), None, None, config())  # one batch of 32
+    (f,) = check_input_bound(s, s.batch())
+    assert f.severity == "info", f.render()
+
+
+def test_more_than_ten_missing_classes_are_listed_as_the_first_ten_and_more():
+    from ironloop.tools.doctor.data_checks import check_labels
+
+    train = blobs(64)  # classes 0..2 of the model's 15
+    s = subject(tiny_mlp(c=15), train, None, None, config(), num_classes=15)
+    (f,) = [f for f in check_labels(s) if "never appear" in f.measured]
+    assert f.measured == "train: 12 of 15 classes never appear: [3, 4, 5, 6, 7, 8, 9, 10, 11, " \
+                         "12] ..."
+    s = subject(tiny_mlp(c=13), train, None, None, config(), num_classes=13)
+    (f,) = [f for f in check_labels(s) if "never appear" in f.measured]
+    assert f.measured.endswith("[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]")  # all ten: no "..."
+
+
+def test_the_lr_suggestion_is_the_steepest_fall_before_the_minimum():
+    from ironloop.tools.doctor.lr_find import suggest
+
+    lrs = [10.0 ** e for e in range(-7, 1)]
+    losses = [2.30, 2.28, 2.20, 1.20, 0.90, 0.80, 0.75, 3.00]  # steepest from 1e-5 to 1e-4
+    assert suggest(lrs, losses) == 1e-5
+    assert suggest(lrs, [2.30, 1.00, 0.90, 0.85, 0.80, 0.78, 0.75, 3.00]) == 1e-7
+
+
+def test_an_lr_far_below_the_suggestion_is_a_warning_with_its_cause_and_fix(tmp_path,
+                                                                          monkeypatch):
+    from ironloop.tools.doctor import lr_find
+
+    lrs = [10.0 ** e for e in range(-7, 1)]  # a sweep whose steepest fall is at 1e-5
+    losses = [2.30, 2.28, 2.20, 1.20, 0.90, 0.80, 0.75, 3.00]
+    monkeypatch.setattr(lr_find, "sweep", lambda s, steps: (lrs, losses))
+    s = subject(tiny_mlp(), blobs(64), None, None, config(optim__lr=1e-7))
+    (f,) = check_lr_find(s, tmp_path / "lr_find.png")
+    assert f.severity == "warning" and "suggested LR 1.00e-05" in f.measured
+    assert "far below" in f.cause and "cause: " in f.render()
+    assert f.fix.startswith("raise optim.lr to about ")
+
+
+def test_the_out_of_memory_finding_names_real_config_keys():
+    """Every dotted key the fix names is one the config has: the user types it as written."""
+    import re
+
+    (f,) = [f for f in diagnose(OomOnBackward()) if f.check == "dead_parameters"]
+    keys = re.findall(r"\b[A-Za-z_]\w*\.\w+", f.fix)
+    assert set(keys) >= {"train.batch_size", "train.accumulation_steps", "train.precision"}
+    flat = Config().to_dict()
+    for key in keys:
+        section, name = key.split(".")
+        assert name in flat.get(section, {}), key
+
+
+def test_ironloop_doctor_stops_on_an_error_with_strict_from_the_flag_or_the_config(
+        softmax_pkg, tmp_path, capsys):
+    from ironloop.config import load_config
+    from ironloop.tools.doctor.run import doctor_config
+
+    def conf(*extra):
+        return load_config(None, [f"run.dir={tmp_path / 'doc'}", "data.name=synthetic",
+                                  "model.name=pkg:softmax_model", *extra])
+
+    assert any(f.severity == "error" for f in doctor_config(conf()))  # reported, not raised
+    with pytest.raises(DoctorError, match="probabilities"):
+        doctor_config(conf(), strict=True)
+    with pytest.raises(DoctorError, match="probabilities"):
+        doctor_config(conf("doctor.strict=true"))

@@ -1,4 +1,5 @@
-"""The lab's per-step verdicts, from hand-made log rows: each can pass and each can fail."""
+"""The lab's per-step verdicts, from hand-made log rows: each can pass and each can fail; and
+lab/run.py's plan and verdicts() over a hand-made lab (test_lab.py runs a real one, slowly)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,76 @@ def test_the_accuracy_drop_sentence_is_worded_from_the_numbers():
     held = judge.accumulation_drop(0.9999, 0.9998, lrs3, lrs4, 64, 128)
     assert held.startswith("Step 4's val acc held at 99.98% (99.99% before) although the same")
     assert held.endswith(".") and ". " not in held and "because" not in held
+
+
+# -- lab/run.py: the plan and the verdicts from a lab's logs, without training -------------------
+
+def test_every_step_of_the_plan_is_a_valid_config_and_the_stretch_tries_the_other_precision():
+    from ironloop.config import Config
+    from ironloop.tools.lab.run import amp_precision, steps_plan
+
+    variants = steps_plan("digits")
+    for v in variants:
+        Config().with_overrides(v.overrides)  # each validates, as the lab's run would
+    assert variants[4].overrides["train.precision"] == amp_precision()
+    other = {"bf16", "fp16"} - {amp_precision()}
+    assert [v.overrides["train.precision"] for v in variants[-1:]] == list(other)
+    assert variants[-1].name == f"9-{other.pop()}"
+
+
+def _lab_logs(tmp_path, acc: dict[str, float]):
+    """A lab's nine variants with what each logged: the LRs, the clip statistics, the windows,
+    step 6's last.pt, and step 7's crash (after step 25) and resume (from step 20)."""
+    import json
+
+    from ironloop.state.io import save_atomic
+    from ironloop.tools.lab.run import steps_plan
+
+    variants = steps_plan("digits")
+    for v in variants:
+        v.run_dir = tmp_path / v.name
+        v.run_dir.mkdir(parents=True)
+    by = {v.name: v for v in variants}
+
+    def write(v, name, lines):
+        (v.run_dir / name).write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    onecycle = [1e-4, 1e-3, 3e-3, 2e-3, 1e-5]
+    write(by["2-onecycle"], "metrics.jsonl", [{"step": i + 1, "lr": lr}
+                                              for i, lr in enumerate(onecycle)])
+    write(by["3-clip"], "metrics.jsonl", [{"step": i + 1, "lr": 1e-3} for i in range(40)])
+    write(by["4-accum"], "metrics.jsonl", [{"step": i + 1, "lr": 1e-3} for i in range(10)])
+    by["3-clip"].notes = {"clip": judge.clip_stats(rows([3.0] * 10, [0.5] * 30), 1.0)}
+    by["4-accum"].notes = {"expected_steps": 10, "full_window_diff": 1e-7,
+                           "ragged_window_diff": 1e-7}
+    (by["6-checkpoint"].run_dir / "checkpoints").mkdir()
+    save_atomic({"model": {}, "optimizer": {}, "scheduler": {}, "scaler": None,
+                 "progress": {"step": 50}, "rng": {}},
+                by["6-checkpoint"].run_dir / "checkpoints" / "last.pt")
+    write(by["6-checkpoint"], "epochs.jsonl", [{"epoch": e, "val_acc": 0.8 + e / 100}
+                                               for e in (1, 2, 3, 4, 5)])
+    crash = by["7-crash-resume"]
+    crash.notes = {"crash_step": 25, "resumed_from": 20, "bit_identical": True,
+                   "steps_per_epoch": 10}
+    write(crash, "events.jsonl", [{"event": "resume", "step": 20, "time": 100.0}])
+    write(crash, "metrics.jsonl", [{"step": s, "time": float(s)} for s in range(1, 26)]
+          + [{"step": s, "time": 100.0 + s} for s in range(21, 51)])
+    write(crash, "epochs.jsonl", [{"epoch": e, "val_acc": 0.8 + e / 100} for e in (1, 2, 3, 4, 5)])
+    rows_ = [{"variant": v.name, "final val acc": acc.get(v.name, 0.9), "samples/s": 1000.0,
+              "optimizer steps": 10} for v in variants]
+    return variants, rows_
+
+
+def test_the_lab_is_judged_from_its_logs_and_amp_against_step_4s_accuracy(tmp_path):
+    from ironloop.tools.lab.run import verdicts
+
+    same = {"4-accum": 0.93, "5-amp": 0.93}
+    judged, drop = verdicts(*_lab_logs(tmp_path / "kept", same), None)
+    assert [v.step for v in judged] == ["1-baseline", "2-onecycle", "3-clip", "4-accum", "5-amp",
+                                        "6-checkpoint", "7-crash-resume"]
+    assert all(v.passed for v in judged), [(v.step, v.figure) for v in judged]
+    assert drop.startswith("Step 4's val acc")
+    fell = {"4-accum": 0.93, "5-amp": 0.80}  # 13 points lost to AMP: not "accuracy kept"
+    judged, _ = verdicts(*_lab_logs(tmp_path / "fell", fell), None)
+    (amp_,) = [v for v in judged if v.step == "5-amp"]
+    assert not amp_.passed and "val acc 80.00% vs 93.00%" in amp_.figure

@@ -545,3 +545,33 @@ def test_a_language_models_validation_plot_draws_perplexity_on_its_own_labelled_
                         ("validation perplexity", "Validation perplexity", 1)]]
     report.plot_accuracy([{**r, "epoch": i + 1} for i, r in enumerate(rows)], tmp_path / "a.png")
     assert figures[1][1][:2] == ("validation perplexity", "Validation perplexity")
+
+
+def test_a_single_evaluation_is_drawn_as_a_visible_point(tmp_path):
+    """A line through one point draws nothing: each validation value needs its marker (a
+    language model evaluated once has one perplexity)."""
+    rows = [{"step": 50, "epoch": 1, "val_loss": 4.0, "val_ppl": math.exp(4.0)}]
+    out = report.plot_validation(rows, tmp_path / "validation.png")
+    assert colour_px(out, "C0", cols=slice(None, 540)) > 20  # the val loss point
+    assert colour_px(out, "C1", cols=slice(540, None)) > 20  # the perplexity point
+
+
+def test_the_grad_norm_plot_draws_the_clip_threshold_in_the_clip_colour(tmp_path):
+    rows = [dict(_metric(s, 0), clipped=0) for s in range(4, 201, 4)]  # no clipped dots
+    with_line = report.plot_grad_norm(rows, MAX_NORM, tmp_path / "on.png")
+    without = report.plot_grad_norm(rows, None, tmp_path / "off.png")
+    assert colour_px(with_line, "C3") > colour_px(without, "C3") + 150
+
+
+def test_the_resume_curve_panels_share_the_step_axis(tmp_path, monkeypatch):
+    """The crash and resume lines stand at the same x in both panels, even where validation
+    covers fewer steps than the loss."""
+    limits = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, out: (limits.append(
+        [ax.get_xlim() for ax in fig.axes]), save(fig, out))[1])
+    metrics = [_metric(s, 0) for s in range(4, 201, 4)]
+    report.plot_resume_curve(metrics, [_epoch(e) for e in (3, 4)], tmp_path / "r.png",
+                             [{"step": 120}], 132)
+    (top, bottom), = limits
+    assert top == bottom and top[0] < 4 and top[1] > 200

@@ -109,6 +109,148 @@ def test_an_attribute_that_changed_no_step_is_named_but_not_counted_against_the_
     assert "CallCounter.calls" in found[1].measured and "unread" in found[1].measured
 
 
+def test_a_step_whose_resumed_run_saw_fewer_micro_batches_names_the_missing_one_none():
+    a = {1: {**_rec(), "batches": ["b1", "b2"], "losses": [1.0, 1.0]}}
+    d = first_step_difference(a, {1: _rec(batch="b1")}, range(1, 2))
+    assert (d.step, d.what) == (1, "batch")
+    assert d.detail == "micro-batch 2 of 2 holds other tensors (hash none instead of b2)"
+
+
+class FakeScratch:
+    """Stands in for the scratch processes (resume_check._launch): each run writes the record
+    its spec asks for, from its config. The crashed run leaves its last checkpoint's step in
+    its run.dir; the resumed run starts after the step it finds there, and with ``drift`` its
+    batches differ from there on (a counter its checkpoint lost)."""
+
+    def __init__(self, drift: bool):
+        self.drift, self.specs = drift, {}
+
+    def __call__(self, spec, scratch, name, nproc, env, fork_threads):
+        self.specs[name] = spec
+        cfg = spec["config"]
+        run_dir, kill = Path(cfg["run"]["dir"]), cfg["fault"]["crash_at_step"]
+        steps = range(1, (kill or cfg["train"]["max_steps"]) + 1)
+        if kill:
+            every = cfg["checkpoint"]["every_steps"]
+            run_dir.mkdir(parents=True)
+            (run_dir / "last-checkpoint").write_text(str(every * ((kill - 1) // every)))
+        if spec["resume"]:
+            steps = range(int((run_dir / "last-checkpoint").read_text()) + 1, steps.stop)
+        drift = "x" if spec["resume"] and self.drift else ""
+        lines = [{"step": i, **_rec(batch=f"b{i}{drift}")} for i in steps]
+        if not kill:
+            lines.append({"end": steps[-1], "state": {"model": {}, "data": {}, "callbacks": {},
+                                                      "globals": {}}})
+        Path(spec["record"].format(rank=0)).write_text(
+            "".join(json.dumps(line) + "\n" for line in lines))
+        return FakeProcess(1 if kill else 0)
+
+
+class FakeProcess:
+    def __init__(self, code: int):
+        self.returncode = code
+
+    def wait(self) -> int:
+        return self.returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+@pytest.mark.parametrize("drift", [False, True])
+def test_the_check_compares_the_resumed_run_with_the_straight_one_from_its_checkpoint_on(
+        tmp_path, monkeypatch, drift):
+    """The plan, the three runs' specs, the comparison of their records and the verdict, with
+    the processes faked (the slow tests below run real ones)."""
+    import ironloop.tools.doctor.resume_check as rc
+
+    scratch = FakeScratch(drift)
+    monkeypatch.setattr(rc, "_launch", scratch)
+    result = check(tmp_path, config(tmp_path), steps=STEPS)
+    runs = {name: Path(spec["config"]["run"]["dir"]).name for name, spec in scratch.specs.items()}
+    assert runs == {"straight": "straight", "crashed": "crashed", "resumed": "crashed"}
+    assert result.exact is not drift
+    if drift:  # resumed from step 3: step 4 is the first one that can differ
+        assert (result.first.step, result.first.what) == (4, "batch")
+        assert (Path(result.scratch) / "resumed-rank0.jsonl").exists()  # kept for a look
+    else:
+        assert result.headline.startswith("resume is exact (9 steps, kill at step 4")
+        assert not any((tmp_path / "scratch").iterdir())
+
+
+def test_the_recorder_writes_each_step_as_it_ends(tmp_path):
+    """A line per optimizer step, on disk when the step ends (a kill keeps it): the hash of
+    each training micro-batch, its loss, and the weights after the step."""
+    from ironloop.engine.step_fns import classification_step
+    from ironloop.tools.doctor.resume_compare import read_records
+    from ironloop.tools.doctor.resume_record import Recorder, digest
+    from tests.conftest import blobs, tiny_mlp
+
+    model, data = tiny_mlp(), blobs(8)
+    path = tmp_path / "straight-rank0.jsonl"
+    recorder = Recorder(path, model, data, [], None)
+    step = recorder.wrap(classification_step(torch.nn.functional.cross_entropy))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weights = []
+    for i in (1, 2):
+        batch = (data.x[4 * i - 4:4 * i], data.y[4 * i - 4:4 * i])
+        step(model, batch)[0].backward()
+        opt.step()
+        recorder.on_step_end(None, {"step": i})
+        weights.append(digest(list(model.parameters())))
+        record = read_records(path).steps[i]  # before the run ends
+        assert record["batches"] == [digest(batch)] and len(record["losses"]) == 1
+        assert record["weights"] == weights[-1]
+    assert weights[0] != weights[1]
+    recorder.file.close()
+
+
+def test_the_user_modules_are_those_of_the_users_own_classes_and_functions():
+    import sys
+
+    from ironloop.tools.doctor.resume_record import user_modules
+    from tests import resume_cases
+
+    found = user_modules(resume_cases.counting_step, resume_cases.CountingData,
+                         torch.nn.Linear, load_config, type(None))
+    assert found == [resume_cases]
+    assert user_modules(resume_cases.CountingData(), sys.modules[__name__].config) == \
+        [resume_cases, sys.modules[__name__]]
+
+
+def test_a_forked_scratch_run_writes_its_output_to_its_log_and_exits_with_its_code(
+        tmp_path, monkeypatch):
+    """resume_record.forked, in this process: fds 1 and 2 and Python's own streams go to the
+    log (a failing spec's traceback lands there), then os._exit with main's code."""
+    import os
+    import sys
+
+    from ironloop.tools.doctor import resume_record
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(resume_record.os, "_exit", exit_)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    saved = os.dup(1), os.dup(2)
+    log = tmp_path / "crashed.log"
+    try:
+        with pytest.raises(Exited) as e:
+            resume_record.forked(str(tmp_path / "missing.json"), str(log),
+                                 torch.get_num_threads())
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    assert e.value.args == (70,)
+    assert "FileNotFoundError" in log.read_text()
+
+
 # --- real scratch runs --------------------------------------------------------------------
 
 @pytest.mark.slow

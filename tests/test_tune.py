@@ -620,3 +620,76 @@ def test_a_signal_inside_a_model_factory_stops_the_tune_and_is_not_the_factorys_
 
     with stop_on_signals(), pytest.raises(Stopped, match="stopped by SIGINT"):
         call_factory(factory, "model factory 'f'", "model.name")
+
+
+def test_a_trials_config_writes_no_checkpoint_evaluates_nothing_and_plants_no_fault(tmp_path):
+    """A trial is timed: a checkpoint, an evaluation or a tracker would be timed with it, and
+    the fault knobs would crash or poison it on purpose."""
+    from ironloop.tools.tune.trials import trial_config
+
+    user = Config().with_overrides({"checkpoint.enabled": True, "checkpoint.every_steps": 1,
+                                    "eval.every_steps": 5, "log.tensorboard": True,
+                                    "fault.crash_at_step": 3, "early_stop.patience": 2})
+    trial = trial_config(user, {"train.batch_size": 16}, 12, tmp_path, n=64)
+    assert trial.checkpoint.enabled is False and trial.eval.every_steps == 0
+    assert trial.log.tensorboard is False and trial.fault.crash_at_step == 0
+    assert trial.early_stop.patience == 0
+    assert (trial.run.dir, trial.train.max_steps, trial.train.batch_size) == \
+        (str(tmp_path), 12, 16)
+
+
+def _linear_subject(tmp_path, **fit_kwargs):
+    from ironloop.tools.tune.trials import Subject
+
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    cfg = Config.from_dict({"run": {"dir": str(tmp_path / "run")}, "train": {"batch_size": 8}})
+    return Subject(cfg, lambda: nn.Linear(4, 2), data, fit_kwargs)
+
+
+def test_a_trial_that_runs_to_its_last_step_reports_where_its_time_went(tmp_path):
+    from ironloop.tools.tune.trials import Plan, run_trial
+
+    m = run_trial(_linear_subject(tmp_path), {}, Plan(1, 1, 2), time.perf_counter() + 120)
+    assert m.time_split is not None and m.time_split["forward"] > 0
+    assert set(m.time_split) >= {"data", "forward", "backward", "optimizer"}
+
+
+@pytest.fixture
+def one_trial_tune(monkeypatch):
+    """ironloop.tune() with its budgeted search cut to one real trial, the baseline: what
+    tune() hands the trials and what it writes, in a fraction of a second."""
+    from ironloop.tools.tune.rows import Row
+    from ironloop.tools.tune.trials import Plan, run_trial
+
+    def one_trial(subject, budget, progress):
+        tuner = tune_mod.Tuner(subject, budget, None)
+        m = run_trial(subject, {}, Plan(1, 1, 2), time.perf_counter() + 120)
+        tuner.baseline = Row("baseline (the config as it is)", {}, status="ok", measure=m,
+                             ratio=1.0, projected_s=m.seconds)
+        return tuner, {}, {}
+
+    monkeypatch.setattr(tune_mod, "run_tune", one_trial)
+
+
+def test_tune_trains_each_trial_with_the_users_scheduler_factory(tmp_path, one_trial_tune):
+    built = []
+
+    def scheduler(opt):
+        built.append(opt)
+        return torch.optim.lr_scheduler.StepLR(opt, 10)
+
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(tmp_path / "run"),
+                                          "train.batch_size": 8}, scheduler=scheduler)
+    assert built  # the trial's own optimizer, given to the user's factory
+
+
+def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_trial_tune):
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    result = ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(tmp_path / "run"),
+                                                   "train.batch_size": 8, "train.epochs": 3})
+    run = tmp_path / "run"
+    assert result.paths == {"tune.json": run / "tune.json", "tuned.yaml": run / "tuned.yaml"}
+    assert json.loads((run / "tune.json").read_text())["baseline"]["status"] == "ok"
+    tuned = ironloop.load_config(run / "tuned.yaml")
+    assert tuned.to_dict() == result.config.to_dict() and tuned.train.epochs == 3
