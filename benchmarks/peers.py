@@ -15,7 +15,7 @@ loader its user would normally write:
 - ``Lightning``: ``Trainer`` with logger, checkpointing, progress bar and summary off;
 - ``Accelerate``: ``accelerator.prepare`` + ``accelerator.backward`` + its ``clip_grad_norm_``.
 
-Each repetition times every loop for 1 epoch and for 5 epochs (3 with ``--quick``), from
+Each repetition times every loop for 1 epoch and for 5 epochs (2 with ``--quick``), from
 building the model to the end of training, in a rotated order (A B C D, B C D A, ...) inside
 this one process. Steady state is ``(t(5 epochs) - t(1 epoch)) / 4`` per epoch; start-up is
 ``t(1 epoch) - steady``. Ratios are taken per repetition against ``hand DataLoader`` (and
@@ -295,7 +295,7 @@ def run(quick: bool) -> dict:
     warnings.filterwarnings("ignore")
     steps = {"mlp": size(512, 64, 4, quick), "small_cnn": size(128, 16, 2, quick)}
     reps = {"mlp": size(7, 2, 1, quick), "small_cnn": size(5, 2, 1, quick)}
-    long = size(5, 3, 2, quick)  # quick: (t(3) - t(1)) / 2, 9 epochs a loop, not 13
+    long = size(5, 2, 2, quick)  # quick: t(2) - t(1), 3 epochs a loop, not 6
     specs = [Spec("mlp", tiny_mlp, dataset(steps["mlp"] * BATCH, (64,))),
              Spec("small_cnn", cnn, dataset(steps["small_cnn"] * BATCH, (1, 8, 8)))]
     loops = {name: fn for name, (fn, mod) in LOOPS.items() if mod is None or _installed(mod)}

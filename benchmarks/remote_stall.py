@@ -131,7 +131,7 @@ def one_run(root: Path, width: int, steps: int, every: int, remote: str) -> dict
 def run(quick: bool) -> dict:
     torch.set_num_threads(1)
     width = size(1024, 512, 64, quick)
-    steps, every = size(400, 200, 20, quick), size(20, 20, 5, quick)
+    steps, every = size(400, 100, 20, quick), size(20, 20, 5, quick)
     reps = size(5, 2, 1, quick)
     Stalled.stall_s = STALL_S if TINY or not quick else 1.0
     rows: dict[str, list[dict]] = {"none": [], "slow": [], "stalled": []}

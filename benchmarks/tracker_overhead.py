@@ -50,7 +50,7 @@ def _epoch(data: TensorData, extra: dict, run_dir: Path) -> float:
 
 def run(quick: bool) -> dict:
     os.environ.setdefault("WANDB_SILENT", "true")
-    n, reps = size(65536, 8192, 1024, quick), size(5, 2, 1, quick)
+    n, reps = size(65536, 4096, 1024, quick), size(5, 2, 1, quick)
     g = torch.Generator().manual_seed(0)
     data = TensorData(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
     speeds: dict[str, list[float]] = {k: [] for k in VARIANTS}
