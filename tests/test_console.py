@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ironloop.config import LogConfig
 from ironloop.outputs import console
 from tests.conftest import REPO, run_cli
 
@@ -129,3 +130,31 @@ def test_lines_without_an_average_say_nothing_of_one():
     assert "averaged" not in console.epoch_line(ROW, plan(), {})
     nan = {**row, "val_avg_loss": float("nan")}  # no verdict on a non-finite loss
     assert "averaged weights" not in console.eval_line(nan, 160)
+
+
+def test_epoch_lines_show_tokens_per_s_fp16_skips_and_the_guards_totals_when_nonzero():
+    row = {**ROW, "tokens_per_s": 51200.0, "skipped": 2, "bad_steps": 3, "rollbacks": 1,
+           "skipped_samples": 64}
+    line = console.epoch_line(row, plan(), {})
+    for part in ("51200 tokens/s", "fp16-skipped 2", "bad steps 3", "rollbacks 1",
+                 "skipped samples 64"):
+        assert f"  {part}" in line, (part, line)
+    quiet = console.epoch_line({**row, "tokens_per_s": 0, "skipped": 0, "bad_steps": 0,
+                                "rollbacks": 0, "skipped_samples": 0}, plan(), {})
+    assert not any(w in quiet for w in ("tokens/s", "fp16-skipped", "bad steps", "rollbacks"))
+
+
+def test_a_piped_progress_line_is_due_once_progress_every_s_has_passed(monkeypatch, capsys):
+    now = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)  # a log file, not a terminal
+    where = SimpleNamespace(step=0, epoch=0, offset=0)
+    bar = console.EpochProgress(LogConfig(progress="auto", progress_every_steps=0,
+                                          progress_every_s=5.0), where, plan(), True)
+    where.step, now[0] = 1, 104.5
+    bar.update()
+    assert "step 1/160" not in capsys.readouterr().out  # 4.5 s: not yet
+    where.step, now[0] = 2, 105.0
+    bar.update()
+    assert "step 2/160" in capsys.readouterr().out  # exactly 5 s after the bar started
+    bar.close()

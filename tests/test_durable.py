@@ -114,3 +114,18 @@ def test_with_async_checkpoint_writes_a_tracker_gets_every_row_a_save_on_disk_co
     assert not [w for w in recwarn if "logging failed" in str(w.message)]
     assert sorted({r["step"] for kind, r in store.rows if kind == "metrics"}) == \
         list(range(1, 15))
+
+
+def test_a_resumed_run_log_hands_its_trackers_what_they_lack_up_to_the_resume_step(tmp_path):
+    from ironloop.outputs.loggers import Guarded
+    from ironloop.outputs.runlog import RunLog
+
+    # killed after logging step 10, resumed from the checkpoint at step 8
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)))
+    store = Store(held={"metrics": 4})  # its own files hold up to step 4
+    log = RunLog(tmp_path, False, resume_step=8, loggers=[Guarded(durable.Durable(store, 4))])
+    log.catch_up(8)
+    assert steps(store) == [5, 6, 7, 8]
+    assert durable.read_marks(tmp_path) == {"store": 8}
+    log.close()

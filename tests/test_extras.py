@@ -57,3 +57,17 @@ def test_a_missing_extra_names_what_to_install(monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(UserError, match=r"pip install 'ironloop\[plots\]'"):
         plot_lr({"run": [{"step": 1, "lr": 0.1}]}, tmp_path / "lr.png")
+
+
+def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, tmp_path):
+    from ironloop.config import Config
+    from ironloop.outputs import loggers
+
+    for name in ("wandb", "mlflow", "mlflow.tracking", "mlflow.entities"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UserError, match=r"log\.wandb=true needs the wandb package.*"
+                                        r"pip install 'ironloop\[wandb\]'"):
+        loggers.WandB(Config(), tmp_path, None)
+    with pytest.raises(UserError, match=r"log\.mlflow=true needs the mlflow package.*"
+                                        r"pip install 'ironloop\[mlflow\]'"):
+        loggers.MLflow(Config(), tmp_path, None)

@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 import ironloop
-from ironloop.outputs import durable, loggers
+from ironloop.config import Config
+from ironloop.outputs import durable, loggers, wandb_file
 from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 
@@ -44,6 +46,85 @@ def test_mlflow_with_a_bad_tracking_uri_warns_and_trains(tmp_path):
                            cfg(tmp_path, log__mlflow=True,
                                log__mlflow_tracking_uri="nosuchscheme://nowhere"))
     assert res.results["steps"] == 14
+
+
+def test_a_tracker_that_raises_gives_one_runtime_warning_and_is_dropped(monkeypatch):
+    monkeypatch.setattr(Broken, "calls", 0)  # the count the test above reads is left as it was
+    guarded = loggers.Guarded(durable.Durable(Broken(), 0, passthrough=True))
+    with pytest.warns(RuntimeWarning, match=r"broken logging failed \(OSError: .*No space left "
+                                            r"on device\); training continues without broken"):
+        guarded.write("metrics", {"step": 1, "loss": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        guarded.write("metrics", {"step": 2, "loss": 1.0})
+    assert guarded.failed and guarded.confirmed() is None and guarded.held() == {}
+
+
+def test_on_resume_tensorboard_drops_what_it_had_not_confirmed(tmp_path):
+    """A killed process wrote steps 4 and 5 past the checkpoint it confirmed (3); the resumed
+    one writes them again, and TensorBoard's reader shows each step once (purge_step)."""
+    first = loggers.TensorBoard(tmp_path, None)
+    for s in range(1, 6):
+        first.write("metrics", {"step": s, "loss": 1.0 / s})
+    first.write("epochs", {"step": 5, "val_acc": 0.5})
+    first.close()
+    again = loggers.TensorBoard(tmp_path, 3)
+    for s in (4, 5):
+        again.write("metrics", {"step": s, "loss": 2.0 / s})
+    again.write("epochs", {"step": 5, "val_acc": 0.75})
+    again.close()
+    assert once(tensorboard_scalars(tmp_path, "metrics/loss")) == \
+        pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.5, 5: 0.4})
+    assert once(tensorboard_scalars(tmp_path, "epochs/val_acc")) == {5: 0.75}
+
+
+def test_mlflow_says_what_its_store_holds_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    # MLflow's file store: the default sqlite one spends seconds creating its tables
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    conf = Config().with_overrides({"log.mlflow": True, "log.mlflow_tracking_uri": uri})
+    (first,) = loggers.build(conf, tmp_path, None, {})
+    for s in range(1, 5):
+        first.write("metrics", {"step": s, "loss": 1.0 / s})
+    first.write("epochs", {"step": 2, "val_loss": 0.5})
+    ids = first.ids()
+    first.close()  # a run that ends normally
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("ironloop").experiment_id])
+    assert run.info.status == "FINISHED"
+
+    (again,) = loggers.build(conf, tmp_path, 4, ids)  # ids as the checkpoint keeps them
+    assert again.held() == {"metrics": 4, "epochs": 2}  # read back from the store
+    try:
+        raise RuntimeError("a crash inside fit()")
+    except RuntimeError:
+        again.close()  # as fit()'s finally does while the exception leaves it
+    (run,) = client.search_runs([client.get_experiment_by_name("ironloop").experiment_id])
+    assert run.info.status == "FAILED"
+
+
+def test_wandb_continues_the_run_id_it_is_given_and_its_file_says_what_it_holds(
+        tmp_path, monkeypatch):
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    conf = Config().with_overrides({"log.wandb": True, "log.wandb_mode": "offline"})
+    logger = loggers.WandB(conf, tmp_path, "resumed1")  # the id a checkpoint kept
+    assert logger.ids() == {"wandb": "resumed1"}
+    logger.write_rows([("scalars", {"step": 0, "lr_probe": 0.1})]  # a callback, before step 1
+                      + [("metrics", {"step": s, "loss": 1.0 / s}) for s in range(1, 4)]
+                      + [("epochs", {"step": 3, "val_loss": 0.5})])
+    logger.close()  # a run that ends normally
+    import wandb
+
+    wandb.teardown()  # wandb's own process writes the file: wait until it has exited
+    (path,) = tmp_path.glob("wandb/offline-run-*-resumed1/run-resumed1.wandb")
+    assert logger.held_steps() == {"scalars": 0, "metrics": 3, "epochs": 3}
+    assert [row["step"] for row in wandb_rows(tmp_path)] == [0, 1, 2, 3, 3]
+    (end,) = [r.exit for r in wandb_file.records(path) if r.WhichOneof("record_type") == "exit"]
+    assert end.exit_code == 0
 
 
 # --- reading back what W&B (offline) and MLflow hold --------------------------------------

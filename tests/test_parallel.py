@@ -1,13 +1,17 @@
-"""Choosing the strategy and the FSDP2 blocks (no process group needed); the multi-rank runs
-are in tests/test_distributed.py."""
+"""Choosing the strategy and the FSDP2 blocks (no process group needed), and sharding on a
+process group of one; the multi-rank runs are in tests/test_distributed.py."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
 from torch import nn
 
 from ironloop.config import Config
 from ironloop.errors import ConfigError
+from ironloop.parallel import data_parallel as dp
 from ironloop.parallel.data_parallel import fsdp_blocks, resolve_strategy
 from ironloop.parallel.world import World
 
@@ -35,7 +39,9 @@ def test_default_blocks_are_the_children_with_parameters_of_containers():
 def test_named_blocks_and_a_name_the_model_lacks():
     net = Net()
     assert fsdp_blocks(net, ["Block"]) == list(net.blocks)
-    with pytest.raises(ConfigError, match=r"dist.fsdp_modules.*Block.*Linear"):
+    with pytest.raises(ConfigError, match=r"dist.fsdp_modules=\['TransformerBlock'\]: the model "
+                                          r"has no such submodule; its module classes are "
+                                          r"Block, Linear, ModuleList, Net, ReLU, Sequential$"):
         fsdp_blocks(net, ["TransformerBlock"])
 
 
@@ -59,3 +65,30 @@ def test_strategy_resolution():
 def test_dist_config_errors_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         Config().with_overrides(override)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one, in this process: enough for FSDP2 to shard over."""
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    yield
+    dist.destroy_process_group()
+
+
+def test_shard_makes_each_block_and_then_the_root_an_fsdp_module(one_rank):
+    net = Net()
+    blocks = fsdp_blocks(net, [])
+    assert dp.shard(net, [], "bf16") is net  # sharded in place
+    assert all(dp.is_fsdp(b) for b in blocks) and dp.is_fsdp(net)
+    assert not dp.is_fsdp(net.embed)  # not a block: its parameters are the root's
+
+
+def test_under_fsdp_a_rank_with_fewer_eval_batches_owes_the_others_their_forwards(one_rank):
+    """5 samples in batches of 2 over 2 ranks: rank 0 has 3 (2 batches), rank 1 has 2 (1)."""
+    net = dp.shard(Net(), [], "fp32")
+    two = World(rank=1, size=2)
+    assert dp.extra_forwards(net, two, 5, 2, done=1) == 1
+    assert dp.extra_forwards(net, two, 5, 2, done=2) == 0
+    assert dp.extra_forwards(Net(), two, 5, 2, done=1) == 0  # DDP: every forward is local
+    assert dp.extra_forwards(net, World(), 5, 2, done=1) == 0  # one process: nobody waits

@@ -131,6 +131,21 @@ def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     assert "GPU compute" not in time_split.table(split, 10, torch.device("cuda"), False, PLAIN)
 
 
+def test_a_part_missing_from_the_split_counts_as_no_time():
+    partial = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}  # no data, copy, other...
+    zeros = {p: 0.0 for p in PARTS}
+    assert advice(partial, PLAIN) == advice({**zeros, **partial}, PLAIN) == []
+
+
+def test_the_table_gives_seconds_share_and_milliseconds_per_optimizer_step():
+    split = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0, "checkpoint": 2.0}
+    lines = time_split.table(split, 10, torch.device("cpu"), False, PLAIN).splitlines()
+    assert lines[1].split() == ["part", "seconds", "share", "ms/step"]
+    assert lines[4].split() == ["forward", "3.000", "25.0%", "300.00"]  # 3 s over 10 steps
+    (checkpoint,) = [line for line in lines if line.split()[0] == "checkpoint"]
+    assert checkpoint.split() == ["checkpoint", "2.000", "16.7%"]  # not part of a step
+
+
 def test_profile_sync_is_handed_to_the_step_timer(tmp_path, monkeypatch):
     # The timer synchronizes only on CUDA; on any device it must be told what was asked for.
     from ironloop.engine import build

@@ -8,6 +8,7 @@ from torch import nn
 
 import ironloop
 from ironloop.errors import ConfigError
+from ironloop.parallel.wrap import checkpoint_activations, compile_model
 from ironloop.state.io import load_verified
 from tests.conftest import blobs, cfg
 
@@ -43,6 +44,19 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(tmp
     with pytest.raises(ConfigError, match=r"no Blok module; its classes are Block, Linear"):
         ironloop.fit(net(), blobs(), None, {**conf, "train.activation_checkpointing": ["Blok"]},
                      overwrite=True)
+
+
+def test_activation_checkpointing_names_every_class_the_model_lacks():
+    with pytest.raises(ConfigError, match=r"\['Blocc', 'Blok'\]: the model has no Blocc, Blok "
+                                          r"module; its classes are Block, Linear, Sequential$"):
+        checkpoint_activations(net(), ["Blok", "Blocc"])
+
+
+def test_compile_model_wraps_the_users_module_without_compiling_yet():
+    model = net()
+    compiled = compile_model(model, "default")  # torch compiles at the first forward
+    assert isinstance(compiled, nn.Module) and compiled is not model
+    assert compiled._orig_mod is model  # what micro_sync unwraps to reach DDP or FSDP
 
 
 @pytest.mark.slow  # compiling takes seconds, even with aot_eager
