@@ -118,6 +118,16 @@ def train_or_kill(cmd: list[str], run_dir: Path, cwd: Path, env: dict,
     assert proc.returncode == 0, err
 
 
+@pytest.fixture
+def quick_lease(monkeypatch):
+    """A remote prefix's claim waits SETTLE_S (0.5 s) for a concurrent claim to land before it
+    reads its lease back: in-process runs claim one at a time, so the wait only adds up (about
+    a second a test in the remote tests). The race itself is tested with the real wait."""
+    from ironloop.state import remote_lease
+
+    monkeypatch.setattr(remote_lease, "SETTLE_S", 0.01)
+
+
 @pytest.fixture(scope="module")
 def cpu_alone():
     """Tests whose outcome rests on measured speed (tune's trials) or on a timed sequence of

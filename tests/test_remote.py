@@ -35,6 +35,8 @@ from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
 from ironloop.state.rundir import RUN_OUTPUTS
 from tests.conftest import REPO, StopAt, blobs, cfg, logged_step, tiny_mlp
 
+pytestmark = pytest.mark.usefixtures("quick_lease")
+
 STEPS = 28  # 4 epochs of ceil(200 / 32) = 7 steps
 
 

@@ -304,6 +304,8 @@ def _outage(kind: str, monkeypatch) -> None:
 
 
 OUTAGES = ["unreachable", "no credentials"]
+SETTLE_S = remote_lease.SETTLE_S
+pytestmark = pytest.mark.usefixtures("quick_lease")
 
 
 @pytest.fixture(autouse=True)
@@ -556,6 +558,7 @@ def test_a_sharded_checkpoint_with_a_pickle_in_its_extras_falls_back_to_the_olde
 def test_two_claims_that_both_found_the_prefix_free_end_with_one_writer(tmp_path, monkeypatch):
     """The race no look-before-write can close: both runs read "no lease", both write theirs;
     each reads its own back after SETTLE_S, and only the write that landed last goes on."""
+    monkeypatch.setattr(remote_lease, "SETTLE_S", SETTLE_S)  # the product's, not quick_lease's
     remote = open_remote(f"file://{tmp_path}/remote")
     both_looked = threading.Barrier(2)
     first_look = threading.local()
