@@ -245,15 +245,29 @@ def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# EMA at a constant LR (the FSDP test's first part would otherwise end its schedule with its one
+# epoch), as both distributed tests below train it
+DIST_AVERAGE = ("average.kind=ema", "average.decay=0.9", "schedule.name=constant")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process with the global batch (64): what 2 ranks x 32 must match, under DDP and FSDP."""
+    from tests.test_distributed import train
+
+    return train(tmp_path_factory.mktemp("one") / "run", *DIST_AVERAGE, "train.batch_size=64",
+                 "checkpoint.enabled=false")
+
+
 @pytest.mark.slow
-def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path):
+def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path, one_process):
     """2 gloo ranks x 32 and one process x 64 take the same steps (tests/test_distributed.py):
     their averages match too, and so do the averaged weights' validation figures."""
     from tests.test_distributed import train
 
-    options = ("average.kind=ema", "average.decay=0.9", "checkpoint.enabled=false")
-    one = train(tmp_path / "one", "train.batch_size=64", *options)
-    two = train(tmp_path / "two", "train.batch_size=32", *options, ranks=2)
+    one = one_process
+    two = train(tmp_path / "two", "train.batch_size=32", *DIST_AVERAGE,
+                "checkpoint.enabled=false", ranks=2)
     a, b = load_file(one / "final_avg.safetensors"), load_file(two / "final_avg.safetensors")
     assert a.keys() == b.keys()
     for k in a:
@@ -264,16 +278,15 @@ def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly(tmp_path):
+def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly(tmp_path,
+                                                                               one_process):
     """FSDP2 on 2 gloo ranks: the average is sharded beside the model, matches one process
     with the global batch, and a run resumed from its sharded (.dcp) checkpoint ends with the
     same raw and averaged weights, bit for bit, as one that was not stopped."""
     from tests.test_distributed import train
 
-    # a constant LR: the first part's schedule would otherwise end with its one epoch
-    common = ("average.kind=ema", "average.decay=0.9", "schedule.name=constant")
-    options = (*common, "train.batch_size=32", "dist.strategy=fsdp")
-    one = train(tmp_path / "one", *common, "train.batch_size=64", "checkpoint.enabled=false")
+    options = (*DIST_AVERAGE, "train.batch_size=32", "dist.strategy=fsdp")
+    one = one_process
     full = train(tmp_path / "full", *options, ranks=2)
     a, b = load_file(one / "final_avg.safetensors"), load_file(full / "final_avg.safetensors")
     assert a.keys() == b.keys()
