@@ -103,7 +103,7 @@ def run(quick: bool) -> dict:
     torch.set_num_threads(1)
     n = size(1_000_000, 20_000, 4_000, quick)
     batch = size(4096, 1024, 256, quick)
-    reps, warm_reps = size(3, 1, 1, quick), size(7, 1, 1, quick)
+    reps, warm_reps = size(3, 1, 1, quick), size(7, 2, 1, quick)
     steps = -(-n // batch)
     # At least two steps must remain in the epoch: the second fetch marks the first step done.
     positions = {f: max(1, min(steps - 2, round(f * steps))) for f in FRACTIONS}
