@@ -317,3 +317,18 @@ def test_docs_byo_example_runs(tmp_path, monkeypatch):
     assert abs(evals[-1]["val_ppl"] - math.exp(evals[-1]["val_loss"])) < 1e-6
     lrs = [r["lr"] for r in read_jsonl(run / "scalars.jsonl")]  # the callback, per evaluation
     assert len(lrs) == 3 and lrs[0] > lrs[-1]
+
+
+def test_a_data_factory_that_takes_rank_and_world_size_gets_torchruns(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+
+    (tmp_path / "byo_where.py").write_text(
+        "import torch\n"
+        "def data(rank, world_size):\n"
+        "    return {'train': (torch.zeros(2, 3), torch.zeros(2)), 'val': None,\n"
+        "            'seen': (rank, world_size)}\n")
+    monkeypatch.chdir(tmp_path)  # only the CWD makes it importable
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert user_data(DataConfig(name="byo_where:data")).meta["seen"] == (2, 3)

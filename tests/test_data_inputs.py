@@ -174,6 +174,16 @@ def test_a_hugging_face_dataset_trains_like_the_same_tensors(tmp_path):
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
 
 
+def test_a_dataloaders_drop_last_is_kept_for_a_hugging_face_dataset():
+    import datasets
+
+    from ironloop.data.inputs import map_style
+
+    hf = datasets.Dataset.from_dict({"x": [[0.0], [1.0], [2.0]], "y": [0, 1, 0]})
+    assert map_style(DataLoader(hf, batch_size=2, drop_last=True), "train").drop_last
+    assert not map_style(DataLoader(hf, batch_size=2), "train").drop_last
+
+
 def test_a_users_own_class_named_dataset_is_a_torch_dataset_not_a_hugging_face_one(tmp_path):
     # Only datasets.Dataset (module datasets.*) gets the HF treatment (with_format, .format).
     own = type("Dataset", (Indexed,), {})  # a class named Dataset, in this test's module

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ironloop.errors import UserError
+from ironloop.state import export
 from ironloop.state.export import export_run
 from ironloop.state.io import save_atomic
 from tests.conftest import REPO
@@ -38,6 +39,17 @@ def test_final_weights_that_cannot_be_written_are_one_line_and_leave_no_temp_fil
                            f"try again: a run's checkpoints are intact, and --resume finishes "
                            f"it\n")
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temp
+
+
+def test_a_safetensors_io_error_names_the_oss_reason_in_full(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):  # safetensors' own error, as a full disk gives it
+        raise RuntimeError("Error while serializing: I/O error: No space left on device "
+                           "(os error 28)")
+
+    monkeypatch.setattr(export, "save_file", full_disk)
+    with pytest.raises(UserError, match=r"cannot be written \(No space left on device "
+                                        r"\(os error 28\)\); free space"):
+        export.save_safetensors({"w": torch.zeros(2)}, tmp_path / "final.safetensors")
 
 
 @pytest.mark.parametrize("which, has, other", [("best", "last.pt", "last"),
