@@ -287,6 +287,7 @@ def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only
     for data, inputs in [(TensorDataset(x, y), lambda s: s[0]), (x, lambda s: s)]:
         poisoned = poison_sample(data, 2)  # not ironloop's TensorData: wrapped, read per sample
         assert len(poisoned) == 4 and torch.isnan(inputs(poisoned[2])).all()
+        assert inputs(poisoned[2]).shape == (3,)  # the input's own shape, not the target's
         assert all(torch.equal(inputs(poisoned[i]), inputs(data[i])) for i in (0, 1, 3))
         if isinstance(data, TensorDataset):
             assert int(poisoned[2][1]) == 2  # the target is left alone
