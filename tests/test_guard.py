@@ -362,6 +362,7 @@ def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp
     assert msg.startswith("ironloop: error: the guard stopped the run at step")
     for hint in ("nonfinite_loss", "optim.lr", "guard.jsonl", "intact"):
         assert hint in msg
+    assert f"every checkpoint in {run_dir / 'checkpoints'} is intact" in msg  # where they are
     # an fp32 run with clip.max_norm=1.0 (digits.yaml): neither is suggested (issue 29)
     assert "bf16" not in msg and "clip.max_norm=1.0" not in msg
     lines = rows(run_dir / "guard.jsonl")
