@@ -728,3 +728,13 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_do_not_change():
     saved = g.state_dict()
     g.observe(2, math.nan, 1.0, lambda: [3, 4])
     assert saved["pending"] == [[1, 2]] and saved["consecutive"] == 1
+
+
+def test_a_bad_verdict_read_before_the_optimizer_step_makes_the_loop_settle_at_once():
+    from ironloop.config import GuardConfig
+    from ironloop.guard.verdict import device_verdicts
+
+    verdicts = device_verdicts(GuardConfig(), torch.device("cpu"), torch.float32)
+    assert verdicts.allows(torch.tensor(True)) and not verdicts.eager
+    assert not verdicts.allows(torch.tensor(False))
+    assert verdicts.eager  # the bad step is settled (reverted, reported) before the next
