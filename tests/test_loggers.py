@@ -127,6 +127,36 @@ def test_wandb_continues_the_run_id_it_is_given_and_its_file_says_what_it_holds(
     assert end.exit_code == 0
 
 
+def _wandb_log(path: Path, chunks: list[tuple[int, bytes, int]]) -> None:
+    """A .wandb file by hand: its header, then (length, payload, kind) records (kind 1: FULL);
+    a length over the payload's is a record the kill tore."""
+    import struct
+
+    path.write_bytes(b":W&B\x00\x00\x00" + b"".join(
+        struct.pack("<IHB", 0, length, kind) + payload for length, payload, kind in chunks))
+
+
+def _history(step: int) -> bytes:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    record = pb.Record()
+    record.history.item.add(key="step", value_json=str(step))
+    return record.SerializeToString()
+
+
+def test_the_wandb_file_reader_stops_at_a_torn_record_even_when_its_start_parses(tmp_path):
+    whole, torn = _history(1), _history(2)
+    _wandb_log(tmp_path / "run.wandb", [(len(whole), whole, 1), (len(torn) + 5, torn, 1)])
+    steps = [r.history.item[0].value_json for r in wandb_file.records(tmp_path / "run.wandb")]
+    assert steps == ["1"]  # the torn one's bytes are a record's start, not a record
+
+
+def test_the_wandb_file_reader_reads_on_past_an_empty_record(tmp_path):
+    _wandb_log(tmp_path / "run.wandb", [(0, b"", 1), (len(_history(3)), _history(3), 1)])
+    records = list(wandb_file.records(tmp_path / "run.wandb"))
+    assert [r.WhichOneof("record_type") for r in records] == [None, "history"]
+
+
 # --- reading back what W&B (offline) and MLflow hold --------------------------------------
 
 def wandb_rows(run_dir: Path) -> list[dict]:
