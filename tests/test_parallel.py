@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -82,6 +83,14 @@ def test_shard_makes_each_block_and_then_the_root_an_fsdp_module(one_rank):
     assert dp.shard(net, [], "bf16") is net  # sharded in place
     assert all(dp.is_fsdp(b) for b in blocks) and dp.is_fsdp(net)
     assert not dp.is_fsdp(net.embed)  # not a block: its parameters are the root's
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16),
+                                              ("fp16", torch.float16),
+                                              ("fp32", torch.float32)])
+def test_a_sharded_block_computes_in_the_runs_precision(one_rank, precision, dtype):
+    net = dp.shard(Net(), [], precision)
+    assert net.head[1](torch.ones(3, 4)).dtype == dtype  # its parameters gathered in dtype
 
 
 def test_under_fsdp_a_rank_with_fewer_eval_batches_owes_the_others_their_forwards(one_rank):
