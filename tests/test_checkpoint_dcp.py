@@ -66,6 +66,12 @@ def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extra
     torch.testing.assert_close(fresh_opt.state_dict()["state"][0]["exp_avg"], exp, rtol=0, atol=0)
 
 
+def test_a_manager_without_a_remote_mirror_closes_quietly(tmp_path, capsys):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager.close()  # no checkpoint.remote: nothing to wait for, nothing to report
+    assert capsys.readouterr().out == ""
+
+
 def test_the_checkpoint_directory_is_fsynced_after_the_renames(tmp_path, monkeypatch):
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
     _save(manager, 4)
