@@ -314,6 +314,26 @@ def test_a_long_reason_from_the_models_own_load_is_cut_to_one_short_line():
     msg = str(info.value)
     assert f"does not fit this model: {reason[:117]}..." in msg and reason[:118] not in msg
 
+def test_a_misfit_list_of_exactly_the_cap_is_shown_whole_with_no_more_marker():
+    model = net()
+    ckpt = {**model.state_dict(), **{f"extra.{i}": torch.zeros(1) for i in range(8)}}
+    with pytest.raises(CheckpointError) as info:
+        load_model_state(model, ckpt, "runs/a/last.pt")
+    assert "unexpected: [extra.0, " in str(info.value) and "extra.7]" in str(info.value)
+    assert "more)" not in str(info.value)
+
+
+def test_a_reason_without_words_from_the_models_own_load_is_named_by_its_type():
+    model = net()
+
+    def refuse(*args, **kwargs):  # a user module's load hook that says nothing
+        raise RuntimeError()
+
+    model.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(CheckpointError, match="does not fit this model: RuntimeError. "):
+        load_model_state(model, net().state_dict(), "runs/a/last.pt")
+
+
 # ----------------------------------------------------------------------------- manager.py --
 def test_retention_victims():
     assert retention_victims([5, 1, 3, 9, 7], 2) == [1, 3, 5]
