@@ -407,6 +407,17 @@ def test_a_resume_waits_out_a_lease_that_is_not_refreshed_then_takes_it_over(
     assert lease.run != "r" * 32 and _resumed_step(tmp_path / "run") == [12]
 
 
+def test_a_resume_is_refused_while_a_process_on_this_host_holds_the_lease(tmp_path):
+    import os
+
+    url = f"file://{tmp_path}/remote"
+    _lease_of(url, host=socket.gethostname(), pid=os.getppid())  # a live process, not us
+    with pytest.raises(UserError, match=r"is in use by run rrrrrrrr \(pid \d+ on .*\), which "
+                                        r"runs on this host; a second writer would delete"):
+        remote_lease.claim(open_remote(url), resume=True, say=pytest.fail)
+    assert remote_lease.read(open_remote(url)).run == "r" * 32  # its lease stays
+
+
 def test_a_resume_is_refused_while_another_node_refreshes_its_lease(tmp_path, monkeypatch):
     url, config, _ = _stopped_at_12(tmp_path)
     monkeypatch.setattr(remote_lease, "_POLL_S", 0.05)
