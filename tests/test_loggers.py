@@ -113,6 +113,7 @@ def test_wandb_continues_the_run_id_it_is_given_and_its_file_says_what_it_holds(
     conf = Config().with_overrides({"log.wandb": True, "log.wandb_mode": "offline"})
     logger = loggers.WandB(conf, tmp_path, "resumed1")  # the id a checkpoint kept
     assert logger.ids() == {"wandb": "resumed1"}
+    assert logger.run.settings.resume == "allow"  # online, the id's existing run continues
     logger.write_rows([("scalars", {"step": 0, "lr_probe": 0.1})]  # a callback, before step 1
                       + [("metrics", {"step": s, "loss": 1.0 / s}) for s in range(1, 4)]
                       + [("epochs", {"step": 3, "val_loss": 0.5})])
