@@ -393,6 +393,32 @@ def test_every_rank_is_checked_under_torchrun(tmp_path):
     assert "2 ranks each checked" in result.headline
 
 
+
+def test_under_torchrun_every_scratch_run_starts_with_all_its_ranks(tmp_path, monkeypatch):
+    """The three scratch runs of --nproc 2, launched without running them: each is a torchrun
+    of 2 ranks (the crashed one exits 1, as fault.crash_at_step makes it)."""
+    import ironloop.tools.doctor.resume_check as rc
+
+    started = []
+
+    class Exited:
+        def __init__(self, argv, **_kwargs):
+            started.append(argv)
+            self.code = 1 if argv[-1].endswith("crashed.json") else 0
+
+        def wait(self):
+            return self.code
+
+        poll = wait
+
+    monkeypatch.setattr(rc.subprocess, "Popen", Exited)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    rc.run_scratch(config(tmp_path), rc.plan_for(STEPS), scratch, [], nproc=2)
+    assert [Path(argv[-1]).name for argv in started] == ["straight.json", "crashed.json",
+                                                         "resumed.json"]
+    assert all("--nproc-per-node=2" in argv for argv in started), started
+
 def test_preflight_points_a_long_run_to_the_resume_check(tmp_path, capsys):
     from ironloop.data.bundle import DataBundle
     from ironloop.tools.doctor.run import preflight
