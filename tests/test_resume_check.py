@@ -218,6 +218,36 @@ def test_the_user_modules_are_those_of_the_users_own_classes_and_functions():
         [resume_cases, sys.modules[__name__]]
 
 
+
+def _record_run(tmp_path, *extra: str) -> Path:
+    """One scratch run, straight, in this process (resume_record.record_run): its records."""
+    from ironloop.tools.doctor.resume_check import scratch_config
+    from ironloop.tools.doctor.resume_record import record_run
+
+    spec = {"config": scratch_config(config(tmp_path, "clean_data", *extra), plan_for(STEPS),
+                                     tmp_path / "straight", crash=False),
+            "record": str(tmp_path / "straight-rank{rank}.jsonl"), "callbacks": [],
+            "resume": False}
+    record_run(spec)
+    return tmp_path
+
+
+def test_each_rank_of_a_scratch_run_records_to_its_own_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # what torchrun sets in rank 1's process
+    _record_run(tmp_path)
+    assert [p.name for p in tmp_path.glob("straight-rank*.jsonl")] == ["straight-rank1.jsonl"]
+
+
+def test_a_scratch_runs_end_record_holds_the_globals_of_the_users_step_fn(tmp_path, monkeypatch):
+    from tests import resume_cases
+
+    monkeypatch.setattr(resume_cases, "CALLS", 0)  # the step counts its calls in a global
+    _record_run(tmp_path, f"train.step_fn={CASES}:counting_step")
+    from ironloop.tools.doctor.resume_compare import read_records
+
+    state = read_records(tmp_path / "straight-rank0.jsonl").state
+    assert state["globals"]["tests.resume_cases.CALLS"] == resume_cases.CALLS > 0
+
 def test_a_forked_scratch_run_writes_its_output_to_its_log_and_exits_with_its_code(
         tmp_path, monkeypatch):
     """resume_record.forked, in this process: fds 1 and 2 and Python's own streams go to the
