@@ -167,3 +167,56 @@ def test_the_lab_is_judged_from_its_logs_and_amp_against_step_4s_accuracy(tmp_pa
     judged, _ = verdicts(*_lab_logs(tmp_path / "fell", fell), None)
     (amp_,) = [v for v in judged if v.step == "5-amp"]
     assert not amp_.passed and "val acc 80.00% vs 93.00%" in amp_.figure
+
+
+def _findings(tmp_path, stretch_epochs: int = 1, monkeypatch=None, cuda: bool = False):
+    """findings() over the hand-made lab, with what its sentences read beyond the verdicts:
+    step 1's epoch times, step 3's pre-clip norms, the timing columns; the stretch variant
+    (variants[8]) ran ``stretch_epochs`` epochs."""
+    import json
+
+    import torch
+
+    from ironloop.tools.lab.run import findings
+
+    variants, rows_ = _lab_logs(tmp_path, {})
+    by = {v.name: v for v in variants}
+
+    def write(v, name, lines):
+        (v.run_dir / name).write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    write(by["1-baseline"], "epochs.jsonl", [{"epoch": e, "seconds": 2.0} for e in (1, 2)])
+    write(by["3-clip"], "metrics.jsonl", [{"step": i + 1, "lr": 1e-3, "grad_norm": 0.5 + i / 10}
+                                          for i in range(40)])
+    write(variants[8], "epochs.jsonl", [{"epoch": e + 1, "val_acc": 0.9}
+                                        for e in range(stretch_epochs)])
+    for r in rows_:
+        r.update({"s/epoch": 2.0, "clipped": 0.25 if r["variant"] == "3-clip" else None})
+    if monkeypatch is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    return findings(variants, rows_, "2 cores")
+
+
+def test_the_lab_findings_quote_the_logged_lr_path_and_the_clipped_share(tmp_path):
+    said = _findings(tmp_path)
+    # onecycle's logged LRs: 1e-4, 1e-3, 3e-3, 2e-3, 1e-5
+    assert said["2-onecycle"].startswith("the LR rose from 1.0e-04 to 3.0e-03 at step 3 of 5, "
+                                         "then fell to 1.0e-05 (lr.png)")
+    assert said["3-clip"].startswith("25.0% of optimizer steps were clipped")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_amp_finding_says_bf16_autocast_may_cost_more_only_on_a_cpu(tmp_path, monkeypatch,
+                                                                      cuda):
+    said = _findings(tmp_path, monkeypatch=monkeypatch, cuda=cuda)["5-amp"]
+    assert ("On CPU, bf16 autocast often costs more" in said) is not cuda
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_a_stretch_run_is_set_beside_step_6s_first_epoch_only_when_it_ran_one(tmp_path, epochs):
+    from ironloop.tools.lab.run import steps_plan
+
+    stretch = steps_plan("digits")[8].name
+    said = _findings(tmp_path, stretch_epochs=epochs)[stretch]
+    assert said.endswith(f"after {epochs} epoch(s)"
+                         + (" (step 6 had 81.00% after its first)." if epochs == 1 else "."))
