@@ -220,3 +220,30 @@ def test_a_stretch_run_is_set_beside_step_6s_first_epoch_only_when_it_ran_one(tm
     said = _findings(tmp_path, stretch_epochs=epochs)[stretch]
     assert said.endswith(f"after {epochs} epoch(s)"
                          + (" (step 6 had 81.00% after its first)." if epochs == 1 else "."))
+
+
+def test_a_variant_without_an_epoch_is_drawn_on_step_6s_epoch_scale(tmp_path, monkeypatch):
+    """The emulated precision stops inside its first epoch: loss_curves.png puts its steps in
+    epochs of step 6 (variants[5]), whose config it extends. Plotting itself is stubbed: what
+    is checked is the rows draw() hands the loss-curve plot."""
+    import json
+
+    from ironloop.tools.lab import run
+
+    variants, _ = _lab_logs(tmp_path, {})
+    for i, v in enumerate(variants):
+        per_epoch = 10 if i == 5 else 7  # step 6's scale differs from the others'
+        (v.run_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "lr": 1e-3, "loss": 1.0, "grad_norm": 0.5, "time": float(s)})
+            + "\n" for s in range(1, 6)))
+        if i != 8:
+            (v.run_dir / "epochs.jsonl").write_text(json.dumps(
+                {"epoch": 1, "step": per_epoch, "val_acc": 0.9}) + "\n")
+    curves = {}
+    for name in ("plot_lr", "plot_grad_norm_hist", "plot_resume_curve"):
+        monkeypatch.setattr(run, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(run, "plot_loss_curves",
+                        lambda runs, *args, **kwargs: curves.update(runs))
+    run.draw(variants, tmp_path)
+    assert [m["epochs"] for m in curves[variants[8].name]] == [s / 10 for s in range(1, 6)]
+    assert [m["epochs"] for m in curves[variants[0].name]] == [s / 7 for s in range(1, 6)]
