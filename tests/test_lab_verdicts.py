@@ -247,3 +247,24 @@ def test_a_variant_without_an_epoch_is_drawn_on_step_6s_epoch_scale(tmp_path, mo
     run.draw(variants, tmp_path)
     assert [m["epochs"] for m in curves[variants[8].name]] == [s / 10 for s in range(1, 6)]
     assert [m["epochs"] for m in curves[variants[0].name]] == [s / 7 for s in range(1, 6)]
+
+
+def test_the_accumulation_check_takes_one_optimizer_step_per_window_in_its_own_runs(
+        tmp_path, monkeypatch):
+    """lab/run.py's accumulation_check, for real on digits: 32 x 4 against 128 x 1 and the
+    ragged 32+32+32+4 against 100 x 1, each one optimizer step in its own run directory under
+    the lab's, giving the same weights."""
+    import json
+
+    from ironloop.tools.lab.run import accumulation_check, steps_plan
+
+    monkeypatch.chdir(tmp_path)  # anything written outside the lab's directory lands here
+    v = steps_plan("digits")[3]
+    v.run_dir = tmp_path / "lab" / v.name
+    got = accumulation_check(v, tmp_path / "lab", "data")
+    runs = tmp_path / "lab" / "accum-check"
+    names = ["n128-32x4", "n128-128x1", "n100-32x4", "n100-100x1"]
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == sorted(names)
+    assert [json.loads((runs / n / "results.json").read_text())["steps"] for n in names] == \
+        [1, 1, 1, 1]
+    assert max(got["full_window_diff"], got["ragged_window_diff"]) < 1e-5
