@@ -268,3 +268,32 @@ def test_the_accumulation_check_takes_one_optimizer_step_per_window_in_its_own_r
     assert [json.loads((runs / n / "results.json").read_text())["steps"] for n in names] == \
         [1, 1, 1, 1]
     assert max(got["full_window_diff"], got["ragged_window_diff"]) < 1e-5
+
+
+def test_step_7_crashes_inside_epoch_3_then_resumes_in_a_second_process(tmp_path, monkeypatch):
+    """lab/run.py's crash_and_resume, its two `python -m ironloop train` processes stubbed:
+    the first is told to crash in the middle of epoch 3 (exit 1), the second to --resume; the
+    step it resumed from comes from the run's events."""
+    import json
+    import subprocess
+
+    from ironloop.tools.lab import run
+
+    v = run.steps_plan("digits")[6]
+    v.run_dir = tmp_path / v.name
+    v.run_dir.mkdir()
+    started = []
+
+    def train(argv, **_kwargs):
+        started.append(argv)
+        if "--resume" in argv:
+            (v.run_dir / "events.jsonl").write_text(json.dumps({"event": "resume", "step": 40})
+                                                    + "\n")
+        return subprocess.CompletedProcess(argv, 0 if "--resume" in argv else 1, "", "")
+
+    monkeypatch.setattr(run.subprocess, "run", train)
+    run.crash_and_resume(v, tmp_path, "data")
+    spe, crash = v.notes["steps_per_epoch"], v.notes["crash_step"]
+    assert 2 * spe < crash < 3 * spe
+    assert [argv[-1] for argv in started] == [f"fault.crash_at_step={crash}", "--resume"]
+    assert v.notes["resumed_from"] == 40
