@@ -157,6 +157,15 @@ def test_the_built_in_lm_step_is_what_the_doctor_runs_with_train_step_fn_lm():
     assert_model_checks_ran(found)
 
 
+
+def test_a_language_model_that_diverges_on_one_batch_is_an_overfit_batch_error():
+    from ironloop.tools.doctor.model_checks import check_overfit_batch
+
+    hot = config(train__step_fn="lm", optim__name="sgd", optim__lr=1e4, clip__max_norm=0.0)
+    s = subject(Bigram(), tokens(64), None, None, hot)
+    (f,) = check_overfit_batch(s, s.batch(), steps=20)
+    assert (f.check, f.severity) == ("overfit_batch", "error") and "diverged" in f.measured
+
 RNN_PKG = '''
 import torch
 from torch import nn

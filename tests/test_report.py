@@ -547,6 +547,16 @@ def test_a_language_models_validation_plot_draws_perplexity_on_its_own_labelled_
     assert figures[1][1][:2] == ("validation perplexity", "Validation perplexity")
 
 
+def test_a_validation_panel_without_a_val_loss_says_none_was_recorded(tmp_path, monkeypatch):
+    rows = [{"step": s, "epoch": 1, "val_ppl": 20.0} for s in (50, 100)]  # no val_loss
+    texts = []
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, out: (texts.append(
+        [t.get_text() for t in fig.axes[0].texts]), save(fig, out))[1])
+    report.plot_validation(rows, tmp_path / "validation.png")
+    assert texts == [["no evaluations recorded"]]
+
+
 def test_a_single_evaluation_is_drawn_as_a_visible_point(tmp_path):
     """A line through one point draws nothing: each validation value needs its marker (a
     language model evaluated once has one perplexity)."""

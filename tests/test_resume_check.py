@@ -218,6 +218,36 @@ def test_the_user_modules_are_those_of_the_users_own_classes_and_functions():
         [resume_cases, sys.modules[__name__]]
 
 
+
+def _record_run(tmp_path, *extra: str) -> Path:
+    """One scratch run, straight, in this process (resume_record.record_run): its records."""
+    from ironloop.tools.doctor.resume_check import scratch_config
+    from ironloop.tools.doctor.resume_record import record_run
+
+    spec = {"config": scratch_config(config(tmp_path, "clean_data", *extra), plan_for(STEPS),
+                                     tmp_path / "straight", crash=False),
+            "record": str(tmp_path / "straight-rank{rank}.jsonl"), "callbacks": [],
+            "resume": False}
+    record_run(spec)
+    return tmp_path
+
+
+def test_each_rank_of_a_scratch_run_records_to_its_own_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # what torchrun sets in rank 1's process
+    _record_run(tmp_path)
+    assert [p.name for p in tmp_path.glob("straight-rank*.jsonl")] == ["straight-rank1.jsonl"]
+
+
+def test_a_scratch_runs_end_record_holds_the_globals_of_the_users_step_fn(tmp_path, monkeypatch):
+    from tests import resume_cases
+
+    monkeypatch.setattr(resume_cases, "CALLS", 0)  # the step counts its calls in a global
+    _record_run(tmp_path, f"train.step_fn={CASES}:counting_step")
+    from ironloop.tools.doctor.resume_compare import read_records
+
+    state = read_records(tmp_path / "straight-rank0.jsonl").state
+    assert state["globals"]["tests.resume_cases.CALLS"] == resume_cases.CALLS > 0
+
 def test_a_forked_scratch_run_writes_its_output_to_its_log_and_exits_with_its_code(
         tmp_path, monkeypatch):
     """resume_record.forked, in this process: fds 1 and 2 and Python's own streams go to the
@@ -392,6 +422,32 @@ def test_every_rank_is_checked_under_torchrun(tmp_path):
     assert result.first.what == "batch" and result.first.detail.startswith("rank 1: ")
     assert "2 ranks each checked" in result.headline
 
+
+
+def test_under_torchrun_every_scratch_run_starts_with_all_its_ranks(tmp_path, monkeypatch):
+    """The three scratch runs of --nproc 2, launched without running them: each is a torchrun
+    of 2 ranks (the crashed one exits 1, as fault.crash_at_step makes it)."""
+    import ironloop.tools.doctor.resume_check as rc
+
+    started = []
+
+    class Exited:
+        def __init__(self, argv, **_kwargs):
+            started.append(argv)
+            self.code = 1 if argv[-1].endswith("crashed.json") else 0
+
+        def wait(self):
+            return self.code
+
+        poll = wait
+
+    monkeypatch.setattr(rc.subprocess, "Popen", Exited)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    rc.run_scratch(config(tmp_path), rc.plan_for(STEPS), scratch, [], nproc=2)
+    assert [Path(argv[-1]).name for argv in started] == ["straight.json", "crashed.json",
+                                                         "resumed.json"]
+    assert all("--nproc-per-node=2" in argv for argv in started), started
 
 def test_preflight_points_a_long_run_to_the_resume_check(tmp_path, capsys):
     from ironloop.data.bundle import DataBundle

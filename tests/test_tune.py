@@ -693,3 +693,52 @@ def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_tri
     assert json.loads((run / "tune.json").read_text())["baseline"]["status"] == "ok"
     tuned = ironloop.load_config(run / "tuned.yaml")
     assert tuned.to_dict() == result.config.to_dict() and tuned.train.epochs == 3
+
+
+def test_a_probe_that_overruns_the_budget_says_to_raise_budget(tmp_path, monkeypatch):
+    from ironloop.tools.tune.trials import TrialFailed
+
+    def overrun(*_args):
+        raise TrialFailed("stopped at its deadline", overrun=True)
+
+    monkeypatch.setattr(tune_mod, "run_trial", overrun)
+    tuner = tune_mod.Tuner(_linear_subject(tmp_path), 30.0, None)
+    with pytest.raises(ironloop.errors.UserError,
+                       match=r"--budget=30 s does not fit even a 3-step probe.*raise --budget"):
+        tuner.start(planned_rows=4)
+
+
+def test_tune_json_says_how_much_of_the_budget_was_used(tmp_path):
+    from ironloop.tools.tune import output
+
+    subject = _linear_subject(tmp_path)
+    tuner = tune_mod.Tuner(subject, 600.0, None)
+    tuner.started -= 100.0  # as if the tune had been running for 100 s
+    info = output.context(subject, tuner, 600.0, None, [])
+    assert 100.0 <= info["used_s"] < 600.0
+
+
+def test_tune_json_records_the_baseline_rate_under_samples_per_s(tmp_path, one_trial_tune):
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(tmp_path / "run"),
+                                          "train.batch_size": 8})
+    baseline = json.loads((tmp_path / "run" / "tune.json").read_text())["baseline"]
+    assert baseline["samples_per_s"] > 0
+
+
+def test_tune_creates_a_run_dir_whose_parents_do_not_exist(tmp_path, one_trial_tune):
+    run = tmp_path / "new" / "nested" / "run"
+    data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(run), "train.batch_size": 8})
+    assert (run / "tune.json").is_file() and (run / "tuned.yaml").is_file()
+
+
+def test_cpu_peak_memory_is_the_processs_max_rss_in_mib(monkeypatch):
+    from types import SimpleNamespace
+
+    from ironloop.tools.tune import trials
+
+    # Linux reports ru_maxrss in KiB: 300 MiB of it must read as 300.0.
+    monkeypatch.setattr(trials.resource, "getrusage",
+                        lambda _who: SimpleNamespace(ru_maxrss=300 * 1024))
+    assert trials._peak_mb(cuda=False) == 300.0
