@@ -80,8 +80,10 @@ def report(sample: list[str], codes: dict[str, int | None], total: dict[str, int
         lines.append(f"  {p:<7} {caught:>4}/{len(ran):<4} caught  {rate:5.1f}%  (95%: "
                      f"{100 * lo:.1f}-{100 * hi:.1f}%)  of {rows[p]['mutants']:,} mutants")
     # the packages' sizes differ, so the whole is the size-weighted mean of their rates
+    # (a run restricted to some packages, e.g. a helper's practice draw, has no others)
     share = {p: rows[p]["caught"] / max(rows[p]["ran"], 1) for p in PACKAGES}
-    weighted = sum(share[p] * total[p] for p in PACKAGES) / sum(total[p] for p in PACKAGES)
+    weighted = (sum(share[p] * total.get(p, 0) for p in PACKAGES)
+                / max(sum(total.get(p, 0) for p in PACKAGES), 1))
     rows["weighted"] = weighted
     print("mutation score, a random sample per package:", *lines,
           f"  weighted by package size: {100 * weighted:.1f}%", sep="\n")

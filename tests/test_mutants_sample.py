@@ -52,3 +52,13 @@ def test_timeouts_count_as_caught_and_segfaults_do_not(capsys):
     assert rows["weighted"] == pytest.approx(12 / 14)
     out = capsys.readouterr().out
     assert "segfault" in out and "survived" in out and names[1] in out
+
+
+def test_a_run_restricted_to_some_packages_scores_only_those():
+    # a practice run's [tool.mutmut] may mutate tools/ alone: the other packages have no mutants
+    names = [f"ironloop.tools.m.x_f__mutmut_{i}" for i in range(4)]
+    codes = {names[0]: 1, names[1]: 1, names[2]: 1, names[3]: 0}
+    rows = sample.report(names, codes, {"tools": 40})
+    assert rows["tools"]["caught"] == 3 and rows["engine"]["ran"] == 0
+    assert rows["weighted"] == pytest.approx(3 / 4)
+    assert sample.draw([f"ironloop.tools.m.x_f__mutmut_{i}" for i in range(40)], 70, 0) != []
