@@ -481,6 +481,7 @@ def test_the_probabilities_are_read_in_eval_mode():
 def overfit(*losses, steps=5, batch=None, **kw) -> tuple[Finding, Scripted]:
     step = Scripted(*losses)
     (f,) = mc.check_overfit_batch(make(step=step, **kw), batch or batch_of(), steps)
+    assert f.check == "overfit_batch"
     return f, step
 
 
@@ -498,7 +499,9 @@ def test_an_overfit_that_falls_too_little_is_a_warning_with_the_numbers():
     assert step.calls == 3 and f.severity == "warning"
     assert f.measured == ("the loss on one batch of 4 fell only 1.0000 -> 0.8000 in 3 steps "
                           "(target: 10x closer to 0.000)")
-    assert "cannot fit even one batch" in f.cause and f.fix.startswith("raise optim.lr")
+    assert f.cause == ("the model cannot fit even one batch: the LR is too low, outputs and "
+                       "labels do not match, or part of the network does not learn")
+    assert f.fix.startswith("raise optim.lr")
 
 
 def test_the_overfit_target_is_ten_times_closer_to_the_smoothed_floor():
@@ -987,6 +990,7 @@ def test_the_lr_plot_shows_the_curve_the_suggestion_and_the_configured_lr(monkey
     ((fig, saved),) = figures
     assert saved == out and out.parent.is_dir()
     (ax,) = fig.axes
+    assert tuple(fig.get_size_inches()) == (7.0, 4.0) and fig.dpi == 120
     assert ax.get_xscale() == "log" and ax.get_title() == "LR range test"
     assert ax.get_xlabel() == "learning rate" and ax.get_ylabel() == "loss (smoothed)"
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -1399,3 +1403,63 @@ def test_the_preflight_is_skipped_when_off_on_other_ranks_and_on_a_resume_that_r
     assert found and out.startswith("preflight: the doctor's quick checks")
     assert f"details in {tmp_path / 'doctor.json'})" in out
     assert len(json.loads((tmp_path / "doctor.json").read_text())["findings"]) == len(found)
+
+
+def synthetic_config(tmp_path, **over) -> Config:
+    return config(run__dir=str(tmp_path / "run"), data__name="synthetic", data__num_samples=40,
+                  data__input_shape=[8], data__num_classes=3, model__name="mlp", **over)
+
+
+def test_ironloop_doctor_runs_every_check_at_full_size_and_writes_doctor_json(
+        tmp_path, monkeypatch, capsys):
+    seen = []
+    found = [info("a", "fine"), Finding("b", "error", "bad", "", "the fix")]
+    monkeypatch.setattr(drun, "check", lambda s, quick: seen.append((s, quick)) or list(found))
+    monkeypatch.setattr(lr_find, "check_lr_find", lambda s, out: seen.append(out) or [
+        info("lr_find", "swept")])
+    cfg = synthetic_config(tmp_path)
+    out = drun.doctor_config(cfg, lr_find=True)
+    (s, quick), plot = seen
+    assert quick is False and s.cfg is cfg and s.num_classes == 3 and len(s.train) == 32
+    assert len(s.val) == 8 and plot == tmp_path / "run" / "lr_find.png"
+    assert out == [*found, info("lr_find", "swept")]
+    doctor_json = tmp_path / "run" / "doctor.json"
+    assert [f["check"] for f in json.loads(doctor_json.read_text())["findings"]] == [
+        "a", "b", "lr_find"]
+    printed = capsys.readouterr().out
+    assert printed.startswith("info: [a] fine\nerror: [b] bad\n    fix:   the fix\n"
+                              "info: [lr_find] swept\ndoctor: 1 error(s), 2 passed (")
+    assert printed.endswith(f" s; written to {doctor_json})\n")
+    seen.clear()
+    drun.doctor_config(cfg)
+    assert len(seen) == 1  # no LR range test unless asked
+    with pytest.raises(drun.DoctorError):
+        drun.doctor_config(cfg, strict=True)
+    with pytest.raises(drun.DoctorError):
+        drun.doctor_config(synthetic_config(tmp_path, doctor__strict=True))
+
+
+def test_the_preflight_prints_its_summary_and_stops_on_an_error_only_when_strict(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    seen = []
+    found = [Finding("b", "error", "bad", "", "the fix")]
+    monkeypatch.setattr(drun, "check", lambda s, quick, raise_step: seen.append(
+        (s, quick, raise_step)) or list(found))
+    bundle = SimpleNamespace(train=blobs(16), first_val=blobs(4, seed=1), test=blobs(2, seed=2),
+                             num_classes=4)  # the data's class count, not the model's 3
+    cfg = synthetic_config(tmp_path)
+    step = Scripted(1.0)
+    assert drun.preflight(cfg, tiny_mlp(), bundle, step_fn=step, loss_fn=F.mse_loss) == found
+    ((s, quick, raise_step),) = seen
+    assert quick is True and raise_step is True and s.step_fn is step and s.loss_fn is F.mse_loss
+    assert s.num_classes == 4
+    assert len(s.val) == 4 and len(s.test) == 2
+    out = capsys.readouterr().out
+    assert "error: [b] bad" in out and "doctor: 1 error(s) (" in out
+    with pytest.raises(drun.DoctorError):
+        drun.preflight(cfg, tiny_mlp(), bundle, strict=True)
+    with pytest.raises(drun.DoctorError):
+        drun.preflight(synthetic_config(tmp_path, doctor__strict=True), tiny_mlp(), bundle)
+    drun.preflight(synthetic_config(tmp_path, doctor__strict=True), tiny_mlp(), bundle,
+                   strict=False)
