@@ -1463,3 +1463,56 @@ def test_the_preflight_prints_its_summary_and_stops_on_an_error_only_when_strict
         drun.preflight(synthetic_config(tmp_path, doctor__strict=True), tiny_mlp(), bundle)
     drun.preflight(synthetic_config(tmp_path, doctor__strict=True), tiny_mlp(), bundle,
                    strict=False)
+
+
+class FakeCuda:
+    """torch.cuda's memory counters for a GPU of ``total`` bytes (this suite runs on CPU)."""
+
+    GiB = 2**30
+
+    def __init__(self, monkeypatch, total, static, peak):
+        self.calls: list[str] = []
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "get_device_properties",
+                            lambda d: SimpleNamespace(total_memory=total))
+        monkeypatch.setattr(cuda, "memory_allocated", lambda d: static)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda d: peak)
+        for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+            monkeypatch.setattr(cuda, name, lambda *a, name=name: self.calls.append(name))
+
+
+def on_cuda(monkeypatch, step) -> DoctorSubject:
+    s = make(step=step)
+    s.device = torch.device("cuda")
+    model, opt = make().copy()
+    monkeypatch.setattr(s, "copy", lambda: (model, opt))
+    return s
+
+
+def test_the_memory_check_reports_the_peak_and_a_linear_estimate_of_the_largest_batch(
+        monkeypatch):
+    G = FakeCuda.GiB
+    fake = FakeCuda(monkeypatch, total=10 * G, static=1 * G, peak=2 * G)
+    step = Scripted(1.0)
+    (f,) = mc.check_memory(on_cuda(monkeypatch, step), batch_of())
+    # 1 GiB for 4 samples: (9 GiB - 1 GiB) / 0.25 GiB = 32
+    assert f == info("memory", "one step at batch 4 peaks at 2.00 GiB of 10.0 GiB; largest batch "
+                               "about 32 (linear estimate)")
+    assert step.calls == 1 and fake.calls == ["synchronize", "reset_peak_memory_stats",
+                                              "synchronize"]
+    monkeypatch.setattr(mc, "_search_batch", lambda s, model, opt, batch, total: total // G)
+    (f,) = mc.check_memory(on_cuda(monkeypatch, Scripted(1.0)), batch_of(), search=True)
+    assert f.measured.endswith("(linear estimate); search: batch 10 fits")
+
+
+def test_a_step_over_ninety_percent_of_the_gpu_is_a_memory_warning(monkeypatch):
+    G = FakeCuda.GiB
+    FakeCuda(monkeypatch, total=10 * G, static=0, peak=9 * G)
+    assert mc.check_memory(on_cuda(monkeypatch, Scripted(1.0)), batch_of())[0].severity == "info"
+    FakeCuda(monkeypatch, total=10 * G, static=0, peak=9 * G + 1)
+    (f,) = mc.check_memory(on_cuda(monkeypatch, Scripted(1.0)), batch_of())
+    assert f.severity == "warning" and f.cause == "the step uses over 90% of the GPU"
+    assert f.fix.startswith("lower train.batch_size and raise train.accumulation_steps")
+    FakeCuda(monkeypatch, total=10 * G, static=G, peak=G)  # no growth: counted as 1 byte a step
+    assert f"largest batch about {8 * G * 4} " in mc.check_memory(
+        on_cuda(monkeypatch, Scripted(1.0)), batch_of())[0].measured
