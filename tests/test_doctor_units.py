@@ -577,6 +577,8 @@ def test_a_language_model_passes_halfway_to_the_unigram_entropy():
                          f"0.693): pass")
     f, step = overfit(floor + 2, floor + 1.5, floor + 1 + 1e-6, batch=batch, steps=2)
     assert step.calls == 3 and f.severity == "warning"
+    assert f.cause == ("the model cannot learn even the token frequencies of one batch: the LR "
+                       "is too low, or part of the network does not learn")
     assert f.measured == (f"the loss on one batch of 2 sequences fell only {floor + 2:.4f} -> "
                           f"{floor + 1:.4f} in 2 steps (target: halfway to the batch's unigram "
                           f"entropy, 0.693)")
@@ -1105,6 +1107,9 @@ def test_throughput_below_seventy_percent_of_the_first_quarter_is_a_drop():
     assert f.fix == ("see from which step samples_per_s falls in metrics.jsonl, and keep only "
                      ".item() values of what you store")
     assert logs.throughput_drop(speeds(100, 100, 90, 90, 80, 69, 69), []) == []  # 7 windows
+    (f,) = logs.throughput_drop(speeds(100, 100, 90, 90, 80, 80, 75, 60), [])  # quarters of 2
+    assert f.measured.startswith(f"throughput fell from {number(100.0)} to {number(67.5)} "
+                                 f"samples/s (32% lower)")
 
 
 def test_the_throughput_finding_points_to_the_time_split_that_shows_the_growth():
@@ -1478,7 +1483,7 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "memory_allocated", lambda d: static)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda d: peak)
         for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
-            monkeypatch.setattr(cuda, name, lambda *a, name=name: self.calls.append(name))
+            monkeypatch.setattr(cuda, name, lambda *a, name=name: self.calls.append((name, *a)))
 
 
 def on_cuda(monkeypatch, step) -> DoctorSubject:
@@ -1498,8 +1503,10 @@ def test_the_memory_check_reports_the_peak_and_a_linear_estimate_of_the_largest_
     # 1 GiB for 4 samples: (9 GiB - 1 GiB) / 0.25 GiB = 32
     assert f == info("memory", "one step at batch 4 peaks at 2.00 GiB of 10.0 GiB; largest batch "
                                "about 32 (linear estimate)")
-    assert step.calls == 1 and fake.calls == ["synchronize", "reset_peak_memory_stats",
-                                              "synchronize"]
+    cuda = torch.device("cuda")
+    assert step.calls == 1 and fake.calls == [("synchronize", cuda),
+                                              ("reset_peak_memory_stats", cuda),
+                                              ("synchronize", cuda)]
     monkeypatch.setattr(mc, "_search_batch", lambda s, model, opt, batch, total: total // G)
     (f,) = mc.check_memory(on_cuda(monkeypatch, Scripted(1.0)), batch_of(), search=True)
     assert f.measured.endswith("(linear estimate); search: batch 10 fits")
@@ -1516,3 +1523,14 @@ def test_a_step_over_ninety_percent_of_the_gpu_is_a_memory_warning(monkeypatch):
     FakeCuda(monkeypatch, total=10 * G, static=G, peak=G)  # no growth: counted as 1 byte a step
     assert f"largest batch about {8 * G * 4} " in mc.check_memory(
         on_cuda(monkeypatch, Scripted(1.0)), batch_of())[0].measured
+
+
+def test_the_batch_search_stops_at_a_million_samples(monkeypatch):
+    fake = FakeCuda(monkeypatch, total=2**40, static=0, peak=1)
+    sizes = []
+    monkeypatch.setattr(mc, "_peak_of_step", lambda s, model, opt, big: sizes.append(len(big[0])))
+    half = (torch.zeros(2**19, 1), torch.zeros(2**19, dtype=torch.long))
+    s = make()
+    model, opt = s.copy()
+    assert mc._search_batch(s, model, opt, half, 2**40) == 2**20
+    assert sizes == [2**20] and fake.calls == [("empty_cache",)]
