@@ -1534,3 +1534,18 @@ def test_the_batch_search_stops_at_a_million_samples(monkeypatch):
     model, opt = s.copy()
     assert mc._search_batch(s, model, opt, half, 2**40) == 2**20
     assert sizes == [2**20] and fake.calls == [("empty_cache",)]
+
+
+def test_a_check_that_raises_is_listed_under_its_own_name(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    for name in ("check_labels", "check_finite_inputs", "check_leakage", "check_input_bound"):
+        monkeypatch.setattr(data_checks, name, boom)
+    for name in ("check_initial_loss", "check_probabilities", "check_overfit_batch",
+                 "check_dead_parameters", "check_memory"):
+        monkeypatch.setattr(mc, name, boom)
+    monkeypatch.setattr(env_checks, "check_threads", boom)
+    assert drun.outcomes(drun.check(make())) == {name: "skipped" for name in (
+        "labels", "finite_inputs", "leakage", "threads", "initial_loss", "probabilities",
+        "overfit_batch", "dead_parameters", "input_bound", "memory")}
