@@ -39,6 +39,8 @@ def check_labels(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
                                f"map the labels to 0..{c - 1} or give the model as many outputs "
                                f"as there are classes"))
             y = y[~bad]
+            if not len(y):
+                continue  # every label is out of range: no classes or balance to count
         counts = torch.bincount(y, minlength=c)[:c]
         missing = (counts == 0).nonzero().flatten().tolist()
         if missing and split == "train":
