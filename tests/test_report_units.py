@@ -41,7 +41,12 @@ def _axes(ax) -> dict:
 @pytest.fixture
 def figures(monkeypatch):
     """Each figure a plot function saves, as (out, figure, [axes snapshot]); the file is a stub
-    (no PNG is drawn: fast, and the image tests in test_report.py check real renders)."""
+    (no PNG is drawn: fast, and the image tests in test_report.py check real renders). The
+    widths the plots set are theirs whatever a matplotlibrc says: the defaults here are off."""
+    import matplotlib
+
+    monkeypatch.setitem(matplotlib.rcParams, "lines.linewidth", 0.7)
+    monkeypatch.setitem(matplotlib.rcParams, "lines.markersize", 9.0)
     seen: list = []
 
     def save(fig, out):
@@ -236,6 +241,7 @@ def test_save_lays_out_writes_at_the_dpi_and_clears(tmp_path):
     out = report._save(Fig(), str(tmp_path / "a" / "b" / "x.png"))
     assert out == tmp_path / "a" / "b" / "x.png" and out.parent.is_dir()
     assert calls == ["layout", ("save", out, 120), "clear"]
+    assert report._save(Fig(), out.with_name("y.png")) == out.with_name("y.png")  # dir exists
 
 
 def test_save_writes_a_png_of_the_figures_pixel_size(tmp_path):
@@ -444,6 +450,7 @@ def test_the_accuracy_plot_draws_losses_left_and_accuracy_right(figures, tmp_pat
         ([1.0], [20.0], C["C2"], "o", 3.0)
     assert (right["title"], right["xlabel"], right["ylabel"], right["grid"]) == \
         ("Validation accuracy", "epoch", "validation accuracy (%)", True)
+    assert right["grid_alpha"] == 0.3
     for ax in fig.axes:
         assert ax.xaxis.get_major_locator()._integer
 
@@ -488,6 +495,7 @@ def test_a_language_models_perplexity_goes_log_past_a_decade(figures, tmp_path):
     assert (ppl["y"], ppl["color"], ppl["marker"], ppl["ms"]) == ([200.0, 19.0], C["C1"], "o", 3)
     assert (right["yscale"], right["grid"], right["title"], right["ylabel"]) == \
         ("log", True, "Validation perplexity", "validation perplexity")
+    assert right["grid_alpha"] == 0.3
     report.plot_validation([{"step": 1, "val_ppl": 200.0}, {"step": 2, "val_ppl": 20.0}],
                            tmp_path / "v2.png")
     assert figures[1][2][1]["yscale"] == "linear"
@@ -540,7 +548,7 @@ def test_the_resume_curve_marks_each_crash_and_resume_in_both_panels(figures, tm
     assert tuple(fig.get_size_inches()) == (7.0, 5.5)
     assert top["lines"][0] == {"label": "train loss", "x": [1.0, 2.0, 4.0],
                                "y": [10.0, 3.0, 0.01], "lw": 1.2, "ls": "-",
-                               "color": C["C0"], "marker": "None", "ms": 6.0}
+                               "color": C["C0"], "marker": "None", "ms": 9.0}
     assert top["yscale"] == "log"
     acc = bottom["lines"][0]
     assert (acc["x"], acc["y"], acc["color"], acc["marker"], acc["label"]) == \
@@ -641,6 +649,12 @@ def test_the_summary_adds_the_time_split_validation_to_the_training_seconds(tmp_
     assert dict(report.summary(run)[0])["total seconds"] == "2.0"
     (run / "results.json").write_text(json.dumps({"seconds": 5.0, "train_seconds": 8.0}))
     assert dict(report.summary(run)[0])["total seconds"] == "5.0"
+
+
+def test_the_summary_counts_norms_above_the_configs_clip_threshold(tmp_path):
+    run = _run(tmp_path, cfg={"clip": {"max_norm": 1.0}},
+               metrics=[{"step": 1, "grad_norm": 0.5}, {"step": 2, "grad_norm": 2.0}])
+    assert dict(report.summary(run)[0])["clipped fraction"] == "50.0%"
 
 
 def test_the_summary_says_what_could_not_be_read(tmp_path):
