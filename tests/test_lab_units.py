@@ -408,10 +408,11 @@ def test_a_markdown_table_has_a_rule_and_escapes_pipes():
 
 
 def test_the_summary_table_shows_a_stopped_variant_and_clipping_off():
-    rows = [{"variant": "3-clip", "final val acc": 0.9, "s/epoch": 3.0, "s/epoch spread": (2.0, 4.5),
-             "samples/s": 1234.4, "optimizer steps": 30, "clipped": 0.25},
-            {"variant": "9-fp16", "final val acc": None, "s/epoch": None, "s/epoch spread": None,
-             "samples/s": 99.5, "optimizer steps": 4, "clipped": None},
+    rows = [{"variant": "3-clip", "final val acc": 0.9, "s/epoch": 3.0,
+             "s/epoch spread": (2.0, 4.5), "samples/s": 1234.4, "optimizer steps": 30,
+             "clipped": 0.25},
+            {"variant": "9-fp16", "final val acc": None, "s/epoch": None,
+             "s/epoch spread": None, "samples/s": 99.5, "optimizer steps": 4, "clipped": None},
             {"variant": "3b", "final val acc": 0.5, "s/epoch": 1.0, "s/epoch spread": (1.0, 1.0),
              "samples/s": 1.0, "optimizer steps": 1, "clipped": 0.0}]
     header, table = run._summary_table(rows)
@@ -657,7 +658,7 @@ def test_the_reports_hold_every_table_finding_and_plot(tmp_path, monkeypatch, cp
              f"report.")
     assert md[:4] == ["# ironloop lab: digits", "", intro, ""]
     rows = [run.summary_row(v) for v in variants]
-    header, table = run._summary_table(rows[:3] + [run.summary_row(comparison)] + rows[3:])
+    header, table = run._summary_table([*rows[:3], run.summary_row(comparison), *rows[3:]])
     assert md[4:4 + 12] == run._md_table(header, table)
     assert table[3][0] == "3b-clip-p95" and len(table) == 10
     judged, drop = run.verdicts(variants, rows, reference)
@@ -670,7 +671,7 @@ def test_the_reports_hold_every_table_finding_and_plot(tmp_path, monkeypatch, cp
     at += 2 + len(vtable)
     assert md[at:at + 5] == ["", f"**Step 4's accuracy:** {drop}", "", "## What each step showed",
                              ""]
-    shown = variants[:3] + [comparison] + variants[3:]
+    shown = [*variants[:3], comparison, *variants[3:]]
     said["3b-clip-p95"] = ("step 3 rerun with max_norm 2.5: val acc 87.50% (step 3: 82.00%).")
     assert md[at + 5:at + 15] == [f"- **{v.name}** ({v.title}): {said[v.name]}" for v in shown]
     at += 15
@@ -681,8 +682,9 @@ def test_the_reports_hold_every_table_finding_and_plot(tmp_path, monkeypatch, cp
               f"step 7's crash and resume processes.")
     assert md[at:] == [
         "", "## The hand-written script and its Accelerate version", "", ref, "", "```diff", "-a",
-        "+b", "```", "", "## Where the lab's time went", "", timing, "", "| part | wall s | CPU s |",
-        "|---|---|---|", "| 1-baseline | 3.0 | 2.5 |", "| total | 3.0 | 2.5 |", "",
+        "+b", "```", "", "## Where the lab's time went", "", timing, "",
+        "| part | wall s | CPU s |", "|---|---|---|", "| 1-baseline | 3.0 | 2.5 |",
+        "| total | 3.0 | 2.5 |", "",
         "Plots.", "", "![lr.png](lr.png)", "![loss_curves.png](loss_curves.png)"]
     page = (tmp_path / "report.html").read_text()
     from ironloop.tools.html import Page

@@ -268,6 +268,8 @@ def test_the_accumulation_check_takes_one_optimizer_step_per_window_in_its_own_r
     assert [json.loads((runs / n / "results.json").read_text())["steps"] for n in names] == \
         [1, 1, 1, 1]
     assert max(got["full_window_diff"], got["ragged_window_diff"]) < 1e-5
+    # the whole step 4 run's: 12 windows of 128 cover digits' 1,438 samples, for 5 epochs
+    assert got["expected_steps"] == 60
 
 
 def test_step_7_crashes_inside_epoch_3_then_resumes_in_a_second_process(tmp_path, monkeypatch):
@@ -347,7 +349,7 @@ def test_clip_stats_split_the_run_at_the_first_epoch_and_the_lr_at_half_its_peak
         "max_norm": 1.0, "steps": 6, "steady_steps": 4, "first_steady_step": 3, "steady": 0.5,
         "whole": 4 / 6, "median": 1.5, "p95": 4.0, "max": 4.0, "first_epoch_median": 4.0,
         "median_high_lr": 1.25, "median_low_lr": 2.5, "peak_lr": 3e-3}
-    one = judge.clip_stats(rows[:2] + [{**rows[2], "grad_norm": 1.5}], 1.0)
+    one = judge.clip_stats([*rows[:2], {**rows[2], "grad_norm": 1.5}], 1.0)
     assert one["steady"] == 1.0 and one["steady_steps"] == 1 and one["whole"] == 1.0
 
 
