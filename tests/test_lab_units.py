@@ -99,6 +99,12 @@ def test_the_reference_scripts_see_ironlooops_own_shuffled_order():
     assert not torch.equal(order, lab_reference.ironloop_order(50, 8, 0))
 
 
+def test_the_examples_load_as_modules_with_their_train_function():
+    module = lab_reference._load(lab_reference.PLAIN)
+    assert module.__name__ == "ironloop_lab_production_loop" and callable(module.train)
+    assert Path(module.__file__) == lab_reference.EXAMPLES / "production_loop.py"
+
+
 def test_the_line_diff_counts_only_added_and_removed_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(lab_reference, "EXAMPLES", tmp_path)
     assert not lab_reference.available()
@@ -115,8 +121,6 @@ def test_the_reference_scripts_train_with_step_6s_settings(tmp_path, monkeypatch
     """run_references hands each script step 6's config as keyword arguments, the same initial
     weights, ironloop's order, and its own output folder; without accelerate the twin is
     skipped (None)."""
-    import importlib.util
-
     variants = run.steps_plan("digits")
     cfg = run._cfg({**variants[5].overrides, "optim.weight_decay": 0.05,
                     "loss.label_smoothing": 0.1, "run.seed": 3}, tmp_path / "ref", "data")
@@ -130,7 +134,13 @@ def test_the_reference_scripts_train_with_step_6s_settings(tmp_path, monkeypatch
         return SimpleNamespace(train=train)
 
     monkeypatch.setattr(lab_reference, "_load", fake_load)
-    got = lab_reference.run_references(cfg, tmp_path / "ref")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    with monkeypatch.context() as m:  # accelerate installed or not, as the test needs
+        m.setattr(importlib.util, "find_spec",
+                  lambda name, *a: object() if name == "accelerate" else real(name, *a))
+        got = lab_reference.run_references(cfg, tmp_path / "ref")
     assert [c[0] for c in calls] == ["production_loop", "production_loop_accelerate"]
     assert [c[4] for c in calls] == [tmp_path / "ref" / "production_loop",
                                      tmp_path / "ref" / "production_loop_accelerate"]
@@ -149,7 +159,6 @@ def test_the_reference_scripts_train_with_step_6s_settings(tmp_path, monkeypatch
     assert got == {"plain": {"val_acc": 0.5, "steps": 7}, "accel": {"val_acc": 0.25, "steps": 7},
                    "diff": diff, "diff_lines": changed}
 
-    real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "accelerate" else real(name, *a))
     calls.clear()
@@ -599,11 +608,13 @@ def test_the_lab_is_judged_with_the_reference_and_step_7s_checkpoint_arithmetic(
     crash = by["7-crash-resume"]
     crash.notes.update(crash_step=25, steps_per_epoch=10, resumed_from=20)
     by["6-checkpoint"].overrides["checkpoint.every_steps"] = 8  # 24 > 20: the periodic one
-    write(crash.run_dir / "events.jsonl", [{"event": "resume", "step": 20, "time": 50.0},
+    # the last resume counts; the first line logged at or after it is the resumed process's
+    write(crash.run_dir / "events.jsonl", [{"event": "resume", "step": 20, "time": 10.0},
+                                           {"event": "other", "step": 0, "time": 200.0},
                                            {"event": "resume", "step": 24, "time": 100.0}])
     write(crash.run_dir / "metrics.jsonl",
           [{"step": s, "time": float(s)} for s in range(1, 26)]
-          + [{"step": s, "time": 99.0 + s} for s in range(25, 30)])
+          + [{"step": s, "time": 75.0 + s} for s in range(25, 30)])
     rows = rows_for(variants)
     judged, drop = run.verdicts(variants, rows, {"plain": {"val_acc": 0.92},
                                                  "accel": {"val_acc": 0.921}, "diff_lines": 12})
@@ -818,5 +829,5 @@ def test_run_lab_skips_the_reference_scripts_without_the_examples(tmp_path, monk
     monkeypatch.setattr(run.lab_reference, "run_references", lambda *a: pytest.fail("ran"))
     got = []
     monkeypatch.setattr(run, "write_reports", lambda *a: got.append(a[5]) or tmp_path)
-    run.run_lab("digits", tmp_path / "new")
-    assert got == [None]
+    run.run_lab("digits", tmp_path / "new" / "lab")  # its parent folders made too
+    assert got == [None] and (tmp_path / "new" / "lab").is_dir()
