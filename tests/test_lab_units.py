@@ -639,6 +639,24 @@ def test_the_lab_is_judged_with_the_reference_and_step_7s_checkpoint_arithmetic(
         in judged[-1].figure
 
 
+def test_amp_is_judged_on_the_device_with_step_6s_scaler_and_clipping_with_its_rerun(
+        tmp_path, monkeypatch, cpu_bf16):
+    from ironloop.state.io import save_atomic
+
+    variants = fake_lab(tmp_path)
+    by = {v.name: v for v in variants}
+    save_atomic({"model": {}, "optimizer": {}, "scheduler": {}, "scaler": {"scale": 2.0},
+                 "progress": {"step": 4}, "rng": {}},
+                by["6-checkpoint"].run_dir / "checkpoints" / "last.pt")
+    compare = {"max_norm": 2.5, "steady": 0.01, "whole": 0.02, "acc": 0.93}
+    by["3-clip"].notes["compare"] = compare
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    judged, _ = run.verdicts(variants, rows_for(variants), None)
+    assert judged[4] == run.judge.amp(2000.0, 3000.0, 0.91, 0.915, "bf16", "cuda",
+                                      {"scale": 2.0})
+    assert judged[2] == run.judge.clipping(by["3-clip"].notes["clip"], 0.93, 0.925, compare)
+
+
 def test_the_reports_hold_every_table_finding_and_plot(tmp_path, monkeypatch, cpu_bf16):
     variants = fake_lab(tmp_path)
     comparison = run.Variant("3b-clip-p95", "Comparison: step 3 with clipping at 2.5",
