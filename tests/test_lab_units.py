@@ -446,6 +446,18 @@ def test_variants_whose_losses_coincide_are_named_once_each_group(tmp_path, cpu_
         "every step: loss_curves.png draws them once.")
 
 
+def test_a_variant_without_an_epoch_coincides_on_step_6s_epoch_scale(tmp_path, cpu_bf16):
+    variants = fake_lab(tmp_path)  # step 6 (variants[5]) logs 2 steps per epoch
+    write(tmp_path / "7-crash-resume" / "epochs.jsonl", [{"step": 4}])  # 4 per epoch here
+    (tmp_path / "9-fp16" / "epochs.jsonl").write_text("")
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 5)]
+    for name in ("6-checkpoint", "9-fp16"):
+        write(tmp_path / name / "metrics.jsonl", rows)
+    assert run._same_losses(variants) == (
+        " The training losses of 6-checkpoint, 9-fp16 coincide at every step: loss_curves.png "
+        "draws them once.")
+
+
 def test_same_weights_means_the_same_tensors_under_the_same_names(tmp_path):
     from safetensors.torch import save_file
 
