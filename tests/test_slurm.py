@@ -107,6 +107,11 @@ def test_an_srun_step_falls_back_to_the_jobs_task_count_nodes_and_tasks_per_node
                                 "MASTER_ADDR", "MASTER_PORT")} == \
         {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
          "MASTER_ADDR": "solo", "MASTER_PORT": "1234"}  # a port already set wins
+    step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_NTASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_TASKS_PER_NODE": "4(x2)"}
+    adopt_step_env(step)  # the step's own counts win over the job's
+    assert (step["WORLD_SIZE"], step["LOCAL_WORLD_SIZE"]) == ("4", "2")
     bare = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"}
     adopt_step_env(bare)
     assert (bare["LOCAL_WORLD_SIZE"], bare["MASTER_ADDR"], bare["MASTER_PORT"]) == \
