@@ -158,3 +158,15 @@ def test_a_piped_progress_line_is_due_once_progress_every_s_has_passed(monkeypat
     bar.update()
     assert "step 2/160" in capsys.readouterr().out  # exactly 5 s after the bar started
     bar.close()
+
+
+def test_the_progress_line_rates_the_steps_since_the_last_line_and_gives_the_eta():
+    at = SimpleNamespace(step=40, epoch=1, offset=0)  # a resumed run: 40 steps done before
+    prog = console.EpochProgress(LogConfig(progress="off"), at,
+                                 console.RunPlan(100, 50, 2, window=1), main=False)
+    prog.set_postfix(loss=0.5)
+    line = console.progress_line(prog, step=60, now=prog.last_time + 10.0)
+    prog.close()
+    # 20 steps in 10 s: 2 steps/s, and the 40 left take 20 s
+    assert line == "step 60/100  epoch 2/2  loss 0.5000  2.000 steps/s  eta 0:00:20"
+    assert console._clock(3725.9) == "1:02:05"

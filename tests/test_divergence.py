@@ -46,3 +46,16 @@ def test_fit_warns_by_default_when_the_loss_diverges_and_not_when_it_learns(tmp_
     ironloop.fit(nn.Linear(8, 1), regression(), None, cfg(tmp_path / "b", **{
         **over, "optim.lr": 0.005}))
     assert "the loss grew" not in capsys.readouterr().out
+
+
+def test_loss_growth_judges_strictly_past_the_factor_from_the_first_finite_loss():
+    g = LossGrowth(10.0)
+    assert g.check(1, float("nan")) is None and g.start is None  # not a start
+    assert g.check(2, 2.0) is None and g.start == 2.0
+    assert g.check(3, 20.0) is None  # exactly 10 x: not past it
+    line = g.check(4, 20.5)
+    assert line is not None and line.startswith("warning: the loss grew to 20.50 at step 4, "
+                                                "10.25 x its first logged value 2.000 "
+                                                "(log.loss_growth=10): the run is diverging")
+    zero = LossGrowth(2.0)
+    assert zero.check(1, 0.0) is None and zero.check(2, 5.0) is None  # no bound from 0

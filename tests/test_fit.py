@@ -62,6 +62,10 @@ def test_results_final_val_acc_is_the_last_epochs_and_best_val_acc_the_highest(t
     assert len(accs) == 2
     assert result.results["final_val_acc"] == accs[-1]
     assert result.results["best_val_acc"] == max(accs)
+    # the run's seconds are its epochs' (training + epoch-end validation), as epochs.jsonl
+    # counts them
+    assert result.results["seconds"] == pytest.approx(sum(r["seconds"] for r in epochs))
+    assert all(r["seconds"] > 0 for r in epochs)
 
 
 def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypatch):

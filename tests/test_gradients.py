@@ -23,3 +23,21 @@ def test_clip_returns_pre_clip_norm_and_flags():
     norm, clipped = clip_gradients([p], 0.0, "norm")  # disabled: measured, untouched
     assert float(norm) == pytest.approx(5.0) and not bool(clipped)
     assert p.grad.tolist() == [3.0, 4.0, 0.0, 0.0]
+
+
+def test_value_clipping_flags_only_a_gradient_past_the_bound_and_no_grad_is_no_norm():
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([2.0, -1.0])
+    norm, clipped = clip_gradients([p], 2.0, "value")  # at the bound: nothing clipped
+    assert not bool(clipped) and p.grad.tolist() == [2.0, -1.0]
+    p.grad = torch.tensor([3.0, 4.0])
+    norm, clipped = clip_gradients([p], 5.0, "norm")  # a norm of exactly max_norm
+    assert not bool(clipped) and p.grad.tolist() == pytest.approx([3.0, 4.0])
+    norm, clipped = clip_gradients([p], 0.0, "value")  # disabled
+    assert float(norm) == pytest.approx(5.0) and not bool(clipped)
+    assert clipped.dtype == torch.bool
+    frozen = nn.Parameter(torch.zeros(2))  # no grad: not in the norm
+    norm, clipped = clip_gradients([frozen], 1.0, "norm")
+    assert float(norm) == 0.0 and not bool(clipped) and clipped.dtype == torch.bool
+    norm, clipped = clip_gradients([frozen, p], 1.0, "norm")
+    assert float(norm) == pytest.approx(5.0) and bool(clipped)

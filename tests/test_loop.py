@@ -379,6 +379,24 @@ def test_labels_checked_per_batch_for_plain_datasets(tmp_path):
         ironloop.fit(tiny_mlp(), Plain(), None, cfg(tmp_path))
 
 
+def test_labels_of_a_plain_validation_dataset_are_checked_per_batch_too(tmp_path):
+    data = blobs(n=64)
+
+    class Plain(torch.utils.data.Dataset):
+        def __init__(self, bad: int | None):
+            self.bad = bad
+
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return data.x[i], torch.tensor(5 if i == self.bad else int(data.y[i]))
+
+    with pytest.raises(DataError, match=r"labels must be class indices in \[0, 3\), found a "
+                                        r"batch with labels in \[0, 5\]"):
+        ironloop.fit(tiny_mlp(), Plain(None), Plain(40), cfg(tmp_path, train__epochs=1))
+
+
 @pytest.mark.parametrize("plain", [False, True], ids=["tensors", "plain-dataset"])
 def test_the_passed_dataloaders_batch_size_is_used(tmp_path, plain):
     # 100 samples at the loader's 10: 10 steps an epoch; train.batch_size=32 would give 4, and

@@ -119,6 +119,16 @@ def test_cross_entropy_label_smoothing_and_weight_count_check():
         Loss(load_config(None, ["loss.class_weights=[1, 2]"]).loss, num_classes=3)
 
 
+@pytest.mark.parametrize("name", ["cross_entropy", "mse"])
+def test_class_weights_follow_the_output_to_its_device(name):
+    """The weights live on the host; an output on another device (a GPU; here torch's shape-only
+    "meta" device) gets them on its own device."""
+    cfg = load_config(None, [f"loss.name={name}", "loss.class_weights=[2.0, 0.0, 1.0]"]).loss
+    out = torch.empty(4, 3, device="meta")
+    y = torch.zeros(4, dtype=torch.long, device="meta")
+    assert Loss(cfg, 3)(out, y).device.type == "meta"
+
+
 def test_cross_entropy_class_weights_scale_each_samples_loss_by_its_class_weight():
     cfg = load_config(None, ["loss.class_weights=[2.0, 0.0, 1.0]"]).loss
     out, y = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)), \

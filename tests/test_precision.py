@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ironloop.engine import precision
@@ -35,3 +36,69 @@ def test_explicit_bf16_on_an_emulating_cpu_warns_once(monkeypatch, capsys):
     assert "warning: train.precision=fp16 on a CPU" in err and "use train.precision=fp32" in err
     resolve_precision("fp16", torch.device("meta"))  # not a CPU: no word
     assert capsys.readouterr().err == ""
+
+
+def test_the_device_name_resolves_to_what_this_machine_has(monkeypatch):
+    from ironloop.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert precision.resolve_device("auto") == torch.device("cpu")
+    assert precision.resolve_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"^run.device='cuda' but torch sees no CUDA device"):
+        precision.resolve_device("cuda")
+    with pytest.raises(ConfigError, match=r"^run.device='mps' but MPS is not available"):
+        precision.resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert precision.resolve_device("auto") == torch.device("mps")
+    assert precision.resolve_device("mps") == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert precision.resolve_device("auto", 2) == torch.device("cuda", 2)
+    assert precision.resolve_device("cuda", 1) == torch.device("cuda", 1)
+
+
+def test_auto_precision_is_bf16_only_on_a_cuda_device_that_supports_it(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_precision("auto", cuda) == "bf16"
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_precision("auto", cuda) == "fp32"
+    assert resolve_precision("fp16", cuda) == "fp16"
+
+
+def test_a_worker_rank_does_not_repeat_the_emulation_warning(monkeypatch, capsys):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    precision._warn_emulated.cache_clear()
+    resolve_precision("bf16", torch.device("cpu"), is_main=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_autocast_and_loss_scaling_follow_the_precision():
+    cpu = torch.device("cpu")
+    with precision.autocast("bf16", cpu):
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with precision.autocast("fp16", cpu):
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    with precision.autocast("fp32", cpu):
+        assert not torch.is_autocast_enabled("cpu")
+    assert precision.grad_scaler("bf16", cpu) is None and precision.grad_scaler("fp32", cpu) is None
+    assert isinstance(precision.grad_scaler("fp16", cpu), torch.amp.GradScaler)
+
+
+def test_without_proc_cpuinfo_only_apple_silicon_has_native_bf16(monkeypatch):
+    from pathlib import Path
+
+    def missing(self, *a, **k):
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(Path, "read_text", missing)
+    monkeypatch.setattr(precision, "_machine", lambda: "arm64")
+    monkeypatch.setattr(precision.sys, "platform", "darwin")
+    assert cpu_has_native_bf16() is True
+    monkeypatch.setattr(precision, "_machine", lambda: "x86_64")
+    assert cpu_has_native_bf16() is False
+    monkeypatch.setattr(precision, "_machine", lambda: "arm64")
+    monkeypatch.setattr(precision.sys, "platform", "linux")
+    assert cpu_has_native_bf16() is False

@@ -260,3 +260,32 @@ def test_a_run_preempted_at_an_epochs_last_step_logs_its_lr_and_position_after_t
     for name in ("epochs", "evals"):
         lrs = [r["lr"] for r in rows(whole, name)]
         assert lrs[0] > 0 and [r["lr"] for r in rows(cut, name)] == lrs, name
+
+
+def test_under_a_process_group_the_stop_is_read_one_step_after_the_signal(tmp_path):
+    """Each step's flag goes out in an all-reduce that is read at the next step, so every rank
+    stops at the same step: a group of one, in this process, shows the one-step lag."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ironloop.engine import preempt
+
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        p = preempt.Preemption(distributed=True, timeout_s=30)
+        assert not p.should_stop()  # nothing sent before: nothing to read
+        assert not p.should_stop()  # the first step's flag: no signal
+        p.signum = signal.SIGTERM   # the handler, between two steps
+        assert not p.should_stop()  # this step sends the flag; it reads the previous one
+        assert p.should_stop() and p.should_stop()
+        assert p._pending is not None
+        p.__exit__(None, None, None)  # waits for the last all-reduce sent
+        assert p._pending is None
+        stop = p.stopped(7, saved=True)
+        assert (stop.signal_name, stop.step, stop.saved) == ("SIGTERM", 7, True)
+        other = preempt.Preemption(distributed=True)
+        assert other.stopped(3, saved=False).signal_name == "a signal to another rank"
+    finally:
+        dist.destroy_process_group()

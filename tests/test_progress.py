@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from ironloop.engine.progress import Meter
@@ -79,3 +82,76 @@ def test_float32_totals_from_an_mps_checkpoint_resume_as_float64_sums_on_cpu():
     resumed.load_state_dict(state)
     assert {t.dtype for t in (resumed.loss_sum, resumed.clipped, resumed.skipped,
                               resumed.tokens)} == {torch.float64}
+
+
+class Clock:
+    """time.perf_counter, moved by hand."""
+
+    now = 100.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    Clock.now = 100.0
+    monkeypatch.setattr(time, "perf_counter", Clock.perf_counter)
+    return Clock
+
+
+def test_a_log_window_reports_its_mean_loss_counts_and_throughput(clock):
+    meter = Meter(torch.device("cpu"))
+    clock.now += 50.0  # set-up before the loop starts: not training time
+    meter.start_clock()
+    meter.add_micro(torch.tensor(2.0), 4)
+    meter.add_micro(torch.tensor(1.0), 4)
+    meter.add_step(torch.tensor(3.0), torch.tensor(True), torch.tensor(1.0))
+    meter.add_micro(torch.tensor(0.5), 8)
+    meter.add_step(torch.tensor(0.25), torch.tensor(False), None)
+    clock.now += 4.0
+    assert meter.flush_window() == {"loss": 1.0, "grad_norm": 0.25, "clipped": 1, "steps": 2,
+                                    "skipped": 1, "samples_per_s": 4.0}
+    meter.add_micro(torch.tensor(3.0), 2)
+    meter.add_step(torch.tensor(1.0), torch.tensor(True), None)
+    clock.now += 2.0
+    meter.exclude(1.0)  # a validation inside the window
+    assert meter.flush_window() == {"loss": 3.0, "grad_norm": 1.0, "clipped": 1, "steps": 1,
+                                    "skipped": 0, "samples_per_s": 2.0}
+    assert meter.train_seconds() == 5.0
+    epoch = meter.flush_epoch()
+    assert epoch == {"train_loss": 22.0 / 18, "clipped_frac": 2 / 3, "skipped": 1,
+                     "train_seconds": 5.0, "samples_per_s": 18 / 5.0}
+
+
+def test_a_step_that_weights_its_loss_reports_the_mean_per_token(clock):
+    meter = Meter(torch.device("cpu"))
+    meter.start_clock()
+    meter.add_micro(torch.tensor(2.0), 2, weight=torch.tensor(30.0))
+    meter.add_micro(torch.tensor(1.0), 2, weight=torch.tensor(10.0))
+    meter.add_step(torch.tensor(1.0), torch.tensor(False), None)
+    clock.now += 2.0
+    row = meter.flush_window()
+    assert row["loss"] == 70.0 / 40 and row["tokens_per_s"] == 20.0 and row["samples_per_s"] == 2.0
+    assert float(meter.tokens) == 40.0
+
+
+def test_a_bad_steps_flags_are_masked_and_its_counts_taken_back(clock):
+    meter = Meter(torch.device("cpu"))
+    meter.add_micro(torch.tensor(1.0), 4)
+    meter.add_step(torch.tensor(1.0), torch.tensor(True), torch.tensor(1.0), ok=torch.tensor(True))
+    meter.add_micro(torch.tensor(1.0), 4)
+    meter.add_step(torch.tensor(1.0), torch.tensor(True), torch.tensor(1.0),
+                   ok=torch.tensor(False))
+    meter.forget(4, 1)  # the guard settled the second step: bad
+    assert (meter.samples, meter.steps) == (4, 1)
+    row = meter.flush_window()
+    assert (row["clipped"], row["skipped"], row["steps"]) == (1, 1, 1)
+
+
+def test_a_gradient_norm_with_a_graph_is_kept_without_it():
+    meter = Meter(torch.device("cpu"))
+    norm = torch.tensor(2.0, requires_grad=True) * 1.0
+    meter.add_step(norm, torch.tensor(False), None)
+    assert not meter.grad_norm.requires_grad and float(meter.grad_norm) == 2.0

@@ -88,6 +88,36 @@ def test_an_srun_step_of_two_tasks_becomes_torchrun_ranks():
     assert torchrun["RANK"] == "3" and "WORLD_SIZE" not in torchrun
 
 
+def test_a_step_of_one_task_or_of_an_unknown_count_stays_a_single_process():
+    for tasks in ({}, {"SLURM_STEP_NUM_TASKS": "1"}, {"SLURM_NTASKS": "1"}):
+        env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", **tasks}
+        adopt_step_env(env)
+        assert "RANK" not in env and "MASTER_ADDR" not in env
+    no_step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}  # sbatch's script, not an srun step
+    adopt_step_env(no_step)
+    assert "RANK" not in no_step
+
+
+def test_an_srun_step_falls_back_to_the_jobs_task_count_nodes_and_tasks_per_node():
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+           "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "solo",
+           "MASTER_PORT": "1234"}
+    adopt_step_env(env)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT")} == \
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "solo", "MASTER_PORT": "1234"}  # a port already set wins
+    step = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_NTASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_TASKS_PER_NODE": "4(x2)"}
+    adopt_step_env(step)  # the step's own counts win over the job's
+    assert (step["WORLD_SIZE"], step["LOCAL_WORLD_SIZE"]) == ("4", "2")
+    bare = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3"}
+    adopt_step_env(bare)
+    assert (bare["LOCAL_WORLD_SIZE"], bare["MASTER_ADDR"], bare["MASTER_PORT"]) == \
+        ("3", "127.0.0.1", "20000")
+
+
 def test_a_warning_signal_while_the_run_is_built_stops_it_at_its_first_step():
     before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
     try:

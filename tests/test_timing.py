@@ -131,6 +131,12 @@ def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     assert "GPU compute" not in time_split.table(split, 10, torch.device("cuda"), False, PLAIN)
 
 
+def test_the_gpu_compute_share_counts_a_part_missing_from_the_split_as_no_time():
+    split = {"data": 1.0, "forward": 3.0, "other": 4.0}  # no backward timed
+    text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
+    assert "  GPU compute (forward + backward): 37.5% of step time" in text.splitlines()
+
+
 def test_a_part_missing_from_the_split_counts_as_no_time():
     partial = {"forward": 1.0, "backward": 1.0, "optimizer": 0.5}  # no data, copy, other...
     zeros = {p: 0.0 for p in PARTS}

@@ -190,3 +190,27 @@ def test_lm_step_weights_an_own_loss_model_by_its_targets_that_count_token_id_0_
     loss, _, weight = lm_step(OwnLoss(), (x, y))
     assert int(weight) == 2 * T - 3
     assert loss.ndim == 0
+
+
+def test_a_windows_gradients_are_divided_by_its_summed_loss_weights():
+    from ironloop.engine.tokens import WindowWeight, perplexity
+    from ironloop.parallel.world import World
+
+    one = World(rank=0, size=1)
+    p, frozen = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([8.0, -4.0])
+    window = WindowWeight()
+    window.normalise([p], one)  # no weight yet: nothing to do
+    assert p.grad.tolist() == [8.0, -4.0]
+    window.add(torch.tensor(3.0))
+    window.add(torch.tensor(5.0))
+    window.normalise([frozen, p], one)  # a parameter without a gradient is passed over
+    assert p.grad.tolist() == [1.0, -0.5] and window.total is None
+    window.add(torch.tensor(0.0))  # an all-padding window: divided by at least 1
+    window.normalise([p], one)
+    assert p.grad.tolist() == [1.0, -0.5]
+    window.add(torch.tensor(2.0))
+    window.normalise([frozen], one)  # no gradient anywhere: the weights are still read
+    assert window.total is None
+    assert perplexity(0.0) == 1.0 and perplexity(709.0) == float("inf")
+    assert perplexity(708.0) == math.exp(708.0)

@@ -1,0 +1,100 @@
+"""engine/step_fns.py's small parts, in this process: what a step may return, the label check's
+bounds, and the one-line errors for a model whose output or inputs do not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ironloop.engine import step_fns
+from ironloop.errors import DataError, UserError
+
+
+def test_describe_names_shapes_and_dtypes_two_levels_deep():
+    batch = {"x": torch.zeros(4, 3), "y": [torch.zeros(4, dtype=torch.long), (1, 2)]}
+    assert step_fns.describe(batch) == \
+        "{x: Tensor[4, 3] float32, y: a list (Tensor[4] int64, a tuple)}"
+    assert step_fns.describe(None) == "None" and step_fns.describe(3) == "a int"
+
+
+def test_a_step_returns_a_loss_and_metrics_and_may_add_a_weight():
+    loss = torch.tensor(1.0)
+    assert step_fns.unpack((loss, {})) == (loss, {}, None)
+    assert step_fns.unpack([loss, {"acc": loss}, 5]) == (loss, {"acc": loss}, 5)
+    with pytest.raises(UserError, match=r"^train.step_fn returned a float; return \(loss, "):
+        step_fns.unpack(1.0, "train.step_fn")
+    with pytest.raises(UserError, match=r"^step_fn returned a tuple \(Tensor\[\] float32\)"):
+        step_fns.unpack((loss,))
+    with pytest.raises(UserError, match="returned a tuple"):
+        step_fns.unpack((loss, [], 1))  # metrics not a dict
+
+
+@pytest.mark.parametrize("labels, ok", [([0, 2], True), ([0, 3], False), ([-1, 1], False)])
+def test_labels_must_be_class_indices_below_the_class_count(labels, ok):
+    check = step_fns.label_checker(3)
+    batch = (torch.zeros(2, 1), torch.tensor(labels))
+    if ok:
+        check(batch)
+    else:
+        with pytest.raises(DataError, match=rf"^labels must be class indices in \[0, 3\), found a "
+                                            rf"batch with labels in \[{min(labels)}, "
+                                            rf"{max(labels)}\]"):
+            check(batch)
+
+
+def test_the_label_check_passes_over_what_is_not_a_host_tensor_of_indices():
+    check = step_fns.label_checker(3)
+    check((torch.zeros(2), torch.tensor([5.0, 7.0])))  # soft or regression targets
+    check((torch.zeros(0), torch.zeros(0, dtype=torch.long)))  # an empty split
+    check((torch.zeros(2), torch.tensor([9], device="meta")))  # on a device: not read
+    check((torch.zeros(2),))  # no targets
+    check(torch.tensor([9]))  # not a pair
+
+
+def test_a_scalar_output_is_told_to_return_a_row_per_sample():
+    err = step_fns.misfit(torch.tensor(1.0), torch.zeros(4, dtype=torch.long),
+                          RuntimeError("size mismatch\nmore"))
+    assert str(err) == ("the model's output Tensor[] float32 does not fit the loss for targets "
+                        "Tensor[4] int64 (size mismatch); the model returned one number for the "
+                        "whole batch (a .sum() or .mean() in its forward?): return one row of "
+                        "scores per sample, or set loss.name / pass a loss_fn or step_fn")
+
+
+def test_column_class_targets_are_told_to_flatten_and_the_rest_to_fit_the_loss():
+    out = torch.zeros(4, 3)
+    column = str(step_fns.misfit(out, torch.zeros(4, 1, dtype=torch.long), RuntimeError("x")))
+    assert "; class indices go in a [batch] tensor, not [batch, 1]: flatten the targets " \
+           "(y.view(-1), or y.squeeze(1) in the dataset), or set loss.name" in column
+    other = str(step_fns.misfit(out, torch.zeros(4, 1), RuntimeError("x")))  # float targets
+    assert "; make the model's last layer output what the loss takes (cross_entropy: " \
+           "[batch, classes] scores for [batch] class indices), or set" in other
+
+
+def test_input_errors_name_the_fix_for_ints_other_floats_and_shapes():
+    model = nn.Linear(3, 2)
+    ints = step_fns.input_error(model, torch.zeros(4, 3, dtype=torch.long),
+                                RuntimeError("mat1 and mat2 must have the same dtype type"))
+    assert isinstance(ints, DataError) and "computes in floats" in str(ints)
+    doubles = step_fns.input_error(model, torch.zeros(4, 3, dtype=torch.float64),
+                                   RuntimeError("expected scalar type Float"))
+    assert isinstance(doubles, DataError)
+    assert "model's parameters are float32" in str(doubles)
+    assert ".to(torch.float32)" in str(doubles) and "model.to(torch.float64)" in str(doubles)
+    shape = step_fns.input_error(model, torch.zeros(4, 5),
+                                 RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert type(shape) is UserError
+    assert "make the model take samples of shape [5], the data's, in its first layer " \
+           "(e.g. nn.Linear(5, ...))" in str(shape)
+    images = step_fns.input_error(model, torch.zeros(4, 1, 5), RuntimeError("size mismatch"))
+    assert images is not None and "shape [1, 5], the data's, in its first layer, or" in str(images)
+    assert step_fns.input_error(model, torch.zeros(4, 3), RuntimeError("CUDA error")) is None
+    assert step_fns.input_error(model, [torch.zeros(1)], RuntimeError("size")) is None
+
+
+def test_an_output_without_a_loss_is_named():
+    loss = torch.tensor(2.0)
+    assert step_fns.output_loss({"loss": loss}) is loss
+    assert step_fns.output_loss(type("Out", (), {"loss": loss})()) is loss
+    with pytest.raises(UserError, match=r"^the model returned \{logits: Tensor\[1\] float32\}; "):
+        step_fns.output_loss({"logits": torch.zeros(1)})
