@@ -665,10 +665,11 @@ class FakeRuns:
     """resume_check._launch without processes: each run of the 9-step plan writes a record
     from its spec (the crashed run stops at the kill, step 4; the resumed one starts after the
     checkpoint of step 3), on each of ``nproc`` ranks; from step ``drift`` on, the resumed run
-    of rank ``nproc - 1`` sees other batches."""
+    of rank ``nproc - 1`` sees other batches; with ``calls``, a module counts its calls in an
+    attribute, from 0 again in the resumed run."""
 
-    def __init__(self, drift: int = 0, nproc: int = 1):
-        self.drift, self.nproc, self.names = drift, nproc, []
+    def __init__(self, drift: int = 0, nproc: int = 1, calls: bool = False):
+        self.drift, self.nproc, self.calls, self.names = drift, nproc, calls, []
 
     def __call__(self, spec, scratch, name, nproc, env, threads):
         self.names.append(name)
@@ -678,7 +679,8 @@ class FakeRuns:
             drifts = spec["resume"] and self.drift and rank == self.nproc - 1
             changed = {f"s{i}": rec(batches=[f"x{i}"]) for i in steps
                        if drifts and i >= self.drift}
-            state = _state(callbacks={"0:C": {"state_dict": False, "attributes": {"n": 1}}})
+            state = _state({"M.calls": len(steps)} if self.calls else {},
+                           callbacks={"0:C": {"state_dict": False, "attributes": {"n": 1}}})
             write_records(Path(spec["record"].format(rank=rank)), steps,
                           None if kill else state, **changed)
         return Exited(1 if kill else 0)
@@ -694,16 +696,18 @@ def check(tmp_path, monkeypatch, runs: FakeRuns, **kwargs) -> rc.ResumeCheck:
 
 def test_an_exact_resume_removes_its_scratch_runs_and_warns_of_stateless_callbacks(
         tmp_path, monkeypatch):
-    runs = FakeRuns()
+    runs = FakeRuns(calls=True)
     result = check(tmp_path, monkeypatch, runs, callbacks=["m:C"])
     assert runs.names == ["straight", "crashed", "resumed"]
+    unread = Difference(0, "model", "M.calls is 6 after the resume, 9 uninterrupted")
     assert (result.exact, result.first, result.differences, result.unread) == \
-        (True, None, [], [])
+        (True, None, [], [unread])
     assert (result.plan, result.nproc, result.scratch) == (rc.CheckPlan(9, 3, 4), 1, None)
     assert list((tmp_path / "new" / "scratch").iterdir()) == []
     assert [(f.severity, f.measured) for f in result.findings] == [
         ("info", "resume is exact (9 steps, kill at step 4, resumed from step 3 in a new "
                  "process)"),
+        ("warning", f"model attribute differs after the resume, unread: {unread.detail}"),
         ("warning", "callback 0:C holds attributes and has no state_dict; they did not change "
                     "these 9 steps")]
     assert 0 < result.seconds < 60
