@@ -785,7 +785,7 @@ def test_an_exact_verdict_names_no_scratch_directory(tmp_path, monkeypatch, caps
 
 
 def test_the_verdict_replaces_a_torn_doctor_json_and_a_read_only_dir_is_a_user_error(tmp_path):
-    path = tmp_path / "new" / "doctor.json"
+    path = tmp_path / "new" / "run" / "doctor.json"
     rc.write_entry(path, {"exact": True})
     assert path.read_text() == json.dumps({"resume_check": {"exact": True}}, indent=2) + "\n"
     rc.write_entry(path, {"exact": False})
@@ -1071,6 +1071,9 @@ def test_a_scratch_run_that_fails_on_a_user_error_exits_2_with_the_error_in_its_
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
+    # one line-buffered stream on fd 1 for both: a kill keeps every line; fd 1 stays open
+    assert sys.stdout is sys.stderr and sys.stdout.fileno() == 1
+    assert sys.stdout.line_buffering and not sys.stdout.buffer.raw.closefd
     assert e.value.args == (2,) and threads == [3]
     assert (tmp_path / "bad.log").read_text().startswith(
         "ironloop: error: unknown config section 'nosuch'")
