@@ -572,6 +572,17 @@ def test_a_failed_scratch_run_stops_the_check_and_leaves_no_run_behind(tmp_path,
     assert runs["straight"].killed and not runs["crashed"].killed
 
 
+def test_a_straight_run_that_fails_after_the_crashed_one_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(rc, "fork_threads", lambda *args: None)
+    monkeypatch.setattr(rc, "_launch", lambda spec, scratch, name, *args: Exited(
+        {"straight": 70, "crashed": 1}.get(name, 0)))
+    (tmp_path / "straight.log").write_text("Traceback ...\nKeyError: 'x'\n")
+    with pytest.raises(rc.ResumeCheckError) as e:
+        rc.run_scratch(config(tmp_path), rc.CheckPlan(9, 3, 4), tmp_path, [], 1)
+    assert str(e.value) == (f"the resume check's straight run exited 70: KeyError: 'x' (its "
+                            f"whole output: {tmp_path / 'straight.log'})")
+
+
 def write_records(path: Path, steps, state=None, **changed) -> None:
     """A scratch run's record: a step line per step (``changed``: {step: record}), then its
     end state."""
@@ -1083,7 +1094,7 @@ def test_a_scratch_run_records_every_step_and_resumes_in_its_own_directory(tmp_p
                                                                          monkeypatch):
     """record_run in this process, as each scratch process runs it: the config's model and
     data, the spec's callbacks, the record of the rank, and the resume flag."""
-    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("RANK", raising=False)  # rank 0's record when not under torchrun
     cfg = config(tmp_path, "train.step_fn=tests.resume_cases:counting_step")
     spec = {"config": rc.scratch_config(cfg, rc.plan_for(3), tmp_path / "straight", False),
             "record": str(tmp_path / "straight-rank{rank}.jsonl"),
