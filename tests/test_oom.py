@@ -38,10 +38,23 @@ def test_a_half_precision_run_of_batch_one_is_not_told_to_halve_either_again():
     error = str(out_of_memory(run_at(0, 0, "bf16", **{"train.batch_size": 1}),
                               RuntimeError("")))
     assert "torch said: OOM\n" in error
-    assert "  1. train.batch_size=1 train.accumulation_steps=1 (same effective batch of 1," \
-        in error
-    assert "train.precision=bf16" not in error
-    assert "  2. activation checkpointing" in error
+    assert "train.batch_size=1 " not in error and "train.precision=bf16" not in error
+    assert "  1. activation checkpointing" in error
+
+
+def test_an_odd_batch_is_split_into_a_divisor_so_the_effective_batch_stays_exact():
+    def first_fix(bs: int, accum: int = 1) -> str:
+        error = str(out_of_memory(run_at(0, 0, **{"train.batch_size": bs,
+                                                  "train.accumulation_steps": accum}),
+                                  RuntimeError("")))
+        return error.split("  1. ")[1].splitlines()[0]
+
+    assert first_fix(7) == ("train.batch_size=1 train.accumulation_steps=7 (same effective "
+                            "batch of 7, 1/7 of the activation memory)")
+    assert first_fix(9, 2) == ("train.batch_size=3 train.accumulation_steps=6 (same effective "
+                               "batch of 18, 1/3 of the activation memory)")
+    assert first_fix(2) == ("train.batch_size=1 train.accumulation_steps=2 (same effective "
+                            "batch of 2, half the activation memory)")
 
 
 def test_gib_has_two_decimals():

@@ -27,9 +27,15 @@ def out_of_memory(run: Run, error: BaseException) -> OutOfMemory:
     else:
         used = f"allocated/reserved: not tracked on {device.type}"
     bs, accum = cfg.train.batch_size, cfg.train.accumulation_steps
-    half = max(1, bs // 2)
-    fixes = [f"train.batch_size={half} train.accumulation_steps={accum * bs // half} (same "
-             f"effective batch of {bs * accum}, half the activation memory)"]
+    # The largest batch that divides this one and is at most half of it: the effective batch
+    # stays exactly the same (7 is 1 x 7, where 3 x 2 would be 6). A batch of 1 cannot shrink.
+    smaller = next((d for d in range(bs // 2, 0, -1) if bs % d == 0), None)
+    fixes = []
+    if smaller is not None:
+        share = "half" if bs == 2 * smaller else f"1/{bs // smaller} of"
+        fixes.append(f"train.batch_size={smaller} train.accumulation_steps="
+                     f"{accum * bs // smaller} (same effective batch of {bs * accum}, {share} "
+                     f"the activation memory)")
     if precision == "fp32":
         fixes.append("train.precision=bf16 (about half the activation memory)")
     fixes.append("activation checkpointing in the model "
