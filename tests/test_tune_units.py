@@ -394,7 +394,7 @@ def test_a_trials_figures_come_from_its_windows_after_the_warm_up(clock, monkeyp
     fake = FakeFit(clock, [1.0, 0.25, 0.25, 0.125, 0.125])
     monkeypatch.setattr(trials, "fit", fake)
     monkeypatch.setattr(trials.resource, "getrusage",
-                        lambda who: types.SimpleNamespace(ru_maxrss=2048 * 1024))
+                        lambda who: types.SimpleNamespace(ru_maxrss=2048 * 1024 + 410))
     clock.now = 100.0
     marker = object()
     subj = subject({"train": {"batch_size": 8}}, loss_fn=marker)
@@ -403,7 +403,7 @@ def test_a_trials_figures_come_from_its_windows_after_the_warm_up(clock, monkeyp
     assert m.windows == [32.0, 64.0] and m.spread == (32.0, 64.0) and m.samples_per_s == 48.0
     assert m.step_ms == 187.5  # the median of 0.25, 0.25, 0.125, 0.125
     assert m.extra_s == 1.0 - 0.1875  # the warm-up step beyond a steady one
-    assert m.seconds == 0.5 + 1.75 + 0.5 and m.peak_mb == 2048.0
+    assert m.seconds == 0.5 + 1.75 + 0.5 and m.peak_mb == 2048.4  # MiB, to a tenth
     assert m.time_split == {"forward": 1.0}
     (model, train, val, cfg, callbacks, kwargs), = fake.calls
     assert isinstance(model, nn.Linear) and train is subj.train and val is None
@@ -768,8 +768,9 @@ class Items(torch.utils.data.Dataset):
 def test_tokens_per_sample_counts_a_language_models_integer_sequences():
     ids = torch.zeros(16, dtype=torch.long)
     tokens = torch.zeros(4, 16, dtype=torch.long)
-    assert output.tokens_per_sample((tokens, tokens)) == 16
-    assert output.tokens_per_sample([tokens, tokens]) == 16
+    labels = torch.zeros(4, dtype=torch.long)
+    assert output.tokens_per_sample((tokens, labels)) == 16  # the inputs, not the labels
+    assert output.tokens_per_sample([tokens, labels]) == 16
     assert output.tokens_per_sample((torch.zeros(4, 16), tokens)) is None  # floats
     assert output.tokens_per_sample((torch.zeros(4, 16, dtype=torch.bool), tokens)) is None
     assert output.tokens_per_sample((torch.zeros(4, 2, 8, dtype=torch.long), tokens)) is None
@@ -924,6 +925,12 @@ def test_the_table_without_a_winner_says_why_tuned_yaml_is_the_input(no_cuda):
     result.info["plan"] = {"pairs": 2}  # a tune of two pairs: both ran
     assert output.table(result).splitlines()[-1] == no_faster
     result.info["plan"] = {}  # the default: 4 pairs
+    assert output.table(result).splitlines()[-1].startswith("the budget ran out")
+    threads.pairs = {"ratios": [1.2, 1.3, 1.2, 1.1], "wins": False}
+    assert output.table(result).splitlines()[-1] == no_faster
+    del result.info["plan"]
+    assert output.table(result).splitlines()[-1] == no_faster
+    threads.pairs = {"ratios": [1.2, 1.3, 1.2], "wins": False}
     assert output.table(result).splitlines()[-1].startswith("the budget ran out")
     threads.kind = "trajectory"  # only free settings are applied
     assert output.table(result).splitlines()[-1] == no_faster
@@ -1088,10 +1095,12 @@ def trial_log(clock, monkeypatch):
     """run_trial replaced: each call is logged as (overrides, plan, deadline) and answered by
     ``trial_log.answer(overrides)`` (a Measure, or an exception to raise); it costs
     ``trial_log.cost`` seconds of the fake clock."""
-    log = types.SimpleNamespace(calls=[], cost=1.0, answer=lambda overrides: mk(100.0))
+    log = types.SimpleNamespace(calls=[], subjects=[], cost=1.0,
+                                answer=lambda overrides: mk(100.0))
 
     def run_trial(subj, overrides, plan, deadline):
         log.calls.append((dict(overrides), plan, deadline))
+        log.subjects.append(subj)
         clock.now += log.cost
         answer = log.answer(overrides)
         if isinstance(answer, BaseException):
@@ -1124,6 +1133,7 @@ def test_a_trials_deadline_is_three_times_its_share_and_within_the_budget(clock,
                                  (10.0, 1.0, 1000 + 33.0), (40.0, 0.0, 1100.0)):
         tuner.est_s, start = est, clock.now
         tuner.measure({"run.threads": 1}, extra)
+        assert trial_log.subjects[-1] is tuner.subject
         assert trial_log.calls[-1] == ({"run.threads": 1}, Plan(3, 5, 5),
                                        min(1100.0, deadline + start - 1000.0))
         clock.now = 1000.0
@@ -1502,7 +1512,7 @@ def _speed(overrides: dict) -> Measure:
         * (1.5 if overrides.get("train.precision") == "bf16" else 1) \
         * (1.5 if overrides.get("train.compile") else 1)
     return mk(sps, extra_s=10.0 if overrides.get("train.compile") else 0.0, seconds=1.0,
-              peak_mb=512.0)
+              peak_mb=512.0, step_ms=125.0)
 
 
 @pytest.fixture
@@ -1525,7 +1535,12 @@ def fabricated(tmp_path, clock, trial_log, monkeypatch):
 
 def test_a_tune_applies_the_free_winners_and_reports_the_trajectory_ones(fabricated, trial_log,
                                                                        tmp_path, capsys):
-    result = tune_mod._finish(fabricated, 1000.0, False, None, [])
+    result = tune_mod._finish(fabricated, 101.0, False, None, [])
+    # the probe's 1 s leaves 100: a share of 0.85 x 100 / (2 rows + 5 + 1 + 12) - 0.75 s of
+    # set-up = 3.5 s, 28 steps of 0.125 s
+    assert [call[1] for call in trial_log.calls[:3]] == [Plan(1, 1, 2)] + 2 * [
+        Plan(1, 5, 5, measure_s=3.125)]
+    assert {id(s) for s in trial_log.subjects} == {id(fabricated)}
     threads, compiled = {"run.threads": 1}, {"run.threads": 1, "train.compile": True}
     bf16 = {"run.threads": 1, "train.precision": "bf16"}
     micro = {"run.threads": 1, "train.batch_size": 8, "train.accumulation_steps": 1}
@@ -1557,7 +1572,7 @@ def test_a_tune_applies_the_free_winners_and_reports_the_trajectory_ones(fabrica
     run = tmp_path / "run"
     doc = json.loads((run / "tune.json").read_text())
     assert doc["chosen"] == result.chosen and doc["trajectory_winners"] == result.trajectory
-    assert doc["info"]["budget_s"] == 1000.0 and doc["info"]["plan"]["pairs"] == 4
+    assert doc["info"]["budget_s"] == 101.0 and doc["info"]["plan"]["pairs"] == 4
     assert doc["info"]["planned_samples"] == 12800 and doc["info"]["used_s"] == 30.0
     assert yaml.safe_load((run / "tuned.yaml").read_text()) == result.config.to_dict()
     out = capsys.readouterr().out
@@ -1592,13 +1607,18 @@ def _starts(trial_log):
     return [1000.0 + i * trial_log.cost for i in range(len(trial_log.calls))]
 
 
-def test_a_short_budget_holds_no_compile_reserve(fabricated, trial_log, clock, monkeypatch):
-    # the compile's trials run with no extra seconds: a trial's deadline, 1 s + 5 at least
-    monkeypatch.setattr(tune_mod, "COMPILE_RESERVE", 1e6)
-    tune_mod.run_tune(fabricated, 1000.0, "off")
+@pytest.mark.parametrize(("budget", "after", "trials"), [(52.0, 1.0 + 5.0, 1 + 4 * 2),
+                                                       (52.25, 31.25, 1)])
+def test_a_compile_reserve_is_held_only_beyond_a_trials_share(fabricated, trial_log, clock,
+                                                               budget, after, trials):
+    # 21 trials of 1 s before the compile's: 31 s left is 30 s of reserve and a trial's 1 s,
+    # not more: no reserve, and the compile's trials have a trial's deadline, 1 s + 5 at least;
+    # 31.25 s left holds it, and the deadline is the budget's end (with no room for pairs)
+    tune_mod.run_tune(fabricated, budget, "off")
     compiled = [call[2] - start for call, start in zip(trial_log.calls, _starts(trial_log))
-                if call[0].get("train.compile")]
-    assert len(compiled) == 1 + 4 and set(compiled) == {1.0 + 5.0}
+                if "train.compile" in call[0]]
+    pairs = [call for call in trial_log.calls[21:] if "train.compile" not in call[0]]
+    assert compiled[0] == after and len(compiled) + len(pairs) == trials
 
 
 def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeypatch):
