@@ -423,6 +423,7 @@ def test_a_trial_measured_in_seconds_stops_once_it_has_them(clock, monkeypatch, 
     m = trials.run_trial(subj, {}, Plan(1, 1, 2, measure_s=2.0), deadline=clock.now + 100)
     # 1 warm-up step, then 4 steps of 0.5 s make 2 s: two windows of 2 steps, 16 samples/s
     assert m.windows == [16.0, 16.0] and m.step_ms == 500.0 and m.extra_s == 0.0
+    assert m.time_split is None  # fit() did not return: no time table
     assert fake.calls[0][3].train.max_steps == 1 + 64 * 2  # room for a faster setting
 
 
@@ -1375,14 +1376,16 @@ def test_a_group_judges_rows_against_the_best_so_far(clock):
 
 
 @pytest.mark.parametrize(("left", "extra_s", "second"), [
-    (9.0, 0.0, "ok"), (8.75, 0.0, "skipped"), (10.0, 0.5, "ok"), (9.75, 0.5, "skipped")])
+    (9.0, 0.0, "ok"), (8.75, 0.0, "skipped"), (10.0, 0.5, "ok"), (9.75, 0.5, "skipped"),
+    (1.0, 0.0, "skipped")])  # nothing held before a row screens faster
 def test_once_a_row_screens_faster_the_screen_holds_its_pairs_budget(clock, left, extra_s, second):
     # est 1 s: 4 pairs of 2 trials hold 8 s, plus the setting's extra seconds
     speeds = {(): 100.0, (("run.threads", 1),): 200.0, (("run.threads", 2),): 100.0}
     tuner, _ = _group_tuner(clock, speeds, est_s=1.0, left=left)
     first, then = Row("run.threads=1", {"run.threads": 1}), Row("run.threads=2", {"run.threads": 2})
     tuner.group([first, then], {}, tuner.baseline, extra_s=extra_s)
-    assert then.status == second and first.won
+    assert first.status == "ok" and then.status == second
+    assert first.won == (left >= 2 * 1.0 + extra_s)  # room for its pairs
     if second == "skipped":
         assert then.reason == (f"budget: needs ~{1 + extra_s:.0f} s, {left:.0f} s left, "
                                f"{8 + extra_s:.0f} s of them held for the paired runs")
@@ -1417,6 +1420,10 @@ def test_a_paired_trial_that_fails_ends_the_pairs_without_a_win(clock):
     tuner.measure = measure
     assert tuner._pairs({}, {"run.threads": 1}, 0.0) == tune_mod.Paired(
         [2.0], False, 1.0, (1.0, 1.0), "a paired trial failed: RuntimeError: oom")
+    answers = iter([mk(100.0)] * 8)  # as fast as the config: no faster, so no more pairs
+    verdict = tuner._pairs({}, {"run.threads": 1}, 0.0)
+    assert verdict.ratios == [1.0] and verdict.why == "1 of 1 pairs not faster"
+    assert len(list(answers)) == 6
 
 
 def test_the_screens_verdicts_and_a_compile_that_does_not_pay():
