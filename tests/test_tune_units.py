@@ -771,6 +771,7 @@ def test_tokens_per_sample_counts_a_language_models_integer_sequences():
     tokens = torch.zeros(4, 16, dtype=torch.long)
     labels = torch.zeros(4, dtype=torch.long)
     assert output.tokens_per_sample((tokens, labels)) == 16  # the inputs, not the labels
+    assert output.tokens_per_sample((tokens[:1], labels[:1])) == 16  # the first sample's
     assert output.tokens_per_sample([tokens, labels]) == 16
     assert output.tokens_per_sample((torch.zeros(4, 16), tokens)) is None  # floats
     assert output.tokens_per_sample((torch.zeros(4, 16, dtype=torch.bool), tokens)) is None
@@ -937,6 +938,17 @@ def test_the_table_without_a_winner_says_why_tuned_yaml_is_the_input(no_cuda):
     assert output.table(result).splitlines()[-1] == no_faster
     threads.kind, result.chosen = "free", {"x": 1}
     assert output.table(result).splitlines()[-1].startswith("run time at")
+
+
+def test_the_table_of_free_settings_shows_the_baseline_even_with_none_tried(no_cuda):
+    result = _result()
+    result.rows = [r for r in result.rows if r.kind == "trajectory"]
+    lines = output.table(result).splitlines()
+    assert lines[4:8] == [
+        "settings that cannot change the trajectory (tune applies the chosen ones):", HEAD,
+        _line("baseline (the config as it is)", "     1,234  1,200-1,300       1.00    86 min",
+              ""), ""]
+    assert lines[8].startswith("settings that change the trajectory")
 
 
 def test_the_time_split_leaves_out_the_parts_under_half_a_percent(no_cuda):
