@@ -12,7 +12,9 @@ import uuid
 import pytest
 
 from ironloop.errors import UserError
-from ironloop.state import remote_lease
+from ironloop.state import remote as remote_module, remote_lease
+from ironloop.state.io import file_digest
+from ironloop.state.remote import Mirror, fetch_newest, restore_logs
 from ironloop.state.remote_lease import Holder, Lease
 from ironloop.state.remote_store import open_remote
 
@@ -101,3 +103,137 @@ def test_release_marks_the_lease_released_without_waiting_on_a_stalled_store(rem
     while not wrote and time.monotonic() < deadline:
         time.sleep(0.01)
     assert remote_lease.read(remote).released
+
+
+# ---------------------------------------------------------------------------------- mirror --
+def _checkpoint(folder, step: int, data: bytes):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:08d}.pt"
+    path.write_bytes(data)
+    return path
+
+
+def _landed(mirror, step: int) -> None:
+    deadline = time.monotonic() + 10
+    while step not in mirror.uploaded + mirror.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_the_mirror_uploads_each_checkpoint_with_its_manifest_and_keeps_the_newest(
+        remote, tmp_path):
+    said: list[str] = []
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=2, warn=said.append,
+                    logs_from=run_dir)
+    for step, best in [(1, True), (2, False), (3, False), (4, False)]:
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", best, mirror.snapshot_logs(step))
+        _landed(mirror, step)
+    assert mirror.close() == f"remote: 4 checkpoint(s) uploaded to {remote.url}, the newest step 4"
+    assert said == []
+    # keep_last=2: steps 3 and 4, and step 1, the newest best save; step 2 is deleted
+    assert remote.manifests() == [1, 3, 4]
+    assert sorted(remote.step_objects()) == [1, 3, 4]
+    manifest = remote.manifest(4)
+    path = tmp_path / "ck" / "step-00000004.pt"
+    assert {k: manifest[k] for k in ("format", "step", "kind", "best", "world_size")} == \
+        {"format": 1, "step": 4, "kind": "file", "best": False, "world_size": 1}
+    assert manifest["files"] == {"step-00000004.pt": {"blake2b": file_digest(path),
+                                                      "size": len(b"weights 4")}}
+    assert list(manifest["logs"]) == ["logs/step-00000004/metrics.jsonl"]
+    assert remote_lease.read(remote).released  # the run's end lets the prefix go
+    assert not (tmp_path / "staging").exists() or not any((tmp_path / "staging").iterdir())
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_new_node_fetches_the_newest_checkpoint_and_its_logs(remote, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail,
+                    logs_from=run_dir)
+    for step in (1, 2):
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", step == 1, mirror.snapshot_logs(step))
+        _landed(mirror, step)
+    mirror.close()
+    new = tmp_path / "new"
+    new.mkdir()
+    checked, seen = [], []
+    got = fetch_newest(remote, new / "checkpoints", -1, pytest.fail, verified=seen.append,
+                       check=checked.append)
+    assert got == new / "checkpoints" / "step-00000002.pt"
+    assert got.read_bytes() == b"weights 2" and [p.name for p in checked] == [got.name]
+    assert checked[0].parent.name.startswith(".remote-step-00000002.tmp-")  # checked in place
+    assert [m["step"] for m in seen] == [2]
+    assert [p.name for p in (new / "checkpoints").iterdir()] == ["step-00000002.pt"]
+    assert fetch_newest(remote, new / "checkpoints", 2, pytest.fail) is None  # none newer
+    best = fetch_newest(remote, new / "best", -1, pytest.fail, best=True)
+    assert best.read_bytes() == b"weights 1"
+    where = remote.show("logs/step-00000002")
+    assert restore_logs(remote, seen[0], new) == (
+        f"notice: restored metrics.jsonl from {where}: the run's logs up to step 2")
+    assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in new.iterdir() if p.name.startswith(".")] == []  # no temp folder
+    assert restore_logs(remote, seen[0], new) == (  # run.dir's own logs are never replaced
+        f"notice: kept run.dir's own metrics.jsonl; the remote's logs at step 2 ({where}) were "
+        f"not downloaded (delete the local ones to take them)")
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_damaged_remote_checkpoint_is_skipped_for_the_older_one(remote, tmp_path):
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
+    for step in (1, 2):
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", False)
+        _landed(mirror, step)
+    mirror.close()
+    remote.write("step-00000002.pt", b"weights X")  # same size, other bytes
+    said: list[str] = []
+    got = fetch_newest(remote, tmp_path / "new", -1, said.append)
+    assert got.read_bytes() == b"weights 1"
+    assert said == [f"remote checkpoint {remote.show('step-00000002')} is damaged "
+                    f"(step-00000002.pt checksum mismatch); falling back to an older one"]
+    remote.delete("step-00000001.pt")
+    said.clear()
+    assert fetch_newest(remote, tmp_path / "newer", 0, said.append) is None
+    assert said[-1] == (f"remote checkpoint {remote.show('step-00000001')} is damaged "
+                        f"(step-00000001.pt missing); falling back to an older one")
+
+
+def test_an_upload_that_fails_is_retried_with_a_growing_wait_and_each_try_is_told(
+        remote, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_module, "_BACKOFF_S", 0.01)
+    said: list[str] = []
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, retries=3, warn=said.append)
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise OSError("connection reset\nby peer")
+        return "landed"
+
+    assert mirror._retry("step-00000001.pt", flaky) == "landed"
+    assert said == [
+        f"warning: uploading step-00000001.pt to {remote.url} failed (connection reset); "
+        f"retry 1 of 3 in 0.01 s",
+        f"warning: uploading step-00000001.pt to {remote.url} failed (connection reset); "
+        f"retry 2 of 3 in 0.02 s"]
+    tries.clear()
+
+    def down():
+        tries.append(1)
+        raise OSError("connection refused")
+
+    with pytest.raises(OSError):  # one more failure than retries: given up
+        mirror._retry("x", down)
+    assert len(tries) == 4
+    refused = UserError("checkpoint.remote is in use by another run")
+    said.clear()
+    with pytest.raises(UserError):  # another run's prefix: retrying cannot help
+        mirror._retry("x", lambda: (_ for _ in ()).throw(refused))
+    assert said == []
