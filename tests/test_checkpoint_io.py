@@ -221,6 +221,42 @@ def test_missing_foreign_and_unreadable_files_are_named(tmp_path):
         load_verified(tmp_path / "dir.pt")
 
 
+def test_each_load_failure_has_a_short_reason_for_the_fallback_warning(tmp_path, monkeypatch):
+    def reason(path) -> str:
+        with pytest.raises(ckio.LoadFailure) as e:
+            ckio.load_checked(path, "cpu")
+        return e.value.reason
+
+    torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
+    assert reason(tmp_path / "foreign.pt") == "not an ironloop checkpoint"
+    (tmp_path / "text.pt").write_text("hello world, a text file\nand more")
+    assert reason(tmp_path / "text.pt") == ("not a file torch.save wrote: it starts with "
+                                            "'hello world, a text file'")
+    # torch's legacy format is a pickle (0x80): not foreign, cut short
+    (tmp_path / "legacy.pt").write_bytes(b"\x80\x05")
+    assert reason(tmp_path / "legacy.pt") == "EOFError"
+    assert reason(tmp_path / "missing.pt") == "missing"
+
+    def refused(*args, **kwargs):
+        raise PermissionError()  # no strerror: named by its type
+
+    monkeypatch.setattr(torch, "load", refused)
+    assert reason(tmp_path / "foreign.pt") == "PermissionError"
+
+
+def test_a_pickle_with_an_unsupported_operation_is_damaged_naming_it(tmp_path, monkeypatch):
+    def bad(*args, **kwargs):
+        raise pickle.UnpicklingError("Weights only load failed. Unsupported operand 149")
+
+    monkeypatch.setattr(torch, "load", bad)
+    (tmp_path / "x.pt").write_bytes(b"PK")
+    with pytest.raises(CheckpointError) as e:
+        load_verified(tmp_path / "x.pt")
+    assert str(e.value) == (f"{tmp_path / 'x.pt'} is damaged or not a checkpoint (unreadable "
+                            f"pickle data: Unsupported operand 149); resume from another "
+                            f"checkpoint or start over")
+
+
 @pytest.mark.parametrize("where", ["write", "fsync"])
 def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
     path = tmp_path / "ckpt.pt"
