@@ -90,3 +90,36 @@ def test_a_resume_from_another_lineage_may_not_delete_run_dirs_newer_checkpoints
                             f"{(run / 'checkpoints').resolve()}'s own checkpoints")
     rundir._refuse_other_lineage(run, own, 5)  # its own: a rewind may delete its future
     rundir._refuse_other_lineage(run, other, 9)  # nothing newer than step 9
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_new_node_resumes_from_the_remotes_newest_good_checkpoint_warning_once(
+        tmp_path, capsys):
+    import uuid
+
+    from ironloop.state.remote import Mirror, open_remote
+
+    url = f"memory://rundir-{uuid.uuid4().hex}/prefix"
+    store = open_remote(url)
+    old = tmp_path / "old"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(store, tmp_path / "staging", keep_last=3, warn=pytest.fail, logs_from=old)
+    for step in (1, 2):
+        path = _checkpoint(old / "checkpoints", step)
+        mirror.push(step, {path.name: path}, "file", True, mirror.snapshot_logs(step))
+        assert mirror.close() is not None and mirror.uploaded[-1] == step
+    store.write("step-00000002.pt", b"rot")  # the newest, damaged: both fetches meet it
+    cfg = Config().with_overrides({"checkpoint.remote": url})
+    new = tmp_path / "new"
+    said: list[str] = []
+    path, state = rundir.latest(new / "checkpoints", cfg, World(), said.append)
+    assert path == new / "checkpoints" / "step-00000001.pt" and rundir._step_of(state) == 1
+    assert said == [f"remote checkpoint {store.show('step-00000002')} is damaged "
+                    f"(step-00000002.pt checksum mismatch); falling back to an older one"]
+    assert (new / "checkpoints" / "best.pt").is_file()  # the final restore reads it
+    assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    out = capsys.readouterr().out
+    assert f"notice: restored metrics.jsonl from {store.show('logs/step-00000001')}" in out
+    assert (f"notice: fetched {store.show('step-00000001.pt')} into {path}: it is newer than "
+            f"anything in run.dir") in out
