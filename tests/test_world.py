@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from datetime import timedelta
 
 import pytest
@@ -215,6 +216,7 @@ def test_an_elastic_restart_joins_through_a_fresh_store(monkeypatch, tmp_path):
     assert call == {"backend": "gloo", "timeout": timedelta(seconds=900), "rank": 0,
                     "world_size": 1}
     host, port = agent.get("ironloop/attempt_2/store").decode().rsplit(":", 1)
+    assert host == socket.gethostname()  # rank 0 hosts it
     assert isinstance(store, dist.TCPStore) and store.port == int(port)
 
 
