@@ -175,7 +175,16 @@ def test_fsdp_micro_batches_sync_and_reshard_only_in_the_last(one_rank):
     assert [(g.reduce_grads, g.reshard_after_backward) for g in groups] == [(True, True)] * 3
 
 
-def test_the_full_model_state_of_a_sharded_model_is_whole_plain_tensors(one_rank):
+def test_the_full_model_state_of_a_sharded_model_is_whole_plain_tensors(one_rank, monkeypatch):
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    asked, real = [], torch_state_dict.get_model_state_dict
+
+    def recorded(model, options):  # torch's own, with the options it was given noted
+        asked.append(options)
+        return real(model, options=options)
+
+    monkeypatch.setattr(torch_state_dict, "get_model_state_dict", recorded)
     plain = Net()
     expected = {k: v.clone() for k, v in plain.state_dict().items()}
     net = dp.shard(plain, [], "fp32")
@@ -185,6 +194,8 @@ def test_the_full_model_state_of_a_sharded_model_is_whole_plain_tensors(one_rank
     for k, v in state.items():
         assert type(v) is torch.Tensor and v.device.type == "cpu"
         assert torch.equal(v, expected[k])
+    # on GPUs: the whole tensors land in host memory (rank 0's), not on every rank's device
+    assert [(o.full_state_dict, o.cpu_offload) for o in asked] == [(True, True)]
     whole = dp.full_tensor(net.embed.weight)
     assert type(whole) is torch.Tensor and torch.equal(whole, expected["embed.weight"])
 
@@ -193,3 +204,16 @@ def test_the_full_model_state_of_an_unsharded_model_is_its_state_dict():
     net, t = Net(), torch.ones(2)
     assert list(dp.full_model_state(net)) == list(net.state_dict())
     assert dp.full_tensor(t) is t and not dp.is_sharded(t)
+
+
+def test_a_cuda_ranks_ddp_is_pinned_to_its_own_device(monkeypatch):
+    made = []
+
+    class DDP:  # torch's DDP needs the GPU itself: what it is given is what matters here
+        def __init__(self, module, device_ids):
+            made.append(device_ids)
+
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", DDP)
+    wrapped, strategy = dp.wrap(Net(), Config(), World(rank=1, size=2), torch.device("cuda", 1),
+                                "bf16")
+    assert isinstance(wrapped, DDP) and strategy == "ddp" and made == [[1]]

@@ -30,6 +30,20 @@ def test_an_elastic_restart_gets_a_fresh_store_that_rank_0_hosts_and_every_rank_
     assert other.timeout == host.timeout == joining
 
 
+def test_a_rank_reaches_a_fresh_store_at_an_ipv6_address():
+    """The port is what follows the address's last colon."""
+    try:
+        host = dist.TCPStore("::1", 0, 2, is_master=True, timeout=timedelta(seconds=5),
+                             wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no IPv6 loopback here
+        pytest.skip("no IPv6 loopback")
+    agent = dist.HashStore()
+    agent.set("ironloop/attempt_3/store", f"::1:{host.port}")
+    other = _fresh_store(agent, 1, 2, "3", timedelta(seconds=5))
+    host.set("k", "v")
+    assert other.get("k") == b"v"
+
+
 def _rank_zero(store_path: str, expected: dict) -> None:
     """Rank 0, in a forked process: 4 samples whose losses sum to 3.0 and accuracies to 2.0."""
     code = 1
