@@ -245,3 +245,31 @@ def test_check_any_verifies_a_sharded_directory_and_a_file(tmp_path):
         sharded.check_any(tmp_path / "step-00000003.dcp")
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         sharded.check_any(tmp_path / "step-00000003.pt")
+
+
+def test_a_damaged_directorys_short_reason_says_which_file_and_how(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    step = tmp_path / "step-00000003.dcp"
+    with open(step / "extras-rank0.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert e.value.reason == "extras-rank0.pt changed"
+    os.unlink(step / "extras-rank0.pt")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert e.value.reason == "extras-rank0.pt missing"
+
+
+def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    other = torch.nn.Linear(8, 3)
+    with pytest.raises(CheckpointError) as e:
+        sharded.load_sharded(tmp_path / "last.dcp", other,
+                             torch.optim.AdamW(other.parameters(), lr=1e-2))
+    assert str(e.value).startswith(f"{tmp_path / 'last.dcp'} does not fit this model or "
+                                   f"optimizer (")
+    assert str(e.value).endswith("); check that model.name, model.kwargs and optim.name match "
+                                 "the run that wrote it")
