@@ -103,8 +103,8 @@ def test_what_the_mirror_writes_passes_unchanged(good):
     ("an entry a string", f"its manifest's entry for {PT} is a string, not an object"),
     ("a log entry a number", f"its manifest's entry for logs/step-{STEP:08d}/metrics.jsonl is "
                              f"a int, not an object"),
-    ("two files for a .pt", f"its manifest's files names 'step-00000012.pt.x', which is not a "
-                            f"file of this checkpoint"),
+    ("two files for a .pt", "its manifest's files names 'step-00000012.pt.x', which is not a "
+                            "file of this checkpoint"),
     ("no files", f"its manifest's files do not name one checkpoint {PT}"),
     ("size negative", f"its manifest's size of {PT} is -1"),
     ("digest short", f"its manifest's digest of {PT} is not a blake2b digest"),

@@ -3,6 +3,7 @@ names, the mirror's retries and retention. The end-to-end runs are in tests/test
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -237,3 +238,26 @@ def test_an_upload_that_fails_is_retried_with_a_growing_wait_and_each_try_is_tol
     with pytest.raises(UserError):  # another run's prefix: retrying cannot help
         mirror._retry("x", lambda: (_ for _ in ()).throw(refused))
     assert said == []
+
+
+def test_rank_0_waits_for_the_other_ranks_files_unless_a_newer_checkpoint_supersedes_it(
+        remote, tmp_path, monkeypatch):
+    from ironloop.state.remote import _Job
+
+    monkeypatch.setattr(remote_module, "_POLL_S", 0.01)
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=2, warn=pytest.fail)
+    dcp = "step-00000005.dcp"
+    files = {f"{dcp}/__1_0.distcp": {"blake2b": "ab" * 64, "size": 3}}
+    newer = _Job(6, "dcp", False, tmp_path / "s6", world_size=2)
+    mirror._pending = [newer]  # a newer checkpoint waits behind this one
+    job = _Job(5, "dcp", False, tmp_path / "s5", world_size=2)
+    with pytest.raises(TimeoutError, match="^superseded while rank 1 uploads$"):
+        mirror._other_ranks(job)
+    best = _Job(5, "dcp", True, tmp_path / "s5", world_size=2)  # a best save is never dropped
+    marker = threading.Timer(0.2, lambda: remote.write(
+        "manifests/step-00000005.rank1.json", json.dumps({"rank": 1, "files": files}).encode()))
+    marker.start()
+    try:
+        assert mirror._other_ranks(best) == files
+    finally:
+        marker.join()
