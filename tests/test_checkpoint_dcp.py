@@ -210,3 +210,66 @@ def test_export_consolidates_a_sharded_checkpoint(tmp_path):
         torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
     with pytest.raises(UserError, match="last.dcp"):
         export_run(run_dir, tmp_path / "b.safetensors", which="best")
+
+
+def test_an_async_save_commits_only_once_it_is_waited_for(tmp_path, monkeypatch):
+    from concurrent.futures import Future
+
+    writes = []
+
+    def async_save(state, checkpoint_id, process_group):  # torch's, done at once (its own
+        sharded.dcp.save(state, checkpoint_id=checkpoint_id)  # thread costs seconds here)
+        writes.append(process_group)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(sharded.dcp, "async_save", async_save)
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=3, async_write=True)
+    _save(manager, 2)
+    assert writes == [None]  # one process: no group of its own
+    assert not (tmp_path / "step-00000002.dcp").exists()  # committed only once waited for
+    manager.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp", "step-00000002.dcp"]
+    path, state = sharded.latest_valid(tmp_path, warn=pytest.fail)
+    assert path.name == "last.dcp" and state["progress"]["step"] == 2
+
+
+def test_check_any_verifies_a_sharded_directory_and_a_file(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    sharded.check_any(tmp_path / "step-00000003.dcp")
+    extras = tmp_path / "step-00000003.dcp" / "extras-rank0.pt"
+    os.unlink(extras)
+    with pytest.raises(CheckpointError, match=r"extras-rank0\.pt does not match its manifest "):
+        sharded.check_any(tmp_path / "step-00000003.dcp")
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        sharded.check_any(tmp_path / "step-00000003.pt")
+
+
+def test_a_damaged_directorys_short_reason_says_which_file_and_how(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    step = tmp_path / "step-00000003.dcp"
+    with open(step / "extras-rank0.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert e.value.reason == "extras-rank0.pt changed"
+    os.unlink(step / "extras-rank0.pt")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert e.value.reason == "extras-rank0.pt missing"
+
+
+def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    other = torch.nn.Linear(8, 3)
+    with pytest.raises(CheckpointError) as e:
+        sharded.load_sharded(tmp_path / "last.dcp", other,
+                             torch.optim.AdamW(other.parameters(), lr=1e-2))
+    assert str(e.value).startswith(f"{tmp_path / 'last.dcp'} does not fit this model or "
+                                   f"optimizer (")
+    assert str(e.value).endswith("); check that model.name, model.kwargs and optim.name match "
+                                 "the run that wrote it")

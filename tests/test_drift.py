@@ -47,6 +47,54 @@ def test_a_new_allocation_may_change_the_per_rank_batch_but_not_the_global_one()
                     worlds=(2, 2))
 
 
+def test_each_accepted_change_is_told_with_why_it_is_safe_or_what_it_does():
+    old = {"train": {"epochs": 2, "batch_size": 8, "accumulation_steps": 1},
+           "optim": {"lr": 0.1, "weight_decay": 0.0}, "schedule": {"name": "cosine"},
+           "model": {"name": "mlp", "kwargs": {"hidden": 4}}, "log": {"every_steps": 5}}
+    new = {"train": {"epochs": 3, "batch_size": 4, "accumulation_steps": 2},
+           "optim": {"lr": 0.0, "weight_decay": 0.1}, "schedule": {"name": "cosine"},
+           "model": {"name": "mlp", "kwargs": {"hidden": 8}}, "log": {"every_steps": 1}}
+    said: list[str] = []
+    bound = drift.check(old, new, allow=True, say=said.append)
+    assert bound == [("train.epochs", 2, 3), ("optim.weight_decay", 0.0, 0.1),
+                     ("model.kwargs", {"hidden": 4}, {"hidden": 8})]
+    assert said == [
+        "notice: resuming with train.batch_size: 8 -> 4 (the same 8 samples per optimizer step "
+        "over 1 rank(s))",
+        "notice: resuming with train.accumulation_steps: 1 -> 2 (the same 8 samples per "
+        "optimizer step over 1 rank(s))",
+        "notice: resuming with optim.lr: 0.1 -> 0.0 (every step from here runs at LR 0: the "
+        "weights stay as they are)",
+        "notice: resuming with log.every_steps: 5 -> 1 (cannot change the weights)",
+        "notice: --allow-config-change: train.epochs: 2 -> 3 (the run's length; the LR schedule "
+        "keeps the length it was built with)",
+        "notice: --allow-config-change: optim.weight_decay: 0.0 -> 0.1 (values held in the "
+        "optimizer or scheduler state keep the checkpoint's)",
+        "notice: --allow-config-change: model.kwargs: {'hidden': 4} -> {'hidden': 8} (applies "
+        "from the resumed step on)",
+    ]
+
+
+def test_a_dict_valued_key_is_one_value_and_a_key_only_one_side_has_is_no_change():
+    tree = {"model": {"name": "mlp", "kwargs": {"hidden": {"width": 4}}}, "seed": 1}
+    assert drift.flatten(tree) == {"model.name": "mlp", "model.kwargs": {"hidden": {"width": 4}},
+                                   "seed": 1}
+    assert drift.changes({"guard": {"on": True}, "seed": 1}, {"seed": 2}) == [("seed", 1, 2)]
+    assert drift.global_window({"train": {"batch_size": 8}}, 2) is None
+    assert drift.global_window({"train": {"accumulation_steps": 2}}, 2) is None
+    assert drift.global_window({"train": {"batch_size": 8, "accumulation_steps": 3}}, 2) == 48
+
+
+def test_a_per_rank_batch_change_without_a_recorded_window_is_refused():
+    old, new = {"train": {"batch_size": 8}}, {"train": {"batch_size": 4}}
+    with pytest.raises(ConfigError, match=r"train\.batch_size: 8 -> 4"):
+        drift.check(old, new, allow=False)
+    assert drift.check({"optim": {"lr": 0.1}}, {"optim": {"lr": 0.0}}, allow=False,
+                       say=lambda _: None) == []  # LR 0 freezes the weights: free
+    with pytest.raises(ConfigError, match=r"optim\.lr: 0\.0 -> 0\.1"):  # unfreezing is not
+        drift.check({"optim": {"lr": 0.0}}, {"optim": {"lr": 0.1}}, allow=False)
+
+
 def lrs(run_dir) -> list[float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))

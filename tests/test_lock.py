@@ -6,11 +6,14 @@ here that hold the lock until the test writes to their pipe: no training run, no
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -33,6 +36,30 @@ def test_the_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
         pass
     with lock.hold(tmp_path):  # released: taken again
         pass
+
+
+def test_the_lock_file_names_its_holder_and_its_start_and_is_readable_by_all(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    with lock.hold(tmp_path / "run"):
+        lock.claim(tmp_path / "run")  # the run went on: its lock file stays
+        path = tmp_path / "run" / lock.LOCK_NAME
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644 & ~umask
+        record = json.loads(path.read_text())
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+", record["started"])
+        assert lock.holder(tmp_path / "run") == (f"pid {os.getpid()} on {socket.gethostname()}, "
+                                                 f"started {record['started']}")
+        other = os.open(path, os.O_RDWR)  # another open file: flock refuses it while held
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    other = os.open(path, os.O_RDWR)  # let go: free for the next run
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
 
 
 HOLDER = """

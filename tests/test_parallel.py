@@ -101,3 +101,119 @@ def test_under_fsdp_a_rank_with_fewer_eval_batches_owes_the_others_their_forward
     assert dp.extra_forwards(net, two, 5, 2, done=2) == 0
     assert dp.extra_forwards(Net(), two, 5, 2, done=1) == 0  # DDP: every forward is local
     assert dp.extra_forwards(net, World(), 5, 2, done=1) == 0  # one process: nobody waits
+
+
+def test_one_process_trains_the_users_module_itself():
+    net = Net()
+    assert dp.wrap(net, Config(), World(), torch.device("cpu"), "fp32") == (net, "none")
+
+
+def test_a_strategy_none_on_several_processes_names_the_count_and_the_ways_out():
+    with pytest.raises(ConfigError) as e:
+        resolve_strategy(Config().with_overrides({"dist.strategy": "none"}), World(size=3))
+    assert str(e.value) == ("dist.strategy='none' on 3 processes would train 3 copies that never "
+                            "sync; use ddp or fsdp, or launch one process")
+
+
+def test_a_model_named_as_its_own_block_is_not_one_of_its_blocks():
+    with pytest.raises(ConfigError, match=r"dist.fsdp_modules=\['Block'\]: the model has no "
+                                          r"such submodule; its module classes are Block, "
+                                          r"Linear$"):
+        fsdp_blocks(Block(), ["Block"])
+
+
+def test_ddp_on_cpu_wraps_the_model_without_device_ids_and_syncs_only_the_last_micro_batch(
+        one_rank):
+    net = Net()
+    ddp, strategy = dp.wrap(net, Config(), World(size=2), torch.device("cpu"), "fp32")
+    assert strategy == "ddp"
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is net
+    assert ddp.device_ids is None
+    with dp.micro_sync(ddp, last=False):
+        assert not ddp.require_backward_grad_sync  # no_sync: gradients stay local
+    assert ddp.require_backward_grad_sync
+    with dp.micro_sync(ddp, last=True):
+        assert ddp.require_backward_grad_sync
+
+    class Compiled(nn.Module):  # what torch.compile returns: the wrapped module as _orig_mod
+        def __init__(self):
+            super().__init__()
+            self._orig_mod = ddp
+
+    with dp.micro_sync(Compiled(), last=False):
+        assert not ddp.require_backward_grad_sync
+
+
+def test_fsdp_wrap_shards_the_named_blocks_with_the_runs_precision(one_rank):
+    net = Net()
+    cfg = Config().with_overrides({"dist.strategy": "fsdp", "dist.fsdp_modules": ["Block"]})
+    wrapped, strategy = dp.wrap(net, cfg, World(size=2), torch.device("cpu"), "bf16")
+    assert wrapped is net and strategy == "fsdp"
+    assert dp.is_fsdp(net.blocks[0]) and dp.is_fsdp(net.blocks[1])
+    assert not dp.is_fsdp(net.head[1])  # not named: the root's
+    policy = net.blocks[0]._get_fsdp_state()._mp_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("precision, param, reduce", [("bf16", torch.bfloat16, torch.float32),
+                                                     ("fp16", torch.float16, torch.float32),
+                                                     ("fp32", None, None)])
+def test_sharded_gradients_are_reduced_in_fp32_under_low_precision(one_rank, precision, param,
+                                                                    reduce):
+    net = dp.shard(Net(), [], precision)
+    for module in (net, net.blocks[0]):
+        policy = module._get_fsdp_state()._mp_policy
+        assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
+
+
+def test_fsdp_micro_batches_sync_and_reshard_only_in_the_last(one_rank):
+    net = dp.shard(Net(), [], "fp32")
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in (net, net.blocks[0], net.head[1])]
+    dp.micro_sync(net, last=False)
+    assert [(g.reduce_grads, g.reshard_after_backward) for g in groups] == [(False, False)] * 3
+    dp.micro_sync(net, last=True)
+    assert [(g.reduce_grads, g.reshard_after_backward) for g in groups] == [(True, True)] * 3
+
+
+def test_the_full_model_state_of_a_sharded_model_is_whole_plain_tensors(one_rank, monkeypatch):
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    asked, real = [], torch_state_dict.get_model_state_dict
+
+    def recorded(model, options):  # torch's own, with the options it was given noted
+        asked.append(options)
+        return real(model, options=options)
+
+    monkeypatch.setattr(torch_state_dict, "get_model_state_dict", recorded)
+    plain = Net()
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    net = dp.shard(plain, [], "fp32")
+    assert dp.is_sharded(net.embed.weight) and not dp.is_sharded(expected["embed.weight"])
+    state = dp.full_model_state(net)
+    assert list(state) == list(expected)
+    for k, v in state.items():
+        assert type(v) is torch.Tensor and v.device.type == "cpu"
+        assert torch.equal(v, expected[k])
+    # on GPUs: the whole tensors land in host memory (rank 0's), not on every rank's device
+    assert [(o.full_state_dict, o.cpu_offload) for o in asked] == [(True, True)]
+    whole = dp.full_tensor(net.embed.weight)
+    assert type(whole) is torch.Tensor and torch.equal(whole, expected["embed.weight"])
+
+
+def test_the_full_model_state_of_an_unsharded_model_is_its_state_dict():
+    net, t = Net(), torch.ones(2)
+    assert list(dp.full_model_state(net)) == list(net.state_dict())
+    assert dp.full_tensor(t) is t and not dp.is_sharded(t)
+
+
+def test_a_cuda_ranks_ddp_is_pinned_to_its_own_device(monkeypatch):
+    made = []
+
+    class DDP:  # torch's DDP needs the GPU itself: what it is given is what matters here
+        def __init__(self, module, device_ids):
+            made.append(device_ids)
+
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", DDP)
+    wrapped, strategy = dp.wrap(Net(), Config(), World(rank=1, size=2), torch.device("cuda", 1),
+                                "bf16")
+    assert isinstance(wrapped, DDP) and strategy == "ddp" and made == [[1]]

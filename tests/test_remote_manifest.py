@@ -91,3 +91,30 @@ def test_bytes_that_are_not_json_are_refused(data):
                          ids=["file", "dcp", "older, without logs"])
 def test_what_the_mirror_writes_passes_unchanged(good):
     assert checked(json.dumps(good).encode(), STEP) == good
+
+
+@pytest.mark.parametrize("case, message", [
+    ("files a list", "its manifest's files is a list, not an object"),
+    ("logs a list", "its manifest's logs is a list, not an object"),
+    ("another step's file", "its manifest's files names 'step-00000011.pt', which is not a file "
+                            "of this checkpoint"),
+    ("a log that is not a run's log", "its manifest's logs names 'logs/step-00000012/.bashrc', "
+                                      "which is not a file of this checkpoint"),
+    ("an entry a string", f"its manifest's entry for {PT} is a string, not an object"),
+    ("a log entry a number", f"its manifest's entry for logs/step-{STEP:08d}/metrics.jsonl is "
+                             f"a int, not an object"),
+    ("two files for a .pt", "its manifest's files names 'step-00000012.pt.x', which is not a "
+                            "file of this checkpoint"),
+    ("no files", f"its manifest's files do not name one checkpoint {PT}"),
+    ("size negative", f"its manifest's size of {PT} is -1"),
+    ("digest short", f"its manifest's digest of {PT} is not a blake2b digest"),
+    ("another step", f"its manifest's step {STEP + 1} is not {STEP}"),
+    ("kind unknown", "its manifest's kind 'zip' is not one of ['dcp', 'file']"),
+    ("best a string", "its manifest's best is not true or false"),
+    ("world_size 0", "its manifest's world_size 0 is not a positive integer"),
+    ("the manifest a list", "its manifest is a list, not an object"),
+])
+def test_the_refusal_names_the_key_and_the_entry_that_is_wrong(case, message):
+    with pytest.raises(CheckpointError) as e:
+        checked(json.dumps(BAD[case]).encode(), STEP)
+    assert str(e.value) == message

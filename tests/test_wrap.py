@@ -85,3 +85,30 @@ def test_compiled_and_uncompiled_runs_share_checkpoints(tmp_path, monkeypatch):
                  allow_config_change=True)  # extending max_steps is a length change
     for k, v in eager.model.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v)
+
+
+def test_checkpointed_blocks_train_even_when_their_input_needs_no_grad():
+    """use_reentrant=False: the first block's input is the batch itself (no grad), and its
+    parameters still get gradients."""
+    model = nn.Sequential(Block(), Block())
+    assert checkpoint_activations(model, ["Block"]) == 2
+    Block.calls = 0
+    model(torch.ones(2, 16)).sum().backward()
+    assert Block.calls == 4  # each forward once more in backward
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_a_model_is_not_a_block_of_itself():
+    with pytest.raises(ConfigError, match=r"^train.activation_checkpointing=\['Block'\]: the "
+                                          r"model has no Block module; its classes are Block, "
+                                          r"Linear$"):
+        checkpoint_activations(Block(), ["Block"])
+
+
+@pytest.mark.parametrize("mode, passed", [("default", None), ("reduce-overhead",
+                                                               "reduce-overhead")])
+def test_compile_mode_default_is_torchs_own_default(monkeypatch, mode, passed):
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode: seen.append(mode) or model)
+    model = net()
+    assert compile_model(model, mode) is model and seen == [passed]

@@ -1,0 +1,263 @@
+"""checkpoint.remote's parts in-process, on memory:// (no training run): the lease, the store's
+names, the mirror's retries and retention. The end-to-end runs are in tests/test_remote*.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from ironloop.errors import UserError
+from ironloop.state import remote as remote_module, remote_lease
+from ironloop.state.io import file_digest
+from ironloop.state.remote import Mirror, fetch_newest, restore_logs
+from ironloop.state.remote_lease import Holder, Lease
+from ironloop.state.remote_store import open_remote
+
+
+@pytest.fixture
+def remote():
+    return open_remote(f"memory://units-{uuid.uuid4().hex}/prefix")
+
+
+def test_a_lease_held_by_a_live_process_on_this_host_is_refused_at_once(remote):
+    found = Lease("lineage", host=socket.gethostname(), pid=12345)
+    with pytest.raises(UserError) as e:
+        remote_lease._wait_out(remote, found, say=pytest.fail)
+    assert str(e.value) == (
+        f"checkpoint.remote {remote.url} is in use by {found.who()}, which runs on this host; "
+        f"a second writer would delete its checkpoints: wait for it to end (or stop it), or "
+        f"choose another checkpoint.remote")
+
+
+def test_a_lease_not_refreshed_is_waited_out_until_it_expires(remote, monkeypatch):
+    monkeypatch.setattr(remote_lease, "TTL_S", 0.6)
+    monkeypatch.setattr(remote_lease, "_POLL_S", 0.05)
+    found = Lease("lineage", host="another-node", refreshed=time.time())
+    remote_lease._write(remote, found)
+    said: list[str] = []
+    start = time.time()
+    remote_lease._wait_out(remote, found, said.append)
+    assert time.time() >= found.refreshed + 0.6 and time.time() - start < 5
+    assert said == [f"notice: checkpoint.remote {remote.url} is leased to {found.who()}; "
+                    f"waiting up to 1 s for the lease to expire, as a killed run's does"]
+
+
+@pytest.mark.parametrize("then", ["released", "deleted"])
+def test_a_lease_released_or_gone_while_waiting_ends_the_wait(remote, monkeypatch, then):
+    monkeypatch.setattr(remote_lease, "_POLL_S", 0.01)
+    found = Lease("lineage", host="another-node")
+    remote_lease._write(remote, found)
+    if then == "released":
+        remote_lease._write(remote, Lease("lineage", run=found.run, host="another-node",
+                                          pid=found.pid, refreshed=found.refreshed,
+                                          released=True))
+    else:
+        remote.delete(remote_lease.LEASE)
+    start = time.time()
+    remote_lease._wait_out(remote, found, lambda _: None)
+    assert time.time() - start < 5  # not the 30 s of TTL_S
+
+
+def test_a_lease_refreshed_while_waiting_is_refused_naming_its_run(remote, monkeypatch):
+    monkeypatch.setattr(remote_lease, "_POLL_S", 0.01)
+    found = Lease("lineage", host="another-node", refreshed=time.time() - 5)
+    newer = Lease("lineage", run=found.run, host="another-node", pid=found.pid)
+    remote_lease._write(remote, newer)
+    with pytest.raises(UserError, match=re.escape(f"is in use by {newer.who()}, which "
+                                                  f"refreshed its lease just now;")):
+        remote_lease._wait_out(remote, found, lambda _: None)
+
+
+def test_the_lease_read_back_has_every_field_and_a_garbled_one_names_nobody(remote):
+    mine = Lease("abc", run="r" * 32, host="h", pid=7, refreshed=12.5, released=True)
+    remote_lease._write(remote, mine)
+    assert remote_lease.read(remote) == mine
+    remote.write(remote_lease.LEASE, b'{"lineage": "abc"}')
+    assert remote_lease.read(remote) is None
+    remote.write(remote_lease.LEASE, b"not json")
+    assert remote_lease.read(remote) is None
+
+
+def test_release_marks_the_lease_released_without_waiting_on_a_stalled_store(remote):
+    holder = Holder(remote, Lease("lineage"))
+    gate, wrote = threading.Event(), []
+    real = remote.write
+
+    def stalled(rel, data):
+        gate.wait(10)
+        wrote.append(rel)
+        real(rel, data)
+
+    remote.write = stalled
+    start = time.monotonic()
+    holder.release(wait_s=0.0)
+    assert time.monotonic() - start < 0.5  # the store's stall is not the run's end's
+    assert holder.lease.released and remote_lease.held(remote.url) is None
+    gate.set()
+    deadline = time.monotonic() + 5
+    while not wrote and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert remote_lease.read(remote).released
+
+
+# ---------------------------------------------------------------------------------- mirror --
+def _checkpoint(folder, step: int, data: bytes):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:08d}.pt"
+    path.write_bytes(data)
+    return path
+
+
+def _landed(mirror, step: int) -> None:
+    deadline = time.monotonic() + 10
+    while step not in mirror.uploaded + mirror.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_the_mirror_uploads_each_checkpoint_with_its_manifest_and_keeps_the_newest(
+        remote, tmp_path):
+    said: list[str] = []
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=2, warn=said.append,
+                    logs_from=run_dir)
+    for step, best in [(1, True), (2, False), (3, False), (4, False)]:
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", best, mirror.snapshot_logs(step))
+        _landed(mirror, step)
+    assert mirror.close() == f"remote: 4 checkpoint(s) uploaded to {remote.url}, the newest step 4"
+    assert said == []
+    # keep_last=2: steps 3 and 4, and step 1, the newest best save; step 2 is deleted
+    assert remote.manifests() == [1, 3, 4]
+    assert sorted(remote.step_objects()) == [1, 3, 4]
+    manifest = remote.manifest(4)
+    path = tmp_path / "ck" / "step-00000004.pt"
+    assert {k: manifest[k] for k in ("format", "step", "kind", "best", "world_size")} == \
+        {"format": 1, "step": 4, "kind": "file", "best": False, "world_size": 1}
+    assert manifest["files"] == {"step-00000004.pt": {"blake2b": file_digest(path),
+                                                      "size": len(b"weights 4")}}
+    assert list(manifest["logs"]) == ["logs/step-00000004/metrics.jsonl"]
+    assert remote_lease.read(remote).released  # the run's end lets the prefix go
+    assert not (tmp_path / "staging").exists() or not any((tmp_path / "staging").iterdir())
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_new_node_fetches_the_newest_checkpoint_and_its_logs(remote, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail,
+                    logs_from=run_dir)
+    for step in (1, 2):
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", step == 1, mirror.snapshot_logs(step))
+        _landed(mirror, step)
+    mirror.close()
+    new = tmp_path / "new"
+    new.mkdir()
+    checked, seen = [], []
+    got = fetch_newest(remote, new / "checkpoints", -1, pytest.fail, verified=seen.append,
+                       check=checked.append)
+    assert got == new / "checkpoints" / "step-00000002.pt"
+    assert got.read_bytes() == b"weights 2" and [p.name for p in checked] == [got.name]
+    assert checked[0].parent.name.startswith(".remote-step-00000002.tmp-")  # checked in place
+    assert [m["step"] for m in seen] == [2]
+    assert [p.name for p in (new / "checkpoints").iterdir()] == ["step-00000002.pt"]
+    assert fetch_newest(remote, new / "checkpoints", 2, pytest.fail) is None  # none newer
+    best = fetch_newest(remote, new / "best", -1, pytest.fail, best=True)
+    assert best.read_bytes() == b"weights 1"
+    where = remote.show("logs/step-00000002")
+    assert restore_logs(remote, seen[0], new) == (
+        f"notice: restored metrics.jsonl from {where}: the run's logs up to step 2")
+    assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in new.iterdir() if p.name.startswith(".")] == []  # no temp folder
+    assert restore_logs(remote, seen[0], new) == (  # run.dir's own logs are never replaced
+        f"notice: kept run.dir's own metrics.jsonl; the remote's logs at step 2 ({where}) were "
+        f"not downloaded (delete the local ones to take them)")
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_damaged_remote_checkpoint_is_skipped_for_the_older_one(remote, tmp_path):
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
+    for step in (1, 2):
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", False)
+        _landed(mirror, step)
+    mirror.close()
+    remote.write("step-00000002.pt", b"weights X")  # same size, other bytes
+    said: list[str] = []
+    got = fetch_newest(remote, tmp_path / "new", -1, said.append)
+    assert got.read_bytes() == b"weights 1"
+    assert said == [f"remote checkpoint {remote.show('step-00000002')} is damaged "
+                    f"(step-00000002.pt checksum mismatch); falling back to an older one"]
+    remote.delete("step-00000001.pt")
+    said.clear()
+    assert fetch_newest(remote, tmp_path / "newer", 0, said.append) is None
+    assert said[-1] == (f"remote checkpoint {remote.show('step-00000001')} is damaged "
+                        f"(step-00000001.pt missing); falling back to an older one")
+
+
+def test_an_upload_that_fails_is_retried_with_a_growing_wait_and_each_try_is_told(
+        remote, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_module, "_BACKOFF_S", 0.01)
+    said: list[str] = []
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, retries=3, warn=said.append)
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise OSError("connection reset\nby peer")
+        return "landed"
+
+    assert mirror._retry("step-00000001.pt", flaky) == "landed"
+    assert said == [
+        f"warning: uploading step-00000001.pt to {remote.url} failed (connection reset); "
+        f"retry 1 of 3 in 0.01 s",
+        f"warning: uploading step-00000001.pt to {remote.url} failed (connection reset); "
+        f"retry 2 of 3 in 0.02 s"]
+    tries.clear()
+
+    def down():
+        tries.append(1)
+        raise OSError("connection refused")
+
+    with pytest.raises(OSError):  # one more failure than retries: given up
+        mirror._retry("x", down)
+    assert len(tries) == 4
+    refused = UserError("checkpoint.remote is in use by another run")
+    said.clear()
+    with pytest.raises(UserError):  # another run's prefix: retrying cannot help
+        mirror._retry("x", lambda: (_ for _ in ()).throw(refused))
+    assert said == []
+
+
+def test_rank_0_waits_for_the_other_ranks_files_unless_a_newer_checkpoint_supersedes_it(
+        remote, tmp_path, monkeypatch):
+    from ironloop.state.remote import _Job
+
+    monkeypatch.setattr(remote_module, "_POLL_S", 0.01)
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=2, warn=pytest.fail)
+    dcp = "step-00000005.dcp"
+    files = {f"{dcp}/__1_0.distcp": {"blake2b": "ab" * 64, "size": 3}}
+    newer = _Job(6, "dcp", False, tmp_path / "s6", world_size=2)
+    mirror._pending = [newer]  # a newer checkpoint waits behind this one
+    job = _Job(5, "dcp", False, tmp_path / "s5", world_size=2)
+    with pytest.raises(TimeoutError, match="^superseded while rank 1 uploads$"):
+        mirror._other_ranks(job)
+    best = _Job(5, "dcp", True, tmp_path / "s5", world_size=2)  # a best save is never dropped
+    marker = threading.Timer(0.2, lambda: remote.write(
+        "manifests/step-00000005.rank1.json", json.dumps({"rank": 1, "files": files}).encode()))
+    marker.start()
+    try:
+        assert mirror._other_ranks(best) == files
+    finally:
+        marker.join()
