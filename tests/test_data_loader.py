@@ -175,8 +175,8 @@ def test_once_over_train_is_this_ranks_share_of_every_sample_in_order():
     from ironloop.data.stream import Stream
 
     train = TensorData(torch.arange(7.0)[:, None], torch.arange(7))
-    run = RunData(None, train, {}, None, None)  # type: ignore[arg-type]
+    run = RunData(None, train, {}, None, None)  # no source: once_over_train needs none
     shares = [[b[1].tolist() for b in run.once_over_train(2, rank, 2)] for rank in (0, 1)]
     # global batches of 2 x 2 ranks, in order: [0 1 | 2 3], [4 5 | 6]
     assert shares == [[[0, 1], [4, 5]], [[2, 3], [6]]]
-    assert RunData(None, Stream(None), {}, None, None).once_over_train(2, 0, 1) is None  # type: ignore[arg-type]
+    assert RunData(None, Stream(None), {}, None, None).once_over_train(2, 0, 1) is None
