@@ -180,3 +180,15 @@ def test_once_over_train_is_this_ranks_share_of_every_sample_in_order():
     # global batches of 2 x 2 ranks, in order: [0 1 | 2 3], [4 5 | 6]
     assert shares == [[[0, 1], [4, 5]], [[2, 3], [6]]]
     assert RunData(None, Stream(None), {}, None, None).once_over_train(2, 0, 1) is None
+
+
+def test_the_records_name_one_unnamed_validation_set_val_and_named_ones_val_name():
+    from ironloop.data.source import RunData
+
+    train, val = TensorData(torch.zeros(5, 1), torch.zeros(5)), TensorData(torch.zeros(2, 1),
+                                                                          torch.zeros(2))
+    one = RunData(None, train, {"": val}, None, None).described()
+    assert one == {"train": {"type": "TensorData", "size": 5},
+                   "val": {"type": "TensorData", "size": 2}}
+    assert set(RunData(None, train, {"noisy": val}, None, None).described()) == \
+        {"train", "val_noisy"}

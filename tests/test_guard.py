@@ -786,3 +786,12 @@ def test_a_due_rollback_of_a_sharded_model_stops_at_that_step_and_says_why(tmp_p
                      overwrite=True)
     assert [(r["event"], r["step"]) for r in rows(tmp_path / "run" / "guard.jsonl")] == \
         [("bad_step", 3), ("stop", 3)]
+
+
+def test_fault_nan_sample_zero_poisons_the_first_sample():
+    from torch.utils.data import TensorDataset
+
+    from ironloop.guard.faults import poison_sample
+
+    poisoned = poison_sample(TensorDataset(torch.ones(3, 2), torch.arange(3)), 0)
+    assert torch.isnan(poisoned[0][0]).all() and not torch.isnan(poisoned[1][0]).any()

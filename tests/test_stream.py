@@ -358,7 +358,7 @@ def test_a_map_style_checkpoint_is_refused_by_a_stream_run():
 def test_a_streams_position_round_trips_through_its_state_dict():
     from ironloop.data.stream import Stream, StreamOrder
 
-    order = StreamOrder(Stream(Reader()), 16, 7, num_workers=0)
+    order = StreamOrder(Stream(Reader()), 16, 7)  # read in this process by default
     order.set_epoch(2, 32)
     state = order.state_dict()
     assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "loader": None,
