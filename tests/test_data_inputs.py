@@ -314,3 +314,58 @@ def test_a_stream_is_described_by_its_datasets_type_and_length_when_it_has_one()
 
     assert describe(Stream(Sized(), 2)) == {"type": "Sized", "size": 5}
     assert describe(Stream(Endless(), 2)) == {"type": "Endless", "size": None}
+
+
+def test_a_dataloader_over_a_dataset_without_len_is_refused_naming_the_split():
+    from ironloop.data.inputs import map_style
+    from ironloop.errors import UserError
+
+    class NoLen(Dataset):
+        def __getitem__(self, i: int):
+            return torch.zeros(2), torch.tensor(0)
+
+    with pytest.raises(UserError, match=r"^val_data: ironloop needs a map-style dataset "
+                                        r"\(with __getitem__ and __len__\)"):
+        map_style(DataLoader(NoLen(), batch_size=2), "val_data")
+
+
+def test_a_dataloader_over_a_hugging_face_dataset_keeps_it_formatted_as_torch():
+    datasets = pytest.importorskip("datasets")
+    from ironloop.data.inputs import map_style
+
+    hf = datasets.Dataset.from_dict({"x": [[0.0], [1.0], [2.0]], "y": [0, 1, 0]})
+    got = map_style(DataLoader(hf, batch_size=2), "train_data")
+    assert got.dataset.format["type"] == "torch" and len(got.dataset) == 3
+    assert torch.equal(got.dataset[1]["x"], torch.tensor([1.0])) and got.batch_size == 2
+
+
+def byo_module(tmp_path, monkeypatch, name: str, body: str) -> None:
+    """A data factory module ``name`` importable from the CWD (a name per test: imports are
+    cached)."""
+    (tmp_path / f"{name}.py").write_text("import torch\n" + body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_data_factory_gets_data_root_and_its_test_split_is_kept(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+
+    byo_module(tmp_path, monkeypatch, "byo_rooted",
+               "def data(root):\n"
+               "    x = torch.zeros(4, 3)\n"
+               "    return (x, torch.zeros(4)), None, (x[:2] + len(root), torch.ones(2))\n")
+    bundle = user_data(DataConfig(name="byo_rooted:data", root="some/where"))
+    assert bundle.val is None and bundle.input_shape == (3,)
+    test_x, test_y = bundle.test  # the third split, as returned: root reached the factory
+    assert torch.equal(test_x, torch.full((2, 3), 10.0)) and torch.equal(test_y, torch.ones(2))
+
+
+def test_a_data_factory_whose_training_split_is_none_says_so(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import DataError
+
+    byo_module(tmp_path, monkeypatch, "byo_no_train", "def data():\n    return None, None\n")
+    with pytest.raises(DataError, match=r"returned an empty training split \(None\);"):
+        user_data(DataConfig(name="byo_no_train:data"))

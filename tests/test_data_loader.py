@@ -147,3 +147,48 @@ def test_eval_shards_cover_every_sample_once(n, batch_size, world):
     train_seen = sum(len(b) for r in range(world)
                      for b in EpochSampler(n, batch_size, 0, False, rank=r, world_size=world))
     assert n - train_seen < world
+
+
+def test_to_device_moves_every_tensor_of_a_nested_batch_and_keeps_its_shape():
+    from ironloop.data.loader import to_device
+
+    x, y, mask = torch.ones(2, 3), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.bool)
+    moved = to_device({"x": x, "pair": (y, [mask]), "name": "batch-1"}, torch.device("meta"),
+                      False)
+    assert set(moved) == {"x", "pair", "name"} and moved["name"] == "batch-1"
+    assert moved["x"].device.type == "meta" and moved["x"].shape == (2, 3)
+    (ty, (tmask,)) = moved["pair"]
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+    assert (ty.device.type, ty.dtype, tmask.dtype) == ("meta", torch.long, torch.bool)
+
+
+def test_a_tensordatas_batch_of_no_indices_is_empty_not_an_error():
+    data = TensorData(torch.arange(6.0).reshape(3, 2), torch.tensor([0, 1, 2]))
+    x, y = data.__getitems__([])
+    assert x.shape == (0, 2) and y.shape == (0,)
+    x, y = data.__getitems__([2, 0])
+    assert x.tolist() == [[4.0, 5.0], [0.0, 1.0]] and y.tolist() == [2, 0]
+
+
+def test_once_over_train_is_this_ranks_share_of_every_sample_in_order():
+    from ironloop.data.source import RunData
+    from ironloop.data.stream import Stream
+
+    train = TensorData(torch.arange(7.0)[:, None], torch.arange(7))
+    run = RunData(None, train, {}, None, None)  # no source: once_over_train needs none
+    shares = [[b[1].tolist() for b in run.once_over_train(2, rank, 2)] for rank in (0, 1)]
+    # global batches of 2 x 2 ranks, in order: [0 1 | 2 3], [4 5 | 6]
+    assert shares == [[[0, 1], [4, 5]], [[2, 3], [6]]]
+    assert RunData(None, Stream(None), {}, None, None).once_over_train(2, 0, 1) is None
+
+
+def test_the_records_name_one_unnamed_validation_set_val_and_named_ones_val_name():
+    from ironloop.data.source import RunData
+
+    train, val = TensorData(torch.zeros(5, 1), torch.zeros(5)), TensorData(torch.zeros(2, 1),
+                                                                          torch.zeros(2))
+    one = RunData(None, train, {"": val}, None, None).described()
+    assert one == {"train": {"type": "TensorData", "size": 5},
+                   "val": {"type": "TensorData", "size": 2}}
+    assert set(RunData(None, train, {"noisy": val}, None, None).described()) == \
+        {"train", "val_noisy"}

@@ -48,3 +48,11 @@ def test_a_billion_samples_cost_a_batch_not_an_epoch():
     s.set_epoch(0, offset=n // 2)
     first = next(s.index_batches())  # rank 1's half of the global batch at the offset
     assert torch.equal(first, idx[256:512])
+
+
+def test_a_permutation_called_on_positions_gives_the_indices_its_inverse_undoes():
+    perm = KeyedOrder(100, seed=3, shuffle=True).permutation(0)
+    idx = perm(torch.arange(100))
+    assert idx.dtype == torch.long and sorted(idx.tolist()) == list(range(100))
+    assert perm.inverse(idx).tolist() == list(range(100))
+    assert idx.tolist() != list(range(100))  # shuffled

@@ -152,6 +152,8 @@ def test_a_sized_streams_epoch_is_its_full_batches_in_optimizer_steps():
     # 104 samples = 6 batches of 16 and a partial one, which drop_last leaves out
     assert stream_steps(Stream(Sized()), 16, 1, max_steps=0) == 6
     assert stream_steps(Stream(Sized()), 16, 3, max_steps=0) == 2  # windows of 3 batches
+    steps = stream_steps(Stream(Sized()), 16, 4, max_steps=0)  # a short last window counts
+    assert steps == 2 and isinstance(steps, int)
 
 
 def test_the_first_sample_of_a_stream_is_an_inputs_targets_pair_or_none():
@@ -323,3 +325,53 @@ def test_without_torchdata_a_stream_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # "not installed"
     with pytest.raises(UserError, match=r"pip install 'ironloop\[stream\]'"):
         fit(tmp_path, Plain(), train__max_steps=2)
+
+
+def test_the_first_sample_passes_a_batchs_non_tensor_parts_through():
+    from ironloop.data.stream import Stream, first_sample
+
+    def collate(rows):  # a user's collate_fn with metadata beside the tensors
+        return (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
+                {"shard": "a"})
+
+    x, y, meta = first_sample(Stream(Reader(), collate_fn=collate))
+    assert x.shape == DATA.x[0].shape and y.ndim == 0 and meta == {"shard": "a"}
+
+
+def test_the_replay_warning_says_why_the_stream_is_replayed():
+    from ironloop.data.stream import Stream, replay_warning
+
+    text = replay_warning(Stream(Plain()))
+    assert text.startswith("warning: Plain is a stream and it has no state_dict()/"
+                           "load_state_dict(): a mid-epoch resume reads again")
+
+
+def test_a_map_style_checkpoint_is_refused_by_a_stream_run():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Reader()), 16, 0)
+    with pytest.raises(CheckpointError, match="^the checkpoint was taken on a map-style "
+                                              "dataset, this run reads a stream"):
+        order.load_state_dict({"seed": 0, "epoch": 0, "offset": 32, "n": 104, "order": {}})
+
+
+def test_a_streams_position_round_trips_through_its_state_dict():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Reader()), 16, 7)  # read in this process by default
+    order.set_epoch(2, 32)
+    state = order.state_dict()
+    assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "loader": None,
+                     "stream": True}
+    again = StreamOrder(Stream(Reader()), 16, 0)
+    again.load_state_dict({**state, "loader": {"a": 1}})
+    assert (again.seed, again.epoch, again.offset, again.pending) == (7, 2, 32, {"a": 1})
+
+
+def test_a_stream_shorter_than_one_batch_is_an_error_naming_the_epoch():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Plain(n=10)), 16, 0)
+    order.set_epoch(1)
+    with pytest.raises(DataError, match=r"yielded no full batch of 16 samples in epoch 2; "):
+        list(order.batches())
