@@ -56,3 +56,15 @@ def test_a_permutation_called_on_positions_gives_the_indices_its_inverse_undoes(
     assert idx.dtype == torch.long and sorted(idx.tolist()) == list(range(100))
     assert perm.inverse(idx).tolist() == list(range(100))
     assert idx.tolist() != list(range(100))  # shuffled
+
+
+def test_a_drawn_order_is_long_indices_whatever_integer_type_the_sampler_yields():
+    import numpy as np
+    from torch.utils.data import SubsetRandomSampler
+
+    from ironloop.data.samplers import order_of
+
+    order, warning = order_of(SubsetRandomSampler(np.array([5, 3, 9], dtype=np.int32)), 10, 0)
+    assert warning is None
+    got = order.indices(0, NONE, 0, 3)
+    assert got.dtype == torch.long and sorted(got.tolist()) == [3, 5, 9]

@@ -154,3 +154,25 @@ def test_a_workers_numpy_and_python_seeds_are_torchs_worker_seed_mod_2_32():
     finally:  # this process's generators as they were
         np.random.set_state(states[0])
         random.setstate(states[1])
+
+
+def test_seed_sample_seeds_numpy_with_the_samples_derived_seed_mod_2_32():
+    import random
+
+    import numpy as np
+
+    from ironloop.data.seeding import derive_seed, seed_sample
+
+    states = np.random.get_state(), random.getstate()
+    try:
+        with torch.random.fork_rng():
+            seed_sample(3, 1, 5)
+            got = np.random.randint(1 << 30), random.random(), torch.rand(1)
+        s = derive_seed(3, 1, 5, "sample")
+        np.random.seed(s % 2**32)
+        random.seed(s)
+        assert got[:2] == (np.random.randint(1 << 30), random.random())
+        assert torch.equal(got[2], torch.rand(1, generator=torch.Generator().manual_seed(s)))
+    finally:
+        np.random.set_state(states[0])
+        random.setstate(states[1])

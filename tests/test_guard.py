@@ -95,6 +95,17 @@ def test_a_history_of_exact_zeros_does_not_turn_rounding_noise_into_spikes():
     assert g.observe(5, 1.0, 0.0) == "spike"
 
 
+def test_spike_factor_zero_turns_spike_detection_off_even_with_a_window_from_a_checkpoint():
+    g = GuardPolicy(max_bad_steps=100, spike_factor=0, spike_window=3, spike_warmup=0)
+    g.load_state_dict({"losses": [1.0, 1.0, 1.0], "norms": [2.0, 2.0, 2.0]})
+    assert g.classify(50.0, 90.0) is None
+    assert GuardPolicy(spike_factor=0.5, spike_window=3, spike_warmup=0).classify(1.0, 2.0) \
+        is None  # the window is empty until it is full
+    on = GuardPolicy(spike_factor=0.5, spike_window=3, spike_warmup=0)
+    on.load_state_dict({"losses": [1.0, 1.0, 1.0], "norms": [2.0, 2.0, 2.0]})
+    assert on.classify(50.0, 2.0) == "spike"
+
+
 def test_state_dict_round_trip_gives_the_same_decisions():
     a = GuardPolicy(max_bad_steps=2, spike_factor=3, spike_window=4, spike_warmup=0)
     for i, v in enumerate([1.0, 1.1, 0.9, 1.0, math.nan]):
@@ -795,3 +806,32 @@ def test_fault_nan_sample_zero_poisons_the_first_sample():
 
     poisoned = poison_sample(TensorDataset(torch.ones(3, 2), torch.arange(3)), 0)
     assert torch.isnan(poisoned[0][0]).all() and not torch.isnan(poisoned[1][0]).any()
+
+
+def test_under_ddp_a_bad_steps_reported_loss_is_its_window_loss_summed_over_the_ranks(
+        tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from ironloop.config import Config
+    from ironloop.guard import reporter as rep
+    from ironloop.guard.verdict import Pending, device_verdicts
+
+    conf = Config().guard
+    guard = rep.GuardReporter(conf, tmp_path, device_verdicts(conf, torch.device("cpu"),
+                                                              torch.float64), False, 1, "")
+    # two ranks, the other one with the same window loss: the all-reduce doubles it
+    monkeypatch.setattr(rep, "all_reduce_sum", lambda t, world: t * 2)
+    f64 = torch.float64
+    d = guard.device
+    d.pending = [Pending(torch.tensor(False), torch.tensor(10.0, dtype=f64),
+                         torch.tensor(4.0, dtype=f64), torch.tensor(3.0))]
+    d.offsets, d.samples = [0, 8], [0, 4]
+    meter = SimpleNamespace(loss_sum=torch.zeros((), dtype=f64), forget=lambda n, k: None)
+    data = SimpleNamespace(global_batch=8, indices=lambda a, b: list(range(a, b)),
+                           nonfinite_inputs=lambda s: [])
+    world = SimpleNamespace(distributed=True, is_main=True)
+    guard._settle_bad([0], meter, SimpleNamespace(step=1, epoch=0, offset=8), data,
+                      torch.nn.Linear(1, 1), world, None)
+    assert capsys.readouterr().out == (  # loss (6 + 6) / 8 samples
+        "warning: guard: step 1 skipped (spike: loss 1.5, grad_norm 3.0); 1 bad in a row, "
+        "8 samples listed in guard.jsonl\n")

@@ -375,3 +375,30 @@ def test_a_stream_shorter_than_one_batch_is_an_error_naming_the_epoch():
     order.set_epoch(1)
     with pytest.raises(DataError, match=r"yielded no full batch of 16 samples in epoch 2; "):
         list(order.batches())
+
+
+def test_under_ddp_a_ranks_surplus_batches_are_dropped_with_a_warning_naming_rank_and_epoch(
+        capsys):
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Plain(n=64)), 4, 0, accumulation=2, rank=1, world_size=2)
+    order._agree = lambda k: min(k, 1)  # the all-reduce: another rank has one batch left
+    order.set_epoch(2)
+    assert len(list(order.batches())) == 1
+    assert order.end == 8  # one global batch of 4 * 2 samples
+    assert capsys.readouterr().err == (
+        "warning: rank 1's share of the stream held 1 batch(es) more than another rank's in "
+        "epoch 3; dropped (give every rank an equal share)\n")
+
+
+def test_a_worker_error_is_described_by_its_own_last_line_any_other_by_type_and_first_line():
+    from ironloop.data.stream import _describe
+
+    wrapped = RuntimeError("Caught ValueError in DataLoader worker process 1.\n"
+                           "Original Traceback (most recent call last):\n"
+                           '  File "reader.py", line 3, in __iter__\n'
+                           "    raise ValueError('bad shard 7')\n"
+                           "ValueError: bad shard 7\n\n")
+    assert _describe(wrapped) == "ValueError: bad shard 7"
+    assert _describe(OSError("disk gone\nmore")) == "OSError: disk gone"
+    assert _describe(KeyError()) == "KeyError: (no message)"
