@@ -235,6 +235,38 @@ def test_an_async_save_commits_only_once_it_is_waited_for(tmp_path, monkeypatch)
     assert path.name == "last.dcp" and state["progress"]["step"] == 2
 
 
+def test_an_async_save_in_a_process_group_runs_on_a_gloo_group_of_its_own(tmp_path, monkeypatch):
+    """The background write's collectives must not share the training group (NCCL on GPUs)."""
+    from concurrent.futures import Future
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    groups = []
+
+    def async_save(state, checkpoint_id, process_group):
+        sharded.dcp.save(state, checkpoint_id=checkpoint_id)
+        groups.append(process_group)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(sharded.dcp, "async_save", async_save)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60),
+                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=3,
+                                                   async_write=True)
+        _save(manager, 2)
+        manager.close()
+        [group] = groups
+        assert group is not None and group != dist.group.WORLD
+        assert dist.get_backend(group) == "gloo"
+    finally:
+        dist.destroy_process_group()
+    assert (tmp_path / "ckpt" / "step-00000002.dcp").is_dir()
+
+
 def test_check_any_verifies_a_sharded_directory_and_a_file(tmp_path):
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
     _save(manager, 3)

@@ -214,7 +214,8 @@ def test_missing_foreign_and_unreadable_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_verified(tmp_path / "nope.pt")
     torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
-    with pytest.raises(CheckpointError, match="not an ironloop checkpoint"):
+    with pytest.raises(CheckpointError, match=r"foreign\.pt is not an ironloop checkpoint "
+                       r"\(no integrity record\); pass a file written by ironloop$"):
         load_verified(tmp_path / "foreign.pt")
     (tmp_path / "dir.pt").mkdir()  # unreadable as a file: named, with what to check
     with pytest.raises(CheckpointError, match=r"could not read checkpoint .*dir\.pt: Is a dir"):
@@ -288,6 +289,15 @@ def test_a_full_disk_or_quota_is_told_to_free_space_and_other_errors_to_check_th
     assert "free disk space or point run.dir at a disk with room" in str(full)
     other = ckio.write_failed(Path("ckpt.pt"), OSError(errno.EIO, os.strerror(errno.EIO)))
     assert "check that run.dir is writable and healthy" in str(other)
+
+
+def test_a_write_failure_names_the_os_reason_once_without_its_errno_prefix():
+    full = ckio.write_failed(Path("ckpt.pt"), OSError(errno.ENOSPC, "No space left on device"))
+    assert str(full) == ("could not write checkpoint ckpt.pt: No space left on device. The "
+                         "previous checkpoint there is intact; free disk space or point run.dir "
+                         "at a disk with room, then resume.")
+    bare = ckio.write_failed(Path("ckpt.pt"), OSError("the mount went away"))  # no strerror
+    assert str(bare).startswith("could not write checkpoint ckpt.pt: the mount went away. ")
 
 
 class Evil:

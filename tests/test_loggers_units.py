@@ -184,6 +184,13 @@ def mlflow_modules(monkeypatch):
                                  "mlflow.entities": entities})
 
 
+def test_an_mlflow_without_its_entities_module_names_the_setting_that_asked_for_it(
+        monkeypatch, tmp_path):
+    fake_modules(monkeypatch, **{"mlflow.tracking": SimpleNamespace(MlflowClient=Client)})
+    with pytest.raises(UserError, match=r"^log\.mlflow=true needs mlflow\.entities$"):
+        loggers.MLflow(Config().with_overrides({"log.mlflow": True}), tmp_path, None)
+
+
 def test_mlflow_starts_a_run_in_its_experiment_with_the_config_as_params(monkeypatch, tmp_path):
     mlflow_modules(monkeypatch)
     conf = Config().with_overrides({"log.mlflow": True})

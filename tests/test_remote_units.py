@@ -74,6 +74,18 @@ def test_a_lease_refreshed_while_waiting_is_refused_naming_its_run(remote, monke
         remote_lease._wait_out(remote, found, lambda _: None)
 
 
+def test_a_claim_whose_lease_reads_back_as_nobodys_is_refused_as_taken_by_another_run(
+        remote, monkeypatch):
+    """The other run's write landed last, garbled or not yet readable: no run can be named."""
+    monkeypatch.setattr(remote_lease, "SETTLE_S", 0)
+    monkeypatch.setattr(remote_lease, "read", lambda _remote: None)
+    with pytest.raises(UserError) as e:
+        remote_lease.claim(remote, resume=False)
+    assert str(e.value) == (
+        f"checkpoint.remote {remote.url} was claimed by another run at the same moment as this "
+        f"run; one writer per prefix: choose another checkpoint.remote, or resume that one")
+
+
 def test_the_lease_read_back_has_every_field_and_a_garbled_one_names_nobody(remote):
     mine = Lease("abc", run="r" * 32, host="h", pid=7, refreshed=12.5, released=True)
     remote_lease._write(remote, mine)

@@ -130,6 +130,46 @@ def test_sums_on_the_gpu_are_divided_by_their_count():
     assert got == {"loss": 0.75}
 
 
+def test_the_sample_count_joins_the_sums_in_one_all_reduce_on_the_sums_device(monkeypatch):
+    """Sums left on an accelerator (here the meta device, which any host has) are reduced
+    there, with the count appended to them: one collective, on one device."""
+    sent = []
+
+    def all_reduce_sum(t, world):
+        sent.append((t.device.type, t.dtype, tuple(t.shape)))
+        return torch.tensor([3.0, 1.0, 4.0], dtype=torch.float64)  # what the ranks added up
+
+    monkeypatch.setattr(w, "all_reduce_sum", all_reduce_sum)
+    got = sum_over_ranks(["loss", "acc"], torch.zeros(2, device="meta"), 4, World())
+    assert sent == [("meta", torch.float64, (3,))]
+    assert got == {"loss": 0.75, "acc": 0.25}
+
+
+@pytest.mark.parametrize("backend, device", [("nccl", torch.device("cuda", 3)),
+                                             ("gloo", torch.device("cpu"))])
+def test_a_rank_that_saw_no_sample_makes_its_zeros_on_the_backends_device(
+        monkeypatch, backend, device):
+    """NCCL reduces only GPU tensors (the current one); gloo CPU ones. This host may have no
+    GPU, so torch.zeros reports the device it is asked for and makes the zeros on the CPU."""
+    asked, real_zeros = [], torch.zeros
+
+    def zeros(*size, dtype=None, device=None):
+        asked.append(device)
+        return real_zeros(*size, dtype=dtype)
+
+    def all_gather_object(out, obj):
+        out[:] = [["loss"], obj]  # rank 0 saw samples; this rank (1) none
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(w, "all_reduce_sum", lambda t, world: t + torch.tensor([3.0, 4.0],
+                                                                             dtype=t.dtype))
+    got = sum_over_ranks([], None, 0, World(rank=1, size=2))
+    assert asked == [device] and got == {"loss": 0.75}
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     """A gloo process group of one, in this process (a test may destroy it)."""
