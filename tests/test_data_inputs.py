@@ -369,3 +369,20 @@ def test_a_data_factory_whose_training_split_is_none_says_so(tmp_path, monkeypat
     byo_module(tmp_path, monkeypatch, "byo_no_train", "def data():\n    return None, None\n")
     with pytest.raises(DataError, match=r"returned an empty training split \(None\);"):
         user_data(DataConfig(name="byo_no_train:data"))
+
+
+def test_the_eval_subset_is_max_batches_of_every_rank_and_reads_the_ranks_from_torchrun(
+        monkeypatch):
+    """eval.max_batches caps each rank's batches, so the shared subset is that many batches of
+    every rank: WORLD_SIZE (torchrun's) when the caller does not say, one process without it."""
+    from ironloop.config import Config
+    from ironloop.data.loader import TensorData
+    from ironloop.data.source import eval_subset
+
+    val = TensorData(torch.arange(100.0).unsqueeze(1), torch.zeros(100, dtype=torch.long))
+    config = Config().with_overrides({"eval.max_batches": 2, "train.batch_size": 5})
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert len(eval_subset(val, config)) == 10
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert len(eval_subset(val, config)) == 30
+    assert len(eval_subset(val, config, world_size=2)) == 20
