@@ -205,28 +205,6 @@ def pytest_runtest_setup(item) -> None:
         os.environ["PYTHONPATH"] = path
 
 
-#: Each file's seconds in a quiet full run (tests/file_seconds.json; IRONLOOP_FILE_SECONDS=write
-#: rewrites it at the end of a whole-suite run). Only the order of the files depends on it.
-FILE_SECONDS_JSON = Path(__file__).with_name("file_seconds.json")
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """The longest files first, by their seconds in a quiet full run: with ``--dist loadfile`` a
-    worker takes whole files in collection order, and a long file started last runs alone at
-    the end while the other workers idle (the fault-injection file, 3 slow tests but 200 s,
-    ended the suite when the files were ordered by their count of slow tests). A file not
-    timed yet counts 10 s per slow test. Stable: within a file, and between files of equal
-    weight, the order is pytest's own."""
-    known = json.loads(FILE_SECONDS_JSON.read_text()) if FILE_SECONDS_JSON.is_file() else {}
-    guess: dict[str, float] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path not in known and item.get_closest_marker("slow") is not None:
-            guess[path] = guess.get(path, 0.0) + 10.0
-    items.sort(key=lambda item: -known.get(item.nodeid.split("::")[0],
-                                           guess.get(item.nodeid.split("::")[0], 0.0)))
-
-
 #: Seconds per test file (setup, call and teardown of its tests, module fixtures included), as
 #: the reports reach this process: under xdist, the controller, from every worker.
 _FILE_SECONDS: dict[str, float] = {}
@@ -248,7 +226,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                                     f"{sum(_FILE_SECONDS.values()):.0f} s)")
     for path, seconds in top:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
-    if os.environ.get("IRONLOOP_FILE_SECONDS") == "write" and exitstatus == 0:
-        FILE_SECONDS_JSON.write_text(json.dumps(
-            {k: round(v, 1) for k, v in sorted(_FILE_SECONDS.items())}, indent=0) + "\n")
-        terminalreporter.write_line(f"written: {FILE_SECONDS_JSON}")
+
