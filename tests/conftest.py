@@ -132,8 +132,8 @@ def quick_lease(monkeypatch):
 def cpu_alone():
     """Tests whose outcome rests on measured speed (tune's trials) or on a timed sequence of
     signals (SLURM's preemption grace time and time limits) take turns, across the test
-    workers: under --dist loadfile test_tune.py and test_slurm.py both start first (the files
-    with most slow tests), and side by side each made the other fail (CI of stop 48: tune
+    workers: under --dist loadfile test_tune.py and test_slurm.py can run at the same time on
+    two workers, and side by side each made the other fail (CI of stop 48: tune
     found no faster micro-batch, the low-priority job was never preempted). An exclusive lock
     on one file in the temp directory, held for the whole module (before its module fixtures:
     the SLURM cluster's jobs start there); other files run beside either as before."""
