@@ -3,13 +3,16 @@ by rank; evaluation shards that cover every sample once; workers that leave stop
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 
 import pytest
 import torch
 
+import ironloop
 from ironloop.data.loader import EpochSampler, EvalSampler, TensorData, make_loader
 from ironloop.data.workers import STOP_SIGNALS, shielded
+from tests.conftest import blobs, cfg, tiny_mlp
 
 
 def flat(sampler) -> list[int]:
@@ -192,3 +195,48 @@ def test_the_records_name_one_unnamed_validation_set_val_and_named_ones_val_name
                    "val": {"type": "TensorData", "size": 2}}
     assert set(RunData(None, train, {"noisy": val}, None, None).described()) == \
         {"train", "val_noisy"}
+
+
+class Raising(torch.utils.data.Dataset):
+    """Blobs whose sample ``bad`` raises when read: a corrupt record."""
+
+    def __init__(self, bad: int = -1):
+        self.data, self.bad = blobs(64), bad
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise ValueError(f"sample {i}: corrupt record")
+        return self.data[i]
+
+
+class FailsInEvaluation(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_mlp()
+
+    def forward(self, x):
+        if not self.training:
+            raise RuntimeError("the evaluation forward failed")
+        return self.net(x)
+
+
+@pytest.mark.parametrize("where", ["train", "stream", "evaluation"])
+def test_a_failed_run_stops_its_loader_workers_while_its_error_is_still_held(tmp_path, where):
+    """Workers ignore SIGTERM (data/workers.py), and Python's exit sends SIGTERM to its
+    children, then waits for them: a worker still alive when a script ends on fit()'s error
+    (its traceback holds the iterator) hung the script forever. fit() now stops them itself."""
+    from tests.test_stream import Plain
+
+    model, train, val, steps = tiny_mlp(), Raising(bad=40), None, 0
+    if where == "stream":
+        train, steps = Plain(n=64, raise_at=40), 4  # a stream's length is its max_steps
+    elif where == "evaluation":
+        model, train, val = FailsInEvaluation(), Raising(), Raising()
+    with pytest.raises(Exception, match="corrupt record|evaluation forward failed") as error:
+        ironloop.fit(model, train, val, cfg(tmp_path, train__epochs=1, train__batch_size=16,
+                                             data__num_workers=2, train__max_steps=steps))
+    assert error.value.__traceback__ is not None  # what a notebook or an uncaught error keeps
+    assert multiprocessing.active_children() == []

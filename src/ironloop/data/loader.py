@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
-from ironloop.data.workers import shielded
+from ironloop.data.workers import shielded, stop_workers
 from ironloop.errors import DataError
 
 
@@ -262,22 +262,25 @@ class EpochLoader:
     def __init__(self, dataset, sampler: EpochSampler, **options):
         self.dataset, self.sampler, self.options = dataset, sampler, options
         self._loader: DataLoader | None = None
+        self._it: Iterator | None = None  # the newest iterator: its workers, if any
 
     def __iter__(self):
-        if self._loader is not None:
-            return iter(self._loader)
-        # Unseeded samples draw from their worker's stream: workers that persisted would carry
-        # it across epochs, and an epoch would no longer be reproducible on its own.
-        persist = self.options.get("seed_samples", True)
-        made = make_loader(self.dataset, self.sampler, persistent=persist, **self.options)
-        if isinstance(made, DataLoader):
+        if self._loader is None:
+            # Unseeded samples draw from their worker's stream: workers that persisted would
+            # carry it across epochs, and an epoch would no longer be reproducible on its own.
+            persist = self.options.get("seed_samples", True)
+            made = make_loader(self.dataset, self.sampler, persistent=persist, **self.options)
+            if not isinstance(made, DataLoader):
+                return made  # a TensorData sliced in this process: a generator, per epoch
             self._loader = made
-            return iter(made)
-        return made  # a TensorData sliced in this process: a generator, built per epoch
+        self._it = iter(self._loader)
+        return self._it
 
     def close(self) -> None:
-        """Let the workers go (they exit when their iterator is collected)."""
-        self._loader = None
+        """Stop the workers now (data/workers.py: an error's traceback may still hold their
+        iterator, which would keep them past the run)."""
+        stop_workers(self._it)
+        self._loader = self._it = None
 
 
 def _sliced(dataset: TensorData, sampler: EpochSampler, pin_memory: bool):

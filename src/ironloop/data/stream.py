@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ironloop.data.loader import derive_seed
-from ironloop.data.workers import shielded
+from ironloop.data.workers import shielded, stop_workers
 from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.extras import require
 
@@ -214,6 +214,7 @@ class StreamOrder:
         self.end: int | None = None      # the epoch's size in samples, once the stream ended
         self.pending: dict | None = None  # a loader state to resume from (a checkpoint's)
         self.loader = None               # the epoch's loader while it is being read
+        self._it: Iterator | None = None  # and its iterator: its workers, if any
         self.skip: list[int] = []
 
     @property
@@ -250,7 +251,10 @@ class StreamOrder:
         return []  # nothing to read again: a stream's samples have no index
 
     def close(self) -> None:
-        """Nothing to let go: an epoch's loader ends with the epoch's batches."""
+        """Stop the epoch's workers now (data/workers.py: an error's traceback may still hold
+        their iterator, which would keep them past the run)."""
+        stop_workers(self._it)
+        self._it = None
 
     # ---------------------------------------------------------------- state ----------------
     def state_dict(self) -> dict:
@@ -313,7 +317,7 @@ class StreamOrder:
         self.loader = loader = self.open()
         state = torch.get_rng_state()  # a loader without a generator draws its seed from it
         with _quiet_fast_forward():
-            it = iter(loader)
+            self._it = it = iter(loader)
         torch.set_rng_state(state)
         pos, served = self.offset, self.offset // self.global_batch
         while True:

@@ -8,12 +8,18 @@ was about to finish and checkpoint (engine/preempt.py). The main process decides
 means; its workers ignore these three and end when their loader ends (or their parent dies: torch's
 workers watch it). Installed in ``worker_init_fn``, which runs after torch sets its own worker
 handlers, for every loader ironloop builds and for a stream's loader the user passed.
+
+So ironloop stops its workers itself (``stop_workers``): Python's exit sends its daemonic
+children SIGTERM and waits for them, and a worker that ignores SIGTERM would be waited for
+forever if an error's traceback (left uncaught, or kept by a notebook) still held its iterator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
+from collections.abc import Iterable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -31,3 +37,22 @@ def shielded(user_init=None):
     if isinstance(user_init, functools.partial) and user_init.func is _init:
         return user_init  # already shielded (a loader reused every epoch)
     return functools.partial(_init, user_init)
+
+
+def stop_workers(iterator) -> None:
+    """End a DataLoader iterator's worker processes now; anything else is left as it is.
+    torch ends them when the iterator is collected, by this same call (safe to repeat; Lightning
+    calls it too), which a traceback holding the iterator would put off past Python's exit."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+@contextlib.contextmanager
+def iterating(loader: Iterable) -> Iterator[Iterator]:
+    """``iter(loader)``, its workers stopped on the way out, however the loop ends."""
+    it = iter(loader)
+    try:
+        yield it
+    finally:
+        stop_workers(it)

@@ -13,6 +13,7 @@ import torch
 from ironloop.callbacks import fire
 from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
 from ironloop.data.source import EvalBatching, eval_loader
+from ironloop.data.workers import iterating
 from ironloop.engine.run import Run
 from ironloop.engine.step_fns import METRIC_INPUTS
 from ironloop.engine.tokens import perplexity
@@ -133,22 +134,23 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
     # A step's weighted sums (tokens over a whole split) add up in float64 (float32 on MPS);
     # per-sample sums stay float32, where a batch's accuracy x its size rounds to its count.
     wide = torch.float32 if device.type == "mps" else torch.float64
-    for batch in loader:
-        if module.check_labels is not None:
-            module.check_labels(batch)
-        n = batch_size_of(batch)
-        batch = to_device(batch, device, device.type == "cuda")
-        with module.autocast():
-            loss, metrics, weight = module.forward(model, batch, "evaluation", run.progress)
-        inputs = metrics.pop(METRIC_INPUTS, None)  # (preds, target): fed, not averaged
-        if whole is not None:
-            whole.update(inputs)
-        names = ["loss", *metrics]
-        values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
-        values = values * n if weight is None else values.to(wide) * weight
-        sums = values if sums is None else sums + values
-        count = count + (n if weight is None else weight)  # samples, or the step's tokens
-        batches += 1
+    with iterating(loader) as each:  # its workers end here, even if a forward raises
+        for batch in each:
+            if module.check_labels is not None:
+                module.check_labels(batch)
+            n = batch_size_of(batch)
+            batch = to_device(batch, device, device.type == "cuda")
+            with module.autocast():
+                loss, metrics, weight = module.forward(model, batch, "evaluation", run.progress)
+            inputs = metrics.pop(METRIC_INPUTS, None)  # (preds, target): fed, not averaged
+            if whole is not None:
+                whole.update(inputs)
+            names = ["loss", *metrics]
+            values = torch.stack([loss.float(), *(m.float() for m in metrics.values())])
+            values = values * n if weight is None else values.to(wide) * weight
+            sums = values if sums is None else sums + values
+            count = count + (n if weight is None else weight)  # samples, or the step's tokens
+            batches += 1
     _pad_forwards(run, dataset, batches, batching, model)
     # A rank that saw no sample (fewer samples than ranks) still joins the all-reduce there.
     result = sum_over_ranks(names, sums, count, run.world)
