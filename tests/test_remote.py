@@ -631,25 +631,3 @@ def test_s3_sigterm_uploads_the_preemption_checkpoint_before_the_exit(tmp_path, 
     step = next(e["step"] for e in events if e["event"] == "preempted")
     assert open_remote(url).manifests()[-1] == step  # landed within checkpoint.remote_wait_s
     assert f"the newest step {step}" in out
-
-
-@pytest.mark.slow
-def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(tmp_path):
-    from tests.test_distributed import train
-
-    url = f"file://{tmp_path}/remote"
-    extra = ("dist.strategy=fsdp", "train.batch_size=32", "checkpoint.every_steps=10",
-             f"checkpoint.remote={url}", "--resume")
-    train(tmp_path / "run", *extra, ranks=2)
-    remote = open_remote(url)
-    newest = remote.manifest(remote.manifests()[-1])
-    assert newest["kind"] == "dcp" and newest["world_size"] == 2
-    names = {name.split("/", 1)[1] for name in newest["files"]}
-    assert {"extras-rank0.pt", "extras-rank1.pt", ".metadata", "manifest.json"} <= names
-    assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1"}  # both ranks
-    first = load_file(tmp_path / "run" / "final.safetensors")
-    shutil.rmtree(tmp_path / "run")  # a new node: the run is complete, remotely only
-    log = train(tmp_path / "run", *extra, ranks=2).parent / "run.log"
-    assert f"fetched {url}/step-" in log.read_text()
-    again = load_file(tmp_path / "run" / "final.safetensors")
-    assert all(torch.equal(first[k], again[k]) for k in first)
