@@ -72,9 +72,11 @@ class Scalars(Callback):
         run.log_scalars({"n": run.step})
 
 
-@pytest.fixture
-def uninterrupted(tmp_path) -> dict:
-    return _fit(_config(tmp_path, "plain"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The uninterrupted run's final weights: one run for every test of the module that
+    compares a resumed run with it (they only read it)."""
+    return _fit(_config(tmp_path_factory.mktemp("uninterrupted"), "plain"))
 
 
 # -------------------------------------------------------------------------------- file:// --
@@ -134,11 +136,18 @@ def test_each_checkpoint_carries_the_logs_of_its_step_and_retention_deletes_them
     assert set(LOGS) <= set(RUN_OUTPUTS)  # --overwrite removes what a resume restores
 
 
+@pytest.fixture(scope="module")
+def plain_with_scalars(tmp_path_factory) -> Path:
+    """An uninterrupted run that logs scalars.jsonl too (both parameters read its logs)."""
+    root = tmp_path_factory.mktemp("scalars")
+    _fit(_config(root, "plain"), callbacks=[Scalars()])
+    return root / "plain"
+
+
 @pytest.mark.parametrize("async_write", [False, True])
 def test_a_new_node_resume_restores_the_logs_and_continues_them_as_a_local_resume(
-        tmp_path, capsys, async_write):
-    plain = tmp_path / "plain"
-    _fit(_config(tmp_path, "plain"), callbacks=[Scalars()])
+        tmp_path, capsys, async_write, plain_with_scalars):
+    plain = plain_with_scalars
     runs = {}
     for where in ("local", "node"):  # the same interruption; one node loses its disk
         config = _config(tmp_path, where, checkpoint__remote=f"file://{tmp_path}/r-{where}",
