@@ -174,12 +174,6 @@ def single_64(tmp_path_factory) -> dict:
     return {**read(run_dir), "dir": run_dir}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: The two-rank runs that start from nothing (or from a checkpoint of an earlier one), in the
 #: order they run: name -> overrides ({root} is the fixture's folder). One torchrun job runs them
 #: all (tests/ranks_main.py), each rank training them one after another: a torchrun job per run
@@ -206,9 +200,9 @@ TWO_RANK_RUNS = {
 def two_ranks(tmp_path_factory, single_64) -> dict[str, Path]:
     """TWO_RANK_RUNS, trained by one torchrun job: {name: its run.dir}."""
     root = tmp_path_factory.mktemp("ranks")
-    runs = [{"argv": ["train", *ARGS, f"run.dir={root / name}",
-                      *(o.format(root=root, single_64=single_64["dir"]) for o in overrides)],
-             "port": free_port()} for name, overrides in TWO_RANK_RUNS.items()]
+    runs = [["train", *ARGS, f"run.dir={root / name}",
+             *(o.format(root=root, single_64=single_64["dir"]) for o in overrides)]
+            for name, overrides in TWO_RANK_RUNS.items()]
     (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = root / "ranks.log"
