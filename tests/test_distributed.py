@@ -9,8 +9,10 @@ all-reduced, reports the same metrics as validation of the full set in one proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,6 +65,19 @@ def finish(proc: subprocess.Popen, log: Path, ranks: int) -> None:
 def train(run_dir: Path, *overrides: str, ranks: int = 1) -> Path:
     """`ironloop train` to the end; fails the test on a non-zero exit or a hang."""
     finish(*launch(run_dir, *overrides, ranks=ranks), ranks=ranks)
+    return run_dir
+
+
+def train_here(run_dir: Path, *overrides: str) -> Path:
+    """The one-process reference runs: `ironloop train` as ``train`` runs it (the same
+    arguments, from the repository, one thread as OMP_NUM_THREADS=1 gives the subprocess), but
+    in this process through cli.main: no interpreter start. What the tests compare with it is
+    the multi-rank runs, which stay real torchrun launches."""
+    from ironloop.cli import main
+
+    with contextlib.chdir(REPO):
+        code = main(["train", *ARGS, f"run.dir={run_dir}", *overrides, "run.threads=1"])
+    assert code == 0, f"the one-process run into {run_dir} failed (exit {code})"
     return run_dir
 
 
@@ -154,17 +169,59 @@ def assert_same_run(one: dict, many: dict, n_val: int = N_VAL) -> None:
 @pytest.fixture(scope="module")
 def single_64(tmp_path_factory) -> dict:
     """The reference: one process, batch 64 (23 steps per epoch)."""
-    run_dir = train(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64",
+    run_dir = train_here(tmp_path_factory.mktemp("one") / "run", "train.batch_size=64",
                     "checkpoint.every_steps=10", "checkpoint.keep_last=10")
     return {**read(run_dir), "dir": run_dir}
 
 
+#: The two-rank runs that start from nothing (or from a checkpoint of an earlier one), in the
+#: order they run: name -> overrides ({root} is the fixture's folder). One torchrun job runs them
+#: all (tests/ranks_main.py), each rank training them one after another: a torchrun job per run
+#: started 3 interpreters (torchrun's and two ranks', each importing torch) for seconds of
+#: training. The tests below read their outputs.
+TWO_RANK_RUNS = {
+    # DDP, 2 ranks x 32, checkpointing every 10 steps (resumed elsewhere on 1 rank)
+    "ddp_2x32": ["train.batch_size=32", "checkpoint.every_steps=10", "checkpoint.keep_last=10"],
+    # FSDP2, 2 ranks x 32, its sharded checkpoints mirrored to a file:// checkpoint.remote
+    "fsdp_2x32": ["dist.strategy=fsdp", "train.batch_size=32", "checkpoint.every_steps=10",
+                  "checkpoint.remote=file://{root}/remote", "--resume"],
+    "accumulation": ["train.batch_size=16", "train.accumulation_steps=2",
+                     "checkpoint.enabled=false"],
+    "tail": ["train.batch_size=179", "checkpoint.enabled=false", "dist.strategy=fsdp"],
+    "no_val": ["train.batch_size=32", "data.val_fraction=0.0006", "checkpoint.enabled=false"],
+    # the world-size changes: 1 x 64 -> 2 x 32 (single_64's checkpoint), 2 x 32 -> 2 x 32
+    "one_to_two": ["train.batch_size=32", "--resume", "{single_64}/checkpoints/step-00000010.pt"],
+    "two_to_two": ["train.batch_size=32", "--resume",
+                   "{root}/ddp_2x32/checkpoints/step-00000030.pt"],
+}
+
+
 @pytest.fixture(scope="module")
-def ddp_2x32(tmp_path_factory) -> dict:
+def two_ranks(tmp_path_factory, single_64) -> dict[str, Path]:
+    """TWO_RANK_RUNS, trained by one torchrun job: {name: its run.dir}."""
+    root = tmp_path_factory.mktemp("ranks")
+    runs = [["train", *ARGS, f"run.dir={root / name}",
+             *(o.format(root=root, single_64=single_64["dir"]) for o in overrides)]
+            for name, overrides in TWO_RANK_RUNS.items()]
+    (root / "runs.json").write_text(json.dumps(runs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = root / "ranks.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                                 "--nproc_per_node=2", "--standalone", "tests/ranks_main.py",
+                                 str(root / "runs.json")],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    finish(proc, log, ranks=2)
+    for name in TWO_RANK_RUNS:
+        codes = [(root / f"{name}.rank{r}.exit").read_text().strip() for r in (0, 1)]
+        assert codes == ["0", "0"], f"{name}: exit codes {codes}:\n{log.read_text()[-8000:]}"
+    return {name: root / name for name in TWO_RANK_RUNS}
+
+
+@pytest.fixture(scope="module")
+def ddp_2x32(two_ranks) -> dict:
     """DDP, 2 ranks x 32, checkpointing every 10 steps (resumed elsewhere on 1 rank)."""
-    run_dir = train(tmp_path_factory.mktemp("ddp") / "run", "train.batch_size=32",
-                    "checkpoint.every_steps=10", "checkpoint.keep_last=10", ranks=2)
-    return {**read(run_dir), "dir": run_dir}
+    return {**read(two_ranks["ddp_2x32"]), "dir": two_ranks["ddp_2x32"]}
 
 
 def test_two_ranks_equal_one_process_with_the_global_batch(single_64, ddp_2x32):
@@ -176,43 +233,78 @@ def test_two_ranks_equal_one_process_with_the_global_batch(single_64, ddp_2x32):
     assert ckpts, "rank 0 wrote no checkpoint"
 
 
-def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, tmp_path):
+def grad_norms(run_dir: Path) -> list[float]:
+    return [json.loads(line)["grad_norm"] for line in (run_dir / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fsdp_2x32(two_ranks) -> dict:
+    """FSDP2, 2 ranks x 32, its sharded checkpoints (every 10 steps) mirrored to a file://
+    checkpoint.remote: the run that test_fsdp_equals_ddp_and_one_process compares and that
+    test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them resumes on a new
+    node (one run for both; saving changes no weight)."""
+    run_dir = two_ranks["fsdp_2x32"]
+    extra = [o.format(root=run_dir.parent) for o in TWO_RANK_RUNS["fsdp_2x32"]]
+    # read now: the new-node test deletes run.dir
+    return {**read(run_dir), "dir": run_dir, "grad_norms": grad_norms(run_dir),
+            "url": f"file://{run_dir.parent}/remote", "extra": extra}
+
+
+def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, fsdp_2x32):
     # FSDP2: each Linear sharded, then the root; the logged grad norm is the global one.
-    fsdp = read(train(tmp_path / "fsdp", "train.batch_size=32", "dist.strategy=fsdp",
-                      "checkpoint.enabled=false", ranks=2))
+    fsdp = fsdp_2x32
     assert_same_run(single_64, fsdp)
     assert_same_run(ddp_2x32, fsdp)
-    norms = [[json.loads(line)["grad_norm"] for line in (d / "metrics.jsonl").read_text()
-              .splitlines()] for d in (tmp_path / "fsdp", single_64["dir"])]
+    norms = [fsdp["grad_norms"], grad_norms(single_64["dir"])]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
-def test_two_ranks_with_accumulation_equal_one_process(single_64, tmp_path):
+def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsdp_2x32):
+    # (checkpoint.remote's multi-rank case, with test_remote.py's others until the two runs
+    # here shared one launch with the FSDP equality test above)
+    from ironloop.state.remote import open_remote
+
+    url, extra, run_dir = fsdp_2x32["url"], fsdp_2x32["extra"], fsdp_2x32["dir"]
+    remote = open_remote(url)
+    newest = remote.manifest(remote.manifests()[-1])
+    assert newest["kind"] == "dcp" and newest["world_size"] == 2
+    names = {name.split("/", 1)[1] for name in newest["files"]}
+    assert {"extras-rank0.pt", "extras-rank1.pt", ".metadata", "manifest.json"} <= names
+    assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1"}  # both ranks
+    first = fsdp_2x32["weights"]
+    shutil.rmtree(run_dir)  # a new node: the run is complete, remotely only
+    log = train(run_dir, *extra, ranks=2).parent / f"{run_dir.name}.log"
+    assert f"fetched {url}/step-" in log.read_text()
+    again = load_file(run_dir / "final.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_two_ranks_with_accumulation_equal_one_process(single_64, two_ranks):
     # 2 ranks x 16 x 2 micro-steps = 64 per optimizer step; the first micro-step of each
     # window runs under DDP's no_sync, the second all-reduces the accumulated gradients.
-    two = read(train(tmp_path / "two", "train.batch_size=16", "train.accumulation_steps=2",
-                     "checkpoint.enabled=false", ranks=2))
+    two = read(two_ranks["accumulation"])
     assert_same_run(single_64, two)
 
 
-def test_sharded_validation_covers_a_tail_smaller_than_the_ranks(tmp_path):
+def test_sharded_validation_covers_a_tail_smaller_than_the_ranks(tmp_path, two_ranks):
     # 359 % (179 * 2) == 1: the training sampler's rule would drop the 359th val sample (one
     # sample cannot be split between two ranks). Validation must not: same val_acc as one
     # process, whose denominator is 359. (Training: 1438 % 358 == 6, nothing dropped.)
     # Under FSDP2 (each forward all-gathers) rank 1, with one batch fewer, must run a discarded
     # forward so that rank 0's last one is not left waiting.
-    one = read(train(tmp_path / "one", "train.batch_size=358", "checkpoint.enabled=false"))
-    two = read(train(tmp_path / "two", "train.batch_size=179", "checkpoint.enabled=false",
-                     "dist.strategy=fsdp", ranks=2))
+    one = read(train_here(tmp_path / "one", "train.batch_size=358",
+                          "checkpoint.enabled=false"))
+    two = read(two_ranks["tail"])  # 2 x 179, FSDP2
     assert_same_run(one, two)
 
 
-def test_a_rank_without_validation_samples_still_joins_the_reduction(tmp_path):
+def test_a_rank_without_validation_samples_still_joins_the_reduction(tmp_path, two_ranks):
     # data.val_fraction=0.0006: 1 val sample of 1797, so rank 1 evaluates nothing. It must
     # still take part in the all-reduce (no hang) and both runs must report that sample.
     extra = ("data.val_fraction=0.0006", "checkpoint.enabled=false")
-    one = read(train(tmp_path / "one", "train.batch_size=64", *extra))
-    two = read(train(tmp_path / "two", "train.batch_size=32", *extra, ranks=2))
+    one = read(train_here(tmp_path / "one", "train.batch_size=64", *extra))
+    two = read(two_ranks["no_val"])  # 2 x 32, the same val_fraction
     assert all(r["val_acc"] in (0.0, 1.0) for r in one["epochs"])
     assert_same_run(one, two, n_val=1)
 
@@ -247,8 +339,8 @@ def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_6
     # The same job's sharded checkpoint of step 8, resumed on ONE process (DCP reshards 2 -> 1)
     # with the same global batch of 64: the rest of the run matches too. (It was written in the
     # background while steps 9-12 ran: async_save must have snapshotted step 8's state.)
-    one = read(train(tmp_path / "one", "train.batch_size=64",
-                     "--resume", str(run_dir / "checkpoints" / "step-00000008.dcp")))
+    one = read(train_here(tmp_path / "one", "train.batch_size=64",
+                          "--resume", str(run_dir / "checkpoints" / "step-00000008.dcp")))
     assert_same_weights(single_64, one)
     # and export consolidates the shards into one safetensors file equal to final.safetensors
     out = tmp_path / "export.safetensors"
@@ -258,21 +350,20 @@ def test_fsdp_elastic_restart_after_sigkill_then_reshard_to_one_process(single_6
         torch.testing.assert_close(w, elastic["weights"][k], rtol=0, atol=0)
 
 
-def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, tmp_path):
+def test_ddp_checkpoints_resume_on_another_world_size(single_64, ddp_2x32, two_ranks,
+                                                      tmp_path):
     # 2 ranks x 32 -> 1 x 64 and 1 x 64 -> 2 x 32: the data position is in samples of the global
     # permutation, so with the global batch kept no sample is repeated or skipped.
-    two_to_one = read(train(tmp_path / "one", "train.batch_size=64",
+    two_to_one = read(train_here(tmp_path / "one", "train.batch_size=64",
                             "--resume", str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt")))
     assert_same_weights(single_64, two_to_one)
-    one_to_two = read(train(tmp_path / "two", "train.batch_size=32", "--resume",
-                            str(single_64["dir"] / "checkpoints" / "step-00000010.pt"), ranks=2))
+    one_to_two = read(two_ranks["one_to_two"])  # from single_64's step-00000010.pt
     assert_same_weights(single_64, one_to_two)
     # Every rank's meter is in the checkpoint: the epoch that the resume split (epoch 2, steps
     # 24-46; the checkpoint is at step 30) logs the uninterrupted run's train_loss. 2 -> 1:
     # rank 0 takes both ranks' sums; equal up to fp32 rounding of the batch means (32 vs 64
     # samples). 2 -> 2: each rank its own sums; equal up to the order of float64 additions.
-    two_to_two = read(train(tmp_path / "same", "train.batch_size=32", "--resume",
-                            str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt"), ranks=2))
+    two_to_two = read(two_ranks["two_to_two"])  # from ddp_2x32's step-00000030.pt
     uninterrupted = ddp_2x32["epochs"][1]["train_loss"]
     assert [r["epoch"] for r in two_to_one["epochs"]] == [2]
     assert two_to_one["epochs"][0]["train_loss"] == pytest.approx(uninterrupted, rel=1e-5)
