@@ -32,7 +32,7 @@ from ironloop.tools import tune as tune_mod
 from ironloop.tools.tune import rows as tune_rows
 from ironloop.tools.tune.output import tuned_yaml
 from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 
 # measured speed or timed signals: never beside the other (tests/conftest.py cpu_alone)
 pytestmark = pytest.mark.usefixtures("cpu_alone")
@@ -413,12 +413,35 @@ def _env():
             "OMP_NUM_THREADS": "1"}
 
 
+@pytest.fixture
+def tune_cli(tmp_path, monkeypatch, capsys, one_thread):
+    """``ironloop tune ARGS`` from tmp_path, run by the CLI's main in this process with one
+    intra-op thread (what _env gives a subprocess), tmp_path's modules importable as from its
+    directory: the same tune without an interpreter's and torch's start-up (issue 45). Returns
+    (exit code, stdout, stderr)."""
+    from ironloop.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = ("tune_subjects", "lm_subject")  # tmp_path's, written by each test anew
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["tune", *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    for name in modules:
+        sys.modules.pop(name, None)
+
+
 @pytest.mark.slow
-def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
+def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path, tune_cli):
     config = _cli_subject(tmp_path)
-    proc = run_cli("tune", config, "--budget", "30", cwd=tmp_path, env=_env())
-    assert proc.returncode == 0, proc.stderr
-    assert "no trajectory-free setting was faster beyond the noise" in proc.stdout, proc.stdout
+    code, out, err = tune_cli(config, "--budget", "30")
+    assert code == 0, err
+    assert "no trajectory-free setting was faster beyond the noise" in out, out
     assert (tmp_path / "run/tuned.yaml").read_text() == (tmp_path / config).read_text()
     doc = json.loads((tmp_path / "run/tune.json").read_text())
     assert doc["chosen"] == {} and doc["speedup"] == 1.0
@@ -427,19 +450,18 @@ def test_compute_bound_tune_reports_no_worthwhile_change(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_crashing_trial_is_reported_and_skipped(tmp_path):
+def test_a_crashing_trial_is_reported_and_skipped(tmp_path, tune_cli):
     config = _cli_subject(tmp_path, extra=", kwargs: {crash: true, n: 256}")
     # 30 s: once a row screens faster (run.threads=1 may), the screen holds back its pairs'
     # budget, and 10 s left no worker row a trial
-    proc = run_cli("tune", config, "model.name=tune_subjects:small", "--budget", "30", cwd=tmp_path,
-                   env=_env())
-    assert proc.returncode == 0, proc.stderr
+    code, out, err = tune_cli(config, "model.name=tune_subjects:small", "--budget", "30")
+    assert code == 0, err
     doc = json.loads((tmp_path / "run/tune.json").read_text())
     failed = [t for t in doc["trials"] if t["status"] == "failed"]
     assert failed and all(t["setting"].startswith("data.num_workers=") for t in failed)
     assert all("worker" in t["reason"].lower() for t in failed), failed
     assert "data.num_workers" not in doc["chosen"]
-    assert "failed: " in proc.stdout
+    assert "failed: " in out
     tuned = Config.from_dict(yaml.safe_load((tmp_path / "run/tuned.yaml").read_text()))
     assert tuned.model.name == "tune_subjects:small" and tuned.data.num_workers == 0
 
@@ -508,11 +530,12 @@ def test_tune_builds_a_model_from_the_data_factory_values_as_train_does(tmp_path
 
 
 @pytest.mark.slow
-def test_tune_runs_a_char_lm_whose_model_needs_the_data_factory_values(tmp_path):
-    path = os.pathsep.join([str(REPO), _env()["PYTHONPATH"]])
-    proc = run_cli("tune", str(REPO / "configs/char_gpt.yaml"), *_char_lm(tmp_path),
-                   "--budget", "15", cwd=tmp_path, env={**_env(), "PYTHONPATH": path})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_tune_runs_a_char_lm_whose_model_needs_the_data_factory_values(tmp_path, monkeypatch,
+                                                                       tune_cli):
+    monkeypatch.syspath_prepend(str(REPO))  # examples.char_gpt
+    code, out, err = tune_cli(str(REPO / "configs/char_gpt.yaml"), *_char_lm(tmp_path),
+                              "--budget", "15")
+    assert code == 0, out + err
     assert (tmp_path / "run/tuned.yaml").is_file()
 
 
