@@ -602,6 +602,23 @@ def test_a_sigkilled_tunes_directories_are_removed_at_the_next_start(tmp_path):
     assert _trial_dirs(tmp) == [mine]
 
 
+def test_a_signal_before_a_trials_with_still_removes_its_directory(tmp_path, monkeypatch):
+    """The signal can land between a trial directory's mkdtemp and the ``with`` that would
+    remove it (seen once at load 13: test_a_signal_stops_the_tune_without_a_tuned_yaml found
+    the directory left): the stop removes this process's trial directories, no one else's."""
+    import tempfile
+
+    from ironloop.tools.tune.stop import PREFIX, Stopped, stop_on_signals, trial_prefix
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = tmp_path / f"{PREFIX}1-other"  # another tune's (pid 1): not this one's to remove
+    other.mkdir()
+    with pytest.raises(Stopped), stop_on_signals():
+        tempfile.mkdtemp(prefix=trial_prefix())  # created, its with never entered
+        os.kill(os.getpid(), signal.SIGINT)
+    assert _trial_dirs(tmp_path) == [other]
+
+
 class _SignalsAt(nn.Module):
     """A linear model that sends its own process SIGINT during its ``at``-th forward."""
 
