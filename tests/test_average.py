@@ -4,6 +4,7 @@ exactly after SIGKILLs, restored by the guard's rollback, and exported."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -29,7 +30,7 @@ from ironloop.engine.average import WeightAverage
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
-from tests.conftest import REPO, blobs, cfg, run_cli, tiny_mlp, train_or_kill
+from tests.conftest import REPO, blobs, cfg, tiny_mlp, train_or_kill
 from tests.test_host_reads import READS
 
 
@@ -221,11 +222,35 @@ def test_export_which_avg_writes_the_averaged_weights(tmp_path, capsys):
     assert "average.kind=none" in err and "Traceback" not in err
 
 
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread, as the subprocesses (OMP_NUM_THREADS=1): an in-process reference
+    run does the same float math as the run it is compared with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def in_process(*argv: str) -> int:
+    """``ironloop`` as the subprocesses run it (the CLI's main), in this process, one thread: a
+    reference run costs no interpreter and torch import (issue 45)."""
+    from ironloop.cli import main
+
+    with one_thread():
+        return main(list(argv))
+
+
+SIGKILL_ARGS = ("data.name=digits", "model.name=mlp", "train.epochs=2", "train.batch_size=32",
+                "checkpoint.every_steps=5", "log.every_steps=1", "log.progress=off",
+                "doctor.preflight=false", "average.kind=swa", "average.start_step=3")
+
+
 def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
-    cmd = [sys.executable, "-m", "ironloop", "train", "data.name=digits", "model.name=mlp",
-           "train.epochs=2", "train.batch_size=32", "checkpoint.every_steps=5",
-           "log.every_steps=1", "log.progress=off", "doctor.preflight=false",
-           "average.kind=swa", "average.start_step=3", f"run.dir={run_dir}", "--resume"]
+    cmd = [sys.executable, "-m", "ironloop", "train", *SIGKILL_ARGS, f"run.dir={run_dir}",
+           "--resume"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     train_or_kill(cmd, run_dir, tmp_path, env, kill_at)
 
@@ -233,7 +258,8 @@ def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
 @pytest.mark.slow
 def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    _train(tmp_path, reference)
+    # the uninterrupted reference in this process; the killed and resumed runs are real ones
+    assert in_process("train", *SIGKILL_ARGS, f"run.dir={reference}") == 0
     _train(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
     _train(tmp_path, resumed, kill_at=52)   # epoch 2
     _train(tmp_path, resumed)
@@ -253,10 +279,15 @@ DIST_AVERAGE = ("average.kind=ema", "average.decay=0.9", "schedule.name=constant
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """One process with the global batch (64): what 2 ranks x 32 must match, under DDP and FSDP."""
-    from tests.test_distributed import train
+    from tests.test_distributed import ARGS
 
-    return train(tmp_path_factory.mktemp("one") / "run", *DIST_AVERAGE, "train.batch_size=64",
-                 "checkpoint.enabled=false")
+    run = tmp_path_factory.mktemp("one") / "run"
+    # in this process (the distributed tests' config, configs/digits.yaml, from the repository)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        assert in_process("train", *ARGS, f"run.dir={run}", *DIST_AVERAGE,
+                          "train.batch_size=64", "checkpoint.enabled=false") == 0
+    return run
 
 
 @pytest.mark.slow
@@ -279,7 +310,8 @@ def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path, on
 
 @pytest.mark.slow
 def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly(tmp_path,
-                                                                               one_process):
+                                                                               one_process,
+                                                                               capsys):
     """FSDP2 on 2 gloo ranks: the average is sharded beside the model, matches one process
     with the global batch, and a run resumed from its sharded (.dcp) checkpoint ends with the
     same raw and averaged weights, bit for bit, as one that was not stopped."""
@@ -298,9 +330,10 @@ def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly
     for name in ("final.safetensors", "final_avg.safetensors"):
         x, y = load_file(full / name), load_file(part / name)
         assert all(torch.equal(x[k], y[k]) for k in x), name
-    res = run_cli("export", str(part), "--out", str(tmp_path / "avg.safetensors"), "--which",
-                  "avg")
-    assert res.returncode == 2 and "final_avg.safetensors" in res.stderr
+    capsys.readouterr()
+    code = in_process("export", str(part), "--out", str(tmp_path / "avg.safetensors"), "--which",
+                      "avg")
+    assert code == 2 and "final_avg.safetensors" in capsys.readouterr().err
 
 
 # -- EMA's warm-up (issue 44) ---------------------------------------------------------------------

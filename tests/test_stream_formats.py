@@ -41,6 +41,23 @@ def env(tmp_path: Path, pause_at: int = 0) -> dict:
             "IRONLOOP_TEST_PAUSE_FILE": str(tmp_path / "paused")}
 
 
+def in_process(cmd: list[str], tmp_path: Path, monkeypatch) -> int:
+    """``cmd``'s ``ironloop`` (the CLI's main) in this process, with the subprocesses'
+    environment and one intra-op thread (OMP_NUM_THREADS=1 there): the same run, without an
+    interpreter's and torch's start-up (issue 45). Its DataLoader workers are forks of it."""
+    from ironloop.cli import main
+
+    for key in ("HF_DATASETS_OFFLINE", "HF_HOME", "IRONLOOP_TEST_PAUSE_AT"):
+        monkeypatch.setenv(key, env(tmp_path)[key])
+    monkeypatch.chdir(REPO)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(cmd[3:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_to_end(cmd: list[str], tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=env(tmp_path))
@@ -79,10 +96,11 @@ def resumed_steps(run_dir: Path) -> list[int]:
     ("tars", "tar", ("data.num_workers=2",)),
 ], ids=["hf-json-buffer", "hf-parquet-state-2-workers", "webdataset-2-workers"])
 def test_killed_twice_across_an_epoch_boundary_ends_bit_identical(tmp_path, factory, fmt,
-                                                                   extra):
+                                                                   extra, monkeypatch):
     root = write_files(tmp_path / "data", fmt)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    run_to_end(command(factory, root, reference, *extra), tmp_path)
+    # the uninterrupted reference in this process; the killed and resumed runs are real ones
+    assert in_process(command(factory, root, reference, *extra), tmp_path, monkeypatch) == 0
     cmd = command(factory, root, killed, *extra)
     kill_at(cmd, tmp_path, 18)  # in epoch 2; the newest checkpoint is step 16
     kill_at(cmd, tmp_path, 17)  # from step 16 on: past the start of epoch 3
@@ -97,16 +115,18 @@ def test_killed_twice_across_an_epoch_boundary_ends_bit_identical(tmp_path, fact
         assert torch.equal(want[k], got[k]), k
 
 
-def test_a_damaged_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(tmp_path):
+def test_a_damaged_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(tmp_path, capsys,
+                                                                            monkeypatch):
     order = [f"part-{s:02d}.tar" for s in range(4)]
     random.Random(0).shuffle(order)  # tests.stream_data.Shards' order in epoch 1 (seed 0)
     last = int(order[-1][5:7])
     root = write_files(tmp_path / "data", "tar", corrupt=last)
     run_dir = tmp_path / "run"
-    done = subprocess.run(command("tars", root, run_dir), capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env(tmp_path))
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert order[-1] in done.stderr and "Traceback" not in done.stderr
+    # the CLI's main in this process: its exit code and what it writes to stderr
+    code = in_process(command("tars", root, run_dir), tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert order[-1] in err and "Traceback" not in err
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert state["progress"]["step"] >= 4  # the shards before it trained and were saved
 

@@ -54,6 +54,12 @@ def stop_on_signals() -> Iterator[None]:
     previous = {sig: signal.signal(sig, _raise) for sig in SIGNALS}
     try:
         yield
+    except Stopped:
+        # A signal between a trial directory's mkdtemp and its ``with`` leaves the directory
+        # behind (TemporaryDirectory's finalizer never runs: the CLI leaves with os._exit).
+        for path in Path(tempfile.gettempdir()).glob(f"{trial_prefix()}*"):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
