@@ -64,7 +64,9 @@ def test_a_scancel_never_requeues():
 def test_a_signal_the_scheduler_does_not_explain_stops_without_a_requeue():
     got = decide(fields(end="2026-11-26T19:00:00"), NOW, True)
     assert (got.cause, got.requeue) == ("unexplained", False)
-    assert decide({}, NOW, True).requeue is False  # scontrol did not answer
+    # scontrol did not answer
+    assert decide({}, NOW, True) == \
+        Decision("unexplained", False, "scontrol show job did not answer")
 
 
 def test_slurm_requeue_false_keeps_the_cause_and_does_not_requeue():
@@ -167,10 +169,37 @@ def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_it
     assert (got[1]["job"], got[1]["ok"]) == ("42", True)
 
 
-def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch):
+def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch, capsys):
     got = stop_under_slurm(tmp_path, monkeypatch, "JobId=42 JobState=CANCELLED Reason=None")
     assert [(e["event"], e["cause"], e["why"], e["requeue"]) for e in got] == \
         [("slurm_stop", "scancel", "the job is CANCELLED", False)]
+    assert capsys.readouterr().out == ("ironloop: SLURM job 42: scancel (the job is CANCELLED): "
+                                       "not requeued; continue it with --resume\n")
+
+
+def test_a_failed_requeue_records_and_prints_what_scontrol_said(tmp_path, monkeypatch, capfd):
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
+    fake_scontrol(tmp_path / "bin", f"JobId=42 JobState=RUNNING EndTime={end} PreemptTime=None")
+    # scontrol requeue refuses: its stdout and stderr are captured, not the run's console
+    (tmp_path / "bin/scontrol").write_text(
+        f"#!/bin/sh\nif [ \"$1\" = requeue ]; then echo chatter; echo 'Invalid job id' >&2; "
+        f"exit 1; fi\necho 'JobId=42 JobState=RUNNING EndTime={end} PreemptTime=None'\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("RANK", raising=False)
+    before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
+    try:
+        after_stop(tmp_path, Preempted("SIGUSR1", 7, saved=True), requeue=True)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    got = events(tmp_path)
+    assert [(e["event"], e.get("ok"), e.get("error")) for e in got] == \
+        [("slurm_stop", None, None), ("slurm_requeue", False, "Invalid job id")]
+    out, err = capfd.readouterr()
+    assert "chatter" not in out and "Invalid job id" not in err
+    assert out.endswith("): scontrol requeue failed (Invalid job id); resubmit the job to "
+                        "continue from step 7\n")
 
 
 # --------------------------------------------------------------------- the real cluster --
