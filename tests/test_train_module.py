@@ -134,3 +134,15 @@ def test_a_finished_onecycle_gets_its_last_step_s_lr_back_when_the_run_is_extend
     before = same.optimizer.param_groups[0]["lr"]
     same.hold_onecycle()  # not extended: nothing to hold
     assert same.optimizer.param_groups[0]["lr"] == before and same.scheduler.last_epoch == 0
+
+
+def test_an_fp16_step_with_non_finite_gradients_is_skipped_and_counted():
+    m = module()
+    m.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = m.model.weight.detach().clone()
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    m.backward(m.model(torch.full((1, 3), float("inf"))).sum())
+    m.optimizer_step(p, meter, World())
+    assert torch.equal(m.model.weight.detach(), before)  # GradScaler skipped the update
+    assert float(meter.skipped) == 1.0 and meter.flush_window()["skipped"] == 1
+    assert m.scaler.get_scale() == 2.0  # and backed its scale off
