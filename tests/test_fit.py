@@ -187,3 +187,14 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named_in_the_error(tmp_path
     with pytest.raises(CheckpointError, match=rf"^checkpoint {last} does not fit this model: "):
         ironloop.fit(tiny_mlp(c=4), blobs(64), None, cfg(tmp_path, train__epochs=1),
                      resume=True)
+
+
+def test_the_time_table_s_settings_are_the_run_s():
+    opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    run = SimpleNamespace(cfg=ironloop.Config(), module=SimpleNamespace(
+        device=torch.device("cpu"), optimizer=opt, precision="fp32", takes_closure=False))
+    got = settings_of(run)
+    assert (got.device, got.threads, got.optimizer, got.precision, got.bf16_open) == \
+        ("cpu", torch.get_num_threads(), "loop", "fp32", False)
+    # the user's SGD, not the AdamW optim.name builds: named in the advice
+    assert got.optimizer_class == "SGD" and got.foreach_open and not got.closure

@@ -542,3 +542,12 @@ def test_a_preempted_low_job_checkpoints_in_its_grace_time_and_completes_exactly
     assert_requeued_and_exact(low, scenarios["refs"]["short"].run_dir, at_least=1)
     assert {e["cause"] for e in events(low.run_dir) if e["event"] == "slurm_stop"} == \
         {"preemption"}
+
+
+def test_a_signal_while_the_run_is_built_outside_slurm_stops_it_saying_so():
+    from ironloop.engine.slurm import SetupSignals
+    from ironloop.errors import StoppedInSetup
+
+    with pytest.raises(StoppedInSetup, match="^stopped by SIGTERM during setup, before the "
+                                             "first step: nothing was trained or saved"):
+        SetupSignals()(signal.SIGTERM, None)  # in the process that installed it

@@ -155,3 +155,10 @@ def test_the_lm_step_reads_logits_from_a_tensor_a_tuple_or_an_output_s_logits(ho
     with pytest.raises(UserError, match=r"^train.step_fn=lm: the model returned a _Output; it "
                                         r"needs logits"):
         step_fns.lm_step(_Wrapped("none"), (x, y))
+
+
+def test_the_step_kind_says_which_step_computes_the_metrics():
+    assert step_fns.step_kind(None, "") == "classification"
+    assert step_fns.step_kind(None, "lm") == step_fns.step_kind(step_fns.lm_step, "") == "lm"
+    assert step_fns.step_kind(lambda m, b: None, "") == "user"
+    assert step_fns.step_kind(None, "pkg:step") == "user"
