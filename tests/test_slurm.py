@@ -551,3 +551,35 @@ def test_a_signal_while_the_run_is_built_outside_slurm_stops_it_saying_so():
     with pytest.raises(StoppedInSetup, match="^stopped by SIGTERM during setup, before the "
                                              "first step: nothing was trained or saved"):
         SetupSignals()(signal.SIGTERM, None)  # in the process that installed it
+
+
+def test_the_rendezvous_is_the_first_host_of_the_node_list(tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _first_node
+
+    assert _first_node("solo") == "solo" and _first_node("") == "127.0.0.1"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && "
+                                      "printf 'node01\\nnode02\\ngpu7\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert _first_node("node[01-02],gpu7") == "node01"
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no scontrol: this host
+    assert _first_node("node[01-02]") == "127.0.0.1"
+
+
+def test_show_job_reads_scontrol_s_fields_and_is_empty_without_scontrol(tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _epoch, job_id, show_job
+
+    fake_scontrol(tmp_path / "bin", "JobId=42 JobState=RUNNING Reason=None EndTime=Unknown")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert show_job("42") == {"JobId": "42", "JobState": "RUNNING", "Reason": "None",
+                              "EndTime": "Unknown"}
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert show_job("42") == {}
+    assert _epoch("Unknown") is None
+    assert _epoch("2026-11-26T17:00:00") == NOW
+    monkeypatch.setenv("SLURM_JOB_ID", "")
+    assert job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert job_id() == "7"
