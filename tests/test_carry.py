@@ -49,3 +49,13 @@ def test_a_plain_step_is_left_alone():
         return torch.zeros(()), {}
 
     assert stateful(step, "cpu") == (step, None)
+
+
+def test_a_stateful_step_resets_at_the_top_of_each_epoch_by_default():
+    def step(model, batch, state):
+        return torch.zeros(()), {}
+
+    default = StatefulStep(step)
+    default.train["n"] = 1
+    default.start_epoch(0)
+    assert "n" not in default.train

@@ -153,3 +153,49 @@ def test_the_test_split_is_printed_and_measured_on_the_best_weights_when_a_best_
     assert r["test_ppl"] == pytest.approx(perplexity(r["test_loss"]))
     out = capsys.readouterr().out
     assert "test (best weights): test_loss " in out and " test_ppl " in out
+
+
+def test_a_step_that_raises_while_evaluating_says_so_in_a_note(tmp_path):
+    import torch.nn.functional as F
+
+    def step(model, batch):
+        if not model.training:
+            raise RuntimeError("no evaluation here")
+        return F.cross_entropy(model(batch[0]), batch[1]), {}
+
+    with pytest.raises(RuntimeError, match="^no evaluation here") as e:
+        ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                     cfg(tmp_path, train__epochs=1, doctor__preflight=False), step_fn=step)
+    assert e.value.__notes__ == ["ironloop: raised in evaluation at step 2, epoch 1; batch: a "
+                                 "tuple (Tensor[32, 8] float32, Tensor[32] int64)"]
+
+
+def test_a_rank_that_owes_forwards_runs_them_on_one_sample_on_the_device(monkeypatch):
+    """Under FSDP2 (each forward a collective) a rank with fewer evaluation batches runs
+    discarded forwards until every rank has run as many: here the count is given."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from ironloop.data.source import EvalBatching
+    from ironloop.engine import evaluate
+    from ironloop.parallel import data_parallel
+
+    seen = []
+    asked = []
+
+    def owed(model, world, n, batch_size, done):
+        asked.append((n, batch_size, done))
+        return 2
+
+    monkeypatch.setattr(data_parallel, "extra_forwards", owed)
+    module = SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext,
+                             step_fn=lambda model, batch: seen.append(batch))
+    run = SimpleNamespace(module=module, world=None)
+    data = blobs(5)
+    evaluate._pad_forwards(run, data, 1, EvalBatching(4, None, None), torch.nn.Identity())
+    assert asked == [(5, 4, 1)]
+    assert len(seen) == 2
+    for batch in seen:
+        assert torch.equal(batch[0], data.x[:1]) and torch.equal(batch[1], data.y[:1])

@@ -13,6 +13,7 @@ import ironloop
 from ironloop.callbacks import Callback
 from ironloop.engine.fit import settings_of
 from ironloop.errors import ConfigError
+from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.time_split import advice
 from tests.conftest import blobs, cfg, tiny_mlp
 
@@ -138,3 +139,62 @@ def test_the_wait_for_checkpoint_writes_and_uploads_at_the_end_is_not_training_t
     monkeypatch.setattr(Outputs, "close", slow_close)
     result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
     assert shift[0] == 1000.0 and 0.0 < result.results["train_seconds"] < 1000.0
+
+
+def test_a_run_that_max_steps_stops_mid_epoch_records_the_open_epoch(tmp_path):
+    # 64 samples in batches of 16: 4 steps an epoch; max_steps=3 stops in epoch 1
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__batch_size=16, train__max_steps=3,
+                              guard__enabled=False))
+    final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
+    assert final["step"] == 3
+    assert result.results["stopped_mid_epoch"] == {"epoch": 1, "val_loss": final["val_loss"]}
+    assert (result.results["steps"], result.results["epochs"]) == (3, 1)
+    assert result.results["seconds"] > 0  # the open epoch's training and final evaluation
+    assert "bad_steps" not in result.results  # no guard, no guard counts
+    saved = json.loads((tmp_path / "run/results.json").read_text())
+    assert saved["stopped_mid_epoch"] == result.results["stopped_mid_epoch"]
+
+
+def test_a_run_without_the_guard_logs_its_epochs_and_counts_no_bad_steps(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), None,
+                          cfg(tmp_path, train__epochs=1, guard__enabled=False))
+    (row,) = read_jsonl(tmp_path / "run/epochs.jsonl")
+    assert (row["epoch"], row["step"]) == (1, 2) and "bad_steps" not in row
+    assert "stopped_mid_epoch" not in result.results
+
+
+def test_an_epoch_line_without_seconds_counts_none_in_the_run_s_seconds(tmp_path):
+    """epochs.jsonl written by an ironloop from before epochs logged their seconds: a resume
+    that extends the run sums the seconds the lines have."""
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    log = tmp_path / "run/epochs.jsonl"
+    (old,) = read_jsonl(log)
+    del old["seconds"]
+    log.write_text(json.dumps(old) + "\n")
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=2),
+                          resume=True, allow_config_change=True)
+    rows = read_jsonl(log)
+    assert len(rows) == 2 and "seconds" not in rows[0]
+    assert result.results["seconds"] == pytest.approx(rows[1]["seconds"])
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_named_in_the_error(tmp_path):
+    from ironloop.errors import CheckpointError
+
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    last = tmp_path / "run/checkpoints/last.pt"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {last} does not fit this model: "):
+        ironloop.fit(tiny_mlp(c=4), blobs(64), None, cfg(tmp_path, train__epochs=1),
+                     resume=True)
+
+
+def test_the_time_table_s_settings_are_the_run_s():
+    opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    run = SimpleNamespace(cfg=ironloop.Config(), module=SimpleNamespace(
+        device=torch.device("cpu"), optimizer=opt, precision="fp32", takes_closure=False))
+    got = settings_of(run)
+    assert (got.device, got.threads, got.optimizer, got.precision, got.bf16_open) == \
+        ("cpu", torch.get_num_threads(), "loop", "fp32", False)
+    # the user's SGD, not the AdamW optim.name builds: named in the advice
+    assert got.optimizer_class == "SGD" and got.foreach_open and not got.closure

@@ -146,3 +146,45 @@ def test_integer_targets_are_one_hot_over_the_outputs_classes_even_when_a_batch_
     out, y = torch.zeros(4, 3), torch.tensor([0, 1, 1, 0])  # class 2 not in this batch
     torch.testing.assert_close(Loss(cfg, 3)(out, y),
                                Loss(cfg, 3)(out, nn.functional.one_hot(y, 3).float()))
+
+
+def test_a_given_scheduler_is_used_as_it_is_and_a_factory_is_called_with_the_optimizer():
+    from ironloop.engine.optim import resolve_scheduler
+    from ironloop.errors import UserError
+
+    cfg = load_config(None, []).schedule
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    given = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    assert resolve_scheduler(given, opt, cfg, 4, 8) == (given, "step")
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    assert resolve_scheduler(plateau, opt, cfg, 4, 8) == (plateau, "eval")
+    made = []
+
+    def factory(o):
+        made.append(torch.optim.lr_scheduler.StepLR(o, step_size=2))
+        return made[-1]
+
+    assert resolve_scheduler(factory, opt, cfg, 4, 8) == (made[0], "step")
+    assert made[0].optimizer is opt
+    other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(UserError, match="^scheduler= is bound to another optimizer"):
+        resolve_scheduler(torch.optim.lr_scheduler.StepLR(other, 3), opt, cfg, 4, 8)
+
+
+def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
+    from ironloop.engine.optim import resolve_optimizer
+    from ironloop.errors import UserError
+
+    model, cfg = nn.Linear(2, 1), load_config(None, []).optim
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert resolve_optimizer(mine, model, cfg) is mine
+    made = resolve_optimizer(lambda p: torch.optim.Adam(p, lr=0.1), model, cfg)
+    assert isinstance(made, torch.optim.Adam)
+    with pytest.raises(UserError, match=r"^optimizer= must be a torch.optim.Optimizer or a "
+                                        r"factory factory\(params\) returning one; got list$"):
+        resolve_optimizer(lambda p: list(p), model, cfg)
+    other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(UserError, match=r"^optimizer= holds none of the model's parameters; "
+                                        r"build it from model.parameters\(\) \(of the model "
+                                        r"passed to fit\) or pass a factory$"):
+        resolve_optimizer(other, model, cfg)

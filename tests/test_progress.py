@@ -155,3 +155,22 @@ def test_a_gradient_norm_with_a_graph_is_kept_without_it():
     norm = torch.tensor(2.0, requires_grad=True) * 1.0
     meter.add_step(norm, torch.tensor(False), None)
     assert not meter.grad_norm.requires_grad and float(meter.grad_norm) == 2.0
+
+
+def test_a_checkpoint_from_before_training_time_was_kept_times_from_the_resume(clock):
+    # Older checkpoints carry no training time, in the state or its marks: the resumed
+    # window and epoch count the time since the resume only.
+    meter = Meter(torch.device("cpu"))
+    meter.add_micro(torch.tensor(1.0), 4)
+    meter.add_step(torch.tensor(1.0), torch.tensor(False), None)
+    state = meter.state_dict()
+    del state["train_seconds"]
+    for name in ("window_mark", "epoch_mark"):
+        del state[name]["train_seconds"]
+    resumed = Meter(torch.device("cpu"))
+    resumed.load_state_dict(state)
+    clock.now += 2.0
+    assert resumed.train_seconds() == 2.0
+    assert resumed.flush_window()["samples_per_s"] == 2.0  # 4 samples in 2 s
+    epoch = resumed.flush_epoch()
+    assert (epoch["train_seconds"], epoch["samples_per_s"]) == (2.0, 2.0)

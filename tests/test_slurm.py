@@ -64,7 +64,9 @@ def test_a_scancel_never_requeues():
 def test_a_signal_the_scheduler_does_not_explain_stops_without_a_requeue():
     got = decide(fields(end="2026-11-26T19:00:00"), NOW, True)
     assert (got.cause, got.requeue) == ("unexplained", False)
-    assert decide({}, NOW, True).requeue is False  # scontrol did not answer
+    # scontrol did not answer
+    assert decide({}, NOW, True) == \
+        Decision("unexplained", False, "scontrol show job did not answer")
 
 
 def test_slurm_requeue_false_keeps_the_cause_and_does_not_requeue():
@@ -167,10 +169,37 @@ def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_it
     assert (got[1]["job"], got[1]["ok"]) == ("42", True)
 
 
-def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch):
+def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch, capsys):
     got = stop_under_slurm(tmp_path, monkeypatch, "JobId=42 JobState=CANCELLED Reason=None")
     assert [(e["event"], e["cause"], e["why"], e["requeue"]) for e in got] == \
         [("slurm_stop", "scancel", "the job is CANCELLED", False)]
+    assert capsys.readouterr().out == ("ironloop: SLURM job 42: scancel (the job is CANCELLED): "
+                                       "not requeued; continue it with --resume\n")
+
+
+def test_a_failed_requeue_records_and_prints_what_scontrol_said(tmp_path, monkeypatch, capfd):
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
+    fake_scontrol(tmp_path / "bin", f"JobId=42 JobState=RUNNING EndTime={end} PreemptTime=None")
+    # scontrol requeue refuses: its stdout and stderr are captured, not the run's console
+    (tmp_path / "bin/scontrol").write_text(
+        f"#!/bin/sh\nif [ \"$1\" = requeue ]; then echo chatter; echo 'Invalid job id' >&2; "
+        f"exit 1; fi\necho 'JobId=42 JobState=RUNNING EndTime={end} PreemptTime=None'\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("RANK", raising=False)
+    before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
+    try:
+        after_stop(tmp_path, Preempted("SIGUSR1", 7, saved=True), requeue=True)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    got = events(tmp_path)
+    assert [(e["event"], e.get("ok"), e.get("error")) for e in got] == \
+        [("slurm_stop", None, None), ("slurm_requeue", False, "Invalid job id")]
+    out, err = capfd.readouterr()
+    assert "chatter" not in out and "Invalid job id" not in err
+    assert out.endswith("): scontrol requeue failed (Invalid job id); resubmit the job to "
+                        "continue from step 7\n")
 
 
 # --------------------------------------------------------------------- the real cluster --
@@ -513,3 +542,44 @@ def test_a_preempted_low_job_checkpoints_in_its_grace_time_and_completes_exactly
     assert_requeued_and_exact(low, scenarios["refs"]["short"].run_dir, at_least=1)
     assert {e["cause"] for e in events(low.run_dir) if e["event"] == "slurm_stop"} == \
         {"preemption"}
+
+
+def test_a_signal_while_the_run_is_built_outside_slurm_stops_it_saying_so():
+    from ironloop.engine.slurm import SetupSignals
+    from ironloop.errors import StoppedInSetup
+
+    with pytest.raises(StoppedInSetup, match="^stopped by SIGTERM during setup, before the "
+                                             "first step: nothing was trained or saved"):
+        SetupSignals()(signal.SIGTERM, None)  # in the process that installed it
+
+
+def test_the_rendezvous_is_the_first_host_of_the_node_list(tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _first_node
+
+    assert _first_node("solo") == "solo" and _first_node("") == "127.0.0.1"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && "
+                                      "printf 'node01\\nnode02\\ngpu7\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert _first_node("node[01-02],gpu7") == "node01"
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no scontrol: this host
+    assert _first_node("node[01-02]") == "127.0.0.1"
+
+
+def test_show_job_reads_scontrol_s_fields_and_is_empty_without_scontrol(tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _epoch, job_id, show_job
+
+    fake_scontrol(tmp_path / "bin", "JobId=42 JobState=RUNNING Reason=None EndTime=Unknown")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert show_job("42") == {"JobId": "42", "JobState": "RUNNING", "Reason": "None",
+                              "EndTime": "Unknown"}
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert show_job("42") == {}
+    assert _epoch("Unknown") is None
+    assert _epoch("2026-11-26T17:00:00") == NOW
+    monkeypatch.setenv("SLURM_JOB_ID", "")
+    assert job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert job_id() == "7"

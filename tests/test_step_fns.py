@@ -98,3 +98,67 @@ def test_an_output_without_a_loss_is_named():
     assert step_fns.output_loss(type("Out", (), {"loss": loss})()) is loss
     with pytest.raises(UserError, match=r"^the model returned \{logits: Tensor\[1\] float32\}; "):
         step_fns.output_loss({"logits": torch.zeros(1)})
+
+
+def test_an_error_s_first_line_is_cut_to_its_width_and_an_empty_message_stays_empty():
+    assert step_fns._first_line(RuntimeError("  abcdef\nsecond  "), 3) == "abc"
+    assert step_fns._first_line(RuntimeError("")) == ""
+    assert step_fns._first_line(RuntimeError("  \n ")) == ""
+
+
+def test_the_classification_step_turns_a_shape_error_of_the_loss_into_one_line():
+    def shapes(out, y):
+        raise ValueError("Expected input batch_size (4) to match target batch_size (5)")
+
+    step = step_fns.classification_step(shapes)
+    batch = (torch.zeros(4, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(UserError, match=r"^the model's output Tensor\[4, 2\] float32 does not "
+                                        r"fit the loss for targets Tensor\[5\] int64 \(Expected "
+                                        r"input batch_size \(4\) to match target batch_size"):
+        step(nn.Linear(3, 2), batch)
+
+    def other(out, y):  # not about shapes: the loss's own error, as it came
+        raise ValueError("the loss is broken")
+
+    with pytest.raises(ValueError, match="^the loss is broken$"):
+        step_fns.classification_step(other)(nn.Linear(3, 2), batch)
+
+
+class _Output:
+    """A Hugging Face-style model output: the logits as an attribute."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.embed = how, nn.Embedding(5, 5)
+
+    def forward(self, idx):
+        logits = self.embed(idx)
+        return {"tensor": logits, "tuple": (logits, None), "object": _Output(logits),
+                "none": _Output(None)}[self.how]
+
+
+@pytest.mark.parametrize("how", ["tensor", "tuple", "object"])
+def test_the_lm_step_reads_logits_from_a_tensor_a_tuple_or_an_output_s_logits(how):
+    x = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    y = torch.tensor([[1, 2, 3], [4, 0, step_fns.IGNORE_INDEX]])
+    loss, metrics, weight = step_fns.lm_step(_Wrapped(how), (x, y))
+    want = torch.nn.functional.cross_entropy(_Wrapped("tensor")(x).flatten(0, 1), y.flatten(),
+                                             ignore_index=step_fns.IGNORE_INDEX)
+    assert (metrics, int(weight)) == ({}, 5)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    with pytest.raises(UserError, match=r"^train.step_fn=lm: the model returned a _Output; it "
+                                        r"needs logits"):
+        step_fns.lm_step(_Wrapped("none"), (x, y))
+
+
+def test_the_step_kind_says_which_step_computes_the_metrics():
+    assert step_fns.step_kind(None, "") == "classification"
+    assert step_fns.step_kind(None, "lm") == step_fns.step_kind(step_fns.lm_step, "") == "lm"
+    assert step_fns.step_kind(lambda m, b: None, "") == "user"
+    assert step_fns.step_kind(None, "pkg:step") == "user"

@@ -350,3 +350,12 @@ def test_cuda_events_are_read_at_flush_and_reused(monkeypatch):
     assert row["data"] == 1.5 and row["backward"] == 6 and row["other"] == 0.75
     assert sum(row.values()) == FakeEvent.gpu_now
     assert FakeEvent.created <= 8  # events are pooled, not one per mark forever
+
+
+def test_profile_sync_on_a_cpu_is_plain_wall_time(clock):
+    t = StepTimer(torch.device("cpu"), sync=True)  # nothing to synchronize with
+    assert (t.sync, t.events) == (False, False)
+    t.start_epoch()
+    clock.now += 2
+    t.mark("forward")
+    assert t.end_epoch()["forward"] == 2

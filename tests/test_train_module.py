@@ -1,0 +1,148 @@
+"""engine/train_module.py's parts, in this process: which optimizers take a closure and what
+they are refused with, the closure's later calls, and the schedule's hold past a finite end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ironloop.config import ClipConfig
+from ironloop.engine.progress import Meter, Progress
+from ironloop.engine.train_module import TrainModule, check_closure, takes_closure
+from ironloop.errors import ConfigError
+from ironloop.parallel.world import World
+
+
+def module(opt_of=lambda p: torch.optim.SGD(p, lr=1.0), scheduler_of=None, total_steps=8,
+           schedule_steps=0, max_norm=0.0, step_fn=None) -> TrainModule:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = opt_of(model.parameters())
+    return TrainModule(model=model, raw_model=model, optimizer=opt,
+                       scheduler=scheduler_of(opt) if scheduler_of else None, schedule_on="step",
+                       scaler=None, step_fn=step_fn, carry=None, device=torch.device("cpu"),
+                       precision="fp32", clip=ClipConfig(max_norm=max_norm),
+                       total_steps=total_steps, schedule_steps=schedule_steps)
+
+
+class _NoClosure(torch.optim.SGD):
+    def step(self, closure=None):  # takes one, does not need one
+        return super().step(closure)
+
+
+def test_only_an_optimizer_whose_step_needs_a_closure_takes_one():
+    params = [nn.Parameter(torch.zeros(1))]
+    assert takes_closure(torch.optim.LBFGS(params)) is True
+    assert takes_closure(torch.optim.SGD(params, lr=0.1)) is False
+    assert takes_closure(_NoClosure(params, lr=0.1)) is False
+
+
+@pytest.mark.parametrize("accumulation, precision, ranks, stateful, why", [
+    (2, "fp32", 1, False, "train.accumulation_steps > 1: its closure recomputes one batch, not a "
+                          "window; set train.accumulation_steps=1"),
+    (1, "fp16", 1, False, "train.precision=fp16: GradScaler does not support closures; use bf16 "
+                          "or fp32"),
+    (1, "bf16", 2, False, "several processes: each rank's closure count follows its own loss, "
+                          "and DDP would wait; train it in one process"),
+    (1, "fp32", 1, True, "a stateful step: each closure call would move its state again; carry "
+                         "the state in the model, or use another optimizer"),
+])
+def test_a_closure_optimizer_is_refused_what_it_cannot_honour_saying_why(
+        accumulation, precision, ranks, stateful, why):
+    lbfgs = torch.optim.LBFGS([nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ConfigError) as e:
+        check_closure(lbfgs, accumulation, precision, World(size=ranks), stateful)
+    assert str(e.value) == ("optimizer LBFGS takes a closure (step(closure)), which ironloop "
+                            f"cannot run with {why}")
+
+
+def test_a_closure_optimizer_in_one_plain_process_and_any_other_optimizer_pass():
+    params = [nn.Parameter(torch.zeros(1))]
+    check_closure(torch.optim.LBFGS(params), 1, "bf16", World(), False)
+    check_closure(torch.optim.SGD(params, lr=0.1), 4, "fp16", World(size=2), True)
+
+
+def test_the_closure_returns_the_loop_s_loss_first_then_recomputes_clipped_gradients():
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+
+    def step(model, batch):
+        return ((model(batch[0]) - batch[1]) ** 2).mean() * 100, {}
+
+    m = module(lambda p: torch.optim.LBFGS(p), max_norm=0.5, step_fn=step)
+    loss = step(m.model, (x, y))[0]
+    closure = m.closure((x, y), loss)
+    assert closure is not None
+    first = closure()
+    assert torch.equal(first, loss.detach()) and not first.requires_grad
+    m.optimizer.zero_grad(set_to_none=True)
+    again = closure()
+    assert float(again) == pytest.approx(float(loss.detach()))  # the same batch, the same weights
+    norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in m.params))
+    assert norm == pytest.approx(0.5, rel=1e-4)  # clipped to clip.max_norm as the loop's first
+    assert module().closure((x, y), loss) is None  # SGD: no closure
+
+
+def test_a_finite_schedule_in_a_longer_run_holds_its_last_lr():
+    cosine = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)  # noqa: E731
+    extended = module(scheduler_of=cosine, total_steps=8, schedule_steps=4)
+    extended.optimizer.step()  # (no gradients: no update) torch wants it before the schedule's
+    for step in range(8):
+        extended.step_schedule(step)
+    # steps 0..3 use the schedule's 4 LRs; from step 3 on the LR holds
+    assert extended.scheduler.last_epoch == 3
+    assert extended.optimizer.param_groups[0]["lr"] == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 3 / 4)))
+    whole = module(scheduler_of=cosine, total_steps=4, schedule_steps=4)
+    whole.optimizer.step()
+    for step in range(6):  # a run as long as its schedule steps it every time
+        whole.step_schedule(step)
+    assert whole.scheduler.last_epoch == 6
+
+
+def test_the_optimizer_step_steps_the_schedule_at_the_run_s_step():
+    cosine = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2)  # noqa: E731
+    m = module(scheduler_of=cosine, total_steps=5, schedule_steps=2)
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    lrs = []
+    for _ in range(4):
+        m.model(torch.ones(1, 3)).sum().backward()
+        m.optimizer_step(p, meter, World())
+        lrs.append(m.lr)
+    assert p.step == 4 and meter.steps == 4
+    assert lrs == [pytest.approx(1.0), pytest.approx(0.5), pytest.approx(0.5),
+                   pytest.approx(0.5)]
+    assert m.scheduler.last_epoch == 1
+
+
+def test_a_finished_onecycle_gets_its_last_step_s_lr_back_when_the_run_is_extended():
+    onecycle = lambda opt: torch.optim.lr_scheduler.OneCycleLR(  # noqa: E731
+        opt, max_lr=1.0, total_steps=4)
+    m = module(scheduler_of=onecycle, total_steps=6, schedule_steps=4)
+    last = None
+    for _ in range(4):
+        last = m.optimizer.param_groups[0]["lr"]
+        m.optimizer.step()
+        m.scheduler.step()  # the 4th steps past the end, to an extrapolated LR
+    assert m.optimizer.param_groups[0]["lr"] != pytest.approx(last)
+    m.hold_onecycle()
+    assert m.scheduler.last_epoch == 3
+    assert m.optimizer.param_groups[0]["lr"] == pytest.approx(last)
+    same = module(scheduler_of=onecycle, total_steps=4, schedule_steps=4)
+    before = same.optimizer.param_groups[0]["lr"]
+    same.hold_onecycle()  # not extended: nothing to hold
+    assert same.optimizer.param_groups[0]["lr"] == before and same.scheduler.last_epoch == 0
+
+
+def test_an_fp16_step_with_non_finite_gradients_is_skipped_and_counted():
+    m = module()
+    m.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = m.model.weight.detach().clone()
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    m.backward(m.model(torch.full((1, 3), float("inf"))).sum())
+    m.optimizer_step(p, meter, World())
+    assert torch.equal(m.model.weight.detach(), before)  # GradScaler skipped the update
+    assert float(meter.skipped) == 1.0 and meter.flush_window()["skipped"] == 1
+    assert m.scaler.get_scale() == 2.0  # and backed its scale off
