@@ -1,0 +1,182 @@
+"""ironloop.data, unit by unit: exact behaviour of its small pieces (the orders, samplers,
+inputs, sources, streams and LM datasets), in process and fast. The end-to-end contracts (a
+resume is exact, a DataLoader keeps its meaning) are in test_data_*.py, test_stream.py and
+test_lm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    TensorDataset,
+)
+
+from ironloop.errors import UserError
+
+NONE = torch.zeros(0, dtype=torch.long)
+
+
+class Noisy(Dataset):
+    """Each sample is a draw from torch's global generator: what a random augmentation reads."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        return torch.rand(3)
+
+
+class Counting(IterableDataset):
+    """A stream of (x, y) pairs, x of shape (5,)."""
+
+    def __iter__(self):
+        for i in range(6):
+            yield torch.full((5,), float(i)), torch.tensor(i % 2)
+
+
+def _collate(rows):
+    return rows
+
+
+# ------------------------------------------------------------------ seeding ----------------
+def test_a_seeded_datasets_sample_draws_from_seed_epoch_and_index():
+    from ironloop.data.seeding import SeededDataset, seed_sample
+
+    ds = SeededDataset(Noisy(), seed=5)
+    seed_sample(5, 2, 7)
+    expected = torch.rand(3)
+    assert torch.equal(ds[(2, 7)], expected)
+    assert torch.equal(ds.__getitems__([(2, 7)])[0], expected)
+    assert not torch.equal(ds[(3, 7)], expected)  # another epoch, another draw
+    assert len(ds) == 10
+
+
+# ------------------------------------------------------------------ order ------------------
+def test_a_permutation_computes_in_int64_whatever_the_positions_integer_type():
+    from ironloop.data.order import KeyedOrder
+
+    perm = KeyedOrder(5000, seed=3, shuffle=True).permutation(1)
+    wide = perm(torch.arange(5000))
+    assert wide.dtype == torch.long and sorted(wide.tolist()) == list(range(5000))
+    assert torch.equal(perm(torch.arange(5000, dtype=torch.int32)), wide)
+
+
+# ------------------------------------------------------------------ loader -----------------
+def test_a_samplers_permutation_is_its_whole_epoch_without_the_skipped_samples():
+    from ironloop.data.loader import EpochSampler
+
+    sampler = EpochSampler(20, 4, seed=1, shuffle=True)
+    sampler.set_epoch(3)
+    whole = sampler.permutation()
+    assert sorted(whole.tolist()) == list(range(20))
+    assert whole.tolist() == sampler.indices(0, 20)
+    sampler.set_skip([4, 9])
+    assert sampler.permutation().tolist() == [i for i in whole.tolist() if i not in (4, 9)]
+
+
+# ------------------------------------------------------------------ lm ---------------------
+def test_batchify_needs_two_tokens_per_stream_and_drops_the_tail():
+    from ironloop.data.lm import batchify
+
+    assert batchify(torch.arange(5), 2).tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="^3 tokens cannot make 2 streams of at least 2$"):
+        batchify(torch.arange(3), 2)
+    with pytest.raises(ValueError, match=r"^tokens must be a 1-D sequence, got shape \(2, 2\)$"):
+        batchify(torch.zeros(2, 2), 1)
+
+
+def test_packed_sequences_need_one_block_of_seq_len_plus_one_tokens():
+    from ironloop.data.lm import PackedSequences
+
+    one = PackedSequences(torch.arange(5), 4)
+    assert len(one) == 1 and [t.tolist() for t in one[0]] == [[0, 1, 2, 3], [1, 2, 3, 4]]
+    for short in (4, 3):
+        with pytest.raises(ValueError, match=f"^{short} tokens make no block of seq_len \\+ 1 "
+                                             f"= 5$"):
+            PackedSequences(torch.arange(short), 4)
+    with pytest.raises(ValueError, match="make no block of seq_len"):
+        PackedSequences(torch.arange(5), 0)
+
+
+# ------------------------------------------------------------------ inputs -----------------
+def test_a_dataloaders_own_collate_fn_is_kept_and_the_default_is_not():
+    from ironloop.data.inputs import map_style
+
+    ds = Noisy()
+    assert map_style(DataLoader(ds, batch_size=4, collate_fn=_collate), "d").collate_fn \
+        is _collate
+    given = map_style(DataLoader(ds, batch_size=4), "d")
+    assert given.collate_fn is None and given.dataset is ds and given.batch_size == 4
+
+
+def test_a_tensordata_in_a_dataloader_is_sliced_whatever_its_collate_fn():
+    """TensorData's __getitems__ returns a finished batch: a collate_fn would get it whole."""
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    data = TensorData(torch.zeros(6, 2), torch.zeros(6))
+    given = map_style(DataLoader(data, batch_size=3, collate_fn=_collate, drop_last=True), "d")
+    assert given.dataset is data and given.collate_fn is None
+    assert (given.batch_size, given.drop_last) == (3, True)
+    # a plain TensorDataset with its own collate_fn is read per sample, with it
+    plain = TensorDataset(torch.zeros(6, 2), torch.zeros(6))
+    kept = map_style(DataLoader(plain, batch_size=3, collate_fn=_collate), "d")
+    assert kept.dataset is plain and kept.collate_fn is _collate
+
+
+def test_a_custom_batch_sampler_is_refused_naming_its_type():
+    from ironloop.data.inputs import map_style
+
+    class Buckets(BatchSampler):
+        pass
+
+    loader = DataLoader(Noisy(), batch_sampler=Buckets(SequentialSampler(range(10)), 2, False))
+    with pytest.raises(UserError, match=r"^train_data: the DataLoader's batch_sampler \(Buckets\) "
+                                        r"cannot be resumed mid-epoch"):
+        map_style(loader, "train_data")
+
+
+# ------------------------------------------------------------------ source -----------------
+@pytest.mark.parametrize("name", ["Noisy", "A1", "z_2", "9lives"])
+def test_a_validation_set_name_may_use_capitals_digits_and_underscores(name):
+    from ironloop.data.source import check_set_name
+
+    check_set_name(name)
+
+
+@pytest.mark.parametrize("name", ["avg", "_x", "a-b", "", 3, "a b"])
+def test_a_validation_set_name_that_cannot_name_metrics_is_refused(name):
+    from ironloop.data.source import check_set_name
+
+    with pytest.raises(UserError, match=f"^val_data: the set name {name!r} cannot name "
+                                        f"metrics;"):
+        check_set_name(name)
+
+
+def test_once_over_train_reads_a_dataset_in_this_process():
+    """SWA's BatchNorm pass starts no worker process (a fork per epoch end, for one pass)."""
+    from ironloop.data.source import RunData
+
+    data = RunData(None, Noisy(), {}, None, _collate)  # type: ignore[arg-type]
+    loader = data.once_over_train(4, rank=0, size=1)
+    assert isinstance(loader, DataLoader) and loader.num_workers == 0
+    assert loader.collate_fn is _collate and not loader.pin_memory
+
+
+# ------------------------------------------------------------------ user -------------------
+def test_a_data_factorys_stream_offers_its_first_samples_shape(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+
+    (tmp_path / "byo_units_stream.py").write_text(
+        "from tests.test_data_units import Counting\n"
+        "def data():\n"
+        "    return Counting(), None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bundle = user_data(DataConfig(name="byo_units_stream:data"))
+    assert bundle.input_shape == (5,) and isinstance(bundle.train, Counting)
