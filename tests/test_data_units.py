@@ -180,3 +180,181 @@ def test_a_data_factorys_stream_offers_its_first_samples_shape(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     bundle = user_data(DataConfig(name="byo_units_stream:data"))
     assert bundle.input_shape == (5,) and isinstance(bundle.train, Counting)
+
+
+class Indexed(Dataset):
+    """Sample i is the tensor [i]: a batch shows the order it was read in."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.tensor([i])
+
+
+class Backwards(torch.utils.data.Sampler):
+    """A user's sampler: n-1 .. 0, a pure function of the epoch (it has set_epoch)."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_an_eval_sampler_serves_the_order_it_is_given():
+    from ironloop.data.loader import EvalSampler
+    from ironloop.data.order import KeyedOrder
+
+    order = KeyedOrder(9, seed=4, shuffle=True)
+    sampler = EvalSampler(9, 4, seed=0, shuffle=False, order=order)
+    assert sampler.permutation().tolist() == order.indices(0, NONE, 0, 9).tolist()
+    assert sampler.permutation().tolist() != list(range(9))
+
+
+def test_an_eval_split_is_read_in_its_dataloaders_sampler_order():
+    from ironloop.config import Config
+    from ironloop.data.source import EvalBatching, eval_loader
+
+    batching = EvalBatching(2, sampler=Backwards(5))
+    loader = eval_loader(Indexed(5), batching, Config(), 0, 1, torch.device("cpu"))
+    assert [b.flatten().tolist() for b in loader] == [[4, 3], [2, 1], [0]]
+    plain = eval_loader(Indexed(5), EvalBatching(2), Config(), 0, 1, torch.device("cpu"))
+    assert [b.flatten().tolist() for b in plain] == [[0, 1], [2, 3], [4]]
+
+
+# ------------------------------------------------------------------ stream -----------------
+class _Buffer:
+    """Stand-ins for Hugging Face's private example-iterable chain."""
+
+
+class BufferShuffledExamplesIterable(_Buffer):
+    ex_iterable = None
+
+
+class _Link:
+    def __init__(self, inner):
+        self.ex_iterable = inner
+
+
+class HFLike(IterableDataset):
+    def __init__(self, chain):
+        self._ex_iterable = chain
+
+    def __iter__(self):
+        return iter(())
+
+
+def test_a_shuffle_buffer_is_found_anywhere_down_hugging_faces_chain():
+    from ironloop.data.stream import hf_shuffle_buffer
+
+    assert hf_shuffle_buffer(HFLike(BufferShuffledExamplesIterable()))
+    assert hf_shuffle_buffer(HFLike(_Link(_Link(BufferShuffledExamplesIterable()))))
+    assert not hf_shuffle_buffer(HFLike(_Link(_Link(None))))
+    assert not hf_shuffle_buffer(Counting())
+
+
+class Claims(IterableDataset):
+    """A stream of ``n`` samples whose __len__ says ``claims``."""
+
+    def __init__(self, n: int, claims: int):
+        self.n, self.claims = n, claims
+
+    def __len__(self) -> int:
+        return self.claims
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.tensor([float(i)]), torch.tensor(0)
+
+
+def test_a_stream_that_ends_before_its_len_says_how_many_batches_it_gave():
+    from ironloop.errors import DataError
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Claims(40, 104)), 16, 0)
+    order.set_epoch(2)
+    with pytest.raises(DataError) as e:
+        list(order.batches())
+    assert str(e.value) == (
+        "the training stream Stream(Claims) ended early in epoch 3: 2 full batches of 16 (at "
+        "most 32 + 15 samples), but its __len__ says 104; a shard may be missing or truncated, "
+        "or __len__ is wrong")
+
+
+def test_a_stream_one_batch_short_of_its_len_is_what_a_dropped_partial_batch_allows():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    # 104 claimed: 6 full batches of 16; 95 samples give 5, fewer than 6 - 1 + 1
+    from ironloop.errors import DataError
+
+    order = StreamOrder(Stream(Claims(96, 104)), 16, 0)
+    assert len(list(order.batches())) == 6 and order.end == 96
+    short = StreamOrder(Stream(Claims(95, 104)), 16, 0)
+    with pytest.raises(DataError, match="ended early in epoch 1: 5 full batches"):
+        list(short.batches())
+
+
+def test_a_streams_epoch_is_at_least_one_step_and_counts_a_short_last_window():
+    from ironloop.data.stream import Stream, stream_steps
+
+    assert stream_steps(Stream(Claims(10, 10)), 16, 1, max_steps=0) == 1  # no full batch
+    assert stream_steps(Stream(Claims(16, 16)), 16, 4, max_steps=0) == 1
+    assert stream_steps(Stream(Claims(80, 80)), 16, 4, max_steps=0) == 2  # 5 batches
+    assert stream_steps(Stream(Counting()), 16, 4, max_steps=7) == 7  # no __len__
+
+
+def test_a_streams_own_collate_fn_makes_its_batches():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Claims(4, 4), collate_fn=_collate), 2, 0)
+    batches = list(order.batches())
+    assert len(batches) == 2 and all(isinstance(b, list) and len(b) == 2 for b in batches)
+    assert [float(row[0]) for b in batches for row in b] == [0.0, 1.0, 2.0, 3.0]
+
+
+# ------------------------------------------------------------------ eval subsets -----------
+def test_the_eval_subset_is_the_same_whatever_the_global_rng_state():
+    from ironloop.config import Config
+    from ironloop.data.source import eval_subset
+
+    config = Config().with_overrides({"eval.max_batches": 2, "train.batch_size": 3})
+    torch.manual_seed(0)
+    first = eval_subset(Indexed(50), config, world_size=1)
+    torch.manual_seed(1)
+    again = eval_subset(Indexed(50), config, world_size=1)
+    assert list(first.indices) == list(again.indices)
+    assert len(first.indices) == 6 and list(first.indices) == sorted(first.indices)
+    assert list(first.indices) != list(range(6))  # a random subset, not the first samples
+
+
+@pytest.mark.parametrize("from_loader, world, text", [
+    (True, 1, "val_data has 6 streams but evaluates in batches of 4 (its DataLoader's batch "
+              "size); pass it as DataLoader(val, batch_size=6) so that each batch takes one "
+              "chunk of every stream"),
+    (False, 2, "test_data has 6 streams but evaluates in batches of 4 x 2 processes "
+               "(train.batch_size, its batch size); pass it as DataLoader(test, batch_size=3) "
+               "so that each batch takes one chunk of every stream"),
+])
+def test_contiguous_streams_evaluated_in_other_batches_are_refused_saying_which(
+        from_loader, world, text):
+    from ironloop.data.lm import ContiguousStreams, check_eval_order
+    from ironloop.errors import ConfigError
+
+    data = ContiguousStreams(torch.arange(60), streams=6, bptt=3)
+    what = "val_data" if world == 1 else "test_data"
+    with pytest.raises(ConfigError) as e:
+        check_eval_order(data, what, 4, world, in_order=True, from_loader=from_loader)
+    assert str(e.value) == text
+    check_eval_order(data, what, 6 // world, world, in_order=True, from_loader=from_loader)
+    with pytest.raises(ConfigError, match=f"^{what}: its DataLoader's sampler would read"):
+        check_eval_order(data, what, 6 // world, world, in_order=False, from_loader=True)
