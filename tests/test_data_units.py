@@ -358,3 +358,38 @@ def test_contiguous_streams_evaluated_in_other_batches_are_refused_saying_which(
     check_eval_order(data, what, 6 // world, world, in_order=True, from_loader=from_loader)
     with pytest.raises(ConfigError, match=f"^{what}: its DataLoader's sampler would read"):
         check_eval_order(data, what, 6 // world, world, in_order=False, from_loader=True)
+
+
+# ------------------------------------------------------------------ loaders ----------------
+def test_a_loaders_worker_seeds_come_from_the_run_seed_and_its_epoch():
+    """A DataLoader draws its workers' base seed from its generator: seeded from (seed, epoch)
+    for one epoch's loader, from (seed, "every epoch") for the run's persistent one."""
+    from ironloop.data.loader import EpochSampler, make_loader
+    from ironloop.data.seeding import derive_seed
+
+    sampler = EpochSampler(10, 2, seed=3, shuffle=True)
+    sampler.set_epoch(2)
+    once = make_loader(Noisy(), sampler, num_workers=0, pin_memory=False)
+    assert once.generator.initial_seed() == derive_seed(3, 2, "loader")
+    run = make_loader(Noisy(), sampler, num_workers=0, pin_memory=False, persistent=True)
+    assert run.generator.initial_seed() == derive_seed(3, "every epoch", "loader")
+
+
+def test_the_epoch_loader_keeps_one_loader_for_the_run_unless_samples_are_unseeded():
+    from ironloop.data.loader import EpochLoader, EpochSampler
+    from ironloop.data.seeding import derive_seed
+
+    sampler = EpochSampler(10, 5, seed=3, shuffle=False)
+    loader = EpochLoader(Noisy(), sampler, num_workers=0, pin_memory=False)
+    assert len(list(loader)) == 2
+    kept = loader._loader
+    assert kept.generator.initial_seed() == derive_seed(3, "every epoch", "loader")
+    sampler.set_epoch(1)
+    assert len(list(loader)) == 2 and loader._loader is kept  # the same loader, next epoch
+    loader.close()
+    assert loader._loader is None
+    sampler.set_epoch(4)
+    unseeded = EpochLoader(Noisy(), sampler, num_workers=0, pin_memory=False,
+                           seed_samples=False)
+    list(unseeded)
+    assert unseeded._loader.generator.initial_seed() == derive_seed(3, 4, "loader")
