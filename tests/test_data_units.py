@@ -278,8 +278,8 @@ class Claims(IterableDataset):
 
 
 def test_a_stream_that_ends_before_its_len_says_how_many_batches_it_gave():
-    from ironloop.errors import DataError
     from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.errors import DataError
 
     order = StreamOrder(Stream(Claims(40, 104)), 16, 0)
     order.set_epoch(2)
@@ -293,10 +293,9 @@ def test_a_stream_that_ends_before_its_len_says_how_many_batches_it_gave():
 
 def test_a_stream_one_batch_short_of_its_len_is_what_a_dropped_partial_batch_allows():
     from ironloop.data.stream import Stream, StreamOrder
-
-    # 104 claimed: 6 full batches of 16; 95 samples give 5, fewer than 6 - 1 + 1
     from ironloop.errors import DataError
 
+    # 104 claimed: 6 full batches of 16; 95 samples give 5, fewer than 6 - 1 + 1
     order = StreamOrder(Stream(Claims(96, 104)), 16, 0)
     assert len(list(order.batches())) == 6 and order.end == 96
     short = StreamOrder(Stream(Claims(95, 104)), 16, 0)
