@@ -449,3 +449,230 @@ def test_derive_seed_is_blake2b_of_the_parts_joined_by_colons_in_63_bits():
     digest = hashlib.blake2b(b"3:1:order:0", digest_size=8).digest()
     assert derive_seed(3, 1, "order", 0) == int.from_bytes(digest, "little") & (2**63 - 1)
     assert 0 <= derive_seed("eval-subset") < 2**63
+
+
+# ------------------------------------------------------------------ stream units -----------
+class Stateful(Claims):
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_what_is_read_as_a_stream_and_what_as_map_style():
+    from ironloop.data.stream import Stream, as_stream, is_stateful_loader, is_stream
+
+    ds = Noisy()
+    assert not is_stream(ds) and not is_stream(DataLoader(ds)) and as_stream(ds, "d") is None
+    assert as_stream(None, "d") is None
+    assert is_stream(Counting()) and is_stream(DataLoader(Counting(), batch_size=2))
+    assert is_stream(Stream(ds)) and not is_stateful_loader(DataLoader(ds))
+    s = Stream(ds)
+    assert as_stream(s, "d") is s
+    plain = as_stream(Counting(), "d")
+    assert isinstance(plain.dataset, Counting) and plain.batch_size is None
+    from_loader = as_stream(DataLoader(Counting(), batch_size=3), "d")
+    assert (from_loader.batch_size, from_loader.collate_fn, from_loader.loader) == (3, None, None)
+    own = as_stream(DataLoader(Counting(), batch_size=3, collate_fn=_collate), "d")
+    assert own.collate_fn is _collate
+    with pytest.raises(UserError, match=r"^train_data: a DataLoader with batch_size=None \(a "
+                                        r"dataset that yields whole batches\) is not supported"):
+        as_stream(DataLoader(Counting(), batch_size=None), "train_data")
+
+
+def test_a_passed_stateful_loader_is_the_stream_with_its_batch_size_and_collate_fn():
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ironloop.data.stream import as_stream, is_stateful_loader, is_stream
+
+    loader = StatefulDataLoader(Noisy(), batch_size=4, collate_fn=_collate)
+    assert is_stateful_loader(loader) and is_stream(loader)
+    s = as_stream(loader, "d")
+    assert (s.dataset, s.batch_size, s.collate_fn, s.loader) == (loader.dataset, 4, _collate,
+                                                                loader)
+    assert s.samples == 10  # a map-style dataset's length, through its loader
+
+
+def test_a_streams_samples_are_its_len_or_none():
+    from ironloop.data.stream import Stream
+
+    assert Stream(Claims(3, 7)).samples == 7
+    assert Stream(Counting()).samples is None
+    assert repr(Stream(Counting())) == "Stream(Counting)"
+
+
+def test_an_eval_stream_is_refused_naming_the_split_and_its_type():
+    from ironloop.data.stream import refuse_eval_stream
+
+    refuse_eval_stream(None, "val_data")
+    refuse_eval_stream(Noisy(), "val_data")
+    with pytest.raises(UserError, match=r"^val_data\['b'\] is a stream \(Counting\); evaluation "
+                                        r"reads a map-style dataset"):
+        refuse_eval_stream(Counting(), "val_data['b']")
+
+
+def test_which_streams_resume_by_replay():
+    from ironloop.data.stream import Stream, resumes_by_replay
+    from ironloop.errors import ConfigError
+
+    assert resumes_by_replay(Stream(Claims(4, 4)), "auto")
+    assert not resumes_by_replay(Stream(Stateful(4, 4)), "auto")
+    assert resumes_by_replay(Stream(Stateful(4, 4)), "replay")
+    assert not resumes_by_replay(Stream(Stateful(4, 4)), "state")
+    assert not resumes_by_replay(Stream(Claims(4, 4), loader=object()), "replay")
+    with pytest.raises(ConfigError, match=r"^data.stream_resume=state: Claims has no "
+                                          r"state_dict\(\)/load_state_dict\(\); implement them"):
+        resumes_by_replay(Stream(Claims(4, 4)), "state")
+
+
+def test_the_replay_warning_names_a_shuffle_buffer_as_the_reason():
+    from ironloop.data.stream import Stream, replay_warning
+
+    text = replay_warning(Stream(HFLike(BufferShuffledExamplesIterable())))
+    assert text.startswith("warning: HFLike is a stream and its shuffle buffer is not part of "
+                           "its state_dict (Hugging Face drops it on resume): a mid-epoch "
+                           "resume reads again")
+
+
+def test_a_stream_orders_counts_and_epochs():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    s = Stream(Stateful(40, 40))
+    order = StreamOrder(s, 4, 9, accumulation=2, rank=1, world_size=3)
+    assert order.dataset is s and order.global_batch == 12 and order.expected == 40
+    assert order.usable > 10**15 and order.indices(0, 8) == []
+    assert order.nonfinite_inputs([1, 2]) == [] and order.close() is None
+    order.set_skip([5, 3, 5])
+    assert order.skip == [3, 5]
+    order.pending = {"held": 1}
+    order.set_epoch(2, 24)
+    assert (order.epoch, order.offset, order.end, order.pending) == (2, 24, None, {"held": 1})
+    order.set_epoch(3)
+    assert (order.epoch, order.offset, order.pending) == (3, 0, None)
+    assert StreamOrder(Stream(Stateful(40, 40), loader=object()), 4, 0).expected is None
+
+
+def test_a_stream_checkpoint_from_other_workers_is_refused_only_mid_epoch():
+    from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.errors import CheckpointError
+
+    state = {"seed": 1, "epoch": 2, "offset": 32, "num_workers": 2, "loader": None,
+             "stream": True}
+    order = StreamOrder(Stream(Stateful(40, 40)), 16, 0)
+    with pytest.raises(CheckpointError) as e:
+        order.load_state_dict(state)
+    assert str(e.value) == (
+        "the checkpoint stopped mid-epoch in a stream read by data.num_workers=2; a stream's "
+        "order and state depend on its workers, so resume with data.num_workers=2 (it may "
+        "change at an epoch boundary)")
+    order.load_state_dict({**state, "offset": 0})
+    assert (order.seed, order.epoch, order.offset) == (1, 2, 0)
+    user = StreamOrder(Stream(Stateful(40, 40), loader=object()), 16, 0)
+    user.load_state_dict(state)  # the user's loader: its state, whatever data.num_workers
+    assert user.offset == 32
+
+
+def test_a_mid_epoch_stream_checkpoint_without_loader_state_is_refused():
+    from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.errors import CheckpointError
+
+    order = StreamOrder(Stream(Stateful(40, 40)), 16, 0)
+    order.load_state_dict({"seed": 0, "epoch": 0, "offset": 16, "num_workers": 0,
+                           "loader": None, "stream": True})
+    with pytest.raises(CheckpointError, match="^the checkpoint stopped mid-epoch in a stream "
+                                              "but holds no loader state;"):
+        list(order.batches())
+
+
+def test_a_stream_that_yields_more_than_its_len_is_an_error_naming_it():
+    from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.errors import DataError
+
+    order = StreamOrder(Stream(Claims(40, 31)), 16, 0)
+    with pytest.raises(DataError) as e:
+        list(order.batches())
+    assert str(e.value) == (
+        "the training stream Stream(Claims) yielded more than its __len__ of 31 samples in "
+        "epoch 1: its __len__ is wrong; make it return the samples it yields per epoch (per "
+        "process), or remove it and set train.max_steps")
+    assert len(list(StreamOrder(Stream(Claims(40, 32)), 16, 0).batches())) == 2
+
+
+class Breaks(IterableDataset):
+    def __iter__(self):
+        for i in range(5):
+            yield torch.tensor([float(i)]), torch.tensor(0)
+        raise OSError("shard 3 truncated")
+
+
+def test_a_stream_that_fails_says_where_in_the_epoch():
+    from ironloop.data.stream import Stream, StreamOrder
+    from ironloop.errors import DataError
+
+    order = StreamOrder(Stream(Breaks()), 2, 0, accumulation=2)
+    order.set_epoch(1)
+    got = []
+    with pytest.raises(DataError) as e:
+        for batch in order.batches():
+            got.append(batch)
+    assert len(got) == 2
+    assert str(e.value) == (
+        "the training stream Stream(Breaks) failed in epoch 2 reading batch 3 (after 4 samples "
+        "on this process): OSError: shard 3 truncated. Fix or remove that shard or sample and "
+        "resume with --resume; the checkpoints written so far are intact")
+
+
+def test_a_stream_ends_its_epoch_one_window_ahead_with_its_true_size():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Claims(10, 10)), 2, 0, accumulation=2)
+    seen = []
+    for _ in order.batches():
+        seen.append((len(seen), order.end))
+    # 5 batches: windows of 2, 2 and 1; the last window is read before its batch is served
+    assert seen == [(0, None), (1, None), (2, None), (3, None), (4, 10)]
+    assert order.loader is None and order.usable == 10
+
+
+def test_reading_a_stream_leaves_the_global_rng_and_torchdatas_log_level_alone():
+    import logging
+
+    from ironloop.data.stream import Stream, StreamOrder
+
+    log = logging.getLogger("torchdata.stateful_dataloader.stateful_dataloader")
+    log.setLevel(logging.INFO)
+    torch.manual_seed(11)
+    expected = torch.rand(2)
+    torch.manual_seed(11)
+    assert len(list(StreamOrder(Stream(Claims(8, 8)), 2, 0).batches())) == 4
+    assert torch.equal(torch.rand(2), expected)
+    assert log.level == logging.INFO
+    log.setLevel(logging.NOTSET)
+
+
+def test_the_first_sample_leaves_every_rng_as_it_was_and_is_none_for_unpaired_batches():
+    import random
+
+    import numpy as np
+
+    from ironloop.data.stream import Stream, first_sample
+
+    class Draws(IterableDataset):
+        def __iter__(self):
+            random.random(), np.random.rand(), torch.rand(1)
+            yield torch.zeros(2), torch.tensor(1)
+
+    class Single(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(2)
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    expected = random.random(), np.random.rand(), torch.rand(1)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    x, y = first_sample(Stream(Draws()))
+    assert torch.equal(x, torch.zeros(2)) and int(y) == 1
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+    assert first_sample(Stream(Single())) is None
+    assert first_sample(Stream(Breaks())) is not None
