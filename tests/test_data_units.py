@@ -676,3 +676,181 @@ def test_the_first_sample_leaves_every_rng_as_it_was_and_is_none_for_unpaired_ba
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
     assert first_sample(Stream(Single())) is None
     assert first_sample(Stream(Breaks())) is not None
+
+
+# ------------------------------------------------------------------ source units -----------
+def _config(**keys):
+    from ironloop.config import Config
+
+    return Config().with_overrides(keys)
+
+
+def test_open_data_splits_a_map_style_run_and_counts_its_steps(capsys):
+    from ironloop.data.source import MapSource, open_data
+
+    config = _config(**{"train.batch_size": 4, "train.accumulation_steps": 2, "data.shuffle":
+                        False, "data.val_fraction": 0.0})
+    val = TensorDataset(torch.zeros(3, 2), torch.zeros(3))
+    data = open_data(config, Indexed(21), val, None, 0, 1, torch.device("cpu"))
+    assert isinstance(data.source, MapSource) and data.source.steps_per_epoch == 3  # 21/8
+    assert data.source.global_batch == 4 and data.source.usable == 21
+    assert data.val_sets[""].x.shape == (3, 2) and data.test is None
+    assert data.described() == {"train": {"type": "Indexed", "size": 21},
+                                "val": {"type": "TensorData", "size": 3}}
+    assert [b.flatten().tolist() for b in data.source.batches()][:2] == [[0, 1, 2, 3],
+                                                                         [4, 5, 6, 7]]
+    assert data.source.indices(4, 6) == [4, 5]
+    data.source.set_epoch(1, 8)
+    assert data.source.state_dict()["offset"] == 8 and data.source.state_dict()["epoch"] == 1
+    assert not data.in_memory() and capsys.readouterr().out == ""
+    data.close()
+
+
+def test_open_data_warns_of_an_empty_validation_split_on_rank_zero_only(capsys):
+    from ironloop.data.source import open_data
+
+    empty = TensorDataset(torch.zeros(0, 2), torch.zeros(0))
+    train = TensorDataset(torch.zeros(8, 2), torch.zeros(8))
+    config = _config(**{"train.batch_size": 4})
+    open_data(config, train, empty, None, 1, 2, torch.device("cpu"))
+    assert capsys.readouterr().out == ""
+    open_data(config, train, empty, None, 0, 1, torch.device("cpu"))
+    assert capsys.readouterr().out == (
+        "warning: the validation split is empty (0 samples): this run reports no val_* metric "
+        "and best.pt tracks nothing; check data.val_fraction or val_data\n")
+    assert open_data(config, train, None, None, 0, 1, torch.device("cpu")).in_memory()
+
+
+def test_open_data_refuses_an_empty_training_split():
+    from ironloop.data.source import open_data
+    from ironloop.errors import DataError
+
+    with pytest.raises(DataError, match=r"^the training split is empty \(0 samples\): check"):
+        open_data(_config(), Indexed(0), None, None, 0, 1, torch.device("cpu"))
+
+
+def test_a_batch_larger_than_the_training_split_is_one_step_and_a_warning(capsys):
+    from ironloop.data.source import _warn_batch_size
+
+    _warn_batch_size(_config(**{"train.batch_size": 8}), 10, 2, 0)
+    assert capsys.readouterr().out == (
+        "warning: train.batch_size=8 x 2 processes is larger than the training split (10 "
+        "samples): each epoch is a single optimizer step; lower train.batch_size\n")
+    _warn_batch_size(_config(**{"train.batch_size": 16}), 10, 1, 0)
+    assert capsys.readouterr().out.startswith("warning: train.batch_size=16 is larger than the "
+                                              "training split (10 samples)")
+    _warn_batch_size(_config(**{"train.batch_size": 5}), 10, 2, 0)  # exactly the split
+    _warn_batch_size(_config(**{"train.batch_size": 16}), 10, 1, 1)  # not rank 0
+    assert capsys.readouterr().out == ""
+
+
+def test_a_passed_dataloaders_batch_size_becomes_the_runs():
+    from ironloop.data.source import resolve_batch_size
+
+    config = _config(**{"train.batch_size": 32})
+    assert resolve_batch_size(config, DataLoader(Noisy(), batch_size=5)).train.batch_size == 5
+    assert resolve_batch_size(config, DataLoader(Counting(), batch_size=3)).train.batch_size == 3
+    assert resolve_batch_size(config, Noisy()) is config
+    assert resolve_batch_size(config, DataLoader(Noisy(), batch_size=32)) is config
+
+
+def test_validation_sets_by_name_and_their_batching():
+    from ironloop.data.source import validation_sets
+    from ironloop.errors import DataError
+
+    a, b = Indexed(4), Indexed(6)
+    sets, batching = validation_sets({"a": a, "b": DataLoader(b, batch_size=3, drop_last=True)},
+                                     _config(**{"train.batch_size": 2}), _collate, 1)
+    assert sets == {"a": a, "b": b}
+    assert batching["val_a"].batch_size == 2 and batching["val_a"].collate_fn is _collate
+    assert (batching["val_b"].batch_size, batching["val_b"].drop_last) == (3, True)
+    assert validation_sets(None, _config(), None, 1) == ({}, {"val": batching["val_a"].__class__(
+        _config().train.batch_size, None, None)})
+    with pytest.raises(DataError, match=r"^val_data\['a'\] is None; give each named set a "
+                                        r"dataset, or leave 'a' out"):
+        validation_sets({"a": None}, _config(), None, 1)
+    with pytest.raises(DataError, match=r"^val_data=\{\} names no validation set"):
+        validation_sets({}, _config(), None, 1)
+
+
+def test_plateau_and_early_stopping_need_validation_data():
+    from ironloop.data.source import check_needs_val
+    from ironloop.errors import ConfigError
+
+    plateau = _config(**{"schedule.name": "plateau"})
+    with pytest.raises(ConfigError, match="^schedule.name='plateau' needs validation data to "
+                                          "monitor val_loss; set data.val_fraction > 0"):
+        check_needs_val(plateau, None)
+    check_needs_val(plateau, Indexed(1))
+    patient = _config(**{"early_stop.patience": 1})
+    with pytest.raises(ConfigError, match="^early_stop.patience > 0 needs validation data"):
+        check_needs_val(patient, Indexed(0))
+    check_needs_val(_config(), None)
+
+
+def test_an_eval_subset_keeps_contiguous_streams_whole_and_tensors_sliced():
+    from ironloop.data.lm import ContiguousStreams
+    from ironloop.data.loader import TensorData
+    from ironloop.data.source import eval_subset
+
+    config = _config(**{"eval.max_batches": 2, "train.batch_size": 3})
+    streams = ContiguousStreams(torch.arange(100), streams=3, bptt=4)
+    sub = eval_subset(streams, config, world_size=1)
+    assert list(sub.indices) == list(range(6))
+    data = TensorData(torch.arange(20.0).unsqueeze(1), torch.arange(20))
+    cut = eval_subset(data, config, world_size=1)
+    assert isinstance(cut, TensorData) and len(cut) == 6
+    assert torch.equal(cut.x.flatten(), cut.y.float()) and cut.y.tolist() == sorted(cut.y.tolist())
+    assert eval_subset(Indexed(6), config, world_size=1).__class__ is Indexed  # cap == size
+    assert eval_subset(None, config, world_size=1) is None
+    whole = Indexed(50)
+    assert eval_subset(whole, _config(**{"eval.max_batches": 0}), world_size=1) is whole
+
+
+def test_a_split_is_described_by_the_users_type_and_size():
+    from ironloop.data.source import describe
+    from ironloop.data.stream import Stream
+
+    assert describe(None) is None
+    assert describe(Indexed(3)) == {"type": "Indexed", "size": 3}
+    assert describe(Stream(Claims(2, 9))) == {"type": "Claims", "size": 9}
+    assert describe(Stream(Counting())) == {"type": "Counting", "size": None}
+
+
+def test_the_nonfinite_inputs_are_found_in_tensors_tuples_and_dicts():
+    from ironloop.data.loader import TensorData
+    from ironloop.data.source import nonfinite_inputs
+
+    x = torch.zeros(4, 2)
+    x[1, 0], x[3, 1] = float("nan"), float("inf")
+    assert nonfinite_inputs(TensorData(x, torch.zeros(4)), [0, 1, 2, 3]) == [1, 3]
+    assert nonfinite_inputs(TensorData(x, torch.zeros(4)), [3, 0]) == [3]
+    ints = TensorData(torch.zeros(4, 2, dtype=torch.long), torch.zeros(4))
+    assert nonfinite_inputs(ints, [0, 1]) == []
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 0:
+                return {"a": x[1], "b": [1]}, 0
+            if i == 1:
+                return (torch.zeros(2), [x[3]]), torch.tensor(float("nan"))  # targets: not read
+            if i == 2:
+                return x[1]  # the sample alone: its inputs
+            return torch.zeros(2, dtype=torch.long), 1
+
+    assert nonfinite_inputs(Rows(), [0, 1, 2, 3]) == [0, 1, 2]
+
+
+def test_the_first_training_sample_of_a_map_style_run_is_its_first_item():
+    from ironloop.data.source import RunData
+    from ironloop.data.stream import Stream
+
+    data = RunData(None, Indexed(3), {}, None, None)  # type: ignore[arg-type]
+    assert data.first_sample().tolist() == [0] and data.val is None
+    streamed = RunData(None, Stream(Counting()), {"": Indexed(2)}, None, None)  # type: ignore[arg-type]
+    x, _ = streamed.first_sample()
+    assert x.shape == (5,) and streamed.val.n == 2
+    assert streamed.once_over_train(2, 0, 1) is None
