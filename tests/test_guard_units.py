@@ -638,6 +638,11 @@ def test_the_loop_settles_eagerly_when_asked_to_or_when_the_pending_list_is_full
     d.start(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), True)
     d.pending = []
     assert not d.masks and d.always and d.eager
+    d.start(fused, False)
+    d.known_bad = True  # a verdict read before step() said bad
+    assert d.eager
+    d.rebase(SimpleNamespace(loss_sum=torch.zeros(()), tokens=torch.zeros(()), samples=0), 0)
+    assert not d.known_bad and not d.eager  # settled
 
 
 def test_the_device_half_takes_the_configs_limits_and_spike_settings():
@@ -662,3 +667,20 @@ def test_forgetting_an_unscale_drops_only_that_optimizers_gradscaler_state():
     assert scaler._per_optimizer_states == {id(b): {"stage": 1}}
     forget_unscale(a, scaler)  # nothing left to forget
     forget_unscale(a, None)    # fp32 / bf16: no scaler
+
+
+def test_the_device_spike_test_waits_for_a_full_window_and_floors_sigma_at_1e_12():
+    from ironloop.guard.verdict import StepJudge
+
+    world, zero = SimpleNamespace(distributed=False), torch.zeros((), dtype=F64)
+    judge = StepJudge(torch.device("cpu"), F64, spike_factor=2, spike_window=3, spike_warmup=0)
+
+    def ok(loss: float, norm: float = 0.0) -> bool:
+        return bool(judge.verdict(torch.tensor(loss, dtype=F64), zero,
+                                  torch.tensor(norm, dtype=F64), 1, None, world))
+
+    assert ok(0.0) and ok(0.0)
+    assert ok(50.0, 50.0)  # 2 of 3 good steps: nothing is judged yet, and it joins the window
+    judge.load_state_dict({"good": 3, "losses": [0.0] * 3, "norms": [0.0] * 3})
+    assert ok(1e-12) and ok(0.0, 2e-12)  # sigma 0 and 1% of 0: the 1e-12 floor, x 2
+    assert not ok(2.1e-12) and not ok(0.0, 2.1e-12)
