@@ -682,5 +682,6 @@ def test_the_device_spike_test_waits_for_a_full_window_and_floors_sigma_at_1e_12
     assert ok(0.0) and ok(0.0)
     assert ok(50.0, 50.0)  # 2 of 3 good steps: nothing is judged yet, and it joins the window
     judge.load_state_dict({"good": 3, "losses": [0.0] * 3, "norms": [0.0] * 3})
+    assert not ok(2.1e-12)  # the window just filled: judged from this step on
     assert ok(1e-12) and ok(0.0, 2e-12)  # sigma 0 and 1% of 0: the 1e-12 floor, x 2
     assert not ok(2.1e-12) and not ok(0.0, 2.1e-12)
