@@ -685,3 +685,15 @@ def test_the_device_spike_test_waits_for_a_full_window_and_floors_sigma_at_1e_12
     assert not ok(2.1e-12)  # the window just filled: judged from this step on
     assert ok(1e-12) and ok(0.0, 2e-12)  # sigma 0 and 1% of 0: the 1e-12 floor, x 2
     assert not ok(2.1e-12) and not ok(0.0, 2.1e-12)
+
+
+def test_check_hands_the_spike_test_the_windows_mean_loss_over_its_samples():
+    conf = Config().with_overrides(["guard.spike_factor=4", "guard.spike_window=2",
+                                    "guard.spike_warmup=0"]).guard
+    d = device_verdicts(conf, torch.device("cpu"), F64)
+    m = SimpleNamespace(loss_sum=torch.zeros((), dtype=F64), tokens=torch.zeros((), dtype=F64),
+                        samples=0)
+    d.rebase(m, 8)
+    m.loss_sum = torch.tensor(16.0, dtype=F64)  # 8 samples, epoch offsets 8 to 16
+    d.check(m, torch.tensor(1.0), 16, None, SimpleNamespace(distributed=False))
+    assert d.judge.state_dict()["losses"] == [2.0]
