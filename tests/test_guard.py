@@ -118,6 +118,62 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     assert a.state_dict() == b.state_dict()
 
 
+def test_the_policys_defaults_are_the_guard_configs():
+    from ironloop.config import GuardConfig
+
+    g, conf = GuardPolicy(), GuardConfig()
+    assert (g.max_bad_steps, g.max_rollbacks, g.lr_backoff, g.spike_factor, g.spike_window,
+            g.spike_warmup) == (conf.max_bad_steps, conf.max_rollbacks, conf.lr_backoff,
+                                conf.spike_factor, conf.spike_window, conf.spike_warmup)
+    assert g.state_dict() == {"consecutive": 0, "bad_steps": 0, "rollbacks": 0,
+                              "lr_factor": 1.0, "skip": [], "pending": [], "events": [],
+                              "good": 0, "losses": [], "norms": [], "logged": 0}
+
+
+def test_the_stop_message_remembers_the_last_20_bad_steps():
+    g = GuardPolicy(max_bad_steps=100)
+    for step in range(1, 26):
+        g.observe(step, math.nan, 1.0)
+    assert g.events == [[s, "nonfinite_loss"] for s in range(6, 26)]
+    assert g.bad_steps == 25 and g.consecutive == 25
+
+
+def test_the_spike_window_starts_after_exactly_spike_warmup_good_steps_and_is_judged_once_full():
+    g = GuardPolicy(max_bad_steps=100, spike_factor=2, spike_window=3, spike_warmup=2)
+    for _ in range(2):
+        g.record_good(1.0, 1.0)
+    assert g.losses == [] and g.good == 2
+    g.record_good(1.0, 1.0)  # the third good step is the window's first
+    g.record_good(1.0, 1.0)
+    assert (g.losses, g.norms) == ([1.0, 1.0], [1.0, 1.0])
+    assert g.classify(50.0, 1.0) is None  # 2 of 3: not judged yet
+    g.record_good(1.0, 1.0)
+    assert g.classify(50.0, 1.0) == "spike" and g.classify(1.0, 50.0) == "spike"
+    g.record_good(1.0, 7.0)
+    assert g.norms == [1.0, 1.0, 7.0]  # the newest spike_window kept
+    g.record_good()  # the hook's: no host values to learn from
+    assert (g.good, len(g.losses)) == (7, 3)
+
+
+def test_a_partial_state_loads_what_it_has_and_keeps_the_rest():
+    g = GuardPolicy()
+    g.rollbacks, g.skip = 2, [4]
+    pending = ([1, 2], (3,))
+    g.load_state_dict({"pending": pending, "logged": 5})
+    assert (g.rollbacks, g.skip, g.logged, g.pending) == (2, [4], 5, [[1, 2], [3]])
+    pending[0].append(9)  # a copy: the checkpoint's lists stay the checkpoint's
+    assert g.pending == [[1, 2], [3]]
+
+
+def test_a_spike_is_strictly_above_a_threshold_floored_at_1e_12():
+    from ironloop.guard.decide import _spikes
+
+    # history 1, 2, 3: median 2, MAD 1; factor 0 puts the threshold at the median itself
+    assert not _spikes(2.0, [1.0, 3.0, 2.0], 0.0) and _spikes(2.0 + 1e-9, [1.0, 3.0, 2.0], 0.0)
+    # all zeros: sigma and 1% of the median are 0, the floor 1e-12 is left
+    assert not _spikes(1e-12, [0.0] * 3, 1.0) and _spikes(1.5e-12, [0.0] * 3, 1.0)
+
+
 # --- LR factor and skip list -----------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [

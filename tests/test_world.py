@@ -170,6 +170,23 @@ def test_a_rank_that_saw_no_sample_makes_its_zeros_on_the_backends_device(
     assert asked == [device] and got == {"loss": 0.75}
 
 
+def test_when_rank_0_saw_no_sample_the_names_come_from_a_rank_that_did(monkeypatch):
+    """A rank with no sample says so (None), not with an empty list of names: rank 0 here saw
+    none, and its empty names must not hide rank 1's."""
+    sent = []
+
+    def all_gather_object(out, obj):
+        sent.append(obj)
+        out[:] = [obj, ["loss"]]  # this rank is 0; rank 1 saw samples
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(w, "all_reduce_sum", lambda t, world: t + torch.tensor([3.0, 4.0],
+                                                                             dtype=t.dtype))
+    assert sum_over_ranks([], None, 0, World(rank=0, size=2)) == {"loss": 0.75}
+    assert sent == [None]
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     """A gloo process group of one, in this process (a test may destroy it)."""
