@@ -305,3 +305,30 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(t
                                    f"optimizer (")
     assert str(e.value).endswith("); check that model.name, model.kwargs and optim.name match "
                                  "the run that wrote it")
+
+
+def test_every_directory_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 1)
+    for d in ("last.dcp", "step-00000001.dcp"):
+        (tmp_path / d / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError) as e:
+        sharded.latest_valid(tmp_path, lambda m: None)
+    assert str(e.value) == (
+        f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.dcp'} (unreadable "
+        f"manifest), {tmp_path / 'step-00000001.dcp'} (unreadable manifest). Pass --overwrite "
+        "to start over, or --resume PATH to pick one (e.g. best.dcp) yourself.")
+
+
+def test_a_shard_that_fails_to_load_on_export_is_named_by_its_errors_first_200_characters(
+        tmp_path, monkeypatch):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("x" * 300 + "\nthe traceback's second line")
+
+    monkeypatch.setattr(sharded.dcp, "load", broken)
+    with pytest.raises(CheckpointError) as e:
+        sharded.consolidate_model(tmp_path / "last.dcp")
+    assert str(e.value) == f"refused to load {tmp_path / 'last.dcp'}: RuntimeError: {'x' * 200}"

@@ -635,3 +635,60 @@ def test_async_save_reuses_its_snapshot_buffers_and_writes_each_state(tmp_path):
     two = load_verified(tmp_path / "step-00000002.pt")
     assert torch.equal(two["w"], small_state(1)["w"] + 100.0)
     assert two["progress"]["step"] == 2
+
+
+def test_a_foreign_files_reason_quotes_its_first_24_bytes_decoding_what_is_not_utf8(tmp_path):
+    def reason(path) -> str:
+        with pytest.raises(ckio.LoadFailure) as e:
+            ckio.load_checked(path, "cpu")
+        assert e.value.path == path  # the failure names the file it is about
+        return e.value.reason
+
+    (tmp_path / "long.pt").write_text("abcdefghijklmnopqrstuvwxyz0123456789")
+    assert reason(tmp_path / "long.pt") == ("not a file torch.save wrote: it starts with "
+                                            "'abcdefghijklmnopqrstuvwx'")
+    (tmp_path / "binary.pt").write_bytes(b"hello \xff\xfe")  # not UTF-8: replaced, not an error
+    assert reason(tmp_path / "binary.pt") == ("not a file torch.save wrote: it starts with "
+                                              "'hello \ufffd\ufffd'")
+
+
+class NotATensor:
+    """What weights_only refuses to build: an object of a class of its own."""
+
+
+def test_every_load_failure_names_its_file_and_a_short_reason(tmp_path):
+    def failure(path) -> ckio.LoadFailure:
+        with pytest.raises(ckio.LoadFailure) as e:
+            ckio.load_checked(path, "cpu")
+        return e.value
+
+    state = {"weight": torch.ones(2)}
+    save_atomic(state, tmp_path / "good.pt")
+    saved = torch.load(tmp_path / "good.pt", weights_only=True)
+    saved["weight"] += 1  # the digest no longer matches
+    torch.save(saved, tmp_path / "changed.pt")
+    torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weight": torch.ones(2), "code": NotATensor()}, tmp_path / "code.pt")
+    for name, why in [("code.pt", "contains pickled code or non-tensor objects"),
+                      ("changed.pt", "checksum mismatch"),
+                      ("foreign.pt", "not an ironloop checkpoint"),
+                      ("empty.pt", "empty file"), ("missing.pt", "missing")]:
+        e = failure(tmp_path / name)
+        assert (e.path, e.reason) == (tmp_path / name, why)
+    assert str(failure(tmp_path / "changed.pt")) == (
+        f"{tmp_path / 'changed.pt'} is damaged: checksum mismatch; the file changed after it was "
+        "written (disk or copy error). Resume from another checkpoint.")
+    assert str(failure(tmp_path / "code.pt")) == (
+        f"refused to load {tmp_path / 'code.pt'}: it contains pickled code or objects that are "
+        "not plain tensors/containers; ironloop only loads weights_only checkpoints. Only load "
+        "files you trust, and re-save them as plain state dicts (tensors, dicts, lists, "
+        "numbers).")
+
+
+def test_a_truncated_zip_is_damaged_not_empty(tmp_path):
+    path = tmp_path / "cut.pt"
+    path.write_bytes(b"PK\x03\x04 truncated zip")  # torch's own format, cut short by a kill
+    with pytest.raises(ckio.LoadFailure) as e:
+        ckio.load_checked(path, "cpu")
+    assert e.value.reason not in ("empty file", "") and not e.value.reason.startswith("not a file")

@@ -170,3 +170,9 @@ def test_the_progress_line_rates_the_steps_since_the_last_line_and_gives_the_eta
     # 20 steps in 10 s: 2 steps/s, and the 40 left take 20 s
     assert line == "step 60/100  epoch 2/2  loss 0.5000  2.000 steps/s  eta 0:00:20"
     assert console._clock(3725.9) == "1:02:05"
+
+
+def test_the_test_line_shows_every_number_but_the_time_accuracies_in_percent():
+    test = {"loss": 1.23456, "acc": 0.875, "ppl": 3.4351, "seconds": 2.5, "note": "x"}
+    assert console.test_line(test, "best") == ("test (best weights): test_loss 1.235  "
+                                               "test_acc 87.50%  test_ppl 3.435")

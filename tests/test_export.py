@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
@@ -51,6 +52,17 @@ def test_a_safetensors_io_error_names_the_oss_reason_in_full(tmp_path, monkeypat
     with pytest.raises(UserError, match=r"cannot be written \(No space left on device "
                                         r"\(os error 28\)\); free space"):
         export.save_safetensors({"w": torch.zeros(2)}, tmp_path / "final.safetensors")
+
+
+def test_an_os_error_writing_safetensors_is_named_by_its_strerror_alone(tmp_path, monkeypatch):
+    def quota(*args, **kwargs):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(export, "save_file", quota)
+    with pytest.raises(UserError) as e:
+        export.save_safetensors({"w": torch.zeros(2)}, tmp_path / "final.safetensors")
+    assert str(e.value).startswith(f"{tmp_path / 'final.safetensors'} cannot be written (Disk "
+                                   f"quota exceeded); free space")
 
 
 @pytest.mark.parametrize("which, has, other", [("best", "last.pt", "last"),

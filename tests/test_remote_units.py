@@ -118,6 +118,33 @@ def test_release_marks_the_lease_released_without_waiting_on_a_stalled_store(rem
     assert remote_lease.read(remote).released
 
 
+def test_a_lease_names_its_run_by_the_first_8_characters_of_its_id_its_pid_and_host():
+    lease = Lease("lineage", run="0123456789abcdef", host="node7", pid=4242)
+    assert lease.who() == "run 01234567 (pid 4242 on node7)"
+
+
+def test_a_holder_is_this_processs_lease_on_its_url_until_released(remote):
+    holder = Holder(remote, Lease("lineage"))
+    assert remote_lease.held(remote.url) is holder
+    assert remote_lease.held(remote.url + "/") is holder
+    holder.release()
+    assert remote_lease.held(remote.url) is None
+
+
+def test_a_started_holder_refreshes_its_lease_in_the_store(remote, monkeypatch):
+    monkeypatch.setattr(remote_lease, "TTL_S", 0.06)  # a refresh every 0.02 s
+    lease = Lease("lineage", refreshed=0.0)
+    holder = Holder(remote, lease)
+    said: list[str] = []
+    holder.start(said.append)
+    deadline = time.monotonic() + 5
+    while remote_lease.read(remote) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    holder.release(wait_s=5)
+    back = remote_lease.read(remote)
+    assert back is not None and back.run == lease.run and back.refreshed > 0.0 and said == []
+
+
 # ---------------------------------------------------------------------------------- mirror --
 def _checkpoint(folder, step: int, data: bytes):
     folder.mkdir(parents=True, exist_ok=True)
