@@ -332,3 +332,19 @@ def test_a_shard_that_fails_to_load_on_export_is_named_by_its_errors_first_200_c
     with pytest.raises(CheckpointError) as e:
         sharded.consolidate_model(tmp_path / "last.dcp")
     assert str(e.value) == f"refused to load {tmp_path / 'last.dcp'}: RuntimeError: {'x' * 200}"
+
+
+def test_where_hard_links_fail_last_and_best_are_copies_that_verify(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 4, best=True)
+    for name in ("last.dcp", "best.dcp"):
+        assert sharded.verify(tmp_path / name) == 4
+        step = tmp_path / "step-00000004.dcp"
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == \
+            sorted(p.name for p in step.iterdir())
+        assert (tmp_path / name / sharded.MANIFEST).stat().st_ino != \
+            (step / sharded.MANIFEST).stat().st_ino  # a copy, not a link

@@ -158,6 +158,18 @@ def test_the_wandb_file_reader_reads_on_past_an_empty_record(tmp_path):
     assert [r.WhichOneof("record_type") for r in records] == [None, "history"]
 
 
+def test_the_wandb_file_reader_skips_a_blocks_zero_padding_to_the_next_block(tmp_path):
+    import struct
+
+    first, second = _history(1), _history(2)
+    head = b":W&B\x00\x00\x00" + struct.pack("<IHB", 0, len(first), 1) + first
+    padded = head + b"\x00" * (wandb_file.BLOCK - len(head))  # a zero header, then zeros
+    (tmp_path / "run.wandb").write_bytes(
+        padded + struct.pack("<IHB", 0, len(second), 1) + second)
+    steps = [r.history.item[0].value_json for r in wandb_file.records(tmp_path / "run.wandb")]
+    assert steps == ["1", "2"]
+
+
 # --- reading back what W&B (offline) and MLflow hold --------------------------------------
 
 def wandb_rows(run_dir: Path) -> list[dict]:

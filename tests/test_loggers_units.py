@@ -413,3 +413,14 @@ def test_mlflow_holding_only_step_0_says_step_0_not_more(monkeypatch, tmp_path):
     assert logger.held_steps() == {"evals": 0}  # an evaluation before the first step
     logger.write_rows([("metrics", {"step": 2, "time": 1.0, "loss": 1.0})])
     assert logger.held_steps() == {"evals": 0, "metrics": 2}
+
+
+def test_a_guarded_tracker_closed_while_fit_fails_is_told_it_failed():
+    finished = []
+    inner = SimpleNamespace(name="t", finish=finished.append)
+    loggers.Guarded(inner).close()
+    try:
+        raise RuntimeError("a crash inside fit()")
+    except RuntimeError:
+        loggers.Guarded(inner).close()
+    assert finished == [False, True]

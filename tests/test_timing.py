@@ -350,3 +350,14 @@ def test_cuda_events_are_read_at_flush_and_reused(monkeypatch):
     assert row["data"] == 1.5 and row["backward"] == 6 and row["other"] == 0.75
     assert sum(row.values()) == FakeEvent.gpu_now
     assert FakeEvent.created <= 8  # events are pooled, not one per mark forever
+
+
+def test_the_tune_command_repeats_a_train_commands_config_and_overrides():
+    argv = ["ironloop", "train", "--resume", "run.yaml", "train.lr=0.1", "-x=1", "--cfg.yaml"]
+    assert time_split.tune_command(argv) == "ironloop tune run.yaml train.lr=0.1"
+    assert time_split.tune_command(["ironloop", "doctor", "a b.yml"]) == "ironloop tune 'a b.yml'"
+    # no config file on the command line, or another command: the Python call
+    python = "ironloop.tune(model, train_data, config)"
+    assert time_split.tune_command(["ironloop", "train", "--x.yaml", "lr=1"]) == python
+    assert time_split.tune_command(["ironloop", "export", "run.yaml"]) == python
+    assert time_split.tune_command(["ironloop", "train"]) == python
