@@ -111,6 +111,8 @@ def test_release_marks_the_lease_released_without_waiting_on_a_stalled_store(rem
     holder.release(wait_s=0.0)
     assert time.monotonic() - start < 0.5  # the store's stall is not the run's end's
     assert holder.lease.released and remote_lease.held(remote.url) is None
+    stalled_writers = [t for t in threading.enumerate() if t.name == "ironloop-remote-lease"]
+    assert stalled_writers and all(t.daemon for t in stalled_writers)  # never holds the exit
     gate.set()
     deadline = time.monotonic() + 5
     while not wrote and time.monotonic() < deadline:
