@@ -147,6 +147,32 @@ def test_a_started_holder_refreshes_its_lease_in_the_store(remote, monkeypatch):
     assert back is not None and back.run == lease.run and back.refreshed > 0.0 and said == []
 
 
+def test_a_local_remote_makes_the_folders_its_objects_go_in(tmp_path):
+    store = open_remote(str(tmp_path / "remote"))
+    store.write("manifests/step-00000001.json", b"{}")
+    (tmp_path / "up.pt").write_bytes(b"weights")
+    store.put(tmp_path / "up.pt", "logs/step-00000001/metrics.jsonl")
+    assert (tmp_path / "remote" / "manifests" / "step-00000001.json").read_bytes() == b"{}"
+    assert store.read("logs/step-00000001/metrics.jsonl") == b"weights"
+    assert store.url == str(tmp_path / "remote") and store.names() == ["logs", "manifests"]
+
+
+def test_removing_a_checkpoint_removes_its_manifest_rank_markers_folders_and_logs(remote):
+    for rel in ("manifests/step-00000003.json", "manifests/step-00000003.rank1.json",
+                "step-00000003.dcp/__0_0.distcp", "step-00000003.dcp/.metadata",
+                "logs/step-00000003/metrics.jsonl", "manifests/step-00000004.json",
+                "step-00000004.pt", "logs/step-00000004/metrics.jsonl"):
+        remote.write(rel, b"x")
+    assert remote.step_objects() == {3: ["step-00000003.dcp", "logs/step-00000003"],
+                                     4: ["step-00000004.pt", "logs/step-00000004"]}
+    assert remote.manifests() == [3, 4]
+    remote.remove_checkpoint(3)
+    assert remote.manifests() == [4]
+    assert remote.names("manifests") == ["step-00000004.json"]
+    assert remote.step_objects() == {4: ["step-00000004.pt", "logs/step-00000004"]}
+    assert remote.names("step-00000003.dcp") == []
+
+
 # ---------------------------------------------------------------------------------- mirror --
 def _checkpoint(folder, step: int, data: bytes):
     folder.mkdir(parents=True, exist_ok=True)
