@@ -695,3 +695,19 @@ def test_a_truncated_zip_is_damaged_not_empty(tmp_path):
     with pytest.raises(ckio.LoadFailure) as e:
         ckio.load_checked(path, "cpu")
     assert e.value.reason not in ("empty file", "") and not e.value.reason.startswith("not a file")
+
+
+def test_a_negative_keep_last_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -1$"):
+        CheckpointManager(tmp_path, keep_last=-1)
+    with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -2$"):
+        retention_victims([1, 2], -2)
+
+
+def test_every_file_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
+    (tmp_path / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as e:
+        latest_valid(tmp_path, lambda msg: None)
+    assert str(e.value) == (f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.pt'} "
+                            f"(empty file). Pass --overwrite to start over, or --resume PATH to "
+                            f"pick a file (e.g. best.pt) yourself.")

@@ -189,7 +189,7 @@ def test_the_bar_shows_on_a_terminal_or_when_forced_and_counts_this_epochs_steps
     try:
         assert prog.bar.disable is (not shown)
         if shown:
-            assert (prog.bar.total, prog.bar.n) == (23, 5)
+            assert (prog.bar.total, prog.bar.n, prog.bar.unit) == (23, 5, "step")
     finally:
         prog.close()
 
@@ -202,3 +202,9 @@ def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(monke
         assert (prog.bar.total, prog.bar.n) == (5 + 4, 5)  # 4 steps to max_steps' 50
     finally:
         prog.close()
+
+
+def test_a_resume_line_lists_every_changed_key():
+    line = console.resume_line({"from": "last.pt", "step": 46}, AT, plan(),
+                               [("train.max_steps", 100, 160), ("optim.lr", 0.1, 0.2)])
+    assert line.endswith("; config changed: train.max_steps 100 -> 160, optim.lr 0.1 -> 0.2")

@@ -139,7 +139,24 @@ def test_each_unloadable_directory_is_a_load_failure_naming_it_and_why(tmp_path)
     with pytest.raises(LoadFailure) as e:
         sharded.verify(last)
     assert (e.value.path, e.value.reason) == (last, "unreadable manifest")
+    assert str(e.value) == f"{last}/{sharded.MANIFEST} is damaged"
+    with pytest.raises(CheckpointError) as refused:  # export says the same
+        sharded.consolidate_model(last)
+    assert str(refused.value) == f"{last}/{sharded.MANIFEST} is damaged"
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_metadata_that_is_not_a_pickle_is_unreadable_not_unsafe(tmp_path):
+    from ironloop.state.io import LoadFailure
+
+    run, _, _ = sharded_run(tmp_path)
+    last = run / "checkpoints" / "last.dcp"
+    (last / ".metadata").unlink()
+    (last / ".metadata").write_bytes(b"garbage, not a pickle")
+    recompute_manifest(last)
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(last)
+    assert (e.value.path, e.value.reason) == (last, "unreadable .metadata")
 
 
 def test_dcps_per_rank_metadata_fallback_finds_none(tmp_path):

@@ -160,3 +160,11 @@ def test_export_from_a_remote_fetches_its_newest_checkpoint_of_the_kind_asked(tm
     with pytest.raises(UserError, match=r"holds no complete best checkpoint; is it a "
                                         r"checkpoint\.remote URL\?$"):
         export_run(empty, tmp_path / "none.safetensors")
+
+
+def test_the_average_of_a_sharded_checkpoint_points_at_the_runs_final_average(tmp_path):
+    (tmp_path / "last.dcp").mkdir()
+    with pytest.raises(UserError) as e:
+        export._averaged(tmp_path / "last.dcp")
+    assert str(e.value) == (f"{tmp_path / 'last.dcp'} is sharded (FSDP2): each rank holds its own "
+                            f"shards of the average; use the run's final_avg.safetensors instead")

@@ -173,6 +173,18 @@ def test_removing_a_checkpoint_removes_its_manifest_rank_markers_folders_and_log
     assert remote.names("step-00000003.dcp") == []
 
 
+def test_run_dir_records_its_lineage_and_reads_back_only_a_well_formed_one(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert remote_lease.recorded(ckpts) is None  # none recorded
+    lineage = uuid.uuid4().hex
+    remote_lease.record(ckpts, lineage)
+    assert (ckpts / remote_lease.RECORD).read_text() == lineage + "\n"
+    assert remote_lease.recorded(ckpts) == lineage
+    for garbled in ("short", lineage.upper(), lineage[:-1] + "g"):
+        (ckpts / remote_lease.RECORD).write_text(garbled)
+        assert remote_lease.recorded(ckpts) is None
+
+
 # ---------------------------------------------------------------------------------- mirror --
 def _checkpoint(folder, step: int, data: bytes):
     folder.mkdir(parents=True, exist_ok=True)
