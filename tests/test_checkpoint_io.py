@@ -711,3 +711,18 @@ def test_every_file_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
     assert str(e.value) == (f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.pt'} "
                             f"(empty file). Pass --overwrite to start over, or --resume PATH to "
                             f"pick a file (e.g. best.pt) yourself.")
+
+
+def test_a_snapshot_copies_into_the_previous_one_only_where_shape_and_dtype_match():
+    from ironloop.state.snapshot import snapshot
+
+    w, ids = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 2])
+    first = snapshot({"w": w, "ids": ids, "list": [w], "pair": (ids, 3), "n": 5})
+    assert first["w"] is not w and torch.equal(first["w"], w)  # a copy, not the tensor
+    assert first["pair"][1] == 3 and isinstance(first["pair"], tuple) and first["n"] == 5
+    second = snapshot({"w": w + 1, "ids": ids.double(), "list": [w.reshape(3, 2)],
+                       "pair": (ids, 4), "n": 6}, first)
+    assert second["w"] is first["w"] and torch.equal(second["w"], w + 1)  # reused
+    assert second["ids"] is not first["ids"] and second["ids"].dtype == torch.float64
+    assert second["list"][0] is not first["list"][0] and second["list"][0].shape == (3, 2)
+    assert second["pair"] == (first["pair"][0], 4) and second["n"] == 6
