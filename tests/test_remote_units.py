@@ -229,6 +229,24 @@ def test_the_mirror_uploads_each_checkpoint_with_its_manifest_and_keeps_the_newe
 
 
 @pytest.mark.usefixtures("quick_lease")
+def test_a_managers_save_hands_the_mirror_the_checkpoint_and_the_logs_up_to_it(
+        remote, tmp_path):
+    from ironloop.state.manager import CheckpointManager
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=2, warn=pytest.fail,
+                    logs_from=run_dir)
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=1, mirror=mirror)
+    manager.save({"progress": {"step": 1}}, 1)
+    _landed(mirror, 1)
+    mirror.close()
+    assert list(remote.manifest(1)["logs"]) == ["logs/step-00000001/metrics.jsonl"]
+    assert remote.read("logs/step-00000001/metrics.jsonl") == b'{"step": 1}\n'
+
+
+@pytest.mark.usefixtures("quick_lease")
 def test_a_new_node_fetches_the_newest_checkpoint_and_its_logs(remote, tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
