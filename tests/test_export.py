@@ -168,3 +168,12 @@ def test_the_average_of_a_sharded_checkpoint_points_at_the_runs_final_average(tm
         export._averaged(tmp_path / "last.dcp")
     assert str(e.value) == (f"{tmp_path / 'last.dcp'} is sharded (FSDP2): each rank holds its own "
                             f"shards of the average; use the run's final_avg.safetensors instead")
+
+
+def test_export_from_a_remote_without_checkpoints_asks_whether_it_is_one(tmp_path):
+    empty = f"file://{tmp_path}/empty"
+    for which in ("last", "best"):
+        with pytest.raises(UserError) as e:
+            export_run(empty, tmp_path / "m.safetensors", which)
+        assert str(e.value) == (f"{empty} holds no complete {which} checkpoint; is it a "
+                                f"checkpoint.remote URL?")
