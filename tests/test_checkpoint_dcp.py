@@ -348,3 +348,25 @@ def test_where_hard_links_fail_last_and_best_are_copies_that_verify(tmp_path, mo
             sorted(p.name for p in step.iterdir())
         assert (tmp_path / name / sharded.MANIFEST).stat().st_ino != \
             (step / sharded.MANIFEST).stat().st_ino  # a copy, not a link
+
+
+def test_a_rename_that_fails_publishing_a_directory_is_a_checkpoint_error_naming_it(
+        tmp_path, monkeypatch):
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", full)
+    with pytest.raises(CheckpointError, match=r"^could not write checkpoint .*last\.dcp: No space "
+                                              r"left on device\. The previous checkpoint"):
+        sharded._swap(tmp_path / "new", tmp_path / "last.dcp")
+
+
+def test_a_shard_that_changed_is_a_load_failure_naming_its_directory(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    step = tmp_path / "step-00000003.dcp"
+    with open(step / "extras-rank0.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert (e.value.path, e.value.reason) == (step, "extras-rank0.pt changed")
