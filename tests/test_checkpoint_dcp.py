@@ -305,3 +305,68 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(t
                                    f"optimizer (")
     assert str(e.value).endswith("); check that model.name, model.kwargs and optim.name match "
                                  "the run that wrote it")
+
+
+def test_every_directory_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 1)
+    for d in ("last.dcp", "step-00000001.dcp"):
+        (tmp_path / d / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError) as e:
+        sharded.latest_valid(tmp_path, lambda m: None)
+    assert str(e.value) == (
+        f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.dcp'} (unreadable "
+        f"manifest), {tmp_path / 'step-00000001.dcp'} (unreadable manifest). Pass --overwrite "
+        "to start over, or --resume PATH to pick one (e.g. best.dcp) yourself.")
+
+
+def test_a_shard_that_fails_to_load_on_export_is_named_by_its_errors_first_200_characters(
+        tmp_path, monkeypatch):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("x" * 300 + "\nthe traceback's second line")
+
+    monkeypatch.setattr(sharded.dcp, "load", broken)
+    with pytest.raises(CheckpointError) as e:
+        sharded.consolidate_model(tmp_path / "last.dcp")
+    assert str(e.value) == f"refused to load {tmp_path / 'last.dcp'}: RuntimeError: {'x' * 200}"
+
+
+def test_where_hard_links_fail_last_and_best_are_copies_that_verify(tmp_path, monkeypatch):
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 4, best=True)
+    for name in ("last.dcp", "best.dcp"):
+        assert sharded.verify(tmp_path / name) == 4
+        step = tmp_path / "step-00000004.dcp"
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == \
+            sorted(p.name for p in step.iterdir())
+        assert (tmp_path / name / sharded.MANIFEST).stat().st_ino != \
+            (step / sharded.MANIFEST).stat().st_ino  # a copy, not a link
+
+
+def test_a_rename_that_fails_publishing_a_directory_is_a_checkpoint_error_naming_it(
+        tmp_path, monkeypatch):
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", full)
+    with pytest.raises(CheckpointError, match=r"^could not write checkpoint .*last\.dcp: No space "
+                                              r"left on device\. The previous checkpoint"):
+        sharded._swap(tmp_path / "new", tmp_path / "last.dcp")
+
+
+def test_a_shard_that_changed_is_a_load_failure_naming_its_directory(tmp_path):
+    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    _save(manager, 3)
+    step = tmp_path / "step-00000003.dcp"
+    with open(step / "extras-rank0.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(step)
+    assert (e.value.path, e.value.reason) == (step, "extras-rank0.pt changed")

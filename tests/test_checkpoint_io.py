@@ -507,8 +507,11 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_and_the_save_stan
         return real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", busy)
-    with pytest.warns(UserWarning, match="could not delete old checkpoint .*step-00000001.pt"):
+    with pytest.warns(UserWarning) as said:
         mgr.save(small_state(2), 2)
+    assert [str(w.message) for w in said] == [
+        f"could not delete old checkpoint {tmp_path / 'step-00000001.pt'} (Device or resource "
+        f"busy); delete it by hand if disk space runs short"]
     assert load_verified(tmp_path / "last.pt")["progress"]["step"] == 2
 
 
@@ -635,3 +638,91 @@ def test_async_save_reuses_its_snapshot_buffers_and_writes_each_state(tmp_path):
     two = load_verified(tmp_path / "step-00000002.pt")
     assert torch.equal(two["w"], small_state(1)["w"] + 100.0)
     assert two["progress"]["step"] == 2
+
+
+def test_a_foreign_files_reason_quotes_its_first_24_bytes_decoding_what_is_not_utf8(tmp_path):
+    def reason(path) -> str:
+        with pytest.raises(ckio.LoadFailure) as e:
+            ckio.load_checked(path, "cpu")
+        assert e.value.path == path  # the failure names the file it is about
+        return e.value.reason
+
+    (tmp_path / "long.pt").write_text("abcdefghijklmnopqrstuvwxyz0123456789")
+    assert reason(tmp_path / "long.pt") == ("not a file torch.save wrote: it starts with "
+                                            "'abcdefghijklmnopqrstuvwx'")
+    (tmp_path / "binary.pt").write_bytes(b"hello \xff\xfe")  # not UTF-8: replaced, not an error
+    assert reason(tmp_path / "binary.pt") == ("not a file torch.save wrote: it starts with "
+                                              "'hello \ufffd\ufffd'")
+
+
+class NotATensor:
+    """What weights_only refuses to build: an object of a class of its own."""
+
+
+def test_every_load_failure_names_its_file_and_a_short_reason(tmp_path):
+    def failure(path) -> ckio.LoadFailure:
+        with pytest.raises(ckio.LoadFailure) as e:
+            ckio.load_checked(path, "cpu")
+        return e.value
+
+    state = {"weight": torch.ones(2)}
+    save_atomic(state, tmp_path / "good.pt")
+    saved = torch.load(tmp_path / "good.pt", weights_only=True)
+    saved["weight"] += 1  # the digest no longer matches
+    torch.save(saved, tmp_path / "changed.pt")
+    torch.save({"weight": torch.ones(2)}, tmp_path / "foreign.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weight": torch.ones(2), "code": NotATensor()}, tmp_path / "code.pt")
+    for name, why in [("code.pt", "contains pickled code or non-tensor objects"),
+                      ("changed.pt", "checksum mismatch"),
+                      ("foreign.pt", "not an ironloop checkpoint"),
+                      ("empty.pt", "empty file"), ("missing.pt", "missing")]:
+        e = failure(tmp_path / name)
+        assert (e.path, e.reason) == (tmp_path / name, why)
+    assert str(failure(tmp_path / "changed.pt")) == (
+        f"{tmp_path / 'changed.pt'} is damaged: checksum mismatch; the file changed after it was "
+        "written (disk or copy error). Resume from another checkpoint.")
+    assert str(failure(tmp_path / "code.pt")) == (
+        f"refused to load {tmp_path / 'code.pt'}: it contains pickled code or objects that are "
+        "not plain tensors/containers; ironloop only loads weights_only checkpoints. Only load "
+        "files you trust, and re-save them as plain state dicts (tensors, dicts, lists, "
+        "numbers).")
+
+
+def test_a_truncated_zip_is_damaged_not_empty(tmp_path):
+    path = tmp_path / "cut.pt"
+    path.write_bytes(b"PK\x03\x04 truncated zip")  # torch's own format, cut short by a kill
+    with pytest.raises(ckio.LoadFailure) as e:
+        ckio.load_checked(path, "cpu")
+    assert e.value.reason not in ("empty file", "") and not e.value.reason.startswith("not a file")
+
+
+def test_a_negative_keep_last_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -1$"):
+        CheckpointManager(tmp_path, keep_last=-1)
+    with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -2$"):
+        retention_victims([1, 2], -2)
+
+
+def test_every_file_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
+    (tmp_path / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as e:
+        latest_valid(tmp_path, lambda msg: None)
+    assert str(e.value) == (f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.pt'} "
+                            f"(empty file). Pass --overwrite to start over, or --resume PATH to "
+                            f"pick a file (e.g. best.pt) yourself.")
+
+
+def test_a_snapshot_copies_into_the_previous_one_only_where_shape_and_dtype_match():
+    from ironloop.state.snapshot import snapshot
+
+    w, ids = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 2])
+    first = snapshot({"w": w, "ids": ids, "list": [w], "pair": (ids, 3), "n": 5})
+    assert first["w"] is not w and torch.equal(first["w"], w)  # a copy, not the tensor
+    assert first["pair"][1] == 3 and isinstance(first["pair"], tuple) and first["n"] == 5
+    second = snapshot({"w": w + 1, "ids": ids.double(), "list": [w.reshape(3, 2)],
+                       "pair": (ids, 4), "n": 6}, first)
+    assert second["w"] is first["w"] and torch.equal(second["w"], w + 1)  # reused
+    assert second["ids"] is not first["ids"] and second["ids"].dtype == torch.float64
+    assert second["list"][0] is not first["list"][0] and second["list"][0].shape == (3, 2)
+    assert second["pair"] == (first["pair"][0], 4) and second["n"] == 6

@@ -170,3 +170,41 @@ def test_the_progress_line_rates_the_steps_since_the_last_line_and_gives_the_eta
     # 20 steps in 10 s: 2 steps/s, and the 40 left take 20 s
     assert line == "step 60/100  epoch 2/2  loss 0.5000  2.000 steps/s  eta 0:00:20"
     assert console._clock(3725.9) == "1:02:05"
+
+
+def test_the_test_line_shows_every_number_but_the_time_accuracies_in_percent():
+    test = {"loss": 1.23456, "acc": 0.875, "ppl": 3.4351, "seconds": 2.5, "note": "x"}
+    assert console.test_line(test, "best") == ("test (best weights): test_loss 1.235  "
+                                               "test_acc 87.50%  test_ppl 3.435")
+
+
+@pytest.mark.parametrize("mode, terminal, main, shown", [
+    ("auto", True, True, True), ("auto", False, True, False), ("on", False, True, True),
+    ("off", True, True, False), ("auto", True, False, False)])
+def test_the_bar_shows_on_a_terminal_or_when_forced_and_counts_this_epochs_steps(
+        monkeypatch, mode, terminal, main, shown):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)  # 5 steps into epoch 3 of 23
+    prog = console.EpochProgress(LogConfig(progress=mode), at, plan(), main)
+    try:
+        assert prog.bar.disable is (not shown)
+        if shown:
+            assert (prog.bar.total, prog.bar.n, prog.bar.unit) == (23, 5, "step")
+    finally:
+        prog.close()
+
+
+def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
+    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(total_steps=50), True)
+    try:
+        assert (prog.bar.total, prog.bar.n) == (5 + 4, 5)  # 4 steps to max_steps' 50
+    finally:
+        prog.close()
+
+
+def test_a_resume_line_lists_every_changed_key():
+    line = console.resume_line({"from": "last.pt", "step": 46}, AT, plan(),
+                               [("train.max_steps", 100, 160), ("optim.lr", 0.1, 0.2)])
+    assert line.endswith("; config changed: train.max_steps 100 -> 160, optim.lr 0.1 -> 0.2")

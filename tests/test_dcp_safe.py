@@ -18,6 +18,7 @@ import ironloop
 from ironloop.cli import main
 from ironloop.errors import CheckpointError
 from ironloop.state import dcp as sharded
+from ironloop.state.dcp_safe import SafeReader
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 
@@ -121,3 +122,47 @@ def test_a_malicious_non_tensor_item_is_refused(tmp_path):
         sharded.load_sharded(path, model, opt)
     assert "pickle" in str(info.value)
     assert not marker.exists(), "loading must never run the pickle's code"
+
+
+def test_each_unloadable_directory_is_a_load_failure_naming_it_and_why(tmp_path):
+    from ironloop.state.io import LoadFailure
+
+    run, _, _ = sharded_run(tmp_path)
+    last = run / "checkpoints" / "last.dcp"
+    (last / ".metadata").unlink()  # a hard link shared with the step directory
+    (last / ".metadata").write_bytes(pickle.dumps(Evil(tmp_path / "pwned")))
+    recompute_manifest(last)
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(last)
+    assert (e.value.path, e.value.reason) == (last, "unsafe .metadata")
+    (last / sharded.MANIFEST).write_text("{not json")
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(last)
+    assert (e.value.path, e.value.reason) == (last, "unreadable manifest")
+    assert str(e.value) == f"{last}/{sharded.MANIFEST} is damaged"
+    with pytest.raises(CheckpointError) as refused:  # export says the same
+        sharded.consolidate_model(last)
+    assert str(refused.value) == f"{last}/{sharded.MANIFEST} is damaged"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_metadata_that_is_not_a_pickle_is_unreadable_not_unsafe(tmp_path):
+    from ironloop.state.io import LoadFailure
+
+    run, _, _ = sharded_run(tmp_path)
+    last = run / "checkpoints" / "last.dcp"
+    (last / ".metadata").unlink()
+    (last / ".metadata").write_bytes(b"garbage, not a pickle")
+    recompute_manifest(last)
+    with pytest.raises(LoadFailure) as e:
+        sharded.verify(last)
+    assert (e.value.path, e.value.reason) == (last, "unreadable .metadata")
+
+
+def test_dcps_per_rank_metadata_fallback_finds_none(tmp_path):
+    run, _, _ = sharded_run(tmp_path)
+    reader = SafeReader(str(run / "checkpoints" / "last.dcp"))
+    with pytest.raises(FileNotFoundError, match="^no per-rank metadata in an ironloop "
+                                                "checkpoint$"):
+        reader.read_metadata(rank=1)
+    assert reader.read_metadata(rank=None).state_dict_metadata  # the directory's own

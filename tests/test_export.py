@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
@@ -51,6 +52,17 @@ def test_a_safetensors_io_error_names_the_oss_reason_in_full(tmp_path, monkeypat
     with pytest.raises(UserError, match=r"cannot be written \(No space left on device "
                                         r"\(os error 28\)\); free space"):
         export.save_safetensors({"w": torch.zeros(2)}, tmp_path / "final.safetensors")
+
+
+def test_an_os_error_writing_safetensors_is_named_by_its_strerror_alone(tmp_path, monkeypatch):
+    def quota(*args, **kwargs):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(export, "save_file", quota)
+    with pytest.raises(UserError) as e:
+        export.save_safetensors({"w": torch.zeros(2)}, tmp_path / "final.safetensors")
+    assert str(e.value).startswith(f"{tmp_path / 'final.safetensors'} cannot be written (Disk "
+                                   f"quota exceeded); free space")
 
 
 @pytest.mark.parametrize("which, has, other", [("best", "last.pt", "last"),
@@ -148,3 +160,20 @@ def test_export_from_a_remote_fetches_its_newest_checkpoint_of_the_kind_asked(tm
     with pytest.raises(UserError, match=r"holds no complete best checkpoint; is it a "
                                         r"checkpoint\.remote URL\?$"):
         export_run(empty, tmp_path / "none.safetensors")
+
+
+def test_the_average_of_a_sharded_checkpoint_points_at_the_runs_final_average(tmp_path):
+    (tmp_path / "last.dcp").mkdir()
+    with pytest.raises(UserError) as e:
+        export._averaged(tmp_path / "last.dcp")
+    assert str(e.value) == (f"{tmp_path / 'last.dcp'} is sharded (FSDP2): each rank holds its own "
+                            f"shards of the average; use the run's final_avg.safetensors instead")
+
+
+def test_export_from_a_remote_without_checkpoints_asks_whether_it_is_one(tmp_path):
+    empty = f"file://{tmp_path}/empty"
+    for which in ("last", "best"):
+        with pytest.raises(UserError) as e:
+            export_run(empty, tmp_path / "m.safetensors", which)
+        assert str(e.value) == (f"{empty} holds no complete {which} checkpoint; is it a "
+                                f"checkpoint.remote URL?")

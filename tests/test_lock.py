@@ -200,3 +200,15 @@ def test_resume_into_a_directory_of_foreign_files_is_refused(tmp_path, capsys):
 def test_the_holder_is_named_even_before_it_wrote_itself(tmp_path):
     (tmp_path / lock.LOCK_NAME).write_text("")  # locked, its pid not written yet
     assert "another process" in lock.holder(tmp_path)
+
+
+def test_a_forked_child_closes_its_copy_of_the_lock_and_holds_no_descriptor(tmp_path,
+                                                                              monkeypatch):
+    # what os.register_at_fork runs in every forked child, called here on a stand-in entry
+    fd = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT, 0o644)
+    held = {tmp_path / lock.LOCK_NAME: [fd, 2], tmp_path / "unlocked": [None, 1]}
+    monkeypatch.setattr(lock, "_held", held)
+    lock._drop_in_child()
+    assert held == {tmp_path / lock.LOCK_NAME: [None, 2], tmp_path / "unlocked": [None, 1]}
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed

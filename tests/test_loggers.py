@@ -158,6 +158,38 @@ def test_the_wandb_file_reader_reads_on_past_an_empty_record(tmp_path):
     assert [r.WhichOneof("record_type") for r in records] == [None, "history"]
 
 
+def test_the_wandb_file_reader_skips_a_blocks_zero_padding_to_the_next_block(tmp_path):
+    import struct
+
+    first, second = _history(1), _history(2)
+    head = b":W&B\x00\x00\x00" + struct.pack("<IHB", 0, len(first), 1) + first
+    padded = head + b"\x00" * (wandb_file.BLOCK - len(head))  # a zero header, then zeros
+    (tmp_path / "run.wandb").write_bytes(
+        padded + struct.pack("<IHB", 0, len(second), 1) + second)
+    steps = [r.history.item[0].value_json for r in wandb_file.records(tmp_path / "run.wandb")]
+    assert steps == ["1", "2"]
+
+
+def test_wandb_holds_the_last_step_of_each_kind_its_history_records_name(tmp_path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    def history(step: int, *keys: str, nested: tuple = ()) -> bytes:
+        record = pb.Record()
+        record.history.item.add(key="step", value_json=str(step))
+        for key in keys:
+            record.history.item.add(key=key, value_json="0.5")
+        if nested:
+            record.history.item.add(nested_key=list(nested), value_json="0.5")
+        return record.SerializeToString()
+
+    rows = [history(2, "metrics/loss"), history(3, nested=("epochs", "val_loss")),
+            history(4, "metrics/loss", "lr"), history(1, "scalars/x"), history(3, "metrics/loss")]
+    run = tmp_path / "wandb" / "offline-run-1-abc"
+    run.mkdir(parents=True)
+    _wandb_log(run / "run-abc.wandb", [(len(r), r, 1) for r in rows])
+    assert wandb_file.held_steps(tmp_path) == {"metrics": 4, "epochs": 3, "scalars": 1}
+
+
 # --- reading back what W&B (offline) and MLflow hold --------------------------------------
 
 def wandb_rows(run_dir: Path) -> list[dict]:

@@ -393,3 +393,34 @@ def test_the_base_logger_does_nothing_and_writes_rows_one_by_one():
     base.write("metrics", {"step": 1})
     base.flush()
     base.close()
+
+
+def test_each_tracker_missing_its_package_is_a_user_error_naming_its_setting(monkeypatch,
+                                                                            tmp_path):
+    fake_modules(monkeypatch)  # nothing installed
+    with pytest.raises(UserError, match=r"^log\.tensorboard=true needs torch\.utils\.tensorboard$"):
+        loggers.TensorBoard(tmp_path, None)
+    with pytest.raises(UserError, match=r"^log\.wandb=true needs wandb$"):
+        loggers.WandB(wandb_config(), tmp_path, None)
+    with pytest.raises(UserError, match=r"^log\.mlflow=true needs mlflow\.tracking$"):
+        loggers.MLflow(Config(), tmp_path, None)
+
+
+def test_mlflow_holding_only_step_0_says_step_0_not_more(monkeypatch, tmp_path):
+    mlflow_modules(monkeypatch)
+    logger = loggers.MLflow(Config().with_overrides({"log.mlflow": True}), tmp_path, "r9")
+    logger.write_rows([("evals", {"step": 0, "time": 1.0, "val_loss": 2.0, "val_acc": 0.1})])
+    assert logger.held_steps() == {"evals": 0}  # an evaluation before the first step
+    logger.write_rows([("metrics", {"step": 2, "time": 1.0, "loss": 1.0})])
+    assert logger.held_steps() == {"evals": 0, "metrics": 2}
+
+
+def test_a_guarded_tracker_closed_while_fit_fails_is_told_it_failed():
+    finished = []
+    inner = SimpleNamespace(name="t", finish=finished.append)
+    loggers.Guarded(inner).close()
+    try:
+        raise RuntimeError("a crash inside fit()")
+    except RuntimeError:
+        loggers.Guarded(inner).close()
+    assert finished == [False, True]

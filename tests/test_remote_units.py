@@ -111,11 +111,78 @@ def test_release_marks_the_lease_released_without_waiting_on_a_stalled_store(rem
     holder.release(wait_s=0.0)
     assert time.monotonic() - start < 0.5  # the store's stall is not the run's end's
     assert holder.lease.released and remote_lease.held(remote.url) is None
+    stalled_writers = [t for t in threading.enumerate() if t.name == "ironloop-remote-lease"]
+    assert stalled_writers and all(t.daemon for t in stalled_writers)  # never holds the exit
     gate.set()
     deadline = time.monotonic() + 5
     while not wrote and time.monotonic() < deadline:
         time.sleep(0.01)
     assert remote_lease.read(remote).released
+
+
+def test_a_lease_names_its_run_by_the_first_8_characters_of_its_id_its_pid_and_host():
+    lease = Lease("lineage", run="0123456789abcdef", host="node7", pid=4242)
+    assert lease.who() == "run 01234567 (pid 4242 on node7)"
+
+
+def test_a_holder_is_this_processs_lease_on_its_url_until_released(remote):
+    holder = Holder(remote, Lease("lineage"))
+    assert remote_lease.held(remote.url) is holder
+    assert remote_lease.held(remote.url + "/") is holder
+    holder.release()
+    assert remote_lease.held(remote.url) is None
+
+
+def test_a_started_holder_refreshes_its_lease_in_the_store(remote, monkeypatch):
+    monkeypatch.setattr(remote_lease, "TTL_S", 0.06)  # a refresh every 0.02 s
+    lease = Lease("lineage", refreshed=0.0)
+    holder = Holder(remote, lease)
+    said: list[str] = []
+    holder.start(said.append)
+    deadline = time.monotonic() + 5
+    while remote_lease.read(remote) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    holder.release(wait_s=5)
+    back = remote_lease.read(remote)
+    assert back is not None and back.run == lease.run and back.refreshed > 0.0 and said == []
+
+
+def test_a_local_remote_makes_the_folders_its_objects_go_in(tmp_path):
+    store = open_remote(str(tmp_path / "remote"))
+    store.write("manifests/step-00000001.json", b"{}")
+    (tmp_path / "up.pt").write_bytes(b"weights")
+    store.put(tmp_path / "up.pt", "logs/step-00000001/metrics.jsonl")
+    assert (tmp_path / "remote" / "manifests" / "step-00000001.json").read_bytes() == b"{}"
+    assert store.read("logs/step-00000001/metrics.jsonl") == b"weights"
+    assert store.url == str(tmp_path / "remote") and store.names() == ["logs", "manifests"]
+
+
+def test_removing_a_checkpoint_removes_its_manifest_rank_markers_folders_and_logs(remote):
+    for rel in ("manifests/step-00000003.json", "manifests/step-00000003.rank1.json",
+                "step-00000003.dcp/__0_0.distcp", "step-00000003.dcp/.metadata",
+                "logs/step-00000003/metrics.jsonl", "manifests/step-00000004.json",
+                "step-00000004.pt", "logs/step-00000004/metrics.jsonl"):
+        remote.write(rel, b"x")
+    assert remote.step_objects() == {3: ["step-00000003.dcp", "logs/step-00000003"],
+                                     4: ["step-00000004.pt", "logs/step-00000004"]}
+    assert remote.manifests() == [3, 4]
+    remote.remove_checkpoint(3)
+    assert remote.manifests() == [4]
+    assert remote.names("manifests") == ["step-00000004.json"]
+    assert remote.step_objects() == {4: ["step-00000004.pt", "logs/step-00000004"]}
+    assert remote.names("step-00000003.dcp") == []
+
+
+def test_run_dir_records_its_lineage_and_reads_back_only_a_well_formed_one(tmp_path):
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert remote_lease.recorded(ckpts) is None  # none recorded
+    lineage = uuid.uuid4().hex
+    remote_lease.record(ckpts, lineage)
+    assert (ckpts / remote_lease.RECORD).read_text() == lineage + "\n"
+    assert remote_lease.recorded(ckpts) == lineage
+    for garbled in ("short", lineage.upper(), lineage[:-1] + "g"):
+        (ckpts / remote_lease.RECORD).write_text(garbled)
+        assert remote_lease.recorded(ckpts) is None
 
 
 # ---------------------------------------------------------------------------------- mirror --
@@ -159,6 +226,24 @@ def test_the_mirror_uploads_each_checkpoint_with_its_manifest_and_keeps_the_newe
     assert list(manifest["logs"]) == ["logs/step-00000004/metrics.jsonl"]
     assert remote_lease.read(remote).released  # the run's end lets the prefix go
     assert not (tmp_path / "staging").exists() or not any((tmp_path / "staging").iterdir())
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_managers_save_hands_the_mirror_the_checkpoint_and_the_logs_up_to_it(
+        remote, tmp_path):
+    from ironloop.state.manager import CheckpointManager
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=2, warn=pytest.fail,
+                    logs_from=run_dir)
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=1, mirror=mirror)
+    manager.save({"progress": {"step": 1}}, 1)
+    _landed(mirror, 1)
+    mirror.close()
+    assert list(remote.manifest(1)["logs"]) == ["logs/step-00000001/metrics.jsonl"]
+    assert remote.read("logs/step-00000001/metrics.jsonl") == b'{"step": 1}\n'
 
 
 @pytest.mark.usefixtures("quick_lease")

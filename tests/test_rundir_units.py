@@ -123,3 +123,11 @@ def test_a_new_node_resumes_from_the_remotes_newest_good_checkpoint_warning_once
     assert f"notice: restored metrics.jsonl from {store.show('logs/step-00000001')}" in out
     assert (f"notice: fetched {store.show('step-00000001.pt')} into {path}: it is newer than "
             f"anything in run.dir") in out
+
+
+def test_a_folder_with_only_a_sharded_step_directory_holds_a_checkpoint(tmp_path):
+    assert not rundir._any_checkpoint(tmp_path)
+    (tmp_path / "checkpoints" / "step-00000003.dcp").mkdir(parents=True)
+    assert rundir._any_checkpoint(tmp_path)  # run.dir: in its checkpoints/ folder
+    assert rundir._any_checkpoint(tmp_path / "checkpoints")  # the folder itself
+    assert not rundir._any_checkpoint(tmp_path / "checkpoints" / "step-00000003.dcp")

@@ -359,3 +359,14 @@ def test_profile_sync_on_a_cpu_is_plain_wall_time(clock):
     clock.now += 2
     t.mark("forward")
     assert t.end_epoch()["forward"] == 2
+
+
+def test_the_tune_command_repeats_a_train_commands_config_and_overrides():
+    argv = ["ironloop", "train", "--resume", "run.yaml", "train.lr=0.1", "-x=1", "--cfg.yaml"]
+    assert time_split.tune_command(argv) == "ironloop tune run.yaml train.lr=0.1"
+    assert time_split.tune_command(["ironloop", "doctor", "a b.yml"]) == "ironloop tune 'a b.yml'"
+    # no config file on the command line, or another command: the Python call
+    python = "ironloop.tune(model, train_data, config)"
+    assert time_split.tune_command(["ironloop", "train", "--x.yaml", "lr=1"]) == python
+    assert time_split.tune_command(["ironloop", "export", "run.yaml"]) == python
+    assert time_split.tune_command(["ironloop", "train"]) == python
