@@ -71,3 +71,9 @@ def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"log\.mlflow=true needs the mlflow package.*"
                                         r"pip install 'ironloop\[mlflow\]'"):
         loggers.MLflow(Config(), tmp_path, None)
+    # torch is installed; what torch.utils.tensorboard imports, and misses, is tensorboard
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    with pytest.raises(UserError, match=r"log\.tensorboard=true needs the tensorboard package.*"
+                                        r"pip install 'ironloop\[tensorboard\]'"):
+        loggers.TensorBoard(tmp_path, None)

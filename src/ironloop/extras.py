@@ -19,6 +19,7 @@ def require(module: str, extra: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        top = module.split(".")[0]
+        # the package that failed to import: torch.utils.tensorboard's is tensorboard
+        top = (e.name or module).split(".")[0]
         raise UserError(f"{what} needs the {top} package, which is not installed: "
                         f"pip install 'ironloop[{extra}]' (or 'ironloop[all]')") from e
