@@ -114,6 +114,18 @@ def test_a_dataloaders_own_collate_fn_is_kept_and_the_default_is_not():
     assert given.collate_fn is None and given.dataset is ds and given.batch_size == 4
 
 
+def test_a_plain_tensordataset_becomes_tensordata_even_when_empty():
+    """An empty validation split is still in memory (its labels are checked once, in full)."""
+    from torch.utils.data import TensorDataset
+
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    for n in (0, 3):
+        given = map_style(TensorDataset(torch.zeros(n, 2), torch.zeros(n)), "d").dataset
+        assert isinstance(given, TensorData) and len(given) == n
+
+
 def test_a_tensordata_in_a_dataloader_is_sliced_whatever_its_collate_fn():
     """TensorData's __getitems__ returns a finished batch: a collate_fn would get it whole."""
     from ironloop.data.inputs import map_style

@@ -41,7 +41,8 @@ def map_style(data, what: str) -> MapData:
     if is_hf_dataset(data):
         return MapData(data.with_format("torch") if data.format["type"] is None else data)
     if isinstance(data, Dataset):
-        return MapData(as_tensor_data(data) or data)
+        tensors = as_tensor_data(data)  # not `or`: an empty TensorData is falsy
+        return MapData(data if tensors is None else tensors)
     raise UserError(f"{what} must be a torch Dataset, a DataLoader, a Hugging Face "
                     f"datasets.Dataset or an (inputs, targets) pair, not "
                     f"{type(data).__name__}")
