@@ -94,7 +94,12 @@ def logged_step(run_dir: Path) -> int:
     """The newest step in run_dir/metrics.jsonl while a process is writing it (0 before the
     first line, or while the last line is half written)."""
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        # Only the file's tail: the kill tests poll this every few milliseconds while the run
+        # they wait on needs the CPU, and reading the whole log each time cost several percent
+        # of a core by the end of a run.
+        with (run_dir / "metrics.jsonl").open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().splitlines()
         return json.loads(lines[-1])["step"] if lines else 0
     except (FileNotFoundError, ValueError, IndexError):  # JSONDecodeError is a ValueError
         return 0
