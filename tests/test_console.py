@@ -204,6 +204,18 @@ def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(monke
         prog.close()
 
 
+def test_the_bar_shows_the_latest_figures_of_every_key_logged_this_epoch():
+    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
+    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(), True)
+    try:
+        prog.set_postfix(loss=0.5, lr=0.001)
+        assert prog.bar.postfix == "loss=0.5000, lr=0.001000"
+        prog.set_postfix(loss=0.25)  # lr kept from the earlier log step
+        assert prog.bar.postfix == "loss=0.2500, lr=0.001000"
+    finally:
+        prog.close()
+
+
 def test_a_resume_line_lists_every_changed_key():
     line = console.resume_line({"from": "last.pt", "step": 46}, AT, plan(),
                                [("train.max_steps", 100, 160), ("optim.lr", 0.1, 0.2)])

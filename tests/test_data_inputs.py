@@ -371,6 +371,21 @@ def test_a_data_factory_whose_training_split_is_none_says_so(tmp_path, monkeypat
         user_data(DataConfig(name="byo_no_train:data"))
 
 
+def test_a_data_factory_whose_training_split_has_no_samples_names_its_type(tmp_path,
+                                                                          monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import DataError
+
+    byo_module(tmp_path, monkeypatch, "byo_empty_train",
+               "from torch.utils.data import TensorDataset\n"
+               "def data():\n    return TensorDataset(torch.zeros(0, 3), torch.zeros(0)), None\n")
+    with pytest.raises(DataError, match=r"^data factory 'byo_empty_train:data' returned an empty "
+                                        r"training split \(a TensorDataset of length 0\); return "
+                                        r"at least one training sample$"):
+        user_data(DataConfig(name="byo_empty_train:data"))
+
+
 def test_the_eval_subset_is_max_batches_of_every_rank_and_reads_the_ranks_from_torchrun(
         monkeypatch):
     """eval.max_batches caps each rank's batches, so the shared subset is that many batches of

@@ -141,6 +141,19 @@ def test_a_tensordata_in_a_dataloader_is_sliced_whatever_its_collate_fn():
     assert kept.dataset is plain and kept.collate_fn is _collate
 
 
+def test_a_plain_tensordataset_in_a_dataloader_is_sliced_as_tensordata():
+    """A DataLoader over in-memory (inputs, targets) with the default collate_fn: one slice per
+    batch, with the loader's batching kept."""
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    x, y = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    given = map_style(DataLoader(TensorDataset(x, y), batch_size=4, drop_last=True), "d")
+    assert isinstance(given.dataset, TensorData) and given.collate_fn is None
+    assert given.dataset.x is x and given.dataset.y is y
+    assert (given.batch_size, given.drop_last) == (4, True)
+
+
 def test_a_custom_batch_sampler_is_refused_naming_its_type():
     from ironloop.data.inputs import map_style
 
@@ -242,6 +255,19 @@ def test_an_eval_split_is_read_in_its_dataloaders_sampler_order():
     assert [b.flatten().tolist() for b in loader] == [[4, 3], [2, 1], [0]]
     plain = eval_loader(Indexed(5), EvalBatching(2), Config(), 0, 1, torch.device("cpu"))
     assert [b.flatten().tolist() for b in plain] == [[0, 1], [2, 3], [4]]
+
+
+def test_an_eval_split_gives_each_rank_its_own_share_of_every_global_batch():
+    from ironloop.config import Config
+    from ironloop.data.source import EvalBatching, eval_loader
+
+    def batches(rank):
+        loader = eval_loader(Indexed(7), EvalBatching(2), Config(), rank, 2, torch.device("cpu"))
+        return [b.flatten().tolist() for b in loader]
+
+    # global batches of 4: rank 0 the first 2 of each, rank 1 the next; the tail [4, 5, 6] split
+    assert batches(0) == [[0, 1], [4, 5]]
+    assert batches(1) == [[2, 3], [6]]
 
 
 # ------------------------------------------------------------------ stream -----------------
@@ -566,6 +592,30 @@ def test_a_stream_orders_counts_and_epochs():
     assert StreamOrder(Stream(Stateful(40, 40), loader=object()), 4, 0).expected is None
 
 
+def test_build_order_gives_the_stream_order_this_processs_rank_and_world_size():
+    from ironloop.config import Config
+    from ironloop.data.stream import Stream, build_order
+
+    order = build_order(Config(), Stream(Stateful(40, 40)), 1, 2, torch.device("cpu"))
+    assert (order.rank, order.world_size) == (1, 2)
+    assert order.global_batch == 2 * Config().train.batch_size
+
+
+def test_a_replayed_stream_passes_set_epoch_on_to_its_dataset():
+    from ironloop.data.stream import Replayed
+
+    class Epoched(Claims):
+        epoch = None
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    inner = Epoched(3, 3)
+    Replayed(inner).set_epoch(4)
+    assert inner.epoch == 4
+    Replayed(Claims(3, 3)).set_epoch(4)  # a stream without set_epoch: nothing to pass on
+
+
 def test_a_stream_checkpoint_from_other_workers_is_refused_only_mid_epoch():
     from ironloop.data.stream import Stream, StreamOrder
     from ironloop.errors import CheckpointError
@@ -854,6 +904,19 @@ def test_the_nonfinite_inputs_are_found_in_tensors_tuples_and_dicts():
             return torch.zeros(2, dtype=torch.long), 1
 
     assert nonfinite_inputs(Rows(), [0, 1, 2, 3]) == [0, 1, 2]
+
+
+def test_the_targets_of_an_inputs_targets_sample_are_not_checked_for_nonfinite_values():
+    from ironloop.data.source import nonfinite_inputs
+
+    class Pairs(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.zeros(2), torch.tensor(float("nan") if i == 0 else float("inf"))
+
+    assert nonfinite_inputs(Pairs(), [0, 1]) == []
 
 
 def test_the_first_training_sample_of_a_map_style_run_is_its_first_item():

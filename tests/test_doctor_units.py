@@ -1386,7 +1386,9 @@ def test_the_subject_refuses_a_stream():
         def __iter__(self):
             return iter([])
 
-    with pytest.raises(UserError, match="the training data is a stream"):
+    with pytest.raises(UserError, match=r"^the doctor reads samples by index, and the training "
+                                        r"data is a stream \(an IterableDataset\); check a "
+                                        r"map-style sample of it instead$"):
         drun.subject(tiny_mlp(), Stream())
 
 

@@ -94,7 +94,8 @@ def test_write_rejects_unsupported(tmp_path):
 def test_bad_magic(tmp_path, head, magic):
     path = tmp_path / "bad-magic-idx"
     path.write_bytes(head)
-    want = f"bad-magic-idx: not an IDX file \\(bad magic number {magic}\\)"
+    want = (f"bad-magic-idx: not an IDX file \\(bad magic number {magic}\\); point the config "
+            "at a Fashion-MNIST IDX file$")
     with pytest.raises(DataError, match=want):
         read_idx(path)
 

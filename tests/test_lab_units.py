@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from ironloop.config import DataConfig
 from ironloop.errors import UserError
 from ironloop.tools.lab import clock as lab_clock, reference as lab_reference, run
 from ironloop.tools.lab.clock import Clock
@@ -851,7 +852,9 @@ def test_run_lab_keeps_an_existing_report_unless_told_to_overwrite(tmp_path, mon
 
 def test_run_lab_skips_the_reference_scripts_without_the_examples(tmp_path, monkeypatch,
                                                                   cpu_bf16):
-    for name in ("train_config", "crash_and_resume", "_same_weights", "draw"):
+    roots = set()
+    monkeypatch.setattr(run, "train_config", lambda cfg: roots.add(cfg.data.root))
+    for name in ("crash_and_resume", "_same_weights", "draw"):
         monkeypatch.setattr(run, name, lambda *a: {})
     monkeypatch.setattr(run, "clip_comparison", lambda *a: [])
     monkeypatch.setattr(run, "accumulation_check", lambda *a: {})
@@ -861,3 +864,4 @@ def test_run_lab_skips_the_reference_scripts_without_the_examples(tmp_path, monk
     monkeypatch.setattr(run, "write_reports", lambda *a: got.append(a[5]) or tmp_path)
     run.run_lab("digits", tmp_path / "new" / "lab")  # its parent folders made too
     assert got == [None] and (tmp_path / "new" / "lab").is_dir()
+    assert roots == {DataConfig().root}  # no root given: data.root's own default

@@ -5,6 +5,7 @@ tests/test_loggers.py."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from types import SimpleNamespace
 from typing import ClassVar
@@ -364,6 +365,14 @@ def test_a_guarded_tracker_warns_once_then_is_dropped_for_good():
         assert guarded.held() == {} and guarded.ids() == {} and guarded.confirmed() is None
         guarded.close()
     assert inner.rows == [("metrics", {"step": 1})] and not inner.closed
+
+
+def test_a_guarded_trackers_warning_points_at_the_line_that_logged():
+    guarded = loggers.Guarded(durable.Durable(Flaky(), 0, passthrough=True))
+    with pytest.warns(RuntimeWarning) as got:
+        line = sys._getframe().f_lineno + 1
+        guarded.write("metrics", {"step": 2, "boom": True})
+    assert (got[0].filename, got[0].lineno) == (__file__, line)
 
 
 def test_a_guarded_tracker_passes_its_calls_through():

@@ -48,6 +48,15 @@ def test_a_lease_not_refreshed_is_waited_out_until_it_expires(remote, monkeypatc
                     f"waiting up to 1 s for the lease to expire, as a killed run's does"]
 
 
+def test_a_lease_is_live_up_to_exactly_ttl_s_after_its_last_refresh(monkeypatch):
+    found = Lease("lineage", host="another-node", refreshed=1000.0)
+    now = [1000.0 + remote_lease.TTL_S]
+    monkeypatch.setattr(remote_lease.time, "time", lambda: now[0])
+    assert found.live()  # at TTL_S exactly: not yet expired
+    now[0] += 0.001
+    assert not found.live()
+
+
 @pytest.mark.parametrize("then", ["released", "deleted"])
 def test_a_lease_released_or_gone_while_waiting_ends_the_wait(remote, monkeypatch, then):
     monkeypatch.setattr(remote_lease, "_POLL_S", 0.01)
@@ -358,3 +367,34 @@ def test_rank_0_waits_for_the_other_ranks_files_unless_a_newer_checkpoint_supers
         assert mirror._other_ranks(best) == files
     finally:
         marker.join()
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_queued_checkpoint_is_dropped_for_a_newer_one_unless_it_is_a_best_save(
+        remote, tmp_path, monkeypatch):
+    from ironloop.state.remote import _Job
+
+    class Drained(BaseException):
+        pass
+
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
+    uploaded: list[int] = []
+
+    def upload(job):
+        uploaded.append(job.step)
+        if not mirror._pending:
+            raise Drained  # ends the worker loop once the queue is empty
+
+    monkeypatch.setattr(mirror, "_upload", upload)
+    staged = {step: tmp_path / f"s{step}" for step in (1, 2, 3, 4, 5)}
+    for path in staged.values():
+        path.mkdir()
+    mirror._pending = [_Job(1, "file", False, staged[1]), _Job(2, "file", True, staged[2]),
+                       _Job(3, "file", False, staged[3]), _Job(4, "file", False, staged[4]),
+                       _Job(5, "file", False, staged[5])]
+    with pytest.raises(Drained):
+        mirror._work()
+    # 1 is superseded by 2; 2, a best save, is uploaded; 3 and 4 are superseded by 5
+    assert uploaded == [2, 5]
+    assert not any(path.exists() for path in staged.values())
+    mirror.close()
