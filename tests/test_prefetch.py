@@ -105,3 +105,84 @@ def test_every_tensor_of_a_nested_batch_is_kept_alive_for_the_compute_stream():
     compute = object()
     _keep_alive({"x": t(), "pair": (t(), [t()]), "meta": "text"}, compute)
     assert seen == [compute] * 3
+
+
+class _Streams:
+    """torch.cuda's streams, stood in for on a machine without CUDA: which stream is current,
+    what the compute stream waited for, in order."""
+
+    def __init__(self, monkeypatch):
+        self.compute, self.current, self.events = "compute", "compute", []
+        self.made: list = []
+        streams = self
+
+        class Stream:
+            def __init__(self, device):
+                streams.made.append(device)
+                self.name = "side"
+
+        class Compute:
+            def wait_stream(self, stream):
+                streams.events.append(("wait", stream.name))
+
+        class Using:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                streams.current = self.stream.name
+
+            def __exit__(self, *exc):
+                streams.current = "compute"
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", Using)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Compute())
+
+
+def _recorded_copies(monkeypatch, streams):
+    """to_device as prefetch calls it: (batch, device, non_blocking), all three required."""
+    import ironloop.data.prefetch as prefetch_module
+
+    def copy(batch, device, non_blocking):
+        streams.events.append(("copy", batch, device.type, non_blocking, streams.current))
+        return ("on", device.type, batch)  # no tensors: nothing for _keep_alive to record
+
+    monkeypatch.setattr(prefetch_module, "to_device", copy)
+
+
+def test_on_cuda_each_batch_is_copied_non_blocking_on_the_side_stream_and_waited_for(
+        monkeypatch):
+    streams = _Streams(monkeypatch)
+    _recorded_copies(monkeypatch, streams)
+    cuda = torch.device("cuda")
+    out = []
+    for batch in prefetch(iter([0, 1, 2]), cuda):
+        out.append(batch)
+        streams.events.append(("train", batch[2]))
+    assert out == [("on", "cuda", i) for i in range(3)] and streams.made == [cuda]
+    assert streams.events == [
+        ("copy", 0, "cuda", True, "side"),
+        ("wait", "side"), ("copy", 1, "cuda", True, "side"), ("train", 0),
+        ("wait", "side"), ("copy", 2, "cuda", True, "side"), ("train", 1),
+        ("wait", "side"), ("train", 2)]
+
+
+def test_without_a_side_stream_a_device_batch_is_a_plain_blocking_copy(monkeypatch):
+    # A stream's loader on CUDA (no look-ahead) and any other accelerator (no side stream):
+    # the copy is synchronous, on the current stream; no side stream is made.
+    streams = _Streams(monkeypatch)
+    _recorded_copies(monkeypatch, streams)
+    assert list(prefetch(iter([0, 1]), torch.device("cuda"), ahead=False)) == \
+        [("on", "cuda", 0), ("on", "cuda", 1)]
+    assert list(prefetch(iter([2]), torch.device("meta"))) == [("on", "meta", 2)]
+    assert streams.made == [] and streams.events == [
+        ("copy", 0, "cuda", False, "compute"), ("copy", 1, "cuda", False, "compute"),
+        ("copy", 2, "meta", False, "compute")]
+
+
+def test_a_batch_for_a_device_without_a_side_stream_arrives_on_that_device():
+    host = (torch.randn(4, 3), torch.arange(4))
+    (moved,) = prefetch([host], torch.device("meta"))  # meta: a non-CPU device on any machine
+    assert [t.device.type for t in moved] == ["meta", "meta"]
+    assert [t.shape for t in moved] == [h.shape for h in host]
