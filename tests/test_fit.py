@@ -4,6 +4,7 @@ back."""
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +199,31 @@ def test_the_time_table_s_settings_are_the_run_s():
         ("cpu", torch.get_num_threads(), "loop", "fp32", False)
     # the user's SGD, not the AdamW optim.name builds: named in the advice
     assert got.optimizer_class == "SGD" and got.foreach_open and not got.closure
+
+
+def test_results_hold_the_test_splits_accuracy_and_loss_of_the_weights_it_measured(tmp_path):
+    test = blobs(40, seed=2)  # 40 = 32 + 8: a ragged last evaluation batch
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1),
+                          test_data=test)
+    assert result.results["test_weights"] == "last"  # no validation, no best: the final weights
+    with torch.no_grad():
+        logits = result.model.eval()(test.x)
+    loss = float(torch.nn.functional.cross_entropy(logits, test.y))
+    acc = float((logits.argmax(1) == test.y).float().mean())
+    assert result.results["test_loss"] == pytest.approx(loss, rel=1e-5)
+    assert result.results["test_acc"] == pytest.approx(acc, abs=1e-6)
+    saved = json.loads((tmp_path / "run/results.json").read_text())
+    assert (saved["test_acc"], saved["test_loss"]) == \
+        (result.results["test_acc"], result.results["test_loss"])
+
+
+def test_results_final_val_ppl_is_the_last_evaluations_perplexity(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, eval__perplexity=True))
+    evals = read_jsonl(tmp_path / "run/evals.jsonl")
+    assert len(evals) == 2 and evals[0]["val_ppl"] != evals[-1]["val_ppl"]
+    assert result.results["final_val_ppl"] == evals[-1]["val_ppl"]
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+    without = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                           cfg(tmp_path / "off"))
+    assert "final_val_ppl" not in without.results  # no perplexity asked for: none recorded
