@@ -138,6 +138,26 @@ def test_optimizer_steps_per_epoch_count_windows(tmp_path):
     assert [e["step"] for e in epochs] == [4, 8]  # ceil(200 / 64) = 4 per epoch
 
 
+def test_gradients_sync_over_ranks_only_on_each_windows_last_micro_batch(tmp_path, monkeypatch):
+    # DDP/FSDP: every micro-batch but a window's last skips the all-reduce (no_sync); the
+    # last one, the ragged window's too, syncs the window's accumulated gradients.
+    from ironloop.parallel import data_parallel
+
+    syncs: list = []
+    original = data_parallel.micro_sync
+
+    def recorded(model, last):
+        syncs.append(last)
+        return original(model, last)
+
+    monkeypatch.setattr(data_parallel, "micro_sync", recorded)
+    # 80 samples in micro-batches of 16, windows of 2: [16, 16], [16, 16], [16] (ragged)
+    ironloop.fit(tiny_mlp(), blobs(n=80), None,
+                 cfg(tmp_path, train__epochs=1, train__batch_size=16,
+                     train__accumulation_steps=2))
+    assert syncs == [False, True, False, True, True]
+
+
 # --- validation ---------------------------------------------------------------------------
 
 def test_validation_runs_in_eval_mode_and_matches_a_hand_computed_loss(tmp_path):
