@@ -60,6 +60,28 @@ def test_a_tracker_that_raises_gives_one_runtime_warning_and_is_dropped(monkeypa
     assert guarded.failed and guarded.confirmed() is None and guarded.held() == {}
 
 
+def test_a_resumed_fit_continues_the_trackers_run_its_checkpoint_names(tmp_path, monkeypatch):
+    """The checkpoint keeps each tracker's run id (``ids()``); a resume hands it back, so W&B
+    continues the same run instead of starting another."""
+    started: list = []
+
+    class Tracker(loggers.Logger):
+        name = "wandb"
+
+        def __init__(self, conf, run_dir, run_id):
+            started.append(run_id)
+            self.run_id = run_id or f"run-{len(started)}"
+
+        def ids(self):
+            return {"wandb": self.run_id}
+
+    monkeypatch.setattr(loggers, "WandB", Tracker)
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, log__wandb=True, train__epochs=1))
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, log__wandb=True, train__epochs=2),
+                 resume=True, allow_config_change=True)
+    assert started == [None, "run-1"]
+
+
 def test_on_resume_tensorboard_drops_what_it_had_not_confirmed(tmp_path):
     """A killed process wrote steps 4 and 5 past the checkpoint it confirmed (3); the resumed
     one writes them again, and TensorBoard's reader shows each step once (purge_step)."""
