@@ -107,6 +107,13 @@ def test_advice_names_the_bottleneck():
     assert advice(copies, RunSettings(device="cpu", cores=2, optimizer="fused")) == []
 
 
+def test_copy_advice_starts_above_a_tenth_of_step_time_and_gives_its_share_in_percent():
+    cuda = RunSettings(device="cuda", cores=2, optimizer="fused")
+    assert advice({"copy": 1.0, "forward": 9.0}, cuda) == []  # exactly a tenth: no advice
+    assert advice({"copy": 6.0, "forward": 4.0}, cuda) == \
+        ["host-to-device copies are 60% of step time: set data.pin_memory=true"]
+
+
 def test_optimizer_advice_knows_which_optimizer_and_which_knobs_apply():
     """Issue 44: an LBFGS run was told to set optim.foreach=true (LBFGS has no such argument,
     its optimizer was the user's, and its time is the closure's evaluations)."""
