@@ -204,6 +204,17 @@ def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(monke
         prog.close()
 
 
+def test_a_bar_at_max_steps_already_has_no_step_left(monkeypatch):
+    """A run resumed where max_steps already ended it: the bar is full, not one step short."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
+    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(total_steps=46), True)
+    try:
+        assert (prog.bar.total, prog.bar.n) == (5, 5)
+    finally:
+        prog.close()
+
+
 def test_the_bar_shows_the_latest_figures_of_every_key_logged_this_epoch():
     at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
     prog = console.EpochProgress(LogConfig(progress="on"), at, plan(), True)

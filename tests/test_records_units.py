@@ -72,6 +72,25 @@ def test_git_commit_is_the_head_and_dirty_only_for_changed_tracked_files(tmp_pat
     assert records.git_commit(tmp_path) == head + "+dirty"
 
 
+def test_git_commit_never_waits_on_git_without_a_limit(tmp_path, monkeypatch):
+    """A git that hangs (a stale lock, a slow network mount) must not hang the run's start:
+    every git call has a timeout (a timed-out one gives None, as no git does)."""
+    limits, run = [], subprocess.run
+
+    def timed(*args, **kwargs):
+        limits.append(kwargs.get("timeout"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(records.subprocess, "run", timed)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    _git(tmp_path, "add", "a.txt")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    limits.clear()
+    assert records.git_commit(tmp_path) is not None
+    assert len(limits) == 2 and all(t is not None and 0 < t <= 30 for t in limits), limits
+
+
 def test_git_commit_is_none_without_git(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no git to run
     assert records.git_commit(tmp_path) is None
