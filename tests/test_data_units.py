@@ -747,6 +747,20 @@ def _config(**keys):
     return Config().with_overrides(keys)
 
 
+def test_a_plain_test_split_is_batched_with_the_training_dataloaders_collate_fn():
+    """As validation is: a plain dataset evaluates in train.batch_size with the collate_fn the
+    training DataLoader brought (it may be what turns samples into tensors)."""
+    from ironloop.data.source import open_data
+
+    config = _config(**{"train.batch_size": 4, "data.val_fraction": 0.0})
+    train = DataLoader(Indexed(8), batch_size=4, collate_fn=_collate)
+    test = TensorDataset(torch.zeros(3, 2), torch.zeros(3))
+    data = open_data(config, train, None, test, 0, 1, torch.device("cpu"))
+    assert data.batching["test"].collate_fn is _collate
+    assert data.batching["test"].batch_size == 4
+    data.close()
+
+
 def test_open_data_splits_a_map_style_run_and_counts_its_steps(capsys):
     from ironloop.data.source import MapSource, open_data
 

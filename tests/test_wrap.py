@@ -59,6 +59,21 @@ def test_compile_model_wraps_the_users_module_without_compiling_yet():
     assert compiled._orig_mod is model  # what micro_sync unwraps to reach DDP or FSDP
 
 
+def test_train_compile_passes_compile_mode_to_torch_compile(tmp_path, monkeypatch):
+    """The fast half of the test below: which mode the run asks torch.compile for (the
+    stand-in returns the model as it is, so nothing compiles)."""
+    modes = []
+
+    def compile_(model, mode=None):
+        modes.append(mode)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    ironloop.fit(net(), blobs(), None, cfg(tmp_path, train__compile=True, train__max_steps=1,
+                                           train__compile_mode="reduce-overhead"))
+    assert modes == ["reduce-overhead"]
+
+
 @pytest.mark.slow  # compiling takes seconds, even with aot_eager
 def test_compiled_and_uncompiled_runs_share_checkpoints(tmp_path, monkeypatch):
     # aot_eager traces forward and backward through dynamo and AOTAutograd like the default
