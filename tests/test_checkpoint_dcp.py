@@ -287,7 +287,7 @@ def test_a_damaged_directorys_short_reason_says_which_file_and_how(tmp_path):
         f.write(b"x")
     with pytest.raises(LoadFailure) as e:
         sharded.verify(step)
-    assert e.value.reason == "extras-rank0.pt changed"
+    assert (e.value.path, e.value.reason) == (step, "extras-rank0.pt changed")
     os.unlink(step / "extras-rank0.pt")
     with pytest.raises(LoadFailure) as e:
         sharded.verify(step)
@@ -360,13 +360,3 @@ def test_a_rename_that_fails_publishing_a_directory_is_a_checkpoint_error_naming
                                               r"left on device\. The previous checkpoint"):
         sharded._swap(tmp_path / "new", tmp_path / "last.dcp")
 
-
-def test_a_shard_that_changed_is_a_load_failure_naming_its_directory(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
-    _save(manager, 3)
-    step = tmp_path / "step-00000003.dcp"
-    with open(step / "extras-rank0.pt", "ab") as f:
-        f.write(b"x")
-    with pytest.raises(LoadFailure) as e:
-        sharded.verify(step)
-    assert (e.value.path, e.value.reason) == (step, "extras-rank0.pt changed")

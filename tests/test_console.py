@@ -194,23 +194,17 @@ def test_the_bar_shows_on_a_terminal_or_when_forced_and_counts_this_epochs_steps
         prog.close()
 
 
-def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(monkeypatch):
+@pytest.mark.parametrize("total_steps, steps", [(50, 5 + 4), (46, 5)])
+def test_a_bar_whose_epoch_max_steps_cuts_short_counts_only_the_steps_left(
+        monkeypatch, total_steps, steps):
+    """4 steps to max_steps' 50; at 46 a run resumed where max_steps ended it has no step
+    left, and its bar is full, not one step short."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
-    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(total_steps=50), True)
+    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)  # 5 steps into epoch 3
+    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(total_steps=total_steps),
+                                 True)
     try:
-        assert (prog.bar.total, prog.bar.n) == (5 + 4, 5)  # 4 steps to max_steps' 50
-    finally:
-        prog.close()
-
-
-def test_a_bar_at_max_steps_already_has_no_step_left(monkeypatch):
-    """A run resumed where max_steps already ended it: the bar is full, not one step short."""
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    at = SimpleNamespace(step=46, epoch=2, offset=64 * 5)
-    prog = console.EpochProgress(LogConfig(progress="on"), at, plan(total_steps=46), True)
-    try:
-        assert (prog.bar.total, prog.bar.n) == (5, 5)
+        assert (prog.bar.total, prog.bar.n) == (steps, 5)
     finally:
         prog.close()
 
