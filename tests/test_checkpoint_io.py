@@ -726,3 +726,17 @@ def test_a_snapshot_copies_into_the_previous_one_only_where_shape_and_dtype_matc
     assert second["ids"] is not first["ids"] and second["ids"].dtype == torch.float64
     assert second["list"][0] is not first["list"][0] and second["list"][0].shape == (3, 2)
     assert second["pair"] == (first["pair"][0], 4) and second["n"] == 6
+
+
+def test_a_pinned_snapshot_of_cpu_tensors_is_a_plain_copy_with_nothing_to_wait_for():
+    """Page-locked memory is for device-to-host copies only: CPU tensors are copied as before
+    (into the last snapshot where they fit), and there is no copy on a stream to wait for."""
+    from ironloop.state.snapshot import copies_done, snapshot
+
+    w = torch.arange(4.0)
+    first = snapshot({"w": w, "rng": [torch.tensor([1, 2])]}, pinned=True)
+    assert first["w"] is not w and torch.equal(first["w"], w) and not first["w"].is_pinned()
+    second = snapshot({"w": w + 1, "rng": [torch.tensor([3, 4])]}, first, pinned=True)
+    assert second["w"] is first["w"] and second["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert second["rng"][0] is first["rng"][0] and second["rng"][0].tolist() == [3, 4]
+    assert copies_done(second)() is None

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("story", "syncs", "peers", "resume", "cuda_tests")
+PARTS = ("story", "syncs", "peers", "resume", "cuda_tests", "rollback")
 
 
 def gpu_check(out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -67,6 +67,10 @@ def test_the_dry_run_reports_every_part_and_row_naming_the_device(tmp_path):
     (resume,) = [r for r in rows if r["part"] == "resume"]
     assert resume["figures"]["resumed_from_step"] < resume["figures"]["killed_at_step"]
     assert resume["figures"]["bit_exact"] is True
+    # the rollback point's copies were timed both ways and the pinned one equals the state
+    (rollback,) = [r for r in rows if r["part"] == "rollback"]
+    assert rollback["figures"]["equal"] is True and rollback["figures"]["tensors"] > 0
+    assert rollback["figures"]["pageable_ms"] > 0 and rollback["figures"]["pinned_landed_ms"] > 0
     tests = {r["row"] for r in rows if r["part"] == "cuda_tests"}
     assert "test_prefetch::test_cuda_batches_arrive_on_the_device_equal_to_the_host_ones" \
         in tests and len(tests) >= 5

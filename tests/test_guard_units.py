@@ -127,6 +127,46 @@ def test_only_rank_0_writes_guard_jsonl_and_says_what_it_does(tmp_path, capsys):
     assert capsys.readouterr().out == "warning: guard: hello\n"
 
 
+def test_the_rollback_point_moves_into_its_own_tensors_and_a_rollback_gets_a_fresh_copy(
+        tmp_path):
+    """A save point copies into the last snapshot's tensors (its page-locked memory on a GPU is
+    allocated once); what a rollback loads is a copy, so the snapshot survives the rollback."""
+    run = Run()
+    guard = started(tmp_path)
+    kept = guard.snapshot["w"]
+    run.w = torch.tensor([7.0, 8.0])
+    guard.saved(run)
+    assert guard.snapshot["w"] is kept and kept.tolist() == [7.0, 8.0]
+    target, source = guard._target()
+    assert source == "memory snapshot" and target["w"].tolist() == [7.0, 8.0]
+    assert target["w"] is not kept
+    target["w"].add_(1)  # the rollback's load may keep and then train the tensors it gets
+    assert kept.tolist() == [7.0, 8.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_rollback_point_of_a_gpu_run_is_pinned_queued_without_a_sync_and_exact(tmp_path):
+    """On a GPU the snapshot's copies go to page-locked memory, queued on the stream: taking
+    one is no host sync, the training step queued after it cannot change it, and the rollback
+    waits for the copies before reading them."""
+    run = Run()
+    run.w = torch.randn(64 * 2**20, device="cuda")  # 256 MB: a copy that takes milliseconds
+    guard = started(tmp_path)
+    kept = guard.snapshot["w"]
+    assert kept.is_pinned() and torch.equal(kept.cuda(), run.w)
+    before = run.w.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        guard.saved(run)  # into the same pinned tensors: no allocation, no host sync
+        run.w.mul_(-1.0)  # the next step's update, queued behind the copy
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.snapshot["w"] is kept
+    target, _ = guard._target()  # waits for the copies, then reads them
+    assert torch.equal(target["w"], before.cpu())
+
+
 @pytest.mark.parametrize("from_files, resumed, sharded, snapshots", [
     (False, False, False, True), (False, True, False, True), (True, False, False, True),
     (True, True, False, False), (False, False, True, False)])

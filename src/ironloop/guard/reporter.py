@@ -59,7 +59,7 @@ from ironloop.outputs.runlog import RunLog, truncate_jsonl
 from ironloop.parallel.world import World, all_reduce_sum, barrier
 from ironloop.state.manager import latest_valid
 from ironloop.state.resume import Stateful
-from ironloop.state.snapshot import snapshot
+from ironloop.state.snapshot import copies_done, snapshot
 
 EXIT_CODE = 3  # the CLI's exit code when the guard stops a run (2 is a user error)
 
@@ -120,6 +120,7 @@ class GuardReporter:
         # else to the in-memory snapshot.
         self.from_files, self.accumulation = from_files, accumulation
         self.snapshot: dict | None = None
+        self.copied: Callable[[], None] = lambda: None  # waits for the snapshot's copies
         self.wait: Callable[[], None] = lambda: None  # finishes an async checkpoint write
         self.file: TextIO | None = None
         self.log: RunLog | None = None
@@ -139,12 +140,19 @@ class GuardReporter:
                 truncate_jsonl(path, "n", self.policy.logged)
             self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()
         if (not self.from_files or not resumed) and not _sharded(model):
-            self.snapshot = snapshot(owner.state_dict())
+            self._take(owner)
 
     def saved(self, owner: Stateful) -> None:
         """After every save: the in-memory rollback point moves with the checkpoints."""
         if not self.from_files:
-            self.snapshot = snapshot(owner.state_dict())
+            self._take(owner)
+
+    def _take(self, owner: Stateful) -> None:
+        """The in-memory rollback point: copied into the last one's page-locked tensors, queued
+        on the stream without a host sync (only a rollback, which reads it, waits)."""
+        state = owner.state_dict()
+        self.snapshot = snapshot(state, self.snapshot, pinned=True)
+        self.copied = copies_done(state)
 
     def close(self) -> None:
         if self.file is not None:
@@ -284,7 +292,9 @@ class GuardReporter:
                                  (lambda msg: None))
             if found is not None:
                 return found[1], str(Path(found[0]).relative_to(self.run_dir))
-        # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given.
+        # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given. The
+        # pinned copies must have landed first (a host sync: a rollback is a settle point).
+        self.copied()
         return snapshot(self.snapshot), "memory snapshot"
 
     def stop(self, step: int, world: World, why: str = "") -> None:
