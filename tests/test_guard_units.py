@@ -152,7 +152,8 @@ def test_the_rollback_point_of_a_gpu_run_is_pinned_queued_without_a_sync_and_exa
     waits for the copies before reading them."""
     run = Run()
     run.w = torch.randn(64 * 2**20, device="cuda")  # 256 MB: a copy that takes milliseconds
-    guard = started(tmp_path)
+    guard = reporter(tmp_path)
+    guard.start(run, meter(), 0, None, World(), (False, False), torch.nn.Linear(1, 1))
     kept = guard.snapshot["w"]
     assert kept.is_pinned() and torch.equal(kept.cuda(), run.w)
     before = run.w.clone()
