@@ -740,3 +740,26 @@ def test_a_pinned_snapshot_of_cpu_tensors_is_a_plain_copy_with_nothing_to_wait_f
     assert second["w"] is first["w"] and second["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert second["rng"][0] is first["rng"][0] and second["rng"][0].tolist() == [3, 4]
     assert copies_done(second)() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_async_checkpoint_of_gpu_tensors_holds_their_values_at_the_save(tmp_path):
+    """The save queues pinned copies and returns; the next step's update, queued behind them,
+    does not reach the file, and the writer thread waits for the copies before it writes (a
+    256 MB tensor: a copy that takes milliseconds). The guard's test checks the copies are
+    queued without a host sync."""
+    w = torch.randn(64 * 2**20, device="cuda")
+    before = w.cpu()
+    mgr = CheckpointManager(tmp_path, keep_last=2, async_write=True)
+    for step in (1, 2):  # the second save copies into the first one's pinned buffers
+        if step == 2:
+            w.mul_(-1.0)
+        expected = w.cpu()
+        mgr.save({"w": w}, step=step)
+        w.add_(1.0)  # the update after the save
+        mgr.wait()
+        assert torch.equal(load_verified(tmp_path / "last.pt")["w"], expected)
+        w.sub_(1.0)
+    assert torch.equal(w.cpu(), -before)
+    mgr.close()

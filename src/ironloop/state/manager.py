@@ -30,7 +30,7 @@ from .io import (
     write_failed,
 )
 from .remote import Mirror
-from .snapshot import snapshot
+from .snapshot import copies_done, snapshot
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -108,9 +108,13 @@ class CheckpointManager:
             return
         self.wait()  # at most one write in flight; a failed previous write is raised here
         # Before returning: the caller may mutate its tensors right away. The previous
-        # snapshot's write is done, so its buffers are free to copy into.
-        snap = self._staging = snapshot(state, self._staging)
-        self._thread = threading.Thread(target=self._background, args=(snap, step, best, logs),
+        # snapshot's write is done, so its buffers are free to copy into. A GPU's tensors go to
+        # pinned memory, queued on their stream ahead of the next step's updates, with no host
+        # sync here: the writer thread waits for them (``landed``) before it reads them.
+        snap = self._staging = snapshot(state, self._staging, pinned=True)
+        landed = copies_done(state)
+        self._thread = threading.Thread(target=self._background,
+                                        args=(snap, step, best, logs, landed),
                                         name="ironloop-checkpoint", daemon=False)
         self._thread.start()
 
@@ -131,8 +135,10 @@ class CheckpointManager:
             if self.mirror is not None:  # pending uploads get checkpoint.remote_wait_s
                 print(self.mirror.close())
 
-    def _background(self, state: dict, step: int, best: bool, logs: Path | None) -> None:
+    def _background(self, state: dict, step: int, best: bool, logs: Path | None,
+                    landed: Callable[[], None]) -> None:
         try:
+            landed()
             self._write(state, step, best, logs)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = e
