@@ -943,3 +943,19 @@ def test_the_first_training_sample_of_a_map_style_run_is_its_first_item():
     x, _ = streamed.first_sample()
     assert x.shape == (5,) and streamed.val.n == 2
     assert streamed.once_over_train(2, 0, 1) is None
+
+
+def test_a_validation_subset_is_read_in_its_own_order_and_a_whole_split_in_its_samplers():
+    """eval.max_batches takes a fixed subset, whose indices are its own: the user's sampler
+    (made for the whole split) is dropped for it. Without a subset the sampler stays."""
+    from ironloop.config import Config
+    from ironloop.data.source import eval_split
+
+    loader = DataLoader(Indexed(8), batch_size=2, sampler=Backwards(8))
+    whole, batching = eval_split(loader, "val_data", Config(), None, 1, subset=False)
+    assert whole is loader.dataset and isinstance(batching.sampler, Backwards)
+    cfg = Config.from_dict({"eval": {"max_batches": 2}})
+    part, batching = eval_split(loader, "val_data", cfg, None, 1)
+    assert len(part) == 4 and part is not loader.dataset and batching.sampler is None
+    uncapped, batching = eval_split(loader, "val_data", Config(), None, 1)
+    assert uncapped is loader.dataset and isinstance(batching.sampler, Backwards)

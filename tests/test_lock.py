@@ -212,3 +212,29 @@ def test_a_forked_child_closes_its_copy_of_the_lock_and_holds_no_descriptor(tmp_
     assert held == {tmp_path / lock.LOCK_NAME: [None, 2], tmp_path / "unlocked": [None, 1]}
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
+
+
+def test_a_lock_file_replaced_while_it_was_locked_is_left_and_the_new_one_locked(
+        tmp_path, monkeypatch):
+    """A refused run removes the lock file it made just as this run locks it, and another run
+    makes a new one: the lock on the removed file guards nothing, so this run closes that
+    descriptor (no leak) and locks the file that is there."""
+    path = tmp_path / lock.LOCK_NAME
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        real(fd, op)
+        if not op & fcntl.LOCK_EX:
+            return
+        if not calls:  # the first lock: the file is swapped under it
+            path.unlink()
+            path.write_text("")
+        calls.append(fd)
+
+    monkeypatch.setattr(lock.fcntl, "flock", flock)
+    before = len(os.listdir("/proc/self/fd"))
+    with lock.hold(tmp_path):
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # the first one was closed
+        assert os.fstat(calls[1]).st_ino == os.stat(path).st_ino
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert len(calls) == 2

@@ -277,10 +277,18 @@ def test_an_elastic_restart_joins_through_a_fresh_store(monkeypatch, tmp_path):
         return iter([(agent, 0, 1)])
 
     monkeypatch.setattr(dist, "rendezvous", rendezvous)
+    hosted, real_fresh = [], w._fresh_store
+
+    def fresh_store(store, rank, size, attempt, timeout):  # the store, made for this world
+        hosted.append((rank, size, attempt, timeout))
+        return real_fresh(store, rank, size, attempt, timeout)
+
+    monkeypatch.setattr(w, "_fresh_store", fresh_store)
     try:
         got = w.init_from_env("cpu", 30.0)
     finally:
         dist.destroy_process_group()
+    assert hosted == [(0, 1, "2", timedelta(seconds=900))]
     assert got.owns_group and asked == [("env://", timedelta(seconds=900))]
     (call,) = joins.calls
     store = call.pop("store")
