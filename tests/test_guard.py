@@ -534,13 +534,12 @@ def test_ddp_guard_verdict_agrees_when_only_one_rank_sees_a_nan_loss(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
-    from tests.conftest import REPO
-    from tests.test_fault_injection import (
+    from tests.fault_kills import (
         assert_bit_exact,
         assert_same_tree,
-        command,
         load_last,
         run_with_kills,
+        train_in_process,
     )
 
     order = EpochSampler(1438, 16, seed=0, shuffle=True).permutation().tolist()
@@ -548,9 +547,7 @@ def test_sigkill_after_a_rollback_then_resume_is_bit_exact(tmp_path):
     extra = ("train.epochs=2", "model.kwargs={hidden: [64], dropout: 0.1}",
              f"fault.nan_sample={bad}", "guard.max_bad_steps=1")
     reference = tmp_path / "reference"
-    res = subprocess.run(command(reference, *extra), cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr
+    train_in_process(reference, *extra)  # only the reference: in this process (issue 45)
     events = [(x["event"], x["step"]) for x in rows(reference / "guard.jsonl")]
     assert events == [("bad_step", 20), ("rollback", 20)]
     assert bad in load_last(reference)["guard"]["skip"]
