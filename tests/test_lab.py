@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -93,10 +93,16 @@ def test_each_step_did_what_it_says(lab):
     assert [e["event"] for e in events] == ["resume"]
 
 
-def test_existing_lab_output_is_not_overwritten(lab):
+def test_existing_lab_output_is_not_overwritten(lab, capsys, monkeypatch):
+    from ironloop.cli import main
+
     before = (lab / "report.md").read_text()
-    res = run_cli("lab", "--data", "digits", "--out", str(lab))
-    assert res.returncode == 2 and "--overwrite" in res.stderr
+    # the CLI's main in this process (the lab's own run above is a real one): the refusal
+    # comes before any work, so a fresh interpreter would only cost its start-up (issue 45)
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    code = main(["lab", "--data", "digits", "--out", str(lab)])
+    assert code == 2 and "--overwrite" in capsys.readouterr().err
     assert (lab / "report.md").read_text() == before
 
 
