@@ -26,7 +26,7 @@ from ironloop.outputs.readers import read_jsonl
 from ironloop.tools.doctor.run import check, outcomes, subject
 from ironloop.tools.recipe import train_config
 from tests import outside_models as om
-from tests.conftest import REPO, blobs, cfg, run_cli, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 # --- 1. evaluation batches a val DataLoader as it says ------------------------------------------
 
@@ -92,22 +92,40 @@ def test_every_val_sample_is_counted_once_over_ranks_with_a_loaders_batching(dro
         assert all(len(b) == 4 for shard in shards for b in shard)
 
 
-def _cli(run_dir, *extra):
-    return run_cli("train", "data.name=tests.outside_models:word_lm",
-                   "model.name=examples.tbptt_lstm:model", "model.kwargs={dim: 8, hidden: 12}",
-                   "train.step_fn=examples.tbptt_lstm:step", "train.batch_size=4",
-                   "data.shuffle=false", "train.epochs=1", "optim.name=sgd", "optim.lr=0.5",
-                   "eval.perplexity=true", "log.progress=off", f"run.dir={run_dir}", *extra)
+def cli_main(capsys, monkeypatch, *argv: str) -> tuple[int, str]:
+    """``ironloop ARGV`` as `python -m ironloop` runs it (the CLI's main), in this process from
+    the repository (the subprocesses' cwd) with one intra-op thread (their OMP_NUM_THREADS=1):
+    its exit code and its stderr, without an interpreter's and torch's start-up (issue 45)."""
+    from ironloop.cli import main
+
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
 
 
-def test_the_cli_word_lm_with_its_own_val_batch_trains_and_a_wrong_one_stops_at_once(tmp_path):
-    good = _cli(tmp_path / "good")
-    assert good.returncode == 0, good.stderr
+def _cli(capsys, monkeypatch, run_dir, *extra):
+    return cli_main(capsys, monkeypatch, "train", "data.name=tests.outside_models:word_lm",
+                    "model.name=examples.tbptt_lstm:model", "model.kwargs={dim: 8, hidden: 12}",
+                    "train.step_fn=examples.tbptt_lstm:step", "train.batch_size=4",
+                    "data.shuffle=false", "train.epochs=1", "optim.name=sgd", "optim.lr=0.5",
+                    "eval.perplexity=true", "log.progress=off", f"run.dir={run_dir}", *extra)
+
+
+def test_the_cli_word_lm_with_its_own_val_batch_trains_and_a_wrong_one_stops_at_once(
+        tmp_path, capsys, monkeypatch):
+    code, err = _cli(capsys, monkeypatch, tmp_path / "good")
+    assert code == 0, err
     assert read_jsonl(tmp_path / "good" / "evals.jsonl")[-1]["val_ppl"] > 1
-    bad = _cli(tmp_path / "bad", "data.kwargs={val_batch: 5}")
-    assert bad.returncode == 2, bad.stderr
-    assert "val_data has 10 streams but evaluates in batches of 5" in bad.stderr
-    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    code, err = _cli(capsys, monkeypatch, tmp_path / "bad", "data.kwargs={val_batch: 5}")
+    assert code == 2, err
+    assert "val_data has 10 streams but evaluates in batches of 5" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()  # refused before any step
 
 
@@ -126,13 +144,13 @@ def test_the_lm_step_uses_a_forward_idx_targets_models_own_loss(tmp_path):
         pytest.approx(first, rel=1e-5)
 
 
-def test_the_cli_nanogpt_run_trains_with_the_preflight_passing(tmp_path):
+def test_the_cli_nanogpt_run_trains_with_the_preflight_passing(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "gpt"
-    out = run_cli("train", "data.name=tests.outside_models:chars",
-                  "model.name=tests.outside_models:gpt", "train.step_fn=lm",
-                  "train.batch_size=8", "train.max_steps=6", "eval.every_steps=3",
-                  "log.progress=off", f"run.dir={run_dir}")
-    assert out.returncode == 0, out.stderr
+    code, err = cli_main(capsys, monkeypatch, "train", "data.name=tests.outside_models:chars",
+                         "model.name=tests.outside_models:gpt", "train.step_fn=lm",
+                         "train.batch_size=8", "train.max_steps=6", "eval.every_steps=3",
+                         "log.progress=off", f"run.dir={run_dir}")
+    assert code == 0, err
     doctor = {f["check"]: f for f in json.loads((run_dir / "doctor.json").read_text())["findings"]}
     assert doctor["overfit_batch"]["severity"] == "info", doctor["overfit_batch"]
     results = json.loads((run_dir / "results.json").read_text())
