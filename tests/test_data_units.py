@@ -943,3 +943,88 @@ def test_the_first_training_sample_of_a_map_style_run_is_its_first_item():
     x, _ = streamed.first_sample()
     assert x.shape == (5,) and streamed.val.n == 2
     assert streamed.once_over_train(2, 0, 1) is None
+
+
+# ------------------------------------------------------------------ arguments passed on ----
+def test_the_loader_built_for_a_stream_has_the_orders_batching_pinning_and_epoch_seed():
+    from ironloop.data.seeding import derive_seed
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Claims(8, 8), collate_fn=_collate), 2, seed=7, pin_memory=True)
+    order.set_epoch(3)
+    loader = order.open()
+    assert (loader.batch_size, loader.drop_last, loader.num_workers) == (2, True, 0)
+    assert loader.pin_memory is True and loader.collate_fn is _collate
+    assert loader.generator.initial_seed() == derive_seed(7, 3, "loader")
+    assert StreamOrder(Stream(Claims(8, 8)), 2, 0).open().pin_memory is False
+
+
+def test_a_users_stateful_loaders_generator_is_reseeded_from_the_seed_and_epoch():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ironloop.data.seeding import derive_seed
+    from ironloop.data.stream import Stream, StreamOrder
+
+    ds = Indexed(6)
+    user = StatefulDataLoader(ds, batch_size=2, shuffle=True, generator=torch.Generator())
+    order = StreamOrder(Stream(ds, 2, loader=user), 2, seed=7)
+    order.set_epoch(3)
+    assert order.open() is user
+    assert user.generator.initial_seed() == derive_seed(7, 3, "loader")
+
+
+def test_an_inverse_permutation_computes_in_int64_whatever_the_indices_integer_type():
+    from ironloop.data.order import KeyedOrder
+
+    perm = KeyedOrder(5000, seed=3, shuffle=True).permutation(1)
+    back = perm.inverse(perm(torch.arange(5000)))
+    assert back.dtype == torch.long and back.tolist() == list(range(5000))
+    assert torch.equal(perm.inverse(perm(torch.arange(5000)).to(torch.int32)), back)
+
+
+def test_an_eval_sampler_is_rank_zero_of_one_by_default():
+    from ironloop.data.loader import EvalSampler
+
+    sampler = EvalSampler(5, 2, seed=0, shuffle=False)
+    assert (sampler.rank, sampler.world_size) == (0, 1)
+    assert list(sampler) == [[0, 1], [2, 3], [4]] and len(sampler) == 3
+
+
+def test_a_loader_seeds_each_sample_from_seed_epoch_and_index_by_default():
+    from ironloop.data.loader import EpochSampler, make_loader
+    from ironloop.data.seeding import seed_sample
+
+    sampler = EpochSampler(10, 2, seed=5, shuffle=False)
+    sampler.set_epoch(2)
+    first = next(iter(make_loader(Noisy(), sampler, num_workers=0, pin_memory=False)))
+    seed_sample(5, 2, 1)
+    assert torch.equal(first[1], torch.rand(3))
+
+
+def test_an_eval_subset_of_contiguous_streams_reads_their_first_chunks():
+    from ironloop.data.lm import ContiguousStreams
+    from ironloop.data.source import eval_subset
+
+    config = _config(**{"eval.max_batches": 1, "train.batch_size": 3})
+    streams = ContiguousStreams(torch.arange(100), streams=3, bptt=4)
+    sub = eval_subset(streams, config, world_size=1)
+    assert sub.dataset is streams
+    assert [torch.equal(sub[k][0], streams[k][0]) for k in range(3)] == [True] * 3
+
+
+def test_a_data_factory_gets_torchruns_rank_and_world_size(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+
+    (tmp_path / "byo_units_ranks.py").write_text(
+        "import torch\n"
+        "def data(rank, world_size):\n"
+        "    n = 2 + rank + 10 * world_size\n"
+        "    return (torch.zeros(4, n), torch.zeros(4)), None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert user_data(DataConfig(name="byo_units_ranks:data")).input_shape == (33,)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert user_data(DataConfig(name="byo_units_ranks:data")).input_shape == (12,)
