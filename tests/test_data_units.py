@@ -1028,3 +1028,17 @@ def test_a_data_factory_gets_torchruns_rank_and_world_size(tmp_path, monkeypatch
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert user_data(DataConfig(name="byo_units_ranks:data")).input_shape == (12,)
+
+
+def test_a_loaders_workers_are_shielded_and_seeded_and_persist_only_when_asked():
+    from ironloop.data import workers
+    from ironloop.data.loader import EpochSampler, _seed_worker, make_loader
+
+    sampler = EpochSampler(10, 2, seed=3, shuffle=False)
+    alone = make_loader(Noisy(), sampler, num_workers=0, pin_memory=False, persistent=True)
+    assert alone.worker_init_fn is None and not alone.persistent_workers
+    pool = make_loader(Noisy(), sampler, num_workers=2, pin_memory=False, persistent=True)
+    assert pool.worker_init_fn.func is workers._init
+    assert pool.worker_init_fn.args == (_seed_worker,)
+    assert pool.num_workers == 2 and pool.persistent_workers
+    assert not make_loader(Noisy(), sampler, num_workers=2, pin_memory=False).persistent_workers
