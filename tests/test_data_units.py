@@ -1042,3 +1042,65 @@ def test_a_loaders_workers_are_shielded_and_seeded_and_persist_only_when_asked()
     assert pool.worker_init_fn.args == (_seed_worker,)
     assert pool.num_workers == 2 and pool.persistent_workers
     assert not make_loader(Noisy(), sampler, num_workers=2, pin_memory=False).persistent_workers
+
+
+def test_build_order_takes_its_batching_workers_resume_mode_and_pinning_from_the_config():
+    from ironloop.data.stream import Stream, build_order
+
+    config = _config(**{"train.batch_size": 4, "train.accumulation_steps": 3, "run.seed": 11,
+                        "data.num_workers": 2, "data.pin_memory": True,
+                        "data.stream_resume": "replay"})
+    order = build_order(config, Stream(Stateful(40, 40)), 0, 1, torch.device("cuda"))
+    assert (order.batch_size, order.accumulation, order.seed) == (4, 3, 11)
+    assert (order.num_workers, order.pin_memory, order.replay) == (2, True, True)
+    assert order.device == torch.device("cuda") and order.steps_per_epoch == 4  # 10 batches / 3
+    on_cpu = build_order(config, Stream(Stateful(40, 40)), 0, 1, torch.device("cpu"))
+    assert on_cpu.pin_memory is False
+
+
+def test_a_map_sources_loader_takes_workers_pinning_and_sample_seeding_from_the_config():
+    from ironloop.data.source import _map_source
+
+    config = _config(**{"train.batch_size": 4, "run.seed": 11, "data.num_workers": 2,
+                        "data.pin_memory": True, "data.seed_samples": False,
+                        "data.shuffle": False})
+    source = _map_source(config, Indexed(10), None, _collate, 1, 2, torch.device("cuda"))
+    assert source.loader.options == {"num_workers": 2, "pin_memory": True,
+                                     "collate_fn": _collate, "seed_samples": False}
+    s = source.sampler
+    assert (s.n, s.batch_size, s.seed, s.shuffle, s.rank, s.world_size) == (10, 4, 11, False,
+                                                                             1, 2)
+    assert source.steps_per_epoch == 2  # ceil(10 / 8)
+    cpu = _map_source(config, Indexed(10), None, None, 0, 1, torch.device("cpu"))
+    assert cpu.loader.options["pin_memory"] is False
+
+
+def test_an_eval_loader_takes_workers_pinning_and_sample_seeding_from_the_config():
+    from ironloop.data.source import EvalBatching, eval_loader
+
+    config = _config(**{"data.num_workers": 2, "data.pin_memory": True,
+                        "data.seed_samples": False, "run.seed": 11})
+    loader = eval_loader(Indexed(7), EvalBatching(2, collate_fn=_collate, drop_last=True),
+                         config, 1, 2, torch.device("cuda"))
+    assert (loader.num_workers, loader.pin_memory, loader.collate_fn) == (2, True, _collate)
+    s = loader.batch_sampler  # unseeded samples: the sampler itself, not keyed batches
+    assert (s.seed, s.rank, s.world_size, s.drop_last, s.shuffle) == (11, 1, 2, True, False)
+    assert list(s) == [[2, 3]]  # 7 samples, global batches of 4, the tail dropped
+    cpu = eval_loader(Indexed(7), EvalBatching(2), config, 0, 1, torch.device("cpu"))
+    assert cpu.pin_memory is False
+
+
+def test_under_ddp_a_stream_window_is_the_fewest_batches_any_rank_has(monkeypatch):
+    from ironloop.data.stream import Stream, StreamOrder
+
+    seen = []
+
+    def all_reduce(t, op):
+        seen.append((t.tolist(), op))
+        t.fill_(1)  # another rank has one batch
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    order = StreamOrder(Stream(Claims(8, 8)), 2, 0, rank=1, world_size=2)
+    assert order._agree(3) == 1
+    assert seen == [([3], torch.distributed.ReduceOp.MIN)]
+    assert StreamOrder(Stream(Claims(8, 8)), 2, 0)._agree(3) == 3 and len(seen) == 1
