@@ -1104,3 +1104,107 @@ def test_under_ddp_a_stream_window_is_the_fewest_batches_any_rank_has(monkeypatc
     assert order._agree(3) == 1
     assert seen == [([3], torch.distributed.ReduceOp.MIN)]
     assert StreamOrder(Stream(Claims(8, 8)), 2, 0)._agree(3) == 3 and len(seen) == 1
+
+
+def test_a_data_factorys_result_must_name_its_training_split_and_hold_samples(tmp_path,
+                                                                               monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import ConfigError, DataError
+
+    (tmp_path / "byo_units_shapes.py").write_text(
+        "import torch\n"
+        "def no_train():\n"
+        "    return {'val': None, 'vocab_size': 3}\n"
+        "def one():\n"
+        "    return [torch.zeros(1)]\n"
+        "def number():\n"
+        "    return 7\n"
+        "def empty_pair():\n"
+        "    return (torch.zeros(0, 2), torch.zeros(0)), None\n"
+        "def meta():\n"
+        "    return {'train': (torch.zeros(3, 2), torch.zeros(3)), 'num_classes': 4, 'k': 1}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^data factory 'byo_units_shapes:no_train' returned "
+                                          r"a dict without 'train'; return \{'train': \.\.\., "
+                                          r"'val': \.\.\., 'vocab_size': \.\.\.\}$"):
+        user_data(DataConfig(name="byo_units_shapes:no_train"))
+    for name, kind in (("one", "list"), ("number", "int")):
+        with pytest.raises(ConfigError, match=f"^data factory 'byo_units_shapes:{name}' "
+                                              f"returned {kind}; return \\(train, val\\) or"):
+            user_data(DataConfig(name=f"byo_units_shapes:{name}"))
+    with pytest.raises(DataError, match=r"^data factory 'byo_units_shapes:empty_pair' returned "
+                                        r"an empty training split \(inputs of length 0\);"):
+        user_data(DataConfig(name="byo_units_shapes:empty_pair"))
+    bundle = user_data(DataConfig(name="byo_units_shapes:meta"))
+    assert (bundle.input_shape, bundle.num_classes) == ((2,), 4)
+    assert bundle.meta == {"num_classes": 4, "k": 1} and bundle.val is None
+
+
+def test_contiguous_streams_refuse_empty_shapes_and_indices_past_their_end():
+    from ironloop.data.lm import ContiguousStreams
+
+    for streams, bptt in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match=f"^streams \\({streams}\\) and bptt \\({bptt}\\) "
+                                             f"must be >= 1$"):
+            ContiguousStreams(torch.arange(20), streams, bptt)
+    data = ContiguousStreams(torch.arange(20), 2, 4)  # rows of 10: chunks at 0, 4, 8
+    assert len(data) == 6 and [t.tolist() for t in data[5]] == [[18], [19]]
+    for k in (6, -1):
+        with pytest.raises(IndexError, match=f"^sample {k} of 6$"):
+            data[k]
+
+
+def test_only_datasets_loaders_and_pairs_are_map_style_data():
+    from ironloop.data.inputs import map_style
+
+    with pytest.raises(UserError, match="^val_data must be a torch Dataset, a DataLoader, a "
+                                        "Hugging Face datasets.Dataset or an \\(inputs, "
+                                        "targets\\) pair, not dict$"):
+        map_style({"x": 1}, "val_data")
+
+
+def test_a_subset_of_an_eval_split_is_read_in_order_whatever_its_loaders_sampler():
+    from ironloop.data.source import eval_split
+
+    loader = DataLoader(Indexed(50), batch_size=2, sampler=Backwards(50))
+    config = _config(**{"eval.max_batches": 1})
+    sub, batching = eval_split(loader, "val_data", config, None, 1)
+    assert len(sub) == 2 and batching.sampler is None and batching.batch_size == 2
+    whole, kept = eval_split(loader, "val_data", _config(), None, 1)
+    assert whole is loader.dataset and kept.sampler is loader.sampler
+
+
+def test_only_floating_tensors_hold_nonfinite_inputs():
+    from ironloop.data.source import _has_nonfinite
+
+    assert _has_nonfinite({"a": ["text", torch.tensor([float("inf")])]})
+    assert not _has_nonfinite(["nan", float("nan"), torch.tensor([1, 2])])
+
+
+def test_a_stream_that_cannot_be_copied_offers_no_first_sample():
+    import threading
+
+    from ironloop.data.stream import Stream, first_sample
+
+    class Locked(Counting):
+        lock = None
+
+        def __init__(self):
+            self.lock = threading.Lock()  # deepcopy cannot copy a lock
+
+    assert first_sample(Stream(Locked())) is None
+    assert first_sample(Stream(Counting()))[0].tolist() == [0.0] * 5
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\): degrees of freedom")
+def test_a_builtin_dataset_with_an_empty_training_split_is_refused():
+    from ironloop.config import DataConfig
+    from ironloop.data.builtin.datasets import build_data
+    from ironloop.errors import DataError
+
+    config = DataConfig(name="synthetic", num_samples=1, val_fraction=0.6, input_shape=[2])
+    with pytest.raises(DataError, match="^data.name='synthetic': the training split is empty$"):
+        build_data(config)
+    assert len(build_data(DataConfig(name="synthetic", num_samples=5, val_fraction=0.2,
+                                     input_shape=[2])).train) == 4
