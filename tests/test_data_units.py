@@ -1197,7 +1197,7 @@ def test_a_stream_that_cannot_be_copied_offers_no_first_sample():
     assert first_sample(Stream(Counting()))[0].tolist() == [0.0] * 5
 
 
-@pytest.mark.filterwarnings("ignore:std\\(\\): degrees of freedom")
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
 def test_a_builtin_dataset_with_an_empty_training_split_is_refused():
     from ironloop.config import DataConfig
     from ironloop.data.builtin.datasets import build_data
