@@ -1208,3 +1208,29 @@ def test_a_builtin_dataset_with_an_empty_training_split_is_refused():
         build_data(config)
     assert len(build_data(DataConfig(name="synthetic", num_samples=5, val_fraction=0.2,
                                      input_shape=[2])).train) == 4
+
+
+def test_a_generator_samplers_epoch_is_drawn_from_a_generator_seeded_by_seed_and_epoch():
+    from torch.utils.data import WeightedRandomSampler
+
+    from ironloop.data.samplers import order_of
+    from ironloop.data.seeding import derive_seed
+
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    mine = torch.Generator().manual_seed(0)
+    order, warning = order_of(WeightedRandomSampler(weights, 40, generator=mine), 6, seed=7)
+    mine_state = mine.get_state()
+    expected = list(WeightedRandomSampler(weights, 40, generator=torch.Generator().manual_seed(
+        derive_seed(7, 2, "sampler"))))
+    assert warning is None and order.indices(2, NONE, 0, 40).tolist() == expected
+    assert torch.equal(mine.get_state(), mine_state)  # the user's own generator is left alone
+
+
+def test_a_data_factory_that_cannot_be_imported_names_data_name():
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^data.name='no_such_module_here:data': cannot import "
+                                          "module 'no_such_module_here'"):
+        user_data(DataConfig(name="no_such_module_here:data"))
