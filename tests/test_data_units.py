@@ -959,7 +959,7 @@ def test_the_loader_built_for_a_stream_has_the_orders_batching_pinning_and_epoch
     assert StreamOrder(Stream(Claims(8, 8)), 2, 0).open().pin_memory is False
 
 
-def test_a_users_stateful_loaders_generator_is_reseeded_from_the_seed_and_epoch():
+def test_a_users_stateful_loaders_generator_is_reseeded_and_its_sampler_told_the_epoch():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from ironloop.data.seeding import derive_seed
@@ -971,6 +971,11 @@ def test_a_users_stateful_loaders_generator_is_reseeded_from_the_seed_and_epoch(
     order.set_epoch(3)
     assert order.open() is user
     assert user.generator.initial_seed() == derive_seed(7, 3, "loader")
+    backwards = Backwards(6)
+    ordered = StatefulDataLoader(ds, batch_size=2, sampler=backwards)
+    order = StreamOrder(Stream(ds, 2, loader=ordered), 2, seed=7)
+    order.set_epoch(4)
+    assert order.open() is ordered and backwards.epoch == 4  # its sampler learns the epoch
 
 
 def test_an_inverse_permutation_computes_in_int64_whatever_the_indices_integer_type():
