@@ -1239,3 +1239,25 @@ def test_a_data_factory_that_cannot_be_imported_names_data_name():
     with pytest.raises(ConfigError, match="^data.name='no_such_module_here:data': cannot import "
                                           "module 'no_such_module_here'"):
         user_data(DataConfig(name="no_such_module_here:data"))
+
+
+def test_a_map_style_stateful_loaders_epoch_is_its_own_length_in_batches():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ironloop.data.stream import Stream, stream_steps
+
+    loader = StatefulDataLoader(Indexed(10), batch_size=3)  # 4 batches, the last of 1
+    stream = Stream(loader.dataset, 3, loader=loader)
+    assert stream.samples == 10
+    assert stream_steps(stream, 3, 3, max_steps=0) == 2 and stream_steps(stream, 3, 4, 0) == 1
+    assert stream_steps(Stream(Claims(10, 10)), 3, 3, max_steps=0) == 1  # 3 full batches
+
+
+def test_a_bundles_first_validation_set_is_the_first_named_one_or_the_only_one():
+    from ironloop.data.bundle import DataBundle
+
+    a, b = Indexed(1), Indexed(2)
+    assert DataBundle(a, {"x": b, "y": a}, None, (), None).first_val is b
+    assert DataBundle(a, a, None, (), None).first_val is a
+    assert DataBundle(a, {}, None, (), None).first_val is None
+    assert DataBundle(a, None, None, (), None).meta == {}
