@@ -1261,3 +1261,45 @@ def test_a_bundles_first_validation_set_is_the_first_named_one_or_the_only_one()
     assert DataBundle(a, a, None, (), None).first_val is a
     assert DataBundle(a, {}, None, (), None).first_val is None
     assert DataBundle(a, None, None, (), None).meta == {}
+
+
+class Rotating(torch.utils.data.Sampler):
+    """A sampler whose state moves on by one each time it is drawn: it yields 0..n-1 rotated by
+    how many times it was drawn before (state_dict/load_state_dict, no generator)."""
+
+    def __init__(self, n: int):
+        self.n, self.turn = n, 0
+
+    def __iter__(self):
+        turn, self.turn = self.turn, self.turn + 1
+        return iter([(i + turn) % self.n for i in range(self.n)])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"turn": self.turn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.turn = state["turn"]
+
+
+def test_a_stateful_samplers_epoch_is_drawn_again_from_its_state_at_the_epochs_start():
+    from ironloop.data.samplers import order_of
+
+    order, warning = order_of(Rotating(4), 4, seed=0)
+    assert warning is None and order.how == "state"
+    assert order.indices(0, NONE, 0, 4).tolist() == [0, 1, 2, 3]
+    assert order.indices(1, NONE, 0, 4).tolist() == [1, 2, 3, 0]
+    saved = order.state_dict()
+    assert saved == {"epoch": 1, "start": {"turn": 1}, "after": {"turn": 2}}
+    again, _ = order_of(Rotating(4), 4, seed=0)
+    again.load_state_dict(saved)
+    assert again.state_dict() is saved  # restored, not drawn yet: still the checkpoint's
+    assert again.indices(1, NONE, 0, 4).tolist() == [1, 2, 3, 0]  # the epoch, drawn again
+    later, _ = order_of(Rotating(4), 4, seed=0)
+    later.load_state_dict(saved)
+    assert later.indices(2, NONE, 0, 4).tolist() == [2, 3, 0, 1]  # the next: from "after"
+    later.load_state_dict({})  # an order saved without state: nothing to restore
+    assert later.state_dict()["epoch"] == 2
+    assert order_of(Backwards(3), 3, seed=0)[0].state_dict() == {}
