@@ -1303,3 +1303,12 @@ def test_a_stateful_samplers_epoch_is_drawn_again_from_its_state_at_the_epochs_s
     later.load_state_dict({})  # an order saved without state: nothing to restore
     assert later.state_dict()["epoch"] == 2
     assert order_of(Backwards(3), 3, seed=0)[0].state_dict() == {}
+
+
+def test_open_data_refuses_a_stream_loader_that_yields_whole_batches_naming_train_data():
+    from ironloop.data.source import open_data
+
+    with pytest.raises(UserError, match=r"^train_data: a DataLoader with batch_size=None \(a "
+                                        r"dataset that yields whole batches\) is not supported"):
+        open_data(_config(), DataLoader(Counting(), batch_size=None), None, None, 0, 1,
+                  torch.device("cpu"))
