@@ -1312,3 +1312,33 @@ def test_open_data_refuses_a_stream_loader_that_yields_whole_batches_naming_trai
                                         r"dataset that yields whole batches\) is not supported"):
         open_data(_config(), DataLoader(Counting(), batch_size=None), None, None, 0, 1,
                   torch.device("cpu"))
+
+
+def test_contiguous_streams_evaluate_from_an_in_order_loader_and_say_whose_batch_size_is_wrong():
+    from ironloop.data.lm import ContiguousStreams
+    from ironloop.data.source import eval_split
+    from ironloop.errors import ConfigError
+
+    streams = ContiguousStreams(torch.arange(100), streams=3, bptt=4)
+    config = _config(**{"train.batch_size": 2})
+    dataset, batching = eval_split(DataLoader(streams, batch_size=3), "val_data", config, None, 1)
+    assert dataset is streams and type(batching.sampler) is SequentialSampler
+    with pytest.raises(ConfigError, match=r"^val_data: its DataLoader's sampler would read "):
+        eval_split(DataLoader(streams, batch_size=3, shuffle=True), "val_data", config, None, 1)
+    with pytest.raises(ConfigError, match=r"^val_data has 3 streams but evaluates in batches of "
+                                          r"2 \(its DataLoader's batch size\); pass it as "
+                                          r"DataLoader\(val, batch_size=3\)"):
+        eval_split(DataLoader(streams, batch_size=2), "val_data", config, None, 1)
+    with pytest.raises(ConfigError, match=r"^test_data has 3 streams but evaluates in batches of "
+                                          r"2 \(train.batch_size, its batch size\)"):
+        eval_split(streams, "test_data", config, None, 1)
+
+
+def test_an_empty_dict_of_validation_sets_is_refused_saying_what_to_pass():
+    from ironloop.data.source import validation_sets
+    from ironloop.errors import DataError
+
+    with pytest.raises(DataError) as e:
+        validation_sets({}, _config(), None, 1)
+    assert str(e.value) == ("val_data={} names no validation set; pass None for a run without "
+                            "validation, or {name: dataset, ...}")
