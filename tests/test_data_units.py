@@ -945,17 +945,400 @@ def test_the_first_training_sample_of_a_map_style_run_is_its_first_item():
     assert streamed.once_over_train(2, 0, 1) is None
 
 
-def test_a_validation_subset_is_read_in_its_own_order_and_a_whole_split_in_its_samplers():
-    """eval.max_batches takes a fixed subset, whose indices are its own: the user's sampler
-    (made for the whole split) is dropped for it. Without a subset the sampler stays."""
-    from ironloop.config import Config
+# ------------------------------------------------------------------ arguments passed on ----
+def test_the_loader_built_for_a_stream_has_the_orders_batching_pinning_and_epoch_seed():
+    from ironloop.data.seeding import derive_seed
+    from ironloop.data.stream import Stream, StreamOrder
+
+    order = StreamOrder(Stream(Claims(8, 8), collate_fn=_collate), 2, seed=7, pin_memory=True)
+    order.set_epoch(3)
+    loader = order.open()
+    assert (loader.batch_size, loader.drop_last, loader.num_workers) == (2, True, 0)
+    assert loader.pin_memory is True and loader.collate_fn is _collate
+    assert loader.generator.initial_seed() == derive_seed(7, 3, "loader")
+    assert StreamOrder(Stream(Claims(8, 8)), 2, 0).open().pin_memory is False
+
+
+def test_a_users_stateful_loaders_generator_is_reseeded_and_its_sampler_told_the_epoch():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ironloop.data.seeding import derive_seed
+    from ironloop.data.stream import Stream, StreamOrder
+
+    ds = Indexed(6)
+    user = StatefulDataLoader(ds, batch_size=2, shuffle=True, generator=torch.Generator())
+    order = StreamOrder(Stream(ds, 2, loader=user), 2, seed=7)
+    order.set_epoch(3)
+    assert order.open() is user
+    assert user.generator.initial_seed() == derive_seed(7, 3, "loader")
+    backwards = Backwards(6)
+    ordered = StatefulDataLoader(ds, batch_size=2, sampler=backwards)
+    order = StreamOrder(Stream(ds, 2, loader=ordered), 2, seed=7)
+    order.set_epoch(4)
+    assert order.open() is ordered and backwards.epoch == 4  # its sampler learns the epoch
+
+
+def test_an_inverse_permutation_computes_in_int64_whatever_the_indices_integer_type():
+    from ironloop.data.order import KeyedOrder
+
+    perm = KeyedOrder(5000, seed=3, shuffle=True).permutation(1)
+    back = perm.inverse(perm(torch.arange(5000)))
+    assert back.dtype == torch.long and back.tolist() == list(range(5000))
+    assert torch.equal(perm.inverse(perm(torch.arange(5000)).to(torch.int32)), back)
+
+
+def test_an_eval_sampler_is_rank_zero_of_one_by_default():
+    from ironloop.data.loader import EvalSampler
+
+    sampler = EvalSampler(5, 2, seed=0, shuffle=False)
+    assert (sampler.rank, sampler.world_size) == (0, 1)
+    assert list(sampler) == [[0, 1], [2, 3], [4]] and len(sampler) == 3
+
+
+def test_a_loader_seeds_each_sample_from_seed_epoch_and_index_by_default():
+    from ironloop.data.loader import EpochSampler, make_loader
+    from ironloop.data.seeding import seed_sample
+
+    sampler = EpochSampler(10, 2, seed=5, shuffle=False)
+    sampler.set_epoch(2)
+    first = next(iter(make_loader(Noisy(), sampler, num_workers=0, pin_memory=False)))
+    seed_sample(5, 2, 1)
+    assert torch.equal(first[1], torch.rand(3))
+
+
+def test_an_eval_subset_of_contiguous_streams_reads_their_first_chunks():
+    from ironloop.data.lm import ContiguousStreams
+    from ironloop.data.source import eval_subset
+
+    config = _config(**{"eval.max_batches": 1, "train.batch_size": 3})
+    streams = ContiguousStreams(torch.arange(100), streams=3, bptt=4)
+    sub = eval_subset(streams, config, world_size=1)
+    assert sub.dataset is streams
+    assert [torch.equal(sub[k][0], streams[k][0]) for k in range(3)] == [True] * 3
+
+
+def test_a_data_factory_gets_torchruns_rank_and_world_size(tmp_path, monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+
+    (tmp_path / "byo_units_ranks.py").write_text(
+        "import torch\n"
+        "def data(rank, world_size):\n"
+        "    n = 2 + rank + 10 * world_size\n"
+        "    return (torch.zeros(4, n), torch.zeros(4)), None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert user_data(DataConfig(name="byo_units_ranks:data")).input_shape == (33,)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert user_data(DataConfig(name="byo_units_ranks:data")).input_shape == (12,)
+
+
+def test_a_loaders_workers_are_shielded_and_seeded_and_persist_only_when_asked():
+    from ironloop.data import workers
+    from ironloop.data.loader import EpochSampler, _seed_worker, make_loader
+
+    sampler = EpochSampler(10, 2, seed=3, shuffle=False)
+    alone = make_loader(Noisy(), sampler, num_workers=0, pin_memory=False, persistent=True)
+    assert alone.worker_init_fn is None and not alone.persistent_workers
+    pool = make_loader(Noisy(), sampler, num_workers=2, pin_memory=False, persistent=True)
+    assert pool.worker_init_fn.func is workers._init
+    assert pool.worker_init_fn.args == (_seed_worker,)
+    assert pool.num_workers == 2 and pool.persistent_workers
+    assert not make_loader(Noisy(), sampler, num_workers=2, pin_memory=False).persistent_workers
+
+
+def test_build_order_takes_its_batching_workers_resume_mode_and_pinning_from_the_config():
+    from ironloop.data.stream import Stream, build_order
+
+    config = _config(**{"train.batch_size": 4, "train.accumulation_steps": 3, "run.seed": 11,
+                        "data.num_workers": 2, "data.pin_memory": True,
+                        "data.stream_resume": "replay"})
+    order = build_order(config, Stream(Stateful(40, 40)), 0, 1, torch.device("cuda"))
+    assert (order.batch_size, order.accumulation, order.seed) == (4, 3, 11)
+    assert (order.num_workers, order.pin_memory, order.replay) == (2, True, True)
+    assert order.device == torch.device("cuda") and order.steps_per_epoch == 4  # 10 batches / 3
+    on_cpu = build_order(config, Stream(Stateful(40, 40)), 0, 1, torch.device("cpu"))
+    assert on_cpu.pin_memory is False
+
+
+def test_a_map_sources_loader_takes_workers_pinning_and_sample_seeding_from_the_config():
+    from ironloop.data.source import _map_source
+
+    config = _config(**{"train.batch_size": 4, "run.seed": 11, "data.num_workers": 2,
+                        "data.pin_memory": True, "data.seed_samples": False,
+                        "data.shuffle": False})
+    source = _map_source(config, Indexed(10), None, _collate, 1, 2, torch.device("cuda"))
+    assert source.loader.options == {"num_workers": 2, "pin_memory": True,
+                                     "collate_fn": _collate, "seed_samples": False}
+    s = source.sampler
+    assert (s.n, s.batch_size, s.seed, s.shuffle, s.rank, s.world_size) == (10, 4, 11, False,
+                                                                             1, 2)
+    assert source.steps_per_epoch == 2  # ceil(10 / 8)
+    cpu = _map_source(config, Indexed(10), None, None, 0, 1, torch.device("cpu"))
+    assert cpu.loader.options["pin_memory"] is False
+
+
+def test_an_eval_loader_takes_workers_pinning_and_sample_seeding_from_the_config():
+    from ironloop.data.source import EvalBatching, eval_loader
+
+    config = _config(**{"data.num_workers": 2, "data.pin_memory": True,
+                        "data.seed_samples": False, "run.seed": 11})
+    loader = eval_loader(Indexed(7), EvalBatching(2, collate_fn=_collate, drop_last=True),
+                         config, 1, 2, torch.device("cuda"))
+    assert (loader.num_workers, loader.pin_memory, loader.collate_fn) == (2, True, _collate)
+    s = loader.batch_sampler  # unseeded samples: the sampler itself, not keyed batches
+    assert (s.seed, s.rank, s.world_size, s.drop_last, s.shuffle) == (11, 1, 2, True, False)
+    assert list(s) == [[2, 3]]  # 7 samples, global batches of 4, the tail dropped
+    cpu = eval_loader(Indexed(7), EvalBatching(2), config, 0, 1, torch.device("cpu"))
+    assert cpu.pin_memory is False
+
+
+def test_under_ddp_a_stream_window_is_the_fewest_batches_any_rank_has(monkeypatch):
+    from ironloop.data.stream import Stream, StreamOrder
+
+    seen = []
+
+    def all_reduce(t, op):
+        seen.append((t.tolist(), op))
+        t.fill_(1)  # another rank has one batch
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    order = StreamOrder(Stream(Claims(8, 8)), 2, 0, rank=1, world_size=2)
+    assert order._agree(3) == 1
+    assert seen == [([3], torch.distributed.ReduceOp.MIN)]
+    assert StreamOrder(Stream(Claims(8, 8)), 2, 0)._agree(3) == 3 and len(seen) == 1
+
+
+def test_a_data_factorys_result_must_name_its_training_split_and_hold_samples(tmp_path,
+                                                                               monkeypatch):
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import ConfigError, DataError
+
+    (tmp_path / "byo_units_shapes.py").write_text(
+        "import torch\n"
+        "def no_train():\n"
+        "    return {'val': None, 'vocab_size': 3}\n"
+        "def one():\n"
+        "    return [torch.zeros(1)]\n"
+        "def number():\n"
+        "    return 7\n"
+        "def empty_pair():\n"
+        "    return (torch.zeros(0, 2), torch.zeros(0)), None\n"
+        "def meta():\n"
+        "    return {'train': (torch.zeros(3, 2), torch.zeros(3)), 'num_classes': 4, 'k': 1}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^data factory 'byo_units_shapes:no_train' returned "
+                                          r"a dict without 'train'; return \{'train': \.\.\., "
+                                          r"'val': \.\.\., 'vocab_size': \.\.\.\}$"):
+        user_data(DataConfig(name="byo_units_shapes:no_train"))
+    for name, kind in (("one", "list"), ("number", "int")):
+        with pytest.raises(ConfigError, match=f"^data factory 'byo_units_shapes:{name}' "
+                                              f"returned {kind}; return \\(train, val\\) or"):
+            user_data(DataConfig(name=f"byo_units_shapes:{name}"))
+    with pytest.raises(DataError, match=r"^data factory 'byo_units_shapes:empty_pair' returned "
+                                        r"an empty training split \(inputs of length 0\);"):
+        user_data(DataConfig(name="byo_units_shapes:empty_pair"))
+    bundle = user_data(DataConfig(name="byo_units_shapes:meta"))
+    assert (bundle.input_shape, bundle.num_classes) == ((2,), 4)
+    assert bundle.meta == {"num_classes": 4, "k": 1} and bundle.val is None
+
+
+def test_contiguous_streams_refuse_empty_shapes_and_indices_past_their_end():
+    from ironloop.data.lm import ContiguousStreams
+
+    for streams, bptt in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match=f"^streams \\({streams}\\) and bptt \\({bptt}\\) "
+                                             f"must be >= 1$"):
+            ContiguousStreams(torch.arange(20), streams, bptt)
+    data = ContiguousStreams(torch.arange(20), 2, 4)  # rows of 10: chunks at 0, 4, 8
+    assert len(data) == 6 and [t.tolist() for t in data[5]] == [[18], [19]]
+    for k in (6, -1):
+        with pytest.raises(IndexError, match=f"^sample {k} of 6$"):
+            data[k]
+
+
+def test_only_datasets_loaders_and_pairs_are_map_style_data():
+    from ironloop.data.inputs import map_style
+
+    with pytest.raises(UserError, match="^val_data must be a torch Dataset, a DataLoader, a "
+                                        "Hugging Face datasets.Dataset or an \\(inputs, "
+                                        "targets\\) pair, not dict$"):
+        map_style({"x": 1}, "val_data")
+
+
+def test_a_subset_of_an_eval_split_is_read_in_order_whatever_its_loaders_sampler():
     from ironloop.data.source import eval_split
 
-    loader = DataLoader(Indexed(8), batch_size=2, sampler=Backwards(8))
-    whole, batching = eval_split(loader, "val_data", Config(), None, 1, subset=False)
-    assert whole is loader.dataset and isinstance(batching.sampler, Backwards)
-    cfg = Config.from_dict({"eval": {"max_batches": 2}})
-    part, batching = eval_split(loader, "val_data", cfg, None, 1)
-    assert len(part) == 4 and part is not loader.dataset and batching.sampler is None
-    uncapped, batching = eval_split(loader, "val_data", Config(), None, 1)
-    assert uncapped is loader.dataset and isinstance(batching.sampler, Backwards)
+    loader = DataLoader(Indexed(50), batch_size=2, sampler=Backwards(50))
+    config = _config(**{"eval.max_batches": 1})
+    sub, batching = eval_split(loader, "val_data", config, None, 1)
+    assert len(sub) == 2 and batching.sampler is None and batching.batch_size == 2
+    whole, kept = eval_split(loader, "val_data", _config(), None, 1)
+    assert whole is loader.dataset and kept.sampler is loader.sampler
+
+
+def test_only_floating_tensors_hold_nonfinite_inputs():
+    from ironloop.data.source import _has_nonfinite
+
+    assert _has_nonfinite({"a": ["text", torch.tensor([float("inf")])]})
+    assert not _has_nonfinite(["nan", float("nan"), torch.tensor([1, 2])])
+
+
+def test_a_stream_that_cannot_be_copied_offers_no_first_sample():
+    import threading
+
+    from ironloop.data.stream import Stream, first_sample
+
+    class Locked(Counting):
+        lock = None
+
+        def __init__(self):
+            self.lock = threading.Lock()  # deepcopy cannot copy a lock
+
+    assert first_sample(Stream(Locked())) is None
+    assert first_sample(Stream(Counting()))[0].tolist() == [0.0] * 5
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_a_builtin_dataset_with_an_empty_training_split_is_refused():
+    from ironloop.config import DataConfig
+    from ironloop.data.builtin.datasets import build_data
+    from ironloop.errors import DataError
+
+    config = DataConfig(name="synthetic", num_samples=1, val_fraction=0.6, input_shape=[2])
+    with pytest.raises(DataError, match="^data.name='synthetic': the training split is empty$"):
+        build_data(config)
+    assert len(build_data(DataConfig(name="synthetic", num_samples=5, val_fraction=0.2,
+                                     input_shape=[2])).train) == 4
+
+
+def test_a_generator_samplers_epoch_is_drawn_from_a_generator_seeded_by_seed_and_epoch():
+    from torch.utils.data import WeightedRandomSampler
+
+    from ironloop.data.samplers import order_of
+    from ironloop.data.seeding import derive_seed
+
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    mine = torch.Generator().manual_seed(0)
+    order, warning = order_of(WeightedRandomSampler(weights, 40, generator=mine), 6, seed=7)
+    mine_state = mine.get_state()
+    expected = list(WeightedRandomSampler(weights, 40, generator=torch.Generator().manual_seed(
+        derive_seed(7, 2, "sampler"))))
+    assert warning is None and order.indices(2, NONE, 0, 40).tolist() == expected
+    assert torch.equal(mine.get_state(), mine_state)  # the user's own generator is left alone
+
+
+def test_a_data_factory_that_cannot_be_imported_names_data_name():
+    from ironloop.config import DataConfig
+    from ironloop.data.user import user_data
+    from ironloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^data.name='no_such_module_here:data': cannot import "
+                                          "module 'no_such_module_here'"):
+        user_data(DataConfig(name="no_such_module_here:data"))
+
+
+def test_a_map_style_stateful_loaders_epoch_is_its_own_length_in_batches():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ironloop.data.stream import Stream, stream_steps
+
+    loader = StatefulDataLoader(Indexed(10), batch_size=3)  # 4 batches, the last of 1
+    stream = Stream(loader.dataset, 3, loader=loader)
+    assert stream.samples == 10
+    assert stream_steps(stream, 3, 3, max_steps=0) == 2 and stream_steps(stream, 3, 4, 0) == 1
+    assert stream_steps(Stream(Claims(10, 10)), 3, 3, max_steps=0) == 1  # 3 full batches
+
+
+def test_a_bundles_first_validation_set_is_the_first_named_one_or_the_only_one():
+    from ironloop.data.bundle import DataBundle
+
+    a, b = Indexed(1), Indexed(2)
+    assert DataBundle(a, {"x": b, "y": a}, None, (), None).first_val is b
+    assert DataBundle(a, a, None, (), None).first_val is a
+    assert DataBundle(a, {}, None, (), None).first_val is None
+    assert DataBundle(a, None, None, (), None).meta == {}
+
+
+class Rotating(torch.utils.data.Sampler):
+    """A sampler whose state moves on by one each time it is drawn: it yields 0..n-1 rotated by
+    how many times it was drawn before (state_dict/load_state_dict, no generator)."""
+
+    def __init__(self, n: int):
+        self.n, self.turn = n, 0
+
+    def __iter__(self):
+        turn, self.turn = self.turn, self.turn + 1
+        return iter([(i + turn) % self.n for i in range(self.n)])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"turn": self.turn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.turn = state["turn"]
+
+
+def test_a_stateful_samplers_epoch_is_drawn_again_from_its_state_at_the_epochs_start():
+    from ironloop.data.samplers import order_of
+
+    order, warning = order_of(Rotating(4), 4, seed=0)
+    assert warning is None and order.how == "state"
+    assert order.indices(0, NONE, 0, 4).tolist() == [0, 1, 2, 3]
+    assert order.indices(1, NONE, 0, 4).tolist() == [1, 2, 3, 0]
+    saved = order.state_dict()
+    assert saved == {"epoch": 1, "start": {"turn": 1}, "after": {"turn": 2}}
+    again, _ = order_of(Rotating(4), 4, seed=0)
+    again.load_state_dict(saved)
+    assert again.state_dict() is saved  # restored, not drawn yet: still the checkpoint's
+    assert again.indices(1, NONE, 0, 4).tolist() == [1, 2, 3, 0]  # the epoch, drawn again
+    later, _ = order_of(Rotating(4), 4, seed=0)
+    later.load_state_dict(saved)
+    assert later.indices(2, NONE, 0, 4).tolist() == [2, 3, 0, 1]  # the next: from "after"
+    later.load_state_dict({})  # an order saved without state: nothing to restore
+    assert later.state_dict()["epoch"] == 2
+    assert order_of(Backwards(3), 3, seed=0)[0].state_dict() == {}
+
+
+def test_open_data_refuses_a_stream_loader_that_yields_whole_batches_naming_train_data():
+    from ironloop.data.source import open_data
+
+    with pytest.raises(UserError, match=r"^train_data: a DataLoader with batch_size=None \(a "
+                                        r"dataset that yields whole batches\) is not supported"):
+        open_data(_config(), DataLoader(Counting(), batch_size=None), None, None, 0, 1,
+                  torch.device("cpu"))
+
+
+def test_contiguous_streams_evaluate_from_an_in_order_loader_and_say_whose_batch_size_is_wrong():
+    from ironloop.data.lm import ContiguousStreams
+    from ironloop.data.source import eval_split
+    from ironloop.errors import ConfigError
+
+    streams = ContiguousStreams(torch.arange(100), streams=3, bptt=4)
+    config = _config(**{"train.batch_size": 2})
+    dataset, batching = eval_split(DataLoader(streams, batch_size=3), "val_data", config, None, 1)
+    assert dataset is streams and type(batching.sampler) is SequentialSampler
+    with pytest.raises(ConfigError, match=r"^val_data: its DataLoader's sampler would read "):
+        eval_split(DataLoader(streams, batch_size=3, shuffle=True), "val_data", config, None, 1)
+    with pytest.raises(ConfigError, match=r"^val_data has 3 streams but evaluates in batches of "
+                                          r"2 \(its DataLoader's batch size\); pass it as "
+                                          r"DataLoader\(val, batch_size=3\)"):
+        eval_split(DataLoader(streams, batch_size=2), "val_data", config, None, 1)
+    with pytest.raises(ConfigError, match=r"^test_data has 3 streams but evaluates in batches of "
+                                          r"2 \(train.batch_size, its batch size\)"):
+        eval_split(streams, "test_data", config, None, 1)
+
+
+def test_an_empty_dict_of_validation_sets_is_refused_saying_what_to_pass():
+    from ironloop.data.source import validation_sets
+    from ironloop.errors import DataError
+
+    with pytest.raises(DataError) as e:
+        validation_sets({}, _config(), None, 1)
+    assert str(e.value) == ("val_data={} names no validation set; pass None for a run without "
+                            "validation, or {name: dataset, ...}")

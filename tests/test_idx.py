@@ -331,3 +331,26 @@ def test_download_unreachable(tmp_path, server, monkeypatch, mirror):
     assert f"by hand into {root}" in msg
     assert all(mirror + n in msg for n in MD5)  # lists every URL to fetch by hand
     assert list(root.iterdir()) == []
+
+
+def test_a_failed_download_names_each_mirrors_reason_and_makes_a_nested_root(tmp_path,
+                                                                             monkeypatch):
+    import http.client
+    import urllib.error
+
+    errors = iter([urllib.error.URLError("connection refused"),
+                   http.client.RemoteDisconnected("closed early")])
+
+    def urlopen(url, timeout):
+        raise next(errors)
+
+    monkeypatch.setattr(idx.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(idx, "MIRRORS", ["http://a/", "http://b/"])
+    root = tmp_path / "new" / "root"
+    with pytest.raises(DataError) as e:
+        idx.download(root)
+    name = "train-images-idx3-ubyte.gz"
+    assert str(e.value).startswith(
+        f"{root / name}: could not download {name}: http://a/{name} (connection refused); "
+        f"http://b/{name} (closed early). Download the four files by hand into {root}: ")
+    assert list(root.iterdir()) == []
