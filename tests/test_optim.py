@@ -188,3 +188,19 @@ def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
                                         r"build it from model.parameters\(\) \(of the model "
                                         r"passed to fit\) or pass a factory$"):
         resolve_optimizer(other, model, cfg)
+
+
+@pytest.mark.parametrize("name", ["bce_logits", "mse", "huber", "kl_div"])
+def test_kl_sums_over_the_distribution_and_the_others_average_over_the_outputs(name):
+    """No class weights: each loss is torch's own, KL's reduction the batchmean its docs ask
+    for (a sum over each distribution), the others' the mean over every element."""
+    g = torch.Generator().manual_seed(0)
+    out, target = torch.randn(5, 4, generator=g), torch.rand(5, 4, generator=g)
+    target = target / target.sum(-1, keepdim=True)  # a distribution per sample
+    F = nn.functional
+    want = {"bce_logits": lambda: F.binary_cross_entropy_with_logits(out, target),
+            "mse": lambda: F.mse_loss(out, target),
+            "huber": lambda: F.huber_loss(out, target, delta=1.0),
+            "kl_div": lambda: F.kl_div(out.log_softmax(-1), target, reduction="batchmean")}
+    cfg = load_config(None, [f"loss.name={name}"]).loss
+    torch.testing.assert_close(Loss(cfg, 4)(out, target), want[name]())
