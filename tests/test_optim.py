@@ -204,3 +204,13 @@ def test_kl_sums_over_the_distribution_and_the_others_average_over_the_outputs(n
             "kl_div": lambda: F.kl_div(out.log_softmax(-1), target, reduction="batchmean")}
     cfg = load_config(None, [f"loss.name={name}"]).loss
     torch.testing.assert_close(Loss(cfg, 4)(out, target), want[name]())
+
+
+def test_the_kernel_is_what_the_optimizer_was_built_with_or_torch_s_default_for_its_device():
+    from ironloop.engine.optim import kernel
+
+    params = list(nn.Linear(2, 2).parameters())
+    assert kernel(torch.optim.AdamW(params, fused=True)) == "fused"
+    assert kernel(torch.optim.AdamW(params, foreach=True)) == "foreach"  # asked for, on a CPU
+    assert kernel(torch.optim.AdamW(params, foreach=False)) == "loop"
+    assert kernel(torch.optim.AdamW(params)) == "loop"  # neither: foreach only on CUDA
