@@ -80,3 +80,29 @@ def test_a_resumed_schedule_keeps_the_checkpoint_s_length(tmp_path):
     run, loaded = _run(tmp_path, model, opt, schedule_steps=0)
     build._restore(run, {"schedule_steps": 25}, str(tmp_path / "last.pt"), "none")
     assert run.module.schedule_steps == 0 and len(loaded) == 1  # no schedule: nothing held
+
+
+def test_the_metric_prefixes_are_one_per_validation_set_and_weight_set():
+    one = SimpleNamespace(val_sets={"": None})
+    two = SimpleNamespace(val_sets={"": None, "noisy": None})
+    plain, averaged = SimpleNamespace(average=None), SimpleNamespace(average=object())
+    assert build._prefixes(one, plain) == ("val_",)
+    assert build._prefixes(two, plain) == ("val_", "val_noisy_")
+    assert build._prefixes(two, averaged) == ("val_", "val_noisy_", "val_avg_", "val_avg_noisy_")
+
+
+def test_callbacks_must_come_as_a_list_and_a_lone_callback_is_told_to_be_wrapped():
+    from ironloop.callbacks import Callback
+    from ironloop.errors import UserError
+
+    assert build._as_list(None) == [] and build._as_list(()) == []
+    lone = Callback()
+    assert build._as_list((lone,)) == [lone]
+    with pytest.raises(UserError) as single:
+        build._as_list(lone)
+    assert str(single.value) == (f"callbacks={lone!r:.60}: must be a list of callbacks, not "
+                                 "Callback; wrap it in one: callbacks=[...]")
+    with pytest.raises(UserError) as number:
+        build._as_list(5)
+    assert str(number.value) == ("callbacks=5: must be a list of callbacks, not int; pass "
+                                 "[MyCallback(), ...] (ironloop.callbacks.Callback subclasses)")
