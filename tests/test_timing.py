@@ -323,6 +323,10 @@ def test_a_trace_records_3_steps_by_default_after_a_wait_and_a_warm_up_then_stop
     timer = StepTimer(torch.device("cpu"), trace_dir=tmp_path)
     trace = timer.trace
     assert trace is not None and trace.remaining == 2 + 3
+    from torch.profiler import ProfilerAction as Act
+
+    assert [trace.prof.schedule(i) for i in range(8)] == [  # one cycle: no repeat
+        Act.NONE, Act.WARMUP, Act.RECORD, Act.RECORD, Act.RECORD_AND_SAVE, *[Act.NONE] * 3]
     for _ in range(4):
         trace.step()
     assert trace.prof is not None and trace.remaining == 1
