@@ -214,3 +214,22 @@ def test_the_kernel_is_what_the_optimizer_was_built_with_or_torch_s_default_for_
     assert kernel(torch.optim.AdamW(params, foreach=True)) == "foreach"  # asked for, on a CPU
     assert kernel(torch.optim.AdamW(params, foreach=False)) == "loop"
     assert kernel(torch.optim.AdamW(params)) == "loop"  # neither: foreach only on CUDA
+
+
+def test_onecycle_peaks_at_10x_the_lr_unless_given_at_pct_start_of_the_run():
+    def lrs(*overrides):
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        cfg = load_config(None, ["schedule.name=onecycle", *overrides]).schedule
+        sched, _ = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=20)
+        assert sched.total_steps == 20
+        seen = []
+        for _ in range(20):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
+
+    default = lrs("schedule.pct_start=0.25")
+    assert max(default) == pytest.approx(1.0) and default.index(max(default)) == 4
+    given = lrs("schedule.max_lr=0.5", "schedule.pct_start=0.5")
+    assert max(given) == pytest.approx(0.5) and given.index(max(given)) == 9

@@ -216,6 +216,18 @@ def test_a_job_is_requeued_only_with_slurm_requeue_on_and_a_checkpoint_saved(
             "checkpoint.slurm_requeue=false): not requeued; continue it with --resume\n")
 
 
+def test_only_rank_0_of_a_slurm_job_decides_and_a_missing_scontrol_is_the_requeue_s_error(
+        tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("RANK", "1")  # torchrun's rank 1: rank 0 speaks for the job
+    after_stop(tmp_path, Preempted("SIGUSR1", 7, saved=True), requeue=True)
+    assert not (tmp_path / "events.jsonl").exists()
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert "scontrol" in _requeue("42")  # the OSError's text names what could not run
+
+
 def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch, capsys):
     got = stop_under_slurm(tmp_path, monkeypatch, "JobId=42 JobState=CANCELLED Reason=None")
     assert [(e["event"], e["cause"], e["why"], e["requeue"]) for e in got] == \
