@@ -233,3 +233,15 @@ def test_onecycle_peaks_at_10x_the_lr_unless_given_at_pct_start_of_the_run():
     assert max(default) == pytest.approx(1.0) and default.index(max(default)) == 4
     given = lrs("schedule.max_lr=0.5", "schedule.pct_start=0.5")
     assert max(given) == pytest.approx(0.5) and given.index(max(given)) == 9
+
+
+def test_the_optimizer_gets_optim_s_settings_and_is_fused_only_where_torch_has_the_kernel():
+    cfg = load_config(None, ["optim.name=sgd", "optim.momentum=0.7"]).optim
+    assert build_optimizer(nn.Linear(2, 2), cfg).defaults["momentum"] == 0.7
+    cfg = load_config(None, ["optim.name=adam", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]).optim
+    adam = build_optimizer(nn.Linear(2, 2), cfg)
+    assert (adam.defaults["betas"], adam.defaults["eps"]) == ((0.8, 0.9), 1e-6)
+    adamw = load_config(None, []).optim
+    assert build_optimizer(nn.Linear(2, 2), adamw).defaults["fused"] is True  # a CPU has it
+    # no fused kernel on this device (meta: shapes only): torch's default kernel
+    assert not build_optimizer(nn.Linear(2, 2).to("meta"), adamw).defaults["fused"]
