@@ -245,3 +245,17 @@ def test_the_optimizer_gets_optim_s_settings_and_is_fused_only_where_torch_has_t
     assert build_optimizer(nn.Linear(2, 2), adamw).defaults["fused"] is True  # a CPU has it
     # no fused kernel on this device (meta: shapes only): torch's default kernel
     assert not build_optimizer(nn.Linear(2, 2).to("meta"), adamw).defaults["fused"]
+
+
+def test_warmup_cosine_without_warmup_steps_is_the_plain_cosine_over_the_run():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, ["schedule.name=warmup_cosine", "schedule.warmup_steps=0",
+                             "schedule.eta_min=0.01"]).schedule
+    sched, cadence = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=8)
+    assert isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and cadence == "step"
+    assert (sched.T_max, sched.eta_min) == (8, 0.01)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    for _ in range(8):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
