@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -32,8 +34,8 @@ class Recorder(Callback):
 def test_hooks_fire_in_the_documented_order_with_their_metrics(tmp_path):
     rec = Recorder()
     # 200 samples, batch 32: 7 steps an epoch; log every 2nd step
-    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
-                 cfg(tmp_path, train__epochs=2, log__every_steps=2), callbacks=[rec])
+    result = ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
+                          cfg(tmp_path, train__epochs=2, log__every_steps=2), callbacks=[rec])
     names = [n for n, _ in rec.calls]
     epoch = ["step"] * 7 + ["eval", "epoch", "checkpoint"]
     assert names == ["train_start", *epoch, *epoch, "train_end"]
@@ -47,7 +49,9 @@ def test_hooks_fire_in_the_documented_order_with_their_metrics(tmp_path):
     saves = [m for n, m in rec.calls if n == "checkpoint"]  # the epoch ends' checkpoints
     assert [(m["step"], m["epoch"]) for m in saves] == [(7, 1), (14, 2)]
     assert all(set(m) == {"step", "epoch", "best"} for m in saves)
-    assert rec.calls[-1][1]["step"] == 14
+    assert rec.calls[0][1] == {"step": 0, "epoch": 0}
+    (best,) = result.results["monitor"].values()  # the monitored metric's best
+    assert rec.calls[-1][1] == {"step": 14, "epoch": 2, "best": best} and math.isfinite(best)
 
 
 def test_a_callback_logs_its_own_scalars(tmp_path):

@@ -227,3 +227,34 @@ def test_results_final_val_ppl_is_the_last_evaluations_perplexity(tmp_path):
     without = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
                            cfg(tmp_path / "off"))
     assert "final_val_ppl" not in without.results  # no perplexity asked for: none recorded
+
+
+def test_every_time_table_setting_is_read_from_the_run_s_config_and_module(monkeypatch):
+    import os
+
+    from ironloop.engine import fit as fit_module
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    monkeypatch.setattr(fit_module.os, "cpu_count", lambda: 64)  # not what the run may use
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    sgd = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1, fused=True)
+    config = ironloop.Config().with_overrides({
+        "data.num_workers": 3, "data.pin_memory": True, "checkpoint.every_steps": 7,
+        "checkpoint.async": True, "optim.name": "sgd"})
+    run = SimpleNamespace(cfg=config, module=SimpleNamespace(
+        device=torch.device("cuda"), optimizer=sgd, precision="bf16", takes_closure=True))
+    got = settings_of(run)
+    assert (got.device, got.num_workers, got.cores, got.pin_memory) == ("cuda", 3, 3, True)
+    assert (got.optimizer, got.fused_open, got.foreach_open, got.closure) == \
+        ("fused", True, True, True)
+    assert (got.optimizer_class, got.checkpoint_async, got.checkpoint_every_steps) == \
+        ("", True, 7)
+    assert (got.precision, got.bf16_open) == ("bf16", True)
+    # LBFGS takes neither fused= nor foreach=: neither is open
+    lbfgs = torch.optim.LBFGS(tiny_mlp().parameters())
+    run.module.optimizer, run.module.device = lbfgs, torch.device("cpu")
+    got = settings_of(run)
+    assert (got.fused_open, got.foreach_open, got.optimizer_class, got.bf16_open) == \
+        (False, False, "LBFGS", False)
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS, Windows: the machine's count
+    assert settings_of(run).cores == 64

@@ -478,3 +478,53 @@ def test_a_branch_unused_after_its_first_step_is_not_moved_by_adamw_again(tmp_pa
         assert not torch.equal(v, untrained["branch"].state_dict()[k])  # step 1 moved it
         assert torch.equal(fourth["branch"].state_dict()[k], v), k  # steps 2-4 did not
     assert not torch.equal(first["trunk"].weight, fourth["trunk"].weight)
+
+
+def _micro_run(world: int, accum: int, weight):
+    """The parts of a run micro_step touches: a step returning loss 3 (and ``weight``); the
+    backward records what it was given."""
+    import contextlib
+    from types import SimpleNamespace
+
+    backward: list = []
+    module = SimpleNamespace(
+        model=nn.Linear(2, 2), autocast=contextlib.nullcontext,
+        forward=lambda model, batch, kind, progress: (torch.tensor(3.0), {}, weight),
+        backward=backward.append)
+    run = SimpleNamespace(
+        module=module, world=SimpleNamespace(size=world), progress=None,
+        cfg=ironloop.Config().with_overrides({"train.accumulation_steps": accum}),
+        outputs=SimpleNamespace(timer=SimpleNamespace(mark=lambda part: None)),
+        meter=SimpleNamespace(add_micro=lambda loss, n, w: None))
+    return run, backward
+
+
+@pytest.mark.parametrize("world, n_micro, window, scale", [
+    (1, 4, 4, 1.0), (1, 3, 12, 0.25), (2, 4, 4, 2.0), (2, 4, 8, 1.0), (4, 2, 16, 0.5)])
+def test_a_micro_batch_s_loss_is_scaled_by_its_samples_times_ranks_over_the_window(
+        world, n_micro, window, scale):
+    """DDP averages gradients over ranks: a rank's share of a window of ``window`` samples is
+    n_micro * world / window, whatever it comes to (2.0 included)."""
+    from ironloop.engine.loop import micro_step
+    from ironloop.engine.tokens import WindowWeight
+
+    run, backward = _micro_run(world, 1, None)
+    weights = WindowWeight()
+    loss = micro_step(run, None, n_micro, window, True, weights)
+    assert float(loss) == 3.0 and [float(b) for b in backward] == [3.0 * scale]
+    assert weights.total is None  # a step without weights adds none
+
+
+def test_a_weighted_micro_batch_gives_its_sum_and_adds_its_weight_to_the_window():
+    from ironloop.engine.loop import micro_step
+    from ironloop.engine.tokens import WindowWeight
+
+    weights = WindowWeight()
+    for world, accum in ((1, 2), (2, 1)):
+        run, backward = _micro_run(world, accum, torch.tensor(5))
+        micro_step(run, None, 4, 8, False, weights)
+        assert [float(b) for b in backward] == [15.0]  # loss x weight, divided later
+    assert int(weights.total) == 10
+    run, backward = _micro_run(1, 1, torch.tensor(5))  # one micro-batch, one rank: the mean
+    micro_step(run, None, 4, 4, True, weights)
+    assert [float(b) for b in backward] == [3.0] and int(weights.total) == 10

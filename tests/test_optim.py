@@ -188,3 +188,74 @@ def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
                                         r"build it from model.parameters\(\) \(of the model "
                                         r"passed to fit\) or pass a factory$"):
         resolve_optimizer(other, model, cfg)
+
+
+@pytest.mark.parametrize("name", ["bce_logits", "mse", "huber", "kl_div"])
+def test_kl_sums_over_the_distribution_and_the_others_average_over_the_outputs(name):
+    """No class weights: each loss is torch's own, KL's reduction the batchmean its docs ask
+    for (a sum over each distribution), the others' the mean over every element."""
+    g = torch.Generator().manual_seed(0)
+    out, target = torch.randn(5, 4, generator=g), torch.rand(5, 4, generator=g)
+    target = target / target.sum(-1, keepdim=True)  # a distribution per sample
+    F = nn.functional
+    want = {"bce_logits": lambda: F.binary_cross_entropy_with_logits(out, target),
+            "mse": lambda: F.mse_loss(out, target),
+            "huber": lambda: F.huber_loss(out, target, delta=1.0),
+            "kl_div": lambda: F.kl_div(out.log_softmax(-1), target, reduction="batchmean")}
+    cfg = load_config(None, [f"loss.name={name}"]).loss
+    torch.testing.assert_close(Loss(cfg, 4)(out, target), want[name]())
+
+
+def test_the_kernel_is_what_the_optimizer_was_built_with_or_torch_s_default_for_its_device():
+    from ironloop.engine.optim import kernel
+
+    params = list(nn.Linear(2, 2).parameters())
+    assert kernel(torch.optim.AdamW(params, fused=True)) == "fused"
+    assert kernel(torch.optim.AdamW(params, foreach=True)) == "foreach"  # asked for, on a CPU
+    assert kernel(torch.optim.AdamW(params, foreach=False)) == "loop"
+    assert kernel(torch.optim.AdamW(params)) == "loop"  # neither: foreach only on CUDA
+
+
+def test_onecycle_peaks_at_10x_the_lr_unless_given_at_pct_start_of_the_run():
+    def lrs(*overrides):
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        cfg = load_config(None, ["schedule.name=onecycle", *overrides]).schedule
+        sched, _ = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=20)
+        assert sched.total_steps == 20
+        seen = []
+        for _ in range(20):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
+
+    default = lrs("schedule.pct_start=0.25")
+    assert max(default) == pytest.approx(1.0) and default.index(max(default)) == 4
+    given = lrs("schedule.max_lr=0.5", "schedule.pct_start=0.5")
+    assert max(given) == pytest.approx(0.5) and given.index(max(given)) == 9
+
+
+def test_the_optimizer_gets_optim_s_settings_and_is_fused_only_where_torch_has_the_kernel():
+    cfg = load_config(None, ["optim.name=sgd", "optim.momentum=0.7"]).optim
+    assert build_optimizer(nn.Linear(2, 2), cfg).defaults["momentum"] == 0.7
+    cfg = load_config(None, ["optim.name=adam", "optim.betas=[0.8, 0.9]", "optim.eps=1e-6"]).optim
+    adam = build_optimizer(nn.Linear(2, 2), cfg)
+    assert (adam.defaults["betas"], adam.defaults["eps"]) == ((0.8, 0.9), 1e-6)
+    adamw = load_config(None, []).optim
+    assert build_optimizer(nn.Linear(2, 2), adamw).defaults["fused"] is True  # a CPU has it
+    # no fused kernel on this device (meta: shapes only): torch's default kernel
+    assert not build_optimizer(nn.Linear(2, 2).to("meta"), adamw).defaults["fused"]
+
+
+def test_warmup_cosine_without_warmup_steps_is_the_plain_cosine_over_the_run():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, ["schedule.name=warmup_cosine", "schedule.warmup_steps=0",
+                             "schedule.eta_min=0.01"]).schedule
+    sched, cadence = build_scheduler(opt, cfg, steps_per_epoch=10, total_steps=8)
+    assert isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and cadence == "step"
+    assert (sched.T_max, sched.eta_min) == (8, 0.01)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    for _ in range(8):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)

@@ -45,10 +45,14 @@ def test_the_device_name_resolves_to_what_this_machine_has(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert precision.resolve_device("auto") == torch.device("cpu")
     assert precision.resolve_device("cpu", 3) == torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"^run.device='cuda' but torch sees no CUDA device"):
+    # the whole message: what is wrong and the settings that fix it
+    with pytest.raises(ConfigError) as cuda:
         precision.resolve_device("cuda")
-    with pytest.raises(ConfigError, match=r"^run.device='mps' but MPS is not available"):
+    assert str(cuda.value) == ("run.device='cuda' but torch sees no CUDA device; use "
+                               "run.device=cpu or auto, or install a CUDA build of torch")
+    with pytest.raises(ConfigError) as mps:
         precision.resolve_device("mps")
+    assert str(mps.value) == "run.device='mps' but MPS is not available; use run.device=cpu or auto"
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     assert precision.resolve_device("auto") == torch.device("mps")
     assert precision.resolve_device("mps") == torch.device("mps")
@@ -101,4 +105,26 @@ def test_without_proc_cpuinfo_only_apple_silicon_has_native_bf16(monkeypatch):
     assert cpu_has_native_bf16() is False
     monkeypatch.setattr(precision, "_machine", lambda: "arm64")
     monkeypatch.setattr(precision.sys, "platform", "linux")
+    assert cpu_has_native_bf16() is False
+
+
+def test_the_cpu_flags_are_read_from_proc_cpuinfo_even_with_bytes_that_are_not_utf8(
+        tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_bytes(b"model name\t: Xeon \xff\xfe\nflags\t\t: fpu avx512_bf16\n")
+    real = precision.Path
+    monkeypatch.setattr(precision, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo"
+                        else real(p))
+    assert cpu_has_native_bf16() is True
+    cpuinfo.write_bytes(b"flags\t\t: fpu avx2 \xff\n")
+    assert cpu_has_native_bf16() is False
+    # no /proc (macOS): Apple silicon has bf16
+    monkeypatch.setattr(precision, "Path", lambda p: real(tmp_path / "none"))
+    monkeypatch.setattr(precision.sys, "platform", "darwin")
+    monkeypatch.setattr(precision, "_machine", lambda: "arm64")
+    assert cpu_has_native_bf16() is True
+    monkeypatch.setattr(precision, "_machine", lambda: "x86_64")
+    assert cpu_has_native_bf16() is False
+    monkeypatch.setattr(precision.sys, "platform", "win32")
+    monkeypatch.setattr(precision, "_machine", lambda: "arm64")
     assert cpu_has_native_bf16() is False

@@ -70,6 +70,37 @@ def test_a_signal_the_scheduler_does_not_explain_stops_without_a_requeue():
         Decision("unexplained", False, "scontrol show job did not answer")
 
 
+def test_a_job_that_is_no_longer_running_ends_without_a_requeue_naming_its_reason():
+    # killed at its time limit without a warning signal: COMPLETING for TimeLimit
+    assert decide(fields(state="COMPLETING", reason="TimeLimit"), NOW, True) == \
+        Decision("ending", False, "the job is COMPLETING for TimeLimit")
+    assert decide(fields(state="FAILED"), NOW, True) == \
+        Decision("ending", False, "the job is FAILED")
+    # no Reason field at all reads as scontrol's "None": a scancel
+    assert decide({"JobState": "CANCELLED"}, NOW, True) == \
+        Decision("scancel", False, "the job is CANCELLED")
+
+
+def test_the_time_limit_window_is_15_minutes_inclusive_and_a_passed_limit_is_0_s():
+    at_edge = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(NOW + 900))
+    assert decide(fields(end=at_edge), NOW, True) == \
+        Decision("time limit", True, "900 s to the time limit")
+    past_edge = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(NOW + 901))
+    assert decide(fields(end=past_edge), NOW, True).cause == "unexplained"
+    assert decide(fields(end="2026-11-26T16:59:50"), NOW, True) == \
+        Decision("time limit", True, "0 s to the time limit")
+    assert decide({"JobState": "RUNNING"}, NOW, True) == Decision(
+        "unexplained", False, "no time limit near, not preempted, not cancelled")
+
+
+def test_a_preemption_is_named_with_its_time_and_kept_when_requeue_is_off():
+    got = decide(fields(preempt="2026-11-26T16:59:58"), NOW, False)
+    assert got == Decision("preemption", False,
+                           "preempted at 2026-11-26T16:59:58; checkpoint.slurm_requeue=false")
+    assert decide(fields(preempt="2026-11-26T16:59:58"), NOW, True) == \
+        Decision("preemption", True, "preempted at 2026-11-26T16:59:58")
+
+
 def test_slurm_requeue_false_keeps_the_cause_and_does_not_requeue():
     got = decide(fields(), NOW, False)
     assert (got.cause, got.requeue) == ("time limit", False)
@@ -143,16 +174,17 @@ def fake_scontrol(bin_dir: Path, show: str) -> None:
     script.chmod(0o755)
 
 
-def stop_under_slurm(tmp_path: Path, monkeypatch, show: str) -> list[dict]:
-    """``after_stop`` of a saved SIGUSR1 stop at step 7 of job 42; the events it wrote."""
+def stop_under_slurm(tmp_path: Path, monkeypatch, show: str, requeue: bool = True,
+                     saved: bool = True) -> list[dict]:
+    """``after_stop`` of a (saved) SIGUSR1 stop at step 7 of job 42; the events it wrote."""
     fake_scontrol(tmp_path / "bin", show)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.delenv("RANK", raising=False)  # no torchrun: this process is rank 0
-    stop = Preempted("SIGUSR1", 7, saved=True)
+    stop = Preempted("SIGUSR1", 7, saved=saved)
     before = {sig: signal.getsignal(sig) for sig in EarlySignals.SIGNALS}
     try:  # a requeue ignores SIGTERM and SIGUSR1 from here on
-        after_stop(tmp_path, stop, requeue=True)
+        after_stop(tmp_path, stop, requeue=requeue)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
@@ -168,6 +200,33 @@ def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_it
     assert got[0]["cause"] == "time limit" and got[0]["why"].endswith("s to the time limit")
     assert (got[0]["job"], got[0]["step"], got[0]["restarts"]) == ("42", 7, 2)
     assert (got[1]["job"], got[1]["ok"]) == ("42", True)
+
+
+def test_a_job_is_requeued_only_with_slurm_requeue_on_and_a_checkpoint_saved(
+        tmp_path, monkeypatch, capsys):
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
+    show = f"JobId=42 JobState=RUNNING EndTime={end} PreemptTime=None"
+    for requeue, saved in ((False, True), (True, False)):
+        run_dir = tmp_path / f"{requeue}-{saved}"
+        run_dir.mkdir()
+        got = stop_under_slurm(run_dir, monkeypatch, show, requeue=requeue, saved=saved)
+        assert [(e["event"], e["cause"], e["requeue"]) for e in got] == \
+            [("slurm_stop", "time limit", False)]
+        assert got[0]["why"].endswith("s to the time limit; checkpoint.slurm_requeue=false")
+        assert capsys.readouterr().out.endswith(
+            "checkpoint.slurm_requeue=false): not requeued; continue it with --resume\n")
+
+
+def test_only_rank_0_of_a_slurm_job_decides_and_a_missing_scontrol_is_the_requeue_s_error(
+        tmp_path, monkeypatch):
+    from ironloop.engine.slurm import _requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("RANK", "1")  # torchrun's rank 1: rank 0 speaks for the job
+    after_stop(tmp_path, Preempted("SIGUSR1", 7, saved=True), requeue=True)
+    assert not (tmp_path / "events.jsonl").exists()
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert "scontrol" in _requeue("42")  # the OSError's text names what could not run
 
 
 def test_a_scancel_records_why_it_was_not_requeued(tmp_path, monkeypatch, capsys):
@@ -593,10 +652,17 @@ def test_the_rendezvous_is_the_first_host_of_the_node_list(tmp_path, monkeypatch
 def test_show_job_reads_scontrol_s_fields_and_is_empty_without_scontrol(tmp_path, monkeypatch):
     from ironloop.engine.slurm import _epoch, job_id, show_job
 
-    fake_scontrol(tmp_path / "bin", "JobId=42 JobState=RUNNING Reason=None EndTime=Unknown")
-    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    # one line per job (-o), for the job asked about: anything else prints nothing
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n[ \"$*\" = '-o show job 42' ] && "
+        "echo 'JobId=42 JobState=RUNNING Reason=None EndTime=Unknown'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
     assert show_job("42") == {"JobId": "42", "JobState": "RUNNING", "Reason": "None",
                               "EndTime": "Unknown"}
+    assert show_job("43") == {}
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert show_job("42") == {}
     assert _epoch("Unknown") is None

@@ -162,3 +162,43 @@ def test_the_step_kind_says_which_step_computes_the_metrics():
     assert step_fns.step_kind(None, "lm") == step_fns.step_kind(step_fns.lm_step, "") == "lm"
     assert step_fns.step_kind(lambda m, b: None, "") == "user"
     assert step_fns.step_kind(None, "pkg:step") == "user"
+
+
+class _CausalLM(nn.Module):
+    """A Hugging Face-style causal LM: keyword inputs, an output carrying its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, input_ids, labels=None):
+        return {"loss": self.scale * input_ids.float().mean(), "logits": None}
+
+
+def test_a_dict_batch_goes_to_the_model_and_its_loss_is_weighted_by_the_shifted_labels():
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    labels = torch.tensor([[5, 6, -100, 7], [-100, 1, 2, -100]])
+    loss, metrics, weight = step_fns.lm_step(_CausalLM(), {"input_ids": ids, "labels": labels})
+    assert float(loss.detach()) == pytest.approx(2.0 * 4.5) and metrics == {}
+    assert int(weight) == 4  # the model shifts by one: the first label never counts
+    loss, metrics, weight = step_fns.lm_step(_CausalLM(), {"input_ids": ids})
+    assert float(loss.detach()) == pytest.approx(9.0) and weight is None  # no labels: unweighted
+
+
+class _OwnLoss(nn.Module):
+    """nanoGPT's kind of forward(idx, targets), returning an object with .loss."""
+
+    def forward(self, idx, targets=None):
+        return _LossOutput(idx.float().sum() / 10)
+
+
+class _LossOutput:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def test_a_model_taking_targets_gives_its_own_loss_weighted_by_the_targets_that_count():
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    y = torch.tensor([[2, 3, -1], [5, 6, 7]])  # nanoGPT ignores -1
+    loss, metrics, weight = step_fns.lm_step(_OwnLoss(), (x, y))
+    assert float(loss) == pytest.approx(2.1) and metrics == {} and int(weight) == 5

@@ -319,6 +319,22 @@ def test_a_run_shorter_than_its_trace_stops_the_profiler_when_it_ends(tmp_path):
     assert not torch._C._autograd._profiler_enabled()
 
 
+def test_a_trace_records_3_steps_by_default_after_a_wait_and_a_warm_up_then_stops(tmp_path):
+    timer = StepTimer(torch.device("cpu"), trace_dir=tmp_path)
+    trace = timer.trace
+    assert trace is not None and trace.remaining == 2 + 3
+    from torch.profiler import ProfilerAction as Act
+
+    assert [trace.prof.schedule(i) for i in range(8)] == [  # one cycle: no repeat
+        Act.NONE, Act.WARMUP, Act.RECORD, Act.RECORD, Act.RECORD_AND_SAVE, *[Act.NONE] * 3]
+    for _ in range(4):
+        trace.step()
+    assert trace.prof is not None and trace.remaining == 1
+    trace.step()  # the fifth: done, the profiler stopped
+    assert trace.prof is None and not torch._C._autograd._profiler_enabled()
+    assert StepTimer(torch.device("cpu"), enabled=False, trace_dir=tmp_path).trace is None
+
+
 class FakeEvent:
     """torch.cuda.Event on a fake GPU clock: record() stamps it, elapsed_time() in ms."""
 

@@ -60,7 +60,7 @@ def reference(model, data: TensorData, batch: int, accum: int, epochs: int, lr: 
             opt.step()
 
 
-def test_ragged_windows_of_padded_sequences_weigh_every_token_equally(tmp_path):
+def test_ragged_windows_of_padded_sequences_weigh_every_token_equally(tmp_path, capsys):
     train, val = padded(22, 0), padded(13, 1)  # 22 = 8 + 8 + 6: a ragged last window
     ours, ref = Bigram(), Bigram()
     result = ironloop.fit(ours, train, val, {
@@ -87,6 +87,10 @@ def test_ragged_windows_of_padded_sequences_weigh_every_token_equally(tmp_path):
     assert result.results["tokens"] == 3 * int((train.y != IGNORE_INDEX).sum())
     epochs = read_jsonl(tmp_path / "run" / "epochs.jsonl")
     assert epochs[0]["tokens_per_s"] > 0
+    # the time table at the end gives the run's training throughput
+    per_s = result.results["tokens_per_s"]
+    assert per_s == pytest.approx(result.results["tokens"] / result.results["train_seconds"])
+    assert f"  tokens/s (training, every process): {per_s:,.0f}\n" in capsys.readouterr().out
 
 
 def test_a_mean_of_batch_means_would_differ():

@@ -146,3 +146,27 @@ def test_an_fp16_step_with_non_finite_gradients_is_skipped_and_counted():
     assert torch.equal(m.model.weight.detach(), before)  # GradScaler skipped the update
     assert float(meter.skipped) == 1.0 and meter.flush_window()["skipped"] == 1
     assert m.scaler.get_scale() == 2.0  # and backed its scale off
+
+
+def test_a_model_with_nothing_to_train_is_refused_saying_what_it_holds():
+    from ironloop.engine.train_module import check_model
+    from ironloop.errors import UserError
+
+    fix = ("; unfreeze what should learn (p.requires_grad_(True)), or hold its weights in "
+           "nn.Parameter (a buffer or a plain tensor attribute is not trained)")
+    with pytest.raises(UserError) as empty:
+        check_model(nn.Module())
+    assert str(empty.value) == "the model has nothing to train: it has no parameters" + fix
+    held = nn.Module()
+    for name in ("a", "b", "c", "d"):
+        held.register_buffer(name, torch.zeros(1))
+    with pytest.raises(UserError) as buffers:
+        check_model(held)
+    assert str(buffers.value) == ("the model has nothing to train: it has no parameters, only "
+                                  "buffers (a, b, c)" + fix)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(UserError) as frozen_error:
+        check_model(frozen)
+    assert str(frozen_error.value) == ("the model has nothing to train: all 2 of its parameter "
+                                       "tensors are frozen (requires_grad=False)" + fix)
+    check_model(nn.Linear(2, 2))  # something to train: no word
