@@ -450,3 +450,18 @@ def test_a_guarded_tracker_closed_while_fit_fails_is_told_it_failed():
     except RuntimeError:
         loggers.Guarded(inner).close()
     assert finished == [False, True]
+
+
+@pytest.mark.parametrize("tracker, module, extra", [
+    ("tensorboard", "torch.utils.tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+    ("mlflow", "mlflow.tracking", "mlflow")])
+def test_a_tracker_not_installed_names_the_extra_that_installs_it(monkeypatch, tmp_path,
+                                                                  tracker, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if it were not installed
+    make = {"tensorboard": lambda: loggers.TensorBoard(tmp_path, None),
+            "wandb": lambda: loggers.WandB(wandb_config(), tmp_path, None),
+            "mlflow": lambda: loggers.MLflow(Config(), tmp_path, None)}[tracker]
+    with pytest.raises(UserError, match=rf"^log\.{tracker}=true needs the .* package, which is "
+                                        rf"not installed: pip install 'ironloop\[{extra}\]' "
+                                        rf"\(or 'ironloop\[all\]'\)$"):
+        make()
