@@ -138,6 +138,17 @@ def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     assert "GPU compute" not in time_split.table(split, 10, torch.device("cuda"), False, PLAIN)
 
 
+def test_the_tables_first_line_says_how_the_time_was_measured_and_over_what():
+    split = {"data": 1.0, "forward": 3.0, "backward": 4.0}
+    heads = {(dev, sync): time_split.table(split, 10, torch.device(dev), sync, PLAIN).split("\n")[0]
+             for dev, sync in (("cpu", True), ("cuda", True), ("cuda", False))}
+    assert heads == {
+        ("cpu", True): "time split (wall time; 8.00 s, 10 optimizer steps):",
+        ("cuda", True): "time split (wall time, synchronized around forward/backward; 8.00 s, "
+                        "10 optimizer steps):",
+        ("cuda", False): "time split (CUDA events; 8.00 s, 10 optimizer steps):"}
+
+
 def test_the_gpu_compute_share_counts_a_part_missing_from_the_split_as_no_time():
     split = {"data": 1.0, "forward": 3.0, "other": 4.0}  # no backward timed
     text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
