@@ -245,3 +245,23 @@ def test_a_resume_line_says_in_full_what_one_redone_step_or_none_means():
     assert console.resume_line(quiet, AT, plan(), []) == (
         "resumed from last.pt at step 46/160 (epoch 3, 5/23 steps into it); the previous "
         "process logged no step past it; config unchanged")
+
+
+def test_a_piped_progress_line_is_due_once_progress_every_steps_have_passed(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    where = SimpleNamespace(step=0, epoch=0, offset=0)
+    bar = console.EpochProgress(LogConfig(progress="auto", progress_every_steps=3,
+                                          progress_every_s=0), where, plan(), True)
+    where.step = 2
+    bar.update()
+    assert capsys.readouterr().out == ""  # 2 steps: not yet
+    where.step = 3
+    bar.update()
+    assert capsys.readouterr().out.startswith("step 3/160  epoch 1/7  ")  # exactly 3 steps
+    bar.close()
+
+
+def test_an_epoch_line_gives_the_share_of_clipped_steps_in_percent():
+    line = console.epoch_line({**ROW, "clipped_frac": 0.25}, plan(), {})
+    assert line.endswith("  100.0 samples/s  clipped 25%")
+    assert "clipped" not in console.epoch_line({**ROW, "clipped_frac": 0.0}, plan(), {})

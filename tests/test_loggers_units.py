@@ -465,3 +465,21 @@ def test_a_tracker_not_installed_names_the_extra_that_installs_it(monkeypatch, t
                                         rf"not installed: pip install 'ironloop\[{extra}\]' "
                                         rf"\(or 'ironloop\[all\]'\)$"):
         make()
+
+
+def test_a_trackers_start_warning_points_at_the_line_that_built_the_trackers(monkeypatch,
+                                                                              tmp_path):
+    def broken(cfg, run_dir, run_id):
+        frame = sys._getframe()
+        while "build" not in frame.f_code.co_name:  # loggers.build (or mutmut's copy of it)
+            frame = frame.f_back
+        broken.caller = (frame.f_back.f_code.co_filename, frame.f_back.f_lineno)
+        raise ConnectionError("no server")
+
+    monkeypatch.setattr(loggers, "WandB", broken)
+    with pytest.warns(RuntimeWarning) as got:
+        line = sys._getframe().f_lineno + 1
+        loggers.build(Config().with_overrides({"log.wandb": True}), tmp_path, None, {})
+    assert (got[0].filename, got[0].lineno) == broken.caller
+    if not hasattr(loggers.build, "__wrapped__"):  # mutmut's trampolines add frames of their own
+        assert broken.caller == (__file__, line)

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -112,6 +113,30 @@ def test_copy_advice_starts_above_a_tenth_of_step_time_and_gives_its_share_in_pe
     assert advice({"copy": 1.0, "forward": 9.0}, cuda) == []  # exactly a tenth: no advice
     assert advice({"copy": 6.0, "forward": 4.0}, cuda) == \
         ["host-to-device copies are 60% of step time: set data.pin_memory=true"]
+
+
+def test_data_advice_gives_the_waits_share_and_every_open_step_in_full(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python"])  # not an ironloop train command line
+    cuda = RunSettings(device="cuda", num_workers=4, cores=4, optimizer="fused")
+    assert advice({"data": 1.0, "forward": 1.0}, cuda) == [
+        "data wait is 50% of step time: set data.pin_memory=true; "
+        "`ironloop.tune(model, train_data, config)` measures the options on this run and "
+        "writes a faster config"]
+
+
+def test_the_loop_kernel_is_told_to_switch_to_foreach_in_full():
+    slow_opt = {"forward": 1.0, "backward": 1.0, "optimizer": 8.0}
+    assert advice(slow_opt, RunSettings(optimizer="loop")) == [
+        "the optimizer step is 80% of step time, more than forward + backward: "
+        "set optim.foreach=true (one kernel per step for all tensors)"]
+
+
+def test_async_checkpoints_that_still_stall_are_told_to_save_less_often():
+    stall = {"forward": 1.0, "checkpoint": 1.0}
+    run = RunSettings(optimizer="fused", checkpoint_async=True, checkpoint_every_steps=50)
+    assert advice(stall, run) == [
+        "checkpoint writes stall the run 50% of the time: checkpoint.async is already on: "
+        "raise checkpoint.every_steps (now 50) or set it to 0 (epoch ends only)"]
 
 
 def test_optimizer_advice_knows_which_optimizer_and_which_knobs_apply():
