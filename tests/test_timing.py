@@ -175,9 +175,10 @@ def test_the_tables_first_line_says_how_the_time_was_measured_and_over_what():
 
 
 def test_the_gpu_compute_share_counts_a_part_missing_from_the_split_as_no_time():
-    split = {"data": 1.0, "forward": 3.0, "other": 4.0}  # no backward timed
-    text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
-    assert "  GPU compute (forward + backward): 37.5% of step time" in text.splitlines()
+    for split in ({"data": 1.0, "forward": 3.0, "other": 4.0},  # no backward timed
+                  {"data": 1.0, "backward": 3.0, "other": 4.0}):  # no forward timed
+        text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
+        assert "  GPU compute (forward + backward): 37.5% of step time" in text.splitlines()
 
 
 def test_a_part_missing_from_the_split_counts_as_no_time():
