@@ -265,3 +265,14 @@ def test_an_epoch_line_gives_the_share_of_clipped_steps_in_percent():
     line = console.epoch_line({**ROW, "clipped_frac": 0.25}, plan(), {})
     assert line.endswith("  100.0 samples/s  clipped 25%")
     assert "clipped" not in console.epoch_line({**ROW, "clipped_frac": 0.0}, plan(), {})
+
+
+def test_progress_off_prints_no_progress_line_even_to_a_log_file(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    where = SimpleNamespace(step=0, epoch=0, offset=0)
+    bar = console.EpochProgress(LogConfig(progress="off", progress_every_steps=1), where,
+                                plan(), True)
+    where.step = 5
+    bar.update()
+    bar.close()
+    assert not bar.plain and bar.bar.disable and capsys.readouterr().out == ""

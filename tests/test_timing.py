@@ -124,6 +124,16 @@ def test_data_advice_gives_the_waits_share_and_every_open_step_in_full(monkeypat
         "writes a faster config"]
 
 
+def test_bf16_is_advised_once_forward_and_backward_pass_six_tenths_of_step_time(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python"])  # not an ironloop train command line
+    run = RunSettings(device="cuda", optimizer="fused", bf16_open=True)
+    assert advice({"forward": 3.0, "backward": 3.0, "other": 4.0}, run) == []  # exactly 60%
+    assert advice({"forward": 3.0, "backward": 4.0, "other": 3.0}, run) == [
+        "forward + backward are 70% of step time in fp32: train.precision=bf16 runs them "
+        "faster on this device (it changes the trajectory; `ironloop.tune(model, train_data, "
+        "config) --apply-trajectory-changes` measures it)"]
+
+
 def test_the_loop_kernel_is_told_to_switch_to_foreach_in_full():
     slow_opt = {"forward": 1.0, "backward": 1.0, "optimizer": 8.0}
     assert advice(slow_opt, RunSettings(optimizer="loop")) == [
