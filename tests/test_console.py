@@ -225,3 +225,54 @@ def test_a_resume_line_lists_every_changed_key():
     line = console.resume_line({"from": "last.pt", "step": 46}, AT, plan(),
                                [("train.max_steps", 100, 160), ("optim.lr", 0.1, 0.2)])
     assert line.endswith("; config changed: train.max_steps 100 -> 160, optim.lr 0.1 -> 0.2")
+
+
+def test_a_progress_line_with_no_step_since_the_last_gives_no_eta():
+    at = SimpleNamespace(step=40, epoch=1, offset=0)
+    prog = console.EpochProgress(LogConfig(progress="off"), at,
+                                 console.RunPlan(100, 50, 2, window=1), main=False)
+    line = console.progress_line(prog, step=40, now=prog.last_time + 10.0)
+    prog.close()
+    assert line == "step 40/100  epoch 2/2  0 steps/s"  # number(0.0) is "0"
+
+
+def test_a_resume_line_says_in_full_what_one_redone_step_or_none_means():
+    event = {"from": "last.pt", "step": 46, "last_logged_step": 47, "steps_redone": 1}
+    assert console.resume_line(event, AT, plan(), []) == (
+        "resumed from last.pt at step 46/160 (epoch 3, 5/23 steps into it); redoing step 47, "
+        "which the previous process had logged after this checkpoint; config unchanged")
+    quiet = {"from": "last.pt", "step": 46, "last_logged_step": 46, "steps_redone": 0}
+    assert console.resume_line(quiet, AT, plan(), []) == (
+        "resumed from last.pt at step 46/160 (epoch 3, 5/23 steps into it); the previous "
+        "process logged no step past it; config unchanged")
+
+
+def test_a_piped_progress_line_is_due_once_progress_every_steps_have_passed(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    where = SimpleNamespace(step=0, epoch=0, offset=0)
+    bar = console.EpochProgress(LogConfig(progress="auto", progress_every_steps=3,
+                                          progress_every_s=0), where, plan(), True)
+    where.step = 2
+    bar.update()
+    assert capsys.readouterr().out == ""  # 2 steps: not yet
+    where.step = 3
+    bar.update()
+    assert capsys.readouterr().out.startswith("step 3/160  epoch 1/7  ")  # exactly 3 steps
+    bar.close()
+
+
+def test_an_epoch_line_gives_the_share_of_clipped_steps_in_percent():
+    line = console.epoch_line({**ROW, "clipped_frac": 0.25}, plan(), {})
+    assert line.endswith("  100.0 samples/s  clipped 25%")
+    assert "clipped" not in console.epoch_line({**ROW, "clipped_frac": 0.0}, plan(), {})
+
+
+def test_progress_off_prints_no_progress_line_even_to_a_log_file(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    where = SimpleNamespace(step=0, epoch=0, offset=0)
+    bar = console.EpochProgress(LogConfig(progress="off", progress_every_steps=1), where,
+                                plan(), True)
+    where.step = 5
+    bar.update()
+    bar.close()
+    assert not bar.plain and bar.bar.disable and capsys.readouterr().out == ""

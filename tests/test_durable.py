@@ -73,6 +73,17 @@ def test_an_asynchronous_tracker_is_confirmed_one_hand_over_later():
     assert steps(store) == [1, 2, 3, 4, 5, 6] and d.confirmed == 6
 
 
+def test_a_failing_close_of_an_asynchronous_tracker_waits_for_what_it_was_sent():
+    store = Store(asynchronous=True)
+    d = durable.Durable(store, 0)
+    for s in range(1, 6):
+        d.write(*row(s))
+    d.durable(3)
+    assert steps(store) == [] and d.confirmed == 0
+    d.finish(failing=True)  # the hand-over at step 3 is flushed; 4 and 5 are the resume's
+    assert steps(store) == [1, 2, 3] and d.confirmed == 3 and store.queued == []
+
+
 def test_without_checkpoints_rows_go_straight_through():
     store = Store()
     durable.Durable(store, 0, passthrough=True).write(*row(1))
@@ -139,3 +150,10 @@ def test_catch_up_sends_every_row_of_a_kind_the_tracker_holds_nothing_of(tmp_pat
     durable.catch_up([durable.Durable(fresh, 0)], tmp_path, 3)
     assert [(k, r["step"]) for k, r in fresh.rows] == \
         [("metrics", 2), ("metrics", 3), ("epochs", 2)]
+
+
+def test_catch_up_skips_a_row_without_a_step(tmp_path):
+    (tmp_path / "scalars.jsonl").write_text('{"x": 1}\n{"step": 2, "x": 2}\n')
+    store = Store(held={})
+    durable.catch_up([durable.Durable(store, 0)], tmp_path, 5)
+    assert store.rows == [("scalars", {"step": 2, "x": 2})]

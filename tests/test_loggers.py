@@ -192,6 +192,18 @@ def test_the_wandb_file_reader_skips_a_blocks_zero_padding_to_the_next_block(tmp
     assert steps == ["1", "2"]
 
 
+def test_the_wandb_file_reader_gives_each_record_back_as_written_across_its_chunks(tmp_path):
+    """Records one after another, and one split in first, middle and last chunks (kinds 2, 3,
+    4): each comes back byte for byte, nothing of one carried into the next."""
+    one, two, three = _history(1), _history(22), _history(333)
+    a, b = len(two) // 3, 2 * len(two) // 3
+    _wandb_log(tmp_path / "run.wandb", [(len(one), one, 1), (a, two[:a], 2),
+                                        (b - a, two[a:b], 3), (len(two) - b, two[b:], 4),
+                                        (len(three), three, 1)])
+    got = [r.SerializeToString() for r in wandb_file.records(tmp_path / "run.wandb")]
+    assert got == [one, two, three]
+
+
 def test_wandb_holds_the_last_step_of_each_kind_its_history_records_name(tmp_path):
     from wandb.proto import wandb_internal_pb2 as pb
 

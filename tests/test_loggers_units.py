@@ -367,12 +367,29 @@ def test_a_guarded_tracker_warns_once_then_is_dropped_for_good():
     assert inner.rows == [("metrics", {"step": 1})] and not inner.closed
 
 
+class Pointing(Flaky):
+    """Fails every write, noting where the frame that called ``Guarded._call`` stood."""
+
+    def write_rows(self, rows):
+        frame = sys._getframe()
+        while "_call" not in frame.f_code.co_name:  # Guarded._call (or mutmut's copy of it)
+            frame = frame.f_back
+        caller = frame.f_back.f_back  # _call's caller (Guarded.write), then that one's caller
+        self.caller = (caller.f_code.co_filename, caller.f_lineno)
+        raise OSError(28, "No space left on device")
+
+
 def test_a_guarded_trackers_warning_points_at_the_line_that_logged():
-    guarded = loggers.Guarded(durable.Durable(Flaky(), 0, passthrough=True))
+    inner = Pointing()
+    guarded = loggers.Guarded(durable.Durable(inner, 0, passthrough=True))
     with pytest.warns(RuntimeWarning) as got:
         line = sys._getframe().f_lineno + 1
-        guarded.write("metrics", {"step": 2, "boom": True})
-    assert (got[0].filename, got[0].lineno) == (__file__, line)
+        guarded.write("metrics", {"step": 2})
+    assert (got[0].filename, got[0].lineno) == inner.caller
+    # mutmut's trampolines put two frames of their own around each call: the caller above is
+    # theirs there; a plain run sees this test's line
+    if not hasattr(loggers.Guarded.write, "__wrapped__"):
+        assert inner.caller == (__file__, line)
 
 
 def test_a_guarded_tracker_passes_its_calls_through():
@@ -433,3 +450,36 @@ def test_a_guarded_tracker_closed_while_fit_fails_is_told_it_failed():
     except RuntimeError:
         loggers.Guarded(inner).close()
     assert finished == [False, True]
+
+
+@pytest.mark.parametrize("tracker, module, extra", [
+    ("tensorboard", "torch.utils.tensorboard", "tensorboard"), ("wandb", "wandb", "wandb"),
+    ("mlflow", "mlflow.tracking", "mlflow")])
+def test_a_tracker_not_installed_names_the_extra_that_installs_it(monkeypatch, tmp_path,
+                                                                  tracker, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if it were not installed
+    make = {"tensorboard": lambda: loggers.TensorBoard(tmp_path, None),
+            "wandb": lambda: loggers.WandB(wandb_config(), tmp_path, None),
+            "mlflow": lambda: loggers.MLflow(Config(), tmp_path, None)}[tracker]
+    with pytest.raises(UserError, match=rf"^log\.{tracker}=true needs the .* package, which is "
+                                        rf"not installed: pip install 'ironloop\[{extra}\]' "
+                                        rf"\(or 'ironloop\[all\]'\)$"):
+        make()
+
+
+def test_a_trackers_start_warning_points_at_the_line_that_built_the_trackers(monkeypatch,
+                                                                              tmp_path):
+    def broken(cfg, run_dir, run_id):
+        frame = sys._getframe()
+        while "build" not in frame.f_code.co_name:  # loggers.build (or mutmut's copy of it)
+            frame = frame.f_back
+        broken.caller = (frame.f_back.f_code.co_filename, frame.f_back.f_lineno)
+        raise ConnectionError("no server")
+
+    monkeypatch.setattr(loggers, "WandB", broken)
+    with pytest.warns(RuntimeWarning) as got:
+        line = sys._getframe().f_lineno + 1
+        loggers.build(Config().with_overrides({"log.wandb": True}), tmp_path, None, {})
+    assert (got[0].filename, got[0].lineno) == broken.caller
+    if not hasattr(loggers.build, "__wrapped__"):  # mutmut's trampolines add frames of their own
+        assert broken.caller == (__file__, line)

@@ -144,3 +144,10 @@ def test_a_resume_over_an_unreadable_or_old_run_json_starts_it_again(tmp_path):
     records.write_run_json(tmp_path, {"host": "c"}, resumed=True)
     assert json.loads((tmp_path / "run.json").read_text()) == {"host": "a",
                                                               "resumes": [{"host": "c"}]}
+
+
+def test_a_cuda_device_is_named_by_the_device_the_run_uses(monkeypatch):
+    monkeypatch.setattr(records, "git_commit", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU of {device}")
+    env = records.environment(torch.device("cuda", 1), 2)
+    assert env["device_name"] == "GPU of cuda:1" and env["device"] == "cuda:1"

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -114,6 +115,40 @@ def test_copy_advice_starts_above_a_tenth_of_step_time_and_gives_its_share_in_pe
         ["host-to-device copies are 60% of step time: set data.pin_memory=true"]
 
 
+def test_data_advice_gives_the_waits_share_and_every_open_step_in_full(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python"])  # not an ironloop train command line
+    cuda = RunSettings(device="cuda", num_workers=4, cores=4, optimizer="fused")
+    assert advice({"data": 1.0, "forward": 1.0}, cuda) == [
+        "data wait is 50% of step time: set data.pin_memory=true; "
+        "`ironloop.tune(model, train_data, config)` measures the options on this run and "
+        "writes a faster config"]
+
+
+def test_bf16_is_advised_once_forward_and_backward_pass_six_tenths_of_step_time(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python"])  # not an ironloop train command line
+    run = RunSettings(device="cuda", optimizer="fused", bf16_open=True)
+    assert advice({"forward": 3.0, "backward": 3.0, "other": 4.0}, run) == []  # exactly 60%
+    assert advice({"forward": 3.0, "backward": 4.0, "other": 3.0}, run) == [
+        "forward + backward are 70% of step time in fp32: train.precision=bf16 runs them "
+        "faster on this device (it changes the trajectory; `ironloop.tune(model, train_data, "
+        "config) --apply-trajectory-changes` measures it)"]
+
+
+def test_the_loop_kernel_is_told_to_switch_to_foreach_in_full():
+    slow_opt = {"forward": 1.0, "backward": 1.0, "optimizer": 8.0}
+    assert advice(slow_opt, RunSettings(optimizer="loop")) == [
+        "the optimizer step is 80% of step time, more than forward + backward: "
+        "set optim.foreach=true (one kernel per step for all tensors)"]
+
+
+def test_async_checkpoints_that_still_stall_are_told_to_save_less_often():
+    stall = {"forward": 1.0, "checkpoint": 1.0}
+    run = RunSettings(optimizer="fused", checkpoint_async=True, checkpoint_every_steps=50)
+    assert advice(stall, run) == [
+        "checkpoint writes stall the run 50% of the time: checkpoint.async is already on: "
+        "raise checkpoint.every_steps (now 50) or set it to 0 (epoch ends only)"]
+
+
 def test_optimizer_advice_knows_which_optimizer_and_which_knobs_apply():
     """Issue 44: an LBFGS run was told to set optim.foreach=true (LBFGS has no such argument,
     its optimizer was the user's, and its time is the closure's evaluations)."""
@@ -138,10 +173,22 @@ def test_a_synchronized_cuda_table_gives_the_gpu_compute_share_of_step_time():
     assert "GPU compute" not in time_split.table(split, 10, torch.device("cuda"), False, PLAIN)
 
 
+def test_the_tables_first_line_says_how_the_time_was_measured_and_over_what():
+    split = {"data": 1.0, "forward": 3.0, "backward": 4.0}
+    heads = {(dev, sync): time_split.table(split, 10, torch.device(dev), sync, PLAIN).split("\n")[0]
+             for dev, sync in (("cpu", True), ("cuda", True), ("cuda", False))}
+    assert heads == {
+        ("cpu", True): "time split (wall time; 8.00 s, 10 optimizer steps):",
+        ("cuda", True): "time split (wall time, synchronized around forward/backward; 8.00 s, "
+                        "10 optimizer steps):",
+        ("cuda", False): "time split (CUDA events; 8.00 s, 10 optimizer steps):"}
+
+
 def test_the_gpu_compute_share_counts_a_part_missing_from_the_split_as_no_time():
-    split = {"data": 1.0, "forward": 3.0, "other": 4.0}  # no backward timed
-    text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
-    assert "  GPU compute (forward + backward): 37.5% of step time" in text.splitlines()
+    for split in ({"data": 1.0, "forward": 3.0, "other": 4.0},  # no backward timed
+                  {"data": 1.0, "backward": 3.0, "other": 4.0}):  # no forward timed
+        text = time_split.table(split, 10, torch.device("cuda"), True, PLAIN)
+        assert "  GPU compute (forward + backward): 37.5% of step time" in text.splitlines()
 
 
 def test_a_part_missing_from_the_split_counts_as_no_time():
