@@ -385,6 +385,13 @@ def test_a_long_reason_from_the_models_own_load_is_cut_to_one_short_line():
     msg = str(info.value)
     assert f"does not fit this model: {reason[:117]}..." in msg and reason[:118] not in msg
 
+
+@pytest.mark.parametrize("length, shown", [(120, "x" * 120), (121, "x" * 117 + "...")])
+def test_a_reason_of_up_to_120_characters_is_shown_whole(length, shown):
+    from ironloop.state.io import _short
+
+    assert _short(RuntimeError("x" * length)) == shown
+
 def test_a_misfit_list_of_exactly_the_cap_is_shown_whole_with_no_more_marker():
     model = net()
     ckpt = {**model.state_dict(), **{f"extra.{i}": torch.zeros(1) for i in range(8)}}
@@ -758,3 +765,16 @@ def test_an_async_checkpoint_of_gpu_tensors_holds_their_values_at_the_save(tmp_p
         mgr.wait()
         assert torch.equal(load_verified(tmp_path / "last.pt")["w"], expected)
     mgr.close()
+
+
+def test_pickled_code_is_refused_even_by_a_torch_whose_load_trusts_by_default(tmp_path,
+                                                                              monkeypatch):
+    """torch.load trusts pickles by default before torch 2.6, and ironloop supports 2.4: every
+    load asks for weights_only itself. (Here torch.load's default is made that old one.)"""
+    import functools
+
+    torch.save({"weight": torch.ones(2), "code": NotATensor()}, tmp_path / "code.pt")
+    monkeypatch.setattr(torch, "load", functools.partial(torch.load, weights_only=False))
+    with pytest.raises(ckio.LoadFailure) as e:
+        ckio.load_checked(tmp_path / "code.pt", "cpu")
+    assert e.value.reason == "contains pickled code or non-tensor objects"

@@ -170,6 +170,7 @@ def test_the_progress_line_rates_the_steps_since_the_last_line_and_gives_the_eta
     # 20 steps in 10 s: 2 steps/s, and the 40 left take 20 s
     assert line == "step 60/100  epoch 2/2  loss 0.5000  2.000 steps/s  eta 0:00:20"
     assert console._clock(3725.9) == "1:02:05"
+    assert [console._clock(s) for s in (3599, 3600, 86400)] == ["0:59:59", "1:00:00", "24:00:00"]
 
 
 def test_the_test_line_shows_every_number_but_the_time_accuracies_in_percent():

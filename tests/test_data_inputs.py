@@ -401,3 +401,25 @@ def test_the_eval_subset_is_max_batches_of_every_rank_and_reads_the_ranks_from_t
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert len(eval_subset(val, config)) == 30
     assert len(eval_subset(val, config, world_size=2)) == 20
+
+
+def test_the_doctor_batches_with_the_collate_fn_the_run_will_use():
+    """A collate_fn passed to the doctor, or the training DataLoader's, is the one its subject
+    (and so every check) batches with; the one passed wins over the loader's."""
+    from ironloop.config import Config
+    from ironloop.tools.doctor.run import subject
+
+    def passed(batch):
+        return torch.utils.data.default_collate(batch)
+
+    def loaders(batch):
+        return torch.utils.data.default_collate(batch)
+
+    d = blobs(n=16)
+    data = torch.utils.data.TensorDataset(d.x, d.y)
+    assert subject(tiny_mlp(), data, None, None, Config(), num_classes=3,
+                   collate_fn=passed).collate_fn is passed
+    loader = DataLoader(data, batch_size=4, collate_fn=loaders)
+    assert subject(tiny_mlp(), loader, None, None, Config(), num_classes=3).collate_fn is loaders
+    assert subject(tiny_mlp(), loader, None, None, Config(), num_classes=3,
+                   collate_fn=passed).collate_fn is passed

@@ -47,7 +47,7 @@ def test_digits_are_sklearns_load_digits_exactly_without_importing_sklearn():
 def test_mnist1d_has_its_standard_4000_1000_split():
     b = build_data(data_cfg("data.name=mnist1d"))
     assert len(b.train) + len(b.val) == 4000 and len(b.test) == 1000
-    assert b.input_shape == (1, 40)
+    assert b.input_shape == (1, 40) and b.num_classes == 10
 
 
 def test_synthetic_shape_and_classes():

@@ -97,6 +97,8 @@ def test_dead_layer_is_named():
     assert "unused.weight" in text and "unused.bias" in text   # no gradient
     assert "gate.weight" in text                                 # exactly zero gradient
     assert "net." not in text
+    assert found[0].fix == ("call the layer in forward() or delete it; frozen weights should "
+                            "set requires_grad=False")  # Python's spelling: code to paste
 
 
 def test_labels_out_of_range():

@@ -202,3 +202,12 @@ def test_a_model_taking_targets_gives_its_own_loss_weighted_by_the_targets_that_
     y = torch.tensor([[2, 3, -1], [5, 6, 7]])  # nanoGPT ignores -1
     loss, metrics, weight = step_fns.lm_step(_OwnLoss(), (x, y))
     assert float(loss) == pytest.approx(2.1) and metrics == {} and int(weight) == 5
+
+
+def test_an_lm_model_that_returns_no_scalar_loss_is_refused_naming_what_it_returned():
+    with pytest.raises(UserError) as e:
+        step_fns.own_loss((torch.zeros(2, 3), torch.zeros(2)))
+    assert str(e.value) == (
+        "train.step_fn=lm: the model's forward takes targets, and returned a tuple "
+        "(Tensor[2, 3] float32, Tensor[2] float32) when given them; return (logits, loss) with "
+        "the loss a scalar mean over the tokens, as nanoGPT does")

@@ -30,6 +30,15 @@ def test_an_elastic_restart_gets_a_fresh_store_that_rank_0_hosts_and_every_rank_
     assert other.timeout == host.timeout == joining
 
 
+def test_two_jobs_restarting_on_one_node_each_get_a_free_port_for_their_fresh_store():
+    """Rank 0 lets the OS pick the fresh store's port: two jobs whose rank 0 share a node
+    (or the world size taken as a port) would otherwise collide."""
+    joining = timedelta(seconds=5)
+    first = _fresh_store(dist.HashStore(), 0, 2, "1", joining)
+    second = _fresh_store(dist.HashStore(), 0, 2, "1", joining)
+    assert first.port != second.port and min(first.port, second.port) > 1023
+
+
 def test_a_rank_reaches_a_fresh_store_at_an_ipv6_address():
     """The port is what follows the address's last colon."""
     try:
