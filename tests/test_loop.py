@@ -280,6 +280,9 @@ def test_onecycle_rises_then_falls_once_per_optimizer_step(tmp_path):
     lrs = [r["lr"] for r in rows]
     steps = len(rows)
     assert steps == 4 * 7  # ceil(200 / 32) = 7 optimizer steps per epoch
+    # every line is stamped with its wall-clock time (run-files.md), in order
+    assert all(isinstance(r["time"], float) for r in rows)
+    assert [r["time"] for r in rows] == sorted(r["time"] for r in rows)
     peak = lrs.index(max(lrs))
     assert 0 < peak < steps - 1
     assert all(a <= b for a, b in itertools.pairwise(lrs[:peak + 1]))
