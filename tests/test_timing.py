@@ -149,6 +149,14 @@ def test_async_checkpoints_that_still_stall_are_told_to_save_less_often():
         "raise checkpoint.every_steps (now 50) or set it to 0 (epoch ends only)"]
 
 
+@pytest.mark.parametrize("every, fewer", [
+    (0, ""), (50, ", or raise checkpoint.every_steps (now 50) or set it to 0 (epoch ends only)")])
+def test_blocking_checkpoints_that_stall_are_told_to_go_async(every, fewer):
+    run = RunSettings(optimizer="fused", checkpoint_async=False, checkpoint_every_steps=every)
+    assert advice({"forward": 1.0, "checkpoint": 1.0}, run) == [
+        "checkpoint writes stall the run 50% of the time: set checkpoint.async=true" + fewer]
+
+
 def test_optimizer_advice_knows_which_optimizer_and_which_knobs_apply():
     """Issue 44: an LBFGS run was told to set optim.foreach=true (LBFGS has no such argument,
     its optimizer was the user's, and its time is the closure's evaluations)."""
