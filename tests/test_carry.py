@@ -59,3 +59,29 @@ def test_a_stateful_step_resets_at_the_top_of_each_epoch_by_default():
     default.train["n"] = 1
     default.start_epoch(0)
     assert "n" not in default.train
+
+
+def test_a_resume_mid_epoch_continues_with_the_carry_its_checkpoint_holds(tmp_path):
+    """The training carry is in every checkpoint (key ``carry``): a run stopped mid-epoch and
+    resumed hands its next step the state the stopped one had, not an empty one."""
+    import ironloop
+    from ironloop.state.io import load_verified
+    from tests.conftest import blobs, cfg, tiny_mlp
+
+    seen: list[float] = []
+
+    def step(model, batch, state):
+        x, y = batch
+        count = float(state.get("n", torch.zeros(())))
+        seen.append(count)
+        state["n"] = torch.tensor(count + 1)
+        return nn.functional.cross_entropy(model(x), y), {}
+
+    config = cfg(tmp_path, train__epochs=1, train__max_steps=3)  # 7 steps an epoch
+    ironloop.fit(tiny_mlp(), blobs(), None, config, step_fn=step)
+    assert seen == [0.0, 1.0, 2.0]
+    saved = load_verified(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert float(saved["carry"]["train"]["n"]) == 3.0
+    ironloop.fit(tiny_mlp(), blobs(), None, {**config, "train.max_steps": 5}, step_fn=step,
+                 resume=True, allow_config_change=True)
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]

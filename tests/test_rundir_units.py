@@ -131,3 +131,16 @@ def test_a_folder_with_only_a_sharded_step_directory_holds_a_checkpoint(tmp_path
     assert rundir._any_checkpoint(tmp_path)  # run.dir: in its checkpoints/ folder
     assert rundir._any_checkpoint(tmp_path / "checkpoints")  # the folder itself
     assert not rundir._any_checkpoint(tmp_path / "checkpoints" / "step-00000003.dcp")
+
+
+def test_a_run_dir_that_cannot_be_written_is_one_line_naming_why(tmp_path, monkeypatch):
+    from ironloop.state import lock
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run_dir = blocker / "run"
+    monkeypatch.setattr(lock, "_claimed", set())  # this test's claim stays out of the others'
+    with pytest.raises(UserError) as e:
+        rundir._take(run_dir, Config(), None, False, {"run": {}})
+    assert str(e.value) == (f"run.dir {run_dir} cannot be created or written (Not a directory); "
+                            f"choose a writable run.dir")
