@@ -21,6 +21,14 @@ def test_biases_and_norm_weights_get_no_decay():
     assert len(param_groups(model, 0.1, decay_all=True)) == 1
 
 
+@pytest.mark.parametrize("decay_all, groups", [("false", [0.1, 0.0]), ("true", [0.1])])
+def test_optim_decay_bias_and_norm_reaches_the_optimizers_groups(decay_all, groups):
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    optim = load_config(None, ["optim.weight_decay=0.1",
+                               f"optim.decay_bias_and_norm={decay_all}"]).optim
+    assert [g["weight_decay"] for g in build_optimizer(model, optim).param_groups] == groups
+
+
 def test_optimizer_choice_and_lr():
     model = nn.Linear(2, 2)
     for name, cls in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam),
@@ -86,6 +94,13 @@ def test_cosine_restarts_returns_to_full_lr_every_epoch_by_default():
         opt.step()
         sched.step()
     assert lrs[0] == lrs[4] == pytest.approx(0.1) and lrs[3] < lrs[2] < lrs[1] < 0.1
+
+
+def test_cosine_restarts_decays_to_eta_min():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cfg = load_config(None, ["schedule.name=cosine_restarts", "schedule.eta_min=0.02"]).schedule
+    sched, _ = build_scheduler(opt, cfg, steps_per_epoch=4, total_steps=12)
+    assert sched.eta_min == 0.02
 
 
 def per_sample_mean_is_additive(loss: Loss, out: torch.Tensor, y: torch.Tensor) -> None:
