@@ -448,3 +448,26 @@ def test_the_tune_command_repeats_a_train_commands_config_and_overrides():
     assert time_split.tune_command(["ironloop", "train", "--x.yaml", "lr=1"]) == python
     assert time_split.tune_command(["ironloop", "export", "run.yaml"]) == python
     assert time_split.tune_command(["ironloop", "train"]) == python
+
+
+def test_a_trace_records_the_gpus_kernels_where_there_is_one(monkeypatch, tmp_path):
+    """profile.trace_steps: the CPU's ops always, the GPU's kernels too where CUDA is there
+    (here torch.profiler's profile is a recorder: this machine has no GPU to trace)."""
+    import torch.profiler as tp
+
+    made = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            made.append(kwargs["activities"])
+
+        def __enter__(self):
+            return self
+
+    monkeypatch.setattr(tp, "profile", Recorder)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    timing.Trace(tmp_path, steps=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    timing.Trace(tmp_path, steps=2)
+    cpu, cuda = tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA
+    assert made == [[cpu, cuda], [cpu]]

@@ -262,6 +262,21 @@ def test_joining_waits_the_rendezvous_timeout_or_the_collective_one_when_longer(
     assert joins.calls == [{"backend": "gloo", "timeout": timedelta(seconds=joining)}]
 
 
+def test_a_joined_rank_takes_its_rank_and_the_worlds_size_from_the_group(monkeypatch,
+                                                                          tmp_path):
+    for k, v in {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    _Joins(monkeypatch, tmp_path)
+    try:
+        with monkeypatch.context() as m:  # the group of two torchrun made, as seen by rank 1
+            m.setattr(dist, "get_world_size", lambda *a, **k: 2)
+            m.setattr(dist, "get_rank", lambda *a, **k: 1)
+            got = w.init_from_env("cpu")
+    finally:
+        dist.destroy_process_group()
+    assert got == World(rank=1, local_rank=0, size=2, owns_group=True) and got.distributed
+
+
 def test_a_cuda_rank_joins_with_nccl_on_its_local_device(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
