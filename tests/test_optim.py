@@ -274,3 +274,27 @@ def test_warmup_cosine_without_warmup_steps_is_the_plain_cosine_over_the_run():
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_every_schedule_key_reaches_torchs_scheduler():
+    def built(*overrides: str):
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        cfg = load_config(None, list(overrides)).schedule
+        return build_scheduler(opt, cfg, steps_per_epoch=4, total_steps=12)[0]
+
+    plateau = built("schedule.name=plateau", "schedule.factor=0.3", "schedule.patience=7")
+    assert (plateau.factor, plateau.patience) == (0.3, 7)
+    restarts = built("schedule.name=cosine_restarts", "schedule.T_0=5", "schedule.T_mult=2")
+    assert (restarts.T_0, restarts.T_mult) == (5, 2)
+    warm = built("schedule.name=warmup_cosine", "schedule.warmup_steps=3",
+                 "schedule.warmup_start_factor=0.25")
+    linear, cosine = warm._schedulers
+    assert (linear.start_factor, linear.total_iters, warm._milestones) == (0.25, 3, [3])
+    assert cosine.T_max == 12 - 3
+
+
+def test_loss_huber_delta_sets_where_the_loss_turns_linear():
+    cfg = load_config(None, ["loss.name=huber", "loss.huber_delta=0.5"]).loss
+    out, target = torch.tensor([[2.0]]), torch.tensor([[0.0]])
+    # |error| 2 > delta 0.5: delta * (|error| - delta / 2) = 0.5 * 1.75
+    assert Loss(cfg)(out, target).item() == pytest.approx(0.875)
