@@ -27,16 +27,14 @@ def snapshot(obj: Any, reuse: Any = None, pinned: bool = False) -> Any:
         src = obj.detach()
         fits = isinstance(reuse, torch.Tensor) and reuse.shape == obj.shape \
             and reuse.dtype == obj.dtype and not obj.is_sparse
-        if pinned and src.is_cuda and not src.is_sparse:
-            if fits and reuse.is_pinned():
-                return reuse.copy_(src, non_blocking=True)
+        if pinned and src.is_cuda and not src.is_sparse and not fits:
             try:
                 into = torch.empty_like(src, device="cpu", pin_memory=True)
             except RuntimeError:  # page-locked memory refused (a locked-memory limit): pageable
                 return src.to("cpu", copy=True)
             return into.copy_(src, non_blocking=True)
-        if fits:
-            return reuse.copy_(src)
+        if fits:  # pinned (the last copy's): queued on the stream; pageable: a host sync
+            return reuse.copy_(src, non_blocking=pinned and reuse.is_pinned())
         return src.to("cpu", copy=True)
     if isinstance(obj, dict):
         prev = reuse if isinstance(reuse, dict) else {}
