@@ -96,13 +96,6 @@ def test_cosine_restarts_returns_to_full_lr_every_epoch_by_default():
     assert lrs[0] == lrs[4] == pytest.approx(0.1) and lrs[3] < lrs[2] < lrs[1] < 0.1
 
 
-def test_cosine_restarts_decays_to_eta_min():
-    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    cfg = load_config(None, ["schedule.name=cosine_restarts", "schedule.eta_min=0.02"]).schedule
-    sched, _ = build_scheduler(opt, cfg, steps_per_epoch=4, total_steps=12)
-    assert sched.eta_min == 0.02
-
-
 def per_sample_mean_is_additive(loss: Loss, out: torch.Tensor, y: torch.Tensor) -> None:
     whole = loss(out, y)
     parts = loss(out[:3], y[:3]) * 3 / 7 + loss(out[3:], y[3:]) * 4 / 7
@@ -284,8 +277,9 @@ def test_every_schedule_key_reaches_torchs_scheduler():
 
     plateau = built("schedule.name=plateau", "schedule.factor=0.3", "schedule.patience=7")
     assert (plateau.factor, plateau.patience) == (0.3, 7)
-    restarts = built("schedule.name=cosine_restarts", "schedule.T_0=5", "schedule.T_mult=2")
-    assert (restarts.T_0, restarts.T_mult) == (5, 2)
+    restarts = built("schedule.name=cosine_restarts", "schedule.T_0=5", "schedule.T_mult=2",
+                     "schedule.eta_min=0.02")
+    assert (restarts.T_0, restarts.T_mult, restarts.eta_min) == (5, 2, 0.02)
     warm = built("schedule.name=warmup_cosine", "schedule.warmup_steps=3",
                  "schedule.warmup_start_factor=0.25")
     linear, cosine = warm._schedulers
