@@ -398,3 +398,32 @@ def test_a_queued_checkpoint_is_dropped_for_a_newer_one_unless_it_is_a_best_save
     assert uploaded == [2, 5]
     assert not any(path.exists() for path in staged.values())
     mirror.close()
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_fetch_whose_temp_folder_is_already_gone_at_its_clean_up_still_succeeds(
+        remote, tmp_path, monkeypatch):
+    # The temp folder's removal is a best effort: one removed under the fetch (remove_leftovers
+    # of another process) must not turn a checkpoint and logs already in place into an error.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail,
+                    logs_from=run_dir)
+    path = _checkpoint(tmp_path / "ck", 1, b"weights 1")
+    mirror.push(1, {path.name: path}, "file", False, mirror.snapshot_logs(1))
+    _landed(mirror, 1)
+    mirror.close()
+    real = remote_module.fsync_dir
+
+    def fsync_then_lose_the_temp_folders(directory):
+        real(directory)
+        remote_module.remove_leftovers(new)
+
+    monkeypatch.setattr(remote_module, "fsync_dir", fsync_then_lose_the_temp_folders)
+    new = tmp_path / "new"
+    seen: list[dict] = []
+    got = fetch_newest(remote, new / "checkpoints", -1, pytest.fail, verified=seen.append)
+    assert got == new / "checkpoints" / "step-00000001.pt" and got.read_bytes() == b"weights 1"
+    assert restore_logs(remote, seen[0], new).startswith("notice: restored metrics.jsonl from ")
+    assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n'
