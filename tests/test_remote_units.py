@@ -427,3 +427,33 @@ def test_a_fetch_whose_temp_folder_is_already_gone_at_its_clean_up_still_succeed
     assert got == new / "checkpoints" / "step-00000001.pt" and got.read_bytes() == b"weights 1"
     assert restore_logs(remote, seen[0], new).startswith("notice: restored metrics.jsonl from ")
     assert (new / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_local_os_error_in_a_fetch_is_warned_in_one_short_line_and_falls_back(
+        remote, tmp_path):
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
+    for step in (1, 2):
+        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
+        mirror.push(step, {path.name: path}, "file", False)
+        _landed(mirror, step)
+    mirror.close()
+
+    def check(path):  # the checkpoint's own load check meets an I/O error on step 2
+        if path.name == "step-00000002.pt":
+            raise OSError("disk read failed\n" + "x" * 200)
+
+    said: list[str] = []
+    got = fetch_newest(remote, tmp_path / "new", -1, said.append, check=check)
+    assert got.read_bytes() == b"weights 1"
+    assert said == [f"remote checkpoint {remote.show('step-00000002')} is damaged "
+                    f"(disk read failed); falling back to an older one"]
+    said.clear()
+    assert fetch_newest(remote, tmp_path / "newer", 1, said.append,
+                        check=lambda path: _raise(OSError())) is None
+    assert said == [f"remote checkpoint {remote.show('step-00000002')} is damaged "
+                    f"(OSError); falling back to an older one"]
+
+
+def _raise(e: BaseException):
+    raise e
