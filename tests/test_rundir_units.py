@@ -144,3 +144,19 @@ def test_a_run_dir_that_cannot_be_written_is_one_line_naming_why(tmp_path, monke
         rundir._take(run_dir, Config(), None, False, {"run": {}})
     assert str(e.value) == (f"run.dir {run_dir} cannot be created or written (Not a directory); "
                             f"choose a writable run.dir")
+
+
+def test_overwrite_removes_a_runs_outputs_and_nothing_else_and_writes_the_new_config(
+        tmp_path, monkeypatch):
+    from ironloop.state import lock
+
+    monkeypatch.setattr(lock, "_claimed", set())  # this test's claim stays out of the others'
+    _checkpoint(tmp_path / "checkpoints", 5)
+    (tmp_path / LOCK_NAME).write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    got = rundir.prepare_run_dir(tmp_path, Config(), False, True, World(), {"run": {"seed": 3}},
+                                 False)
+    assert got == (None, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "config.yaml", "notes.txt"]
+    assert (tmp_path / "config.yaml").read_text() == "run:\n  seed: 3\n"
