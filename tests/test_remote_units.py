@@ -457,3 +457,17 @@ def test_a_local_os_error_in_a_fetch_is_warned_in_one_short_line_and_falls_back(
 
 def _raise(e: BaseException):
     raise e
+
+
+def test_rank_0s_manifest_takes_the_files_of_every_other_rank(remote, tmp_path):
+    from ironloop.state.remote import _Job
+
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=3, warn=pytest.fail)
+    dcp = "step-00000005.dcp"
+    files = {r: {f"{dcp}/__{r}_0.distcp": {"blake2b": f"{r}a" * 64, "size": r}} for r in (1, 2)}
+    for r in (1, 2):
+        remote.write(f"manifests/step-00000005.rank{r}.json",
+                     json.dumps({"rank": r, "files": files[r]}).encode())
+    job = _Job(5, "dcp", False, tmp_path / "s5", world_size=3)
+    assert mirror._other_ranks(job) == {**files[1], **files[2]}
+    mirror.close()
