@@ -80,7 +80,8 @@ def test_a_bare_resume_takes_run_dirs_own_newest_or_nothing(tmp_path):
 def test_a_resume_from_another_lineage_may_not_delete_run_dirs_newer_checkpoints(tmp_path):
     run = tmp_path / "run"
     own = _checkpoint(run / "checkpoints", 5)
-    (run / "checkpoints" / "step-00000009.dcp").mkdir()
+    _checkpoint(run / "checkpoints", 7)
+    (run / "checkpoints" / "step-00000009.dcp").mkdir()  # the newest of three: named
     other = _checkpoint(tmp_path / "other", 4)
     with pytest.raises(CheckpointError) as e:
         rundir._refuse_other_lineage(run, other, 4)
