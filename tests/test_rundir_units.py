@@ -161,3 +161,9 @@ def test_overwrite_removes_a_runs_outputs_and_nothing_else_and_writes_the_new_co
     assert got == (None, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "config.yaml", "notes.txt"]
     assert (tmp_path / "config.yaml").read_text() == "run:\n  seed: 3\n"
+
+
+def test_a_checkpoint_without_a_recorded_step_counts_as_step_0():
+    assert rundir._step_of({"progress": {"step": 12}}) == 12
+    assert rundir._step_of({"progress": {}}) == rundir._step_of({"progress": None}) == 0
+    assert rundir._step_of({}) == 0
