@@ -167,3 +167,13 @@ def test_a_checkpoint_without_a_recorded_step_counts_as_step_0():
     assert rundir._step_of({"progress": {"step": 12}}) == 12
     assert rundir._step_of({"progress": {}}) == rundir._step_of({"progress": None}) == 0
     assert rundir._step_of({}) == 0
+
+
+def test_resume_from_a_sharded_checkpoint_names_it_as_its_source(tmp_path):
+    from tests.test_dcp_safe import sharded_run
+
+    run, _, _ = sharded_run(tmp_path)
+    last = run / "checkpoints" / "last.dcp"
+    source, state = rundir._resume_from(tmp_path / "other", str(last), Config(), World())
+    assert source == str(last)  # the resume event's "from" and the other-lineage check's
+    assert state["progress"] == {"step": 3, "epoch": 0, "offset": 0}
