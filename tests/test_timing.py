@@ -471,3 +471,14 @@ def test_a_trace_records_the_gpus_kernels_where_there_is_one(monkeypatch, tmp_pa
     timing.Trace(tmp_path, steps=2)
     cpu, cuda = tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA
     assert made == [[cpu, cuda], [cpu]]
+
+
+def test_optimizer_advice_needs_over_three_tenths_of_step_time_and_more_than_forward_and_backward():
+    loop = RunSettings(optimizer="loop")
+    # exactly 30%, more than forward + backward (20%): not yet a bottleneck
+    assert advice({"forward": 1.0, "backward": 1.0, "optimizer": 3.0, "other": 5.0}, loop) == []
+    # 44%, but forward + backward together take 56%: the step is not the optimizer's
+    assert advice({"forward": 4.0, "backward": 1.0, "optimizer": 4.0}, loop) == []
+    assert advice({"forward": 1.0, "backward": 1.0, "optimizer": 3.1, "other": 4.9}, loop) == [
+        "the optimizer step is 31% of step time, more than forward + backward: "
+        "set optim.foreach=true (one kernel per step for all tensors)"]
