@@ -482,3 +482,18 @@ def test_optimizer_advice_needs_over_three_tenths_of_step_time_and_more_than_for
     assert advice({"forward": 1.0, "backward": 1.0, "optimizer": 3.1, "other": 4.9}, loop) == [
         "the optimizer step is 31% of step time, more than forward + backward: "
         "set optim.foreach=true (one kernel per step for all tensors)"]
+
+
+def test_data_advice_joins_every_open_step_and_names_the_last_resort_when_none_is_left(
+        monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["python"])  # not an ironloop train command line
+    tune = ("`ironloop.tune(model, train_data, config)` measures the options on this run and "
+            "writes a faster config")
+    waits = {"data": 1.0, "forward": 1.0}
+    assert advice({"data": 1.0, "forward": 9.0}, RunSettings(optimizer="fused")) == []  # 10%
+    assert advice(waits, RunSettings(cores=2, threads=2, optimizer="fused")) == [
+        "data wait is 50% of step time: raise data.num_workers (now 0; 2 cores); set "
+        f"run.threads=1 (now 2) so torch leaves the workers their cores; {tune}"]
+    assert advice(waits, RunSettings(num_workers=2, cores=2, optimizer="fused")) == [
+        "data wait is 50% of step time: the 2 workers already have every core: make "
+        f"__getitem__ cheaper (decode once and cache, lighter augmentation); {tune}"]
