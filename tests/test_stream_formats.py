@@ -79,12 +79,12 @@ def kill_at(cmd: list[str], tmp_path: Path, forward: int) -> None:
     workers mid-read."""
     marker, out = tmp_path / "paused", tmp_path / "killed.out"
     marker.unlink(missing_ok=True)
-    pid = forked.fork_main(cmd[3:], env(tmp_path, forward), out)
+    proc = forked.fork_main(cmd[3:], env(tmp_path, forward), out)
     while not marker.exists():
-        code = forked.poll(pid)
-        assert code is None, (code, out.read_text()[-3000:])
+        assert proc.poll() is None, (proc.returncode, out.read_text()[-3000:])
         time.sleep(0.05)  # waiting on the file the paused process writes
-    assert forked.kill(pid) == -signal.SIGKILL
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def resumed_steps(run_dir: Path) -> list[int]:
