@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from ironloop.engine.average import WeightAverage
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
-from tests.conftest import REPO, blobs, cfg, tiny_mlp, train_or_kill
+from tests import forked
+from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
 from tests.test_host_reads import READS
 
 
@@ -248,20 +250,27 @@ SIGKILL_ARGS = ("data.name=digits", "model.name=mlp", "train.epochs=2", "train.b
                 "doctor.preflight=false", "average.kind=swa", "average.start_step=3")
 
 
-def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
-    cmd = [sys.executable, "-m", "ironloop", "train", *SIGKILL_ARGS, f"run.dir={run_dir}",
-           "--resume"]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    train_or_kill(cmd, run_dir, tmp_path, env, kill_at)
+def _kill_at(tmp_path: Path, run_dir: Path, kill_at: int) -> None:
+    """``ironloop train --resume`` into run_dir in a process of its own, a fork of this one
+    (tests/forked.py: no interpreter's and torch's start-up), SIGKILLed once metrics.jsonl
+    holds step ``kill_at`` (waiting on the file, not on a clock)."""
+    out = tmp_path / f"{run_dir.name}.{kill_at}.out"
+    proc = forked.fork_main(["train", *SIGKILL_ARGS, f"run.dir={run_dir}", "--resume"],
+                            {**os.environ, "OMP_NUM_THREADS": "1"}, out, cwd=tmp_path)
+    while proc.poll() is None and logged_step(run_dir) < kill_at:
+        time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+    assert proc.poll() is None, f"finished before step {kill_at}: {out.read_text()[-3000:]}"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 @pytest.mark.slow
 def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    # the uninterrupted reference in this process; the killed and resumed runs are real ones
+    # the uninterrupted reference in this process; the killed runs are processes of their own
     assert in_process("train", *SIGKILL_ARGS, f"run.dir={reference}") == 0
-    _train(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
-    _train(tmp_path, resumed, kill_at=52)   # epoch 2
+    _kill_at(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
+    _kill_at(tmp_path, resumed, kill_at=52)   # epoch 2
     # the resume to the end in this process too: the kills are the real processes'; resuming
     # from what they left needs no fresh interpreter (issue 45)
     assert in_process("train", *SIGKILL_ARGS, f"run.dir={resumed}", "--resume") == 0
