@@ -28,6 +28,10 @@ def fork_main(argv: list[str], env: dict[str, str], out: Path, cwd: Path = REPO,
     and stderr into ``out`` (logging's records too, as in a fresh interpreter: not into this
     test's capture), in a session (and process group) of its own with ``new_session``, and
     leaves with main's exit code without the interpreter's teardown (as cli.entry)."""
+    # what `ironloop train` imports (torch.distributed's FSDP and DTensor among them: ~1.5 s of
+    # CPU), once, here: the children inherit it
+    import ironloop.tools.recipe  # noqa: F401
+
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
