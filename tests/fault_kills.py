@@ -71,8 +71,12 @@ def kill(proc: subprocess.Popen) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def run_with_kills(run_dir: Path, targets: list[int], rng: random.Random, extra=()) -> int:
-    """Resume repeatedly; attempt i is killed after it logs step >= targets[i] plus jitter."""
+def run_with_kills(run_dir: Path, targets: list[int], rng: random.Random, extra=(),
+                   finish_here: bool = False) -> int:
+    """Resume repeatedly; attempt i is killed after it logs step >= targets[i] plus jitter.
+    ``finish_here``: the last resume, to the end, runs in this process (``train_in_process``):
+    the kills are the real processes'; resuming from what they left needs no fresh interpreter
+    (issue 45)."""
     kills = 0
     for target in targets:
         proc = start(run_dir, *extra)
@@ -85,7 +89,10 @@ def run_with_kills(run_dir: Path, targets: list[int], rng: random.Random, extra=
         if proc.poll() is None:
             kill(proc)
             kills += 1
-    finish(start(run_dir, *extra))
+    if finish_here:
+        train_in_process(run_dir, *extra)
+    else:
+        finish(start(run_dir, *extra))
     return kills
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from ironloop.engine.average import WeightAverage
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
-from tests.conftest import REPO, blobs, cfg, tiny_mlp, train_or_kill
+from tests import forked
+from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
 from tests.test_host_reads import READS
 
 
@@ -248,21 +250,32 @@ SIGKILL_ARGS = ("data.name=digits", "model.name=mlp", "train.epochs=2", "train.b
                 "doctor.preflight=false", "average.kind=swa", "average.start_step=3")
 
 
-def _train(tmp_path: Path, run_dir: Path, kill_at: int | None = None) -> None:
-    cmd = [sys.executable, "-m", "ironloop", "train", *SIGKILL_ARGS, f"run.dir={run_dir}",
-           "--resume"]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    train_or_kill(cmd, run_dir, tmp_path, env, kill_at)
+def _kill_at(tmp_path: Path, run_dir: Path, kill_at: int) -> None:
+    """``ironloop train --resume`` into run_dir in a process of its own, a fork of this one
+    (tests/forked.py: no interpreter's and torch's start-up), SIGKILLed once metrics.jsonl
+    holds step ``kill_at`` (waiting on the file, not on a clock)."""
+    out = tmp_path / f"{run_dir.name}.{kill_at}.out"
+    proc = forked.fork_main(["train", *SIGKILL_ARGS, f"run.dir={run_dir}", "--resume"],
+                            {**os.environ, "OMP_NUM_THREADS": "1"}, out, cwd=tmp_path)
+    while proc.poll() is None and logged_step(run_dir) < kill_at:
+        time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+    assert proc.poll() is None, f"finished before step {kill_at}: {out.read_text()[-3000:]}"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 @pytest.mark.slow
 def test_sigkill_twice_and_resume_gives_equal_raw_and_averaged_weights(tmp_path):
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    # the uninterrupted reference in this process; the killed and resumed runs are real ones
+    # the uninterrupted reference in this process; the killed runs are processes of their own
     assert in_process("train", *SIGKILL_ARGS, f"run.dir={reference}") == 0
-    _train(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
-    _train(tmp_path, resumed, kill_at=52)   # epoch 2
-    _train(tmp_path, resumed)
+    _kill_at(tmp_path, resumed, kill_at=12)   # epoch 1 (45 steps per epoch)
+    _kill_at(tmp_path, resumed, kill_at=52)   # epoch 2
+    # the resume to the end in this process too: the kills are the real processes'; resuming
+    # from what they left needs no fresh interpreter (issue 45)
+    assert in_process("train", *SIGKILL_ARGS, f"run.dir={resumed}", "--resume") == 0
+    assert [e["step"] for e in read_jsonl(resumed / "events.jsonl")
+            if e["event"] == "resume"][-1] >= 50  # from what the second kill left
     for name in ("final.safetensors", "final_avg.safetensors"):
         a, b = load_file(reference / name), load_file(resumed / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
@@ -290,15 +303,31 @@ def one_process(tmp_path_factory):
     return run
 
 
+#: FSDP2 on 2 ranks x 32 (the global batch of 64)
+FSDP_AVERAGE = (*DIST_AVERAGE, "train.batch_size=32", "dist.strategy=fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, Path]:
+    """The two-rank runs of the tests below, one after another in ONE torchrun job (tests/
+    ranks_main.py: torchrun and each rank import torch once for all four): DDP; FSDP2 to the
+    end; FSDP2's first epoch, then (its 4th run) the resume of that run from its sharded
+    checkpoint. {name: run.dir}."""
+    from tests.test_distributed import one_job
+
+    root = tmp_path_factory.mktemp("ranks")
+    one_job(root, [("ddp", ["train.batch_size=32", *DIST_AVERAGE, "checkpoint.enabled=false"]),
+                   ("fsdp_full", list(FSDP_AVERAGE)),
+                   ("fsdp_part", [*FSDP_AVERAGE, "train.epochs=1"]),
+                   ("fsdp_part", [*FSDP_AVERAGE, "--resume", "--allow-config-change"])])
+    return {name: root / name for name in ("ddp", "fsdp_full", "fsdp_part")}
+
+
 @pytest.mark.slow
-def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path, one_process):
+def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(one_process, two_ranks):
     """2 gloo ranks x 32 and one process x 64 take the same steps (tests/test_distributed.py):
     their averages match too, and so do the averaged weights' validation figures."""
-    from tests.test_distributed import train
-
-    one = one_process
-    two = train(tmp_path / "two", "train.batch_size=32", *DIST_AVERAGE,
-                "checkpoint.enabled=false", ranks=2)
+    one, two = one_process, two_ranks["ddp"]
     a, b = load_file(one / "final_avg.safetensors"), load_file(two / "final_avg.safetensors")
     assert a.keys() == b.keys()
     for k in a:
@@ -311,22 +340,21 @@ def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(tmp_path, on
 @pytest.mark.slow
 def test_fsdp_averages_as_one_process_and_its_sharded_checkpoints_resume_exactly(tmp_path,
                                                                                one_process,
+                                                                               two_ranks,
                                                                                capsys):
     """FSDP2 on 2 gloo ranks: the average is sharded beside the model, matches one process
     with the global batch, and a run resumed from its sharded (.dcp) checkpoint ends with the
     same raw and averaged weights, bit for bit, as one that was not stopped."""
-    from tests.test_distributed import train
-
-    options = (*DIST_AVERAGE, "train.batch_size=32", "dist.strategy=fsdp")
-    one = one_process
-    full = train(tmp_path / "full", *options, ranks=2)
+    one, full, part = one_process, two_ranks["fsdp_full"], two_ranks["fsdp_part"]
     a, b = load_file(one / "final_avg.safetensors"), load_file(full / "final_avg.safetensors")
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
-    part = train(tmp_path / "part", *options, "train.epochs=1", ranks=2)
     assert (part / "checkpoints" / "last.dcp").is_dir()
-    train(part, *options, "--resume", "--allow-config-change", ranks=2)  # epoch 2, from .dcp
+    # epoch 2 (the job's 4th run) resumed from epoch 1's sharded checkpoint, the run's only one
+    resumed = [e for e in read_jsonl(part / "events.jsonl") if e["event"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["from"].endswith(".dcp"), resumed
+    assert resumed[0]["step"] == 23, resumed  # ceil(1438 / 64): epoch 1's end
     for name in ("final.safetensors", "final_avg.safetensors"):
         x, y = load_file(full / name), load_file(part / name)
         assert all(torch.equal(x[k], y[k]) for k in x), name

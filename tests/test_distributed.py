@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -185,6 +184,9 @@ TWO_RANK_RUNS = {
     # FSDP2, 2 ranks x 32, its sharded checkpoints mirrored to a file:// checkpoint.remote
     "fsdp_2x32": ["dist.strategy=fsdp", "train.batch_size=32", "checkpoint.every_steps=10",
                   "checkpoint.remote=file://{root}/remote", "--resume"],
+    # the same run on a new node: an empty run.dir, its checkpoints in fsdp_2x32's remote only
+    "fsdp_new_node": ["dist.strategy=fsdp", "train.batch_size=32", "checkpoint.every_steps=10",
+                      "checkpoint.remote=file://{root}/remote", "--resume"],
     "accumulation": ["train.batch_size=16", "train.accumulation_steps=2",
                      "checkpoint.enabled=false"],
     "tail": ["train.batch_size=179", "checkpoint.enabled=false", "dist.strategy=fsdp"],
@@ -196,14 +198,13 @@ TWO_RANK_RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, single_64) -> dict[str, Path]:
-    """TWO_RANK_RUNS, trained by one torchrun job: {name: its run.dir}."""
-    root = tmp_path_factory.mktemp("ranks")
-    runs = [["train", *ARGS, f"run.dir={root / name}",
-             *(o.format(root=root, single_64=single_64["dir"]) for o in overrides)]
-            for name, overrides in TWO_RANK_RUNS.items()]
-    (root / "runs.json").write_text(json.dumps(runs))
+def one_job(root: Path, runs: list[tuple[str, list[str]]]) -> Path:
+    """``ironloop train`` with each (run.dir name, overrides) of ``runs``, in order, all in one
+    torchrun job of 2 ranks (tests/ranks_main.py; a name may come back: a resume of that run);
+    fails the test unless every run exited 0 on both ranks. Returns the job's log (each run's
+    part starts at a ``=== ranks_main: rank R:`` line)."""
+    argvs = [["train", *ARGS, f"run.dir={root / name}", *overrides] for name, overrides in runs]
+    (root / "runs.json").write_text(json.dumps(argvs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = root / "ranks.log"
     with log.open("w") as out:
@@ -212,10 +213,31 @@ def two_ranks(tmp_path_factory, single_64) -> dict[str, Path]:
                                  str(root / "runs.json")],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     finish(proc, log, ranks=2)
-    for name in TWO_RANK_RUNS:
-        codes = [(root / f"{name}.rank{r}.exit").read_text().strip() for r in (0, 1)]
+    for name, _ in runs:  # a failed run ends the job: the runs after it leave no exit file
+        files = [root / f"{name}.rank{r}.exit" for r in (0, 1)]
+        codes = [f.read_text().strip() if f.exists() else "none" for f in files]
         assert codes == ["0", "0"], f"{name}: exit codes {codes}:\n{log.read_text()[-8000:]}"
-    return {name: root / name for name in TWO_RANK_RUNS}
+    return log
+
+
+def run_output(log: Path, run_dir: Path, rank: int = 0) -> str:
+    """What ``rank`` printed in ``one_job``'s run into ``run_dir`` (its first one there)."""
+    text = log.read_text()
+    head = f"=== ranks_main: rank {rank}: ironloop "
+    parts = [p for p in text.split(head)[1:] if f" run.dir={run_dir} " in p.splitlines()[0] + " "]
+    assert parts, f"no run into {run_dir} in {log}"
+    return parts[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, single_64) -> dict[str, Path]:
+    """TWO_RANK_RUNS, trained by one torchrun job: {name: its run.dir}, and "log": the job's
+    log."""
+    root = tmp_path_factory.mktemp("ranks")
+    log = one_job(root, [(name, [o.format(root=root, single_64=single_64["dir"])
+                                 for o in overrides])
+                         for name, overrides in TWO_RANK_RUNS.items()])
+    return {**{name: root / name for name in TWO_RANK_RUNS}, "log": log}
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +267,8 @@ def fsdp_2x32(two_ranks) -> dict:
     test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them resumes on a new
     node (one run for both; saving changes no weight)."""
     run_dir = two_ranks["fsdp_2x32"]
-    extra = [o.format(root=run_dir.parent) for o in TWO_RANK_RUNS["fsdp_2x32"]]
-    # read now: the new-node test deletes run.dir
     return {**read(run_dir), "dir": run_dir, "grad_norms": grad_norms(run_dir),
-            "url": f"file://{run_dir.parent}/remote", "extra": extra}
+            "url": f"file://{run_dir.parent}/remote"}
 
 
 def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, fsdp_2x32):
@@ -260,12 +280,14 @@ def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, fsdp_2x32):
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
-def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsdp_2x32):
+def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsdp_2x32,
+                                                                            two_ranks):
     # (checkpoint.remote's multi-rank case, with test_remote.py's others until the two runs
-    # here shared one launch with the FSDP equality test above)
+    # here shared one launch with the FSDP equality test above; the new node's resume is the
+    # next run of two_ranks' job, into a run.dir of its own that holds nothing)
     from ironloop.state.remote import open_remote
 
-    url, extra, run_dir = fsdp_2x32["url"], fsdp_2x32["extra"], fsdp_2x32["dir"]
+    url, new_node = fsdp_2x32["url"], two_ranks["fsdp_new_node"]
     remote = open_remote(url)
     newest = remote.manifest(remote.manifests()[-1])
     assert newest["kind"] == "dcp" and newest["world_size"] == 2
@@ -273,10 +295,8 @@ def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsd
     assert {"extras-rank0.pt", "extras-rank1.pt", ".metadata", "manifest.json"} <= names
     assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1"}  # both ranks
     first = fsdp_2x32["weights"]
-    shutil.rmtree(run_dir)  # a new node: the run is complete, remotely only
-    log = train(run_dir, *extra, ranks=2).parent / f"{run_dir.name}.log"
-    assert f"fetched {url}/step-" in log.read_text()
-    again = load_file(run_dir / "final.safetensors")
+    assert f"fetched {url}/step-" in run_output(two_ranks["log"], new_node)
+    again = load_file(new_node / "final.safetensors")
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 

@@ -23,6 +23,7 @@ def test_sigkill_with_loader_workers_and_async_checkpoints_is_bit_exact(referenc
     rng = random.Random(99)
     targets = sorted(rng.sample(range(3, TOTAL - 5), 7))
     kills = run_with_kills(tmp_path / "run", targets, rng,
-                           extra=("data.num_workers=2", "checkpoint.async=true"))
+                           extra=("data.num_workers=2", "checkpoint.async=true"),
+                           finish_here=True)
     assert kills >= MIN_KILLS["workers+async"]
     assert_bit_exact(reference, tmp_path / "run")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.conftest import REPO
 from tests.test_preempt import (
     ARGS,
@@ -42,23 +43,31 @@ os._exit(rc)
 
 def _preempt_once(tmp_path: Path, i: int, torchrun: bool) -> tuple[Path, list[int]]:
     """A run with 2 loader workers per process, SIGTERM to its whole process group (torchrun's
-    too) after step 5; returns run.dir and the exit codes of the training processes."""
+    too) after step 5; returns run.dir and the exit codes of the training processes. The one
+    process is a fork of this one (tests/forked.py: no interpreter's and torch's start-up, 5
+    times); under torchrun, the ranks are torchrun's."""
     run_dir, log, rcs = tmp_path / f"run{i}", tmp_path / f"run{i}.log", tmp_path / f"rc{i}"
     rcs.mkdir()
     script = tmp_path / "rc.py"
     script.write_text(textwrap.dedent(RC))
     argv = ["train", *ARGS, "data.num_workers=2", "train.epochs=20", "train.batch_size=32",
             f"run.dir={run_dir}"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                "--standalone"] if torchrun else [sys.executable]
-    with log.open("w") as out:
-        proc = subprocess.Popen([*launcher, str(script), str(rcs), *argv], cwd=REPO, env=ENV,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc: subprocess.Popen | forked.Child
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    "--standalone"]
+        with log.open("w") as out:
+            proc = subprocess.Popen([*launcher, str(script), str(rcs), *argv], cwd=REPO,
+                                    env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    else:  # the process: a fork of this one, in a session of its own (tests/forked.py)
+        proc = forked.fork_main(argv, ENV, log, new_session=True)
     wait_for(lambda: len(logged_steps(run_dir)) >= 5, proc, log, "step 5")
     os.killpg(proc.pid, signal.SIGTERM)  # every process: launcher, ranks, loader workers
-    proc.wait(timeout=TIMEOUT)
+    code = proc.wait(timeout=TIMEOUT)
     text = log.read_text()
-    codes = [int(p.read_text()) for p in sorted(rcs.iterdir())]
+    # the ranks' exit codes (what the rc script wrote), or the process's own exit status
+    codes = [int(p.read_text()) for p in sorted(rcs.iterdir())] if torchrun else [code]
     assert "DataLoader worker" not in text and "ConnectionResetError" not in text, text[-4000:]
     # torchrun prints its own SignalException traceback; one process prints none
     assert torchrun or "Traceback" not in text, text[-4000:]

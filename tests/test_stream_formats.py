@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked
 from tests.conftest import REPO
 from tests.stream_data import write_files
 
@@ -71,18 +72,19 @@ def run_to_end(cmd: list[str], tmp_path: Path, monkeypatch, capsys) -> None:
 
 
 def kill_at(cmd: list[str], tmp_path: Path, forward: int) -> None:
-    """Start the run; its ``forward``-th training forward pauses (tests.stream_data.PausingMLP),
-    and the process is SIGKILLed there, mid-step, its loader workers mid-read."""
-    marker = tmp_path / "paused"
+    """Start the run, in a process of its own: ``cmd``'s ``ironloop`` in a fork of this one
+    (tests/forked.py: no interpreter's and torch's start-up; what is killed is a real process
+    and its loader workers); its ``forward``-th training forward pauses
+    (tests.stream_data.PausingMLP), and the process is SIGKILLed there, mid-step, its loader
+    workers mid-read."""
+    marker, out = tmp_path / "paused", tmp_path / "killed.out"
     marker.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=env(tmp_path, forward))
+    proc = forked.fork_main(cmd[3:], env(tmp_path, forward), out)
     while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, (proc.returncode, out.read_text()[-3000:])
         time.sleep(0.05)  # waiting on the file the paused process writes
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def resumed_steps(run_dir: Path) -> list[int]:
