@@ -106,3 +106,99 @@ def test_callbacks_must_come_as_a_list_and_a_lone_callback_is_told_to_be_wrapped
         build._as_list(5)
     assert str(number.value) == ("callbacks=5: must be a list of callbacks, not int; pass "
                                  "[MyCallback(), ...] (ironloop.callbacks.Callback subclasses)")
+
+
+# ------------------------------------------------------------ the built run's parts ----------
+def _built(tmp_path, model=None, val=None, given=None, **overrides):
+    """What fit() builds before it trains (engine/fit.py), in this process on the CPU: the run
+    with every config key wired in. Its outputs are closed by the caller's ``_done``."""
+    from ironloop.data.source import open_data
+    from ironloop.engine.fit import resolved
+    from ironloop.guard.faults import Faults
+    from ironloop.parallel.world import World
+    from tests.conftest import blobs, cfg
+
+    train = blobs(64)
+    config = resolved(ironloop.Config().with_overrides(cfg(tmp_path, **overrides)), train, None,
+                      val)
+    device, faults = torch.device("cpu"), Faults(config.fault)
+    data = open_data(config, train, val, None, 0, 1, device, poison=faults.poison)
+    run, strategy = build.build_run(config, model or tiny_mlp(), data, device, World(), "fp32",
+                                    given or build.Given(), faults)
+    assert strategy == "none"
+    return run
+
+
+def test_each_part_of_the_run_gets_its_config_keys(tmp_path):
+    """Non-default values of the keys build.py hands on, read back from the built parts."""
+    from tests.conftest import blobs
+
+    run = _built(tmp_path, val=blobs(32, seed=1), train__epochs=3, train__max_steps=5,
+                 train__accumulation_steps=2, early_stop__patience=3,
+                 early_stop__min_delta=0.25, log__loss_growth=7.5, log__every_steps=3,
+                 eval__every_steps=2, checkpoint__every_steps=4, checkpoint__keep_last=2,
+                 checkpoint__async=True, profile__breakdown=False,
+                 schedule__name="cosine", optim__lr=0.05)
+    try:
+        t = run.tracker
+        assert (t.mode, t.patience, t.min_delta) == ("min", 3, 0.25)
+        assert run.outputs.growth.factor == 7.5
+        c = run.cadence
+        # 64 samples in batches of 32 and 2 micro-batches a step: 1 step an epoch, 3 epochs
+        assert (c.log_every, c.eval_every, c.checkpoint_every, c.total_steps, c.validates) == \
+            (3, 2, 4, 3, True)
+        manager = run.outputs.checkpoints
+        assert (manager.directory, manager.keep_last, manager.async_write, manager.mirror) == \
+            (tmp_path / "run/checkpoints", 2, True, None)
+        assert run.outputs.timer.enabled is False and run.outputs.timer.trace is None
+        reporter = run.guard.reporter
+        assert (reporter.from_files, reporter.accumulation) == (True, 2)
+        m = run.module
+        assert (m.total_steps, m.schedule_steps, m.frozen) == (3, 3, False)
+    finally:
+        run.outputs.close()
+
+
+def test_without_validation_data_the_run_evaluates_never_and_a_constant_schedule_holds_no_length(
+        tmp_path):
+    run = _built(tmp_path, eval__every_steps=2, checkpoint__enabled=False, guard__enabled=False,
+                 schedule__name="constant")
+    try:
+        assert (run.cadence.eval_every, run.cadence.validates) == (0, False)
+        assert (run.outputs.checkpoints, run.guard) == (None, None)
+        assert run.outputs.timer.enabled is True
+        assert (run.module.total_steps, run.module.schedule_steps) == (4, 0)
+    finally:
+        run.outputs.close()
+
+
+def test_the_guard_rolls_back_to_the_checkpoint_file_only_with_checkpoints_on(tmp_path):
+    cases = (({}, True), ({"checkpoint__enabled": False}, False),
+             ({"guard__rollback_to": "memory"}, False))
+    for i, (overrides, from_files) in enumerate(cases):
+        run = _built(tmp_path / str(i), **overrides)
+        run.outputs.close()
+        assert run.guard.reporter.from_files is from_files, overrides
+
+
+def test_an_lr_of_zero_freezes_the_configured_optimizer_not_a_given_one(tmp_path):
+    run = _built(tmp_path, optim__lr=0.0)
+    run.outputs.close()
+    assert run.module.frozen is True
+    model = tiny_mlp()
+    given = build.Given(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    run = _built(tmp_path / "given", model=model, given=given, optim__lr=0.0)
+    run.outputs.close()
+    assert run.module.frozen is False
+
+
+def test_a_stateful_step_keeps_its_carry_across_epochs_with_carry_reset_never(tmp_path):
+    def step(model, batch, state):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y), {}
+
+    for reset in ("never", "epoch"):
+        run = _built(tmp_path / reset, given=build.Given(step_fn=step),
+                     train__carry_reset=reset)
+        run.outputs.close()
+        assert run.module.carry.reset == reset
