@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ironloop
+from ironloop.callbacks import Callback
 from ironloop.engine import build
 from ironloop.errors import CheckpointError
 from ironloop.state import dcp as sharded
@@ -92,7 +93,6 @@ def test_the_metric_prefixes_are_one_per_validation_set_and_weight_set():
 
 
 def test_callbacks_must_come_as_a_list_and_a_lone_callback_is_told_to_be_wrapped():
-    from ironloop.callbacks import Callback
     from ironloop.errors import UserError
 
     assert build._as_list(None) == [] and build._as_list(()) == []
@@ -192,7 +192,7 @@ def test_an_lr_of_zero_freezes_the_configured_optimizer_not_a_given_one(tmp_path
     assert run.module.frozen is False
 
 
-def test_a_stateful_step_keeps_its_carry_across_epochs_with_carry_reset_never(tmp_path):
+def test_a_stateful_step_resets_its_carry_as_train_carry_reset_says(tmp_path):
     def step(model, batch, state):
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x), y), {}
@@ -202,3 +202,99 @@ def test_a_stateful_step_keeps_its_carry_across_epochs_with_carry_reset_never(tm
                      train__carry_reset=reset)
         run.outputs.close()
         assert run.module.carry.reset == reset
+
+
+class _Watcher(Callback):
+    def on_step_end(self, run, metrics):
+        pass
+
+
+def test_a_callback_with_its_own_on_step_end_makes_the_guard_settle_every_step(tmp_path):
+    assert build._watches_steps([Callback(), _Watcher()]) is True
+    assert build._watches_steps([Callback()]) is False
+    assert build._watches_steps([]) is False
+    watched = _built(tmp_path / "watched", given=build.Given(callbacks=[_Watcher()]))
+    watched.outputs.close()
+    plain = _built(tmp_path / "plain", given=build.Given(callbacks=[Callback()]))
+    plain.outputs.close()
+    assert (watched.guard.reporter.device.always, plain.guard.reporter.device.always) == \
+        (True, False)
+    # the guard waits for an async checkpoint write before it rolls back to the file
+    assert plain.guard.reporter.wait == plain.outputs.checkpoints.wait
+
+
+def test_batchnorm_with_accumulation_is_warned_about_once_accumulating(capsys):
+    from ironloop.parallel.world import World
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    config = ironloop.Config().with_overrides({"train.batch_size": 16,
+                                               "train.accumulation_steps": 2})
+    build._warn_batchnorm(model, config, World())
+    assert capsys.readouterr().out == (
+        "warning: the model has BatchNorm and train.accumulation_steps=2: BatchNorm normalises "
+        "each micro-batch of 16 separately, so accumulation is not equivalent to a batch of "
+        "32\n")
+    build._warn_batchnorm(model, config.with_overrides({"train.accumulation_steps": 1}), World())
+    build._warn_batchnorm(model, config, World(rank=1, size=2))  # rank 0 says it
+    build._warn_batchnorm(tiny_mlp(), config, World())  # no BatchNorm
+    assert capsys.readouterr().out == ""
+
+
+class _Counter(Callback):
+    def __init__(self):
+        self.seen = 0
+
+    def on_step_end(self, run, metrics):
+        self.seen += 1
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def test_a_run_s_state_loads_back_into_a_fresh_run_part_by_part(tmp_path):
+    """Run.state_dict then Run.load_state_dict (a resume, a rollback): progress, meter, tracker,
+    the callbacks', the carry, the last evaluation, the LR the last step used, and the guard's
+    skip list all come back."""
+    from tests.conftest import blobs
+
+    def step(model, batch, state):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y), {}
+
+    def built(name):
+        return _built(tmp_path / name, val=blobs(32, seed=1),
+                      given=build.Given(step_fn=step, callbacks=[_Counter()]))
+
+    old, new = built("old"), built("new")
+    try:
+        old.progress.epoch, old.progress.step, old.progress.offset = 1, 5, 32
+        old.meter.add_micro(torch.tensor(2.0), 4)
+        old.tracker.best, old.tracker.best_epoch, old.tracker.bad_epochs = 0.5, 1, 2
+        old.hooks.callbacks[0].seen = 5
+        old.module.carry.train["n"] = torch.tensor(3.0)
+        old.last_eval = {"step": 4, "val_loss": 0.5}
+        old.module.lr = 0.0123
+        state = {**old.state_dict(), "guard": {"skip": [7, 3]}}
+        new.load_state_dict(state, "old's")
+        assert new.progress == old.progress
+        assert (new.meter.samples, new.meter.loss_sum.item()) == (4, 8.0)
+        t = new.tracker
+        assert (t.best, t.best_epoch, t.bad_epochs) == (0.5, 1, 2)
+        assert new.hooks.callbacks[0].seen == 5
+        assert new.module.carry.train["n"].item() == 3.0
+        assert new.last_eval == {"step": 4, "val_loss": 0.5}
+        assert new.module.lr == 0.0123
+        assert new.data.source.sampler.skip.tolist() == [3, 7]
+        # a checkpoint from before the LR, the evaluation and the guard were kept
+        for key in ("lr", "evaluation", "guard"):
+            del state[key]
+        new.module.lr = 0.5
+        new.load_state_dict(state)
+        assert (new.module.lr, new.last_eval) == (0.5, {})
+        assert new.data.source.sampler.skip.tolist() == []
+    finally:
+        old.outputs.close()
+        new.outputs.close()
