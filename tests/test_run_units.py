@@ -70,3 +70,74 @@ def test_a_rank_without_the_logs_saves_its_shards_with_no_tracker_ids(monkeypatc
     assert run.meter.ranks == [{"rank": 0}, own]
     assert seen.checkpoints == []  # not rank 0
     assert run.outputs.last_saved == 0  # no logs to mark durable on this rank
+
+
+class FileRecorder:
+    """Stands in for rank 0's file manager: records each save."""
+
+    def __init__(self, async_write: bool):
+        self.async_write, self.saves = async_write, []
+
+    def save(self, state, step, best=False):
+        self.saves.append((state, step, best))
+
+
+class LogRecorder:
+    """Stands in for rank 0's RunLog: the trackers' ids, and the steps made durable."""
+
+    def __init__(self):
+        self.durable_steps: list[int] = []
+
+    def ids(self):
+        return {"wandb": "abc123"}
+
+    def durable(self, step):
+        self.durable_steps.append(step)
+
+
+def test_rank_0_saves_with_the_trackers_ids_and_marks_the_logs_durable_up_to_the_file_on_disk():
+    """A blocking write is on disk when save returns: the trackers get the rows up to this
+    step. An async write is on disk only once the next save returns: up to the previous one.
+    The callbacks hear of each checkpoint, with its step, epoch and whether it is the best."""
+    for async_write, durable, is_best in ((False, 7, True), (True, 3, False)):
+        manager, log, seen = FileRecorder(async_write), LogRecorder(), Seen()
+        run = _run(World(), manager, log=log, callbacks=[seen])
+        run.outputs.last_saved = 3
+        run.save(best=is_best)
+        (state, step, best), = manager.saves
+        assert state == {"progress": {"step": 7}, "loggers": {"wandb": "abc123"}, "guard": None}
+        assert (step, best) == (7, is_best)
+        assert (log.durable_steps, run.outputs.last_saved) == ([durable], 7)
+        assert seen.checkpoints == [{"step": 7, "epoch": 2, "best": is_best}]
+
+
+class ReporterRecorder:
+    """Stands in for the guard's reporter: its checkpointed state, and the saves it was told
+    of (each moves its in-memory rollback point)."""
+
+    def __init__(self):
+        self.told: list = []
+
+    def state_dict(self):
+        return {"skip": [4]}
+
+    def saved(self, run):
+        self.told.append(run.progress.step)
+
+
+def test_a_save_puts_the_guard_s_state_in_the_checkpoint_and_moves_its_rollback_point():
+    manager, reporter = FileRecorder(False), ReporterRecorder()
+    run = _run(World(), manager, log=LogRecorder())
+    run.guard = SimpleNamespace(reporter=reporter)
+    run.save(best=False)
+    (state, _, _), = manager.saves
+    assert state["guard"] == {"skip": [4]} and reporter.told == [7]
+
+
+def test_without_checkpoints_a_save_writes_nothing_and_tells_no_callback_but_the_guard():
+    log, seen, reporter = LogRecorder(), Seen(), ReporterRecorder()
+    run = _run(World(), None, log=log, callbacks=[seen])
+    run.guard = SimpleNamespace(reporter=reporter)
+    run.save(best=True)
+    assert (log.durable_steps, seen.checkpoints, run.outputs.last_saved) == ([], [], 0)
+    assert reporter.told == [7]  # the in-memory rollback point moves all the same
