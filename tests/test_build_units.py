@@ -298,3 +298,22 @@ def test_a_run_s_state_loads_back_into_a_fresh_run_part_by_part(tmp_path):
     finally:
         old.outputs.close()
         new.outputs.close()
+
+
+def test_a_run_s_state_holds_its_position_world_size_schedule_length_and_lr(tmp_path):
+    """What a checkpoint holds beyond the parts' own states: the sampler's position (epoch and
+    offset), the world size the drift check compares, the schedule's length, the last LR."""
+    run = _built(tmp_path, schedule__name="cosine", average__kind="ema")
+    try:
+        run.progress.epoch, run.progress.step, run.progress.offset = 1, 5, 32
+        run.module.lr = 0.0123
+        state = run.state_dict()
+        assert (state["sampler"]["epoch"], state["sampler"]["offset"]) == (1, 32)
+        assert state["progress"] == {"epoch": 1, "step": 5, "offset": 32}
+        assert (state["world_size"], state["schedule_steps"], state["lr"]) == (1, 4, 0.0123)
+        assert state["config"] == run.cfg.to_dict()
+        assert state["average"].keys() == run.module.average.state_dict().keys()
+        assert state["carry"] is None and state["evaluation"] == {}
+        assert state["callbacks"] == {}
+    finally:
+        run.outputs.close()
