@@ -317,3 +317,43 @@ def test_a_run_s_state_holds_its_position_world_size_schedule_length_and_lr(tmp_
         assert state["callbacks"] == {}
     finally:
         run.outputs.close()
+
+
+def test_a_callback_s_view_of_the_run_is_the_run_s_live_parts(tmp_path):
+    run = _built(tmp_path)
+    try:
+        view = run.view
+        assert view is run.view  # one view for the run's life
+        assert (view.cfg, view.model, view.optimizer, view.scheduler) == \
+            (run.cfg, run.module.raw_model, run.module.optimizer, run.module.scheduler)
+        run.progress.step, run.progress.epoch = 3, 1
+        assert (view.step, view.epoch, view.world) == (3, 1, run.world)
+        assert (view.device, view.precision, view.run_dir) == \
+            (torch.device("cpu"), "fp32", tmp_path / "run")
+        run.last_eval = {"val_loss": 0.5}
+        view.last_eval["val_loss"] = 9.0  # a copy: the run's own row is untouched
+        assert run.last_eval == {"val_loss": 0.5}
+        assert not run.finished
+        view.stop()
+        assert run.hooks.stop_requested and run.finished
+    finally:
+        run.outputs.close()
+
+
+def test_a_run_is_finished_at_its_last_step_or_when_early_stopping_says(tmp_path):
+    # 64 samples in batches of 32, 2 micro-batches a step: 1 step an epoch, 3 steps
+    from tests.conftest import blobs
+
+    run = _built(tmp_path, val=blobs(32, seed=1), train__epochs=3,
+                 train__accumulation_steps=2, early_stop__patience=1)
+    try:
+        run.progress.step = 2
+        assert not run.finished
+        run.progress.step = 3
+        assert run.finished
+        run.progress.step = 0
+        run.tracker.bad_epochs = 1
+        assert run.finished
+        assert tuple(run.plan()) == (3, 1, 3, 64)
+    finally:
+        run.outputs.close()
