@@ -170,3 +170,26 @@ def test_a_model_with_nothing_to_train_is_refused_saying_what_it_holds():
     assert str(frozen_error.value) == ("the model has nothing to train: all 2 of its parameter "
                                        "tensors are frozen (requires_grad=False)" + fix)
     check_model(nn.Linear(2, 2))  # something to train: no word
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_guard_skipped_step_logs_its_pre_clip_grad_norm_with_clipping_on_or_off(max_norm,
+                                                                                   fused):
+    from ironloop.config import GuardConfig
+    from ironloop.guard.verdict import device_verdicts
+
+    m = module(lambda p: torch.optim.SGD(p, lr=1.0, fused=fused), max_norm=max_norm)
+    m.verdicts = device_verdicts(GuardConfig(), torch.device("cpu"), torch.float32)
+    m.verdicts.start(m.optimizer, False)
+    assert m.verdicts.masks is fused  # fused: skipped in the kernel; else read on the host
+    before = [p.detach().clone() for p in m.params]
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    m.verdicts.rebase(meter, 0)
+    m.model(torch.full((1, 3), float("inf"))).sum().backward()  # weight.grad inf, bias.grad 1
+    m.optimizer_step(p, meter, World())
+    assert all(torch.equal(a.detach(), b) for a, b in zip(m.params, before))  # not updated
+    assert m.model.bias.grad.tolist() == [1.0, 1.0]  # the bad step was not clipped
+    assert float(meter.grad_norm) == math.inf  # docs: metrics.jsonl's grad_norm is pre-clip
+    assert float(m.verdicts.pending[0].norm) == math.inf  # and guard.jsonl's, the same
+    assert meter.flush_window()["clipped"] == 0
