@@ -175,8 +175,11 @@ def test_a_given_scheduler_is_used_as_it_is_and_a_factory_is_called_with_the_opt
     assert resolve_scheduler(factory, opt, cfg, 4, 8) == (made[0], "step")
     assert made[0].optimizer is opt
     other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    with pytest.raises(UserError, match="^scheduler= is bound to another optimizer"):
+    with pytest.raises(UserError) as e:
         resolve_scheduler(torch.optim.lr_scheduler.StepLR(other, 3), opt, cfg, 4, 8)
+    assert str(e.value) == ("scheduler= is bound to another optimizer than the one fit() uses; "
+                            "pass optimizer= too, or pass the scheduler as a factory "
+                            "factory(optimizer)")
 
 
 def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
@@ -292,3 +295,20 @@ def test_loss_huber_delta_sets_where_the_loss_turns_linear():
     out, target = torch.tensor([[2.0]]), torch.tensor([[0.0]])
     # |error| 2 > delta 0.5: delta * (|error| - delta / 2) = 0.5 * 1.75
     assert Loss(cfg)(out, target).item() == pytest.approx(0.875)
+
+
+def test_an_optimizer_is_foreign_only_when_it_is_not_the_class_optim_name_builds():
+    from ironloop.engine.optim import foreign
+
+    model, cfg = nn.Linear(2, 2), load_config(None, ["optim.name=adam"]).optim
+    assert foreign(build_optimizer(model, cfg), cfg) == ""
+    assert foreign(torch.optim.SGD(model.parameters(), lr=0.1), cfg) == "SGD"
+
+
+def test_a_fused_kernel_is_open_to_a_class_taking_fused_with_host_float_parameters_only():
+    from ironloop.engine.optim import fused_open
+
+    params = list(nn.Linear(2, 2).parameters())
+    assert fused_open(torch.optim.AdamW(params)) is True  # a CPU has the kernel
+    assert fused_open(torch.optim.LBFGS(params)) is False  # takes no fused argument
+    assert fused_open(torch.optim.AdamW(nn.Linear(2, 2).to("meta").parameters())) is False

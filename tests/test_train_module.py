@@ -193,3 +193,22 @@ def test_a_guard_skipped_step_logs_its_pre_clip_grad_norm_with_clipping_on_or_of
     assert float(meter.grad_norm) == math.inf  # docs: metrics.jsonl's grad_norm is pre-clip
     assert float(m.verdicts.pending[0].norm) == math.inf  # and guard.jsonl's, the same
     assert meter.flush_window()["clipped"] == 0
+
+
+def test_only_an_extended_run_s_finished_onecycle_gets_its_lr_held():
+    def stepped(scheduler_of, total_steps):
+        m = module(scheduler_of=scheduler_of, total_steps=total_steps, schedule_steps=4)
+        for _ in range(4):
+            m.optimizer.step()
+            m.scheduler.step()  # to last_epoch 4: one past the schedule's end
+        lr = m.optimizer.param_groups[0]["lr"]
+        m.hold_onecycle()
+        return m, lr
+
+    onecycle = lambda opt: torch.optim.lr_scheduler.OneCycleLR(  # noqa: E731
+        opt, max_lr=1.0, total_steps=4)
+    whole, lr = stepped(onecycle, total_steps=4)  # the run is the schedule: nothing to hold
+    assert whole.scheduler.last_epoch == 4 and whole.optimizer.param_groups[0]["lr"] == lr
+    cosine = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)  # noqa: E731
+    other, lr = stepped(cosine, total_steps=8)  # not a onecycle: step_schedule holds it instead
+    assert other.scheduler.last_epoch == 4 and other.optimizer.param_groups[0]["lr"] == lr
