@@ -312,3 +312,24 @@ def test_a_fused_kernel_is_open_to_a_class_taking_fused_with_host_float_paramete
     assert fused_open(torch.optim.AdamW(params)) is True  # a CPU has the kernel
     assert fused_open(torch.optim.LBFGS(params)) is False  # takes no fused argument
     assert fused_open(torch.optim.AdamW(nn.Linear(2, 2).to("meta").parameters())) is False
+
+
+@pytest.mark.parametrize("keys, fused, foreach", [
+    (["optim.foreach=true"], None, True),  # asked for: not fused, although a CPU has it
+    (["optim.foreach=false"], None, False),
+    (["optim.fused=false"], False, None),  # fused refused: torch's default kernel
+])
+def test_optim_fused_and_foreach_reach_the_optimizer_and_either_one_stops_the_default_fused(
+        keys, fused, foreach):
+    opt = build_optimizer(nn.Linear(2, 2), load_config(None, keys).optim)
+    assert (opt.defaults["fused"], opt.defaults["foreach"]) == (fused, foreach)
+
+
+def test_kl_div_takes_the_softmax_over_the_last_dim_of_a_sequence_output():
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 4, generator=g)
+    target = torch.rand(2, 3, 4, generator=g).softmax(-1)  # a distribution per position
+    per = nn.functional.kl_div(out.log_softmax(-1), target, reduction="none")
+    want = per.reshape(2, -1).sum(-1).mean()  # summed over each sample's distributions
+    torch.testing.assert_close(Loss(load_config(None, ["loss.name=kl_div"]).loss)(out, target),
+                               want)

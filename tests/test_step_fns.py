@@ -273,3 +273,17 @@ def test_a_loss_or_step_named_by_a_spec_that_does_not_import_names_its_config_ke
     with pytest.raises(ConfigError, match=r"^train.step_fn='no_such_module_x:step': cannot"):
         step_fns.named_step("no_such_module_x:step")
     assert step_fns.named_step("lm") is step_fns.lm_step
+
+
+def test_accuracy_is_measured_in_evaluation_for_class_scores_and_index_targets_only():
+    step = step_fns.classification_step(lambda out, y: out.sum())
+    model = nn.Linear(3, 2).eval()
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    scores = model(x)
+    y = scores.argmax(-1)
+    y[1] = 1 - y[1]  # one of two right
+    assert float(step(model, (x, y))[1]["acc"]) == 0.5
+    assert step(model, (x, y.float()))[1] == {}  # float targets: regression, no accuracy
+    seq = nn.Sequential(nn.Linear(3, 2), nn.Unflatten(1, (1, 2))).eval()  # (N, 1, C) output
+    assert step(seq, (x, torch.zeros(2, 1, dtype=torch.long)))[1] == {}
+    assert step(model.train(), (x, y))[1] == {}  # training: no metrics at all

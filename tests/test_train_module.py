@@ -193,6 +193,7 @@ def test_a_guard_skipped_step_logs_its_pre_clip_grad_norm_with_clipping_on_or_of
     assert float(meter.grad_norm) == math.inf  # docs: metrics.jsonl's grad_norm is pre-clip
     assert float(m.verdicts.pending[0].norm) == math.inf  # and guard.jsonl's, the same
     assert meter.flush_window()["clipped"] == 0
+    assert m.verdicts.known_bad is not fused  # fused: no host read of the verdict
 
 
 def test_only_an_extended_run_s_finished_onecycle_gets_its_lr_held():
@@ -212,3 +213,27 @@ def test_only_an_extended_run_s_finished_onecycle_gets_its_lr_held():
     cosine = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)  # noqa: E731
     other, lr = stepped(cosine, total_steps=8)  # not a onecycle: step_schedule holds it instead
     assert other.scheduler.last_epoch == 4 and other.optimizer.param_groups[0]["lr"] == lr
+
+
+def test_the_step_logs_the_pre_clip_norm_of_the_gradients_there_are_and_clips_them_to_max_norm():
+    m = module(max_norm=0.5)
+    m.model.weight.grad = torch.full((2, 3), 2.0)  # norm sqrt(24); the bias has no gradient
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    m.optimizer_step(p, meter, World())
+    assert float(meter.grad_norm) == pytest.approx(math.sqrt(24))
+    assert float(m.model.weight.grad.norm()) == pytest.approx(0.5, rel=1e-5)
+    assert m.model.bias.grad is None and meter.flush_window()["clipped"] == 1
+
+
+@pytest.mark.parametrize("where, step", [("training", 4), ("evaluation", 3)])
+def test_a_step_function_s_error_gains_a_note_naming_the_step_epoch_and_batch(where, step):
+    def broken(model, batch):
+        raise ValueError("bad batch")
+
+    m = module(step_fn=broken)
+    with pytest.raises(ValueError) as e:
+        m.forward(m.model, (torch.zeros(2, 3),), where, Progress(epoch=1, step=3))
+    assert str(e.value) == "bad batch"  # the user's error as it came, its traceback kept
+    if hasattr(e.value, "add_note"):  # Python 3.11+
+        assert e.value.__notes__ == [f"ironloop: raised in {where} at step {step}, epoch 2; "
+                                     f"batch: a tuple (Tensor[2, 3] float32)"]
