@@ -237,3 +237,45 @@ def test_a_step_function_s_error_gains_a_note_naming_the_step_epoch_and_batch(wh
     if hasattr(e.value, "add_note"):  # Python 3.11+
         assert e.value.__notes__ == [f"ironloop: raised in {where} at step {step}, epoch 2; "
                                      f"batch: a tuple (Tensor[2, 3] float32)"]
+
+
+def test_a_meta_device_model_is_refused_before_anything_runs():
+    from ironloop.engine.train_module import check_model
+    from ironloop.errors import UserError
+
+    with pytest.raises(UserError, match=r"^the model is on the meta device \(its tensors have "
+                                        r"shapes, no values\); materialize it first"):
+        check_model(nn.Linear(2, 2).to("meta"))
+
+
+def test_a_frozen_run_steps_at_lr_0_and_leaves_the_schedule_s_lr_in_the_groups():
+    m = module()
+    m.frozen = True
+    before = m.model.weight.detach().clone()
+    m.model(torch.ones(1, 3)).sum().backward()
+    m.optimizer_step(Progress(), Meter(torch.device("cpu")), World())
+    assert torch.equal(m.model.weight.detach(), before) and m.lr == 0.0
+    assert m.optimizer.param_groups[0]["lr"] == 1.0
+    assert module().lr_factor == 1.0
+
+
+def test_a_closure_optimizer_steps_with_its_closure():
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+
+    def step(model, batch):
+        return ((model(batch[0]) - batch[1]) ** 2).mean(), {}
+
+    m = module(lambda p: torch.optim.LBFGS(p, max_iter=3), step_fn=step)
+    loss = step(m.model, (x, y))[0]
+    loss.backward()
+    m.optimizer_step(Progress(), Meter(torch.device("cpu")), World(), m.closure((x, y), loss))
+    assert step(m.model, (x, y))[0].item() < loss.item()  # LBFGS evaluated it and moved
+
+
+def test_a_plateau_schedule_is_not_stepped_per_optimizer_step():
+    plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # noqa: E731
+    m = module(scheduler_of=plateau)
+    m.schedule_on = "eval"
+    epoch = m.scheduler.last_epoch
+    m.step_schedule(0)  # step() without a metric would fail; not called at all
+    assert m.scheduler.last_epoch == epoch
