@@ -16,6 +16,8 @@ def test_describe_names_shapes_and_dtypes_two_levels_deep():
     assert step_fns.describe(batch) == \
         "{x: Tensor[4, 3] float32, y: a list (Tensor[4] int64, a tuple)}"
     assert step_fns.describe(None) == "None" and step_fns.describe(3) == "a int"
+    deep = {"a": {"b": {"c": torch.zeros(1)}}, "l": [[[1]]]}
+    assert step_fns.describe(deep) == "{a: {b: a dict}, l: a list (a list)}"
 
 
 def test_a_step_returns_a_loss_and_metrics_and_may_add_a_weight():

@@ -279,3 +279,27 @@ def test_a_plateau_schedule_is_not_stepped_per_optimizer_step():
     epoch = m.scheduler.last_epoch
     m.step_schedule(0)  # step() without a metric would fail; not called at all
     assert m.scheduler.last_epoch == epoch
+
+
+def test_an_fp16_step_the_guard_refuses_on_the_host_keeps_the_scale_and_the_next_step_runs():
+    from ironloop.config import GuardConfig
+    from ironloop.guard.verdict import device_verdicts
+
+    m = module()  # SGD without fused: the verdict is read on the host
+    m.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    m.verdicts = device_verdicts(GuardConfig(), torch.device("cpu"), torch.float32)
+    m.verdicts.start(m.optimizer, False)
+    p, meter = Progress(), Meter(torch.device("cpu"))
+    m.verdicts.rebase(meter, 0)
+    m.backward(m.model(torch.ones(1, 3)).sum())
+    meter.loss_sum = meter.loss_sum + math.nan  # the window's loss: non-finite, gradients not
+    before = m.model.weight.detach().clone()
+    m.optimizer_step(p, meter, World())
+    assert m.verdicts.known_bad and torch.equal(m.model.weight.detach(), before)
+    assert m.scaler.get_scale() == 4.0  # a NaN loss says nothing of fp16's range
+    m.verdicts.rebase(meter, 0)  # settled
+    m.optimizer.zero_grad()
+    before = m.model.weight.detach().clone()
+    m.backward(m.model(torch.ones(1, 3)).sum())
+    m.optimizer_step(p, meter, World())  # unscale_ again: the refused step's was forgotten
+    assert not torch.equal(m.model.weight.detach(), before)
