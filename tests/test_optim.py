@@ -175,8 +175,11 @@ def test_a_given_scheduler_is_used_as_it_is_and_a_factory_is_called_with_the_opt
     assert resolve_scheduler(factory, opt, cfg, 4, 8) == (made[0], "step")
     assert made[0].optimizer is opt
     other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
-    with pytest.raises(UserError, match="^scheduler= is bound to another optimizer"):
+    with pytest.raises(UserError) as e:
         resolve_scheduler(torch.optim.lr_scheduler.StepLR(other, 3), opt, cfg, 4, 8)
+    assert str(e.value) == ("scheduler= is bound to another optimizer than the one fit() uses; "
+                            "pass optimizer= too, or pass the scheduler as a factory "
+                            "factory(optimizer)")
 
 
 def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
@@ -292,3 +295,94 @@ def test_loss_huber_delta_sets_where_the_loss_turns_linear():
     out, target = torch.tensor([[2.0]]), torch.tensor([[0.0]])
     # |error| 2 > delta 0.5: delta * (|error| - delta / 2) = 0.5 * 1.75
     assert Loss(cfg)(out, target).item() == pytest.approx(0.875)
+
+
+def test_an_optimizer_is_foreign_only_when_it_is_not_the_class_optim_name_builds():
+    from ironloop.engine.optim import foreign
+
+    model, cfg = nn.Linear(2, 2), load_config(None, ["optim.name=adam"]).optim
+    assert foreign(build_optimizer(model, cfg), cfg) == ""
+    assert foreign(torch.optim.SGD(model.parameters(), lr=0.1), cfg) == "SGD"
+
+
+def test_a_fused_kernel_is_open_to_a_class_taking_fused_with_host_float_parameters_only():
+    from ironloop.engine.optim import fused_open
+
+    params = list(nn.Linear(2, 2).parameters())
+    assert fused_open(torch.optim.AdamW(params)) is True  # a CPU has the kernel
+    assert fused_open(torch.optim.LBFGS(params)) is False  # takes no fused argument
+    assert fused_open(torch.optim.AdamW(nn.Linear(2, 2).to("meta").parameters())) is False
+
+
+@pytest.mark.parametrize("keys, fused, foreach", [
+    (["optim.foreach=true"], None, True),  # asked for: not fused, although a CPU has it
+    (["optim.foreach=false"], None, False),
+    (["optim.fused=false"], False, None),  # fused refused: torch's default kernel
+])
+def test_optim_fused_and_foreach_reach_the_optimizer_and_either_one_stops_the_default_fused(
+        keys, fused, foreach):
+    opt = build_optimizer(nn.Linear(2, 2), load_config(None, keys).optim)
+    assert (opt.defaults["fused"], opt.defaults["foreach"]) == (fused, foreach)
+
+
+def test_kl_div_takes_the_softmax_over_the_last_dim_of_a_sequence_output():
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 4, generator=g)
+    target = torch.rand(2, 3, 4, generator=g).softmax(-1)  # a distribution per position
+    per = nn.functional.kl_div(out.log_softmax(-1), target, reduction="none")
+    want = per.reshape(2, -1).sum(-1).mean()  # summed over each sample's distributions
+    torch.testing.assert_close(Loss(load_config(None, ["loss.name=kl_div"]).loss)(out, target),
+                               want)
+
+
+def test_warmup_is_cut_to_leave_the_cosine_at_least_one_step_and_a_0_step_run_is_1_step():
+    def built(total_steps: int, *overrides: str):
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        cfg = load_config(None, ["schedule.name=warmup_cosine", *overrides]).schedule
+        return build_scheduler(opt, cfg, steps_per_epoch=4, total_steps=total_steps)[0]
+
+    warm = built(4, "schedule.warmup_steps=10", "schedule.eta_min=0.03")
+    linear, cosine = warm._schedulers
+    assert (linear.total_iters, warm._milestones, cosine.T_max) == (3, [3], 1)
+    assert cosine.eta_min == 0.03
+    assert built(0, "schedule.warmup_steps=5").T_max == 1  # no warmup left: the plain cosine
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cosine_cfg = load_config(None, ["schedule.name=cosine"]).schedule
+    assert build_scheduler(opt, cosine_cfg, steps_per_epoch=4, total_steps=0)[0].T_max == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_output_s_loss_is_computed_in_float32(dtype):
+    out, y = torch.randn(4, 3).to(dtype), torch.tensor([0, 1, 2, 0])
+    for name in ("cross_entropy", "mse"):
+        loss = Loss(load_config(None, [f"loss.name={name}"]).loss)(out, y)
+        assert loss.dtype == torch.float32
+
+
+def test_class_weights_are_checked_against_the_class_count_only_when_it_is_known():
+    cfg = load_config(None, ["loss.class_weights=[1.0, 2.0]"]).loss
+    assert Loss(cfg, None).weights.tolist() == [1.0, 2.0]
+    assert Loss(cfg, 2).weights.tolist() == [1.0, 2.0]
+
+
+def test_a_model_without_biases_or_norms_gets_one_group_and_frozen_parameters_none():
+    model = nn.Sequential(nn.Linear(2, 3, bias=False), nn.Linear(3, 2))
+    model[1].requires_grad_(False)
+    groups = param_groups(model, 0.1, decay_all=False)
+    assert len(groups) == 1 and [p.shape for p in groups[0]["params"]] == [torch.Size([3, 2])]
+    lbfgs = build_optimizer(model, load_config(None, ["optim.name=LBFGS"]).optim)
+    assert [p.shape for p in lbfgs.param_groups[0]["params"]] == [torch.Size([3, 2])]
+
+
+def test_a_factory_that_returns_no_scheduler_is_refused_naming_what_it_returned():
+    from ironloop.engine.optim import resolve_scheduler
+    from ironloop.errors import UserError
+
+    cfg = load_config(None, []).schedule
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    stateless = type("Stateless", (), {"step": lambda self: None})
+    for made, name in ((lambda o: 3, "int"), (lambda o: stateless(), "Stateless")):
+        with pytest.raises(UserError) as e:
+            resolve_scheduler(made, opt, cfg, 4, 8)
+        assert str(e.value) == ("scheduler= must be a torch LR scheduler or a factory "
+                                f"factory(optimizer) returning one; got {name}")

@@ -16,6 +16,8 @@ def test_describe_names_shapes_and_dtypes_two_levels_deep():
     assert step_fns.describe(batch) == \
         "{x: Tensor[4, 3] float32, y: a list (Tensor[4] int64, a tuple)}"
     assert step_fns.describe(None) == "None" and step_fns.describe(3) == "a int"
+    deep = {"a": {"b": {"c": torch.zeros(1)}}, "l": [[[1]]]}
+    assert step_fns.describe(deep) == "{a: {b: a dict}, l: a list (a list)}"
 
 
 def test_a_step_returns_a_loss_and_metrics_and_may_add_a_weight():
@@ -211,3 +213,79 @@ def test_an_lm_model_that_returns_no_scalar_loss_is_refused_naming_what_it_retur
         "train.step_fn=lm: the model's forward takes targets, and returned a tuple "
         "(Tensor[2, 3] float32, Tensor[2] float32) when given them; return (logits, loss) with "
         "the loss a scalar mean over the tokens, as nanoGPT does")
+
+
+def test_a_zero_token_id_target_counts_in_an_own_loss_model_s_weight():
+    x = torch.tensor([[1, 2, 3]])
+    y = torch.tensor([[0, 0, -1]])  # token id 0 is a real token; only negatives are ignored
+    assert int(step_fns.lm_step(_OwnLoss(), (x, y))[2]) == 2
+
+
+def test_an_own_loss_model_returning_only_logits_in_a_tuple_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^train.step_fn=lm: the model's forward takes targets, "
+                                        r"and returned a tuple \(Tensor\[2, 3\] float32\) when "):
+        step_fns.own_loss((torch.zeros(2, 3),))
+
+
+@pytest.mark.parametrize("message", ["size mismatch", "bad shape", "wrong dimension",
+                                     "expected input of rank 2", "expected target of rank 1",
+                                     "invalid type for target", "the target tensor is long"])
+def test_each_shape_phrase_marks_a_loss_error_as_a_shape_error(message):
+    assert step_fns._is_shape_error(ValueError(message.upper()))  # case does not matter
+    assert not step_fns._is_shape_error(ValueError("the loss is broken"))
+
+
+def test_a_cannot_be_multiplied_error_of_the_first_layer_names_the_data_s_shape():
+    err = step_fns.input_error(nn.Linear(3, 2), torch.zeros(4, 5),
+                               RuntimeError("mat1 and mat2 cannot be multiplied (4x5 and 3x2)"))
+    assert type(err) is UserError and "take samples of shape [5]" in str(err)
+
+
+def _data(train, val=None):
+    from ironloop.data.source import RunData
+
+    return RunData(source=None, train=train, val_sets={"": val} if val is not None else {},
+                   test=None, collate_fn=None)
+
+
+def test_the_classification_step_infers_the_class_count_only_when_none_is_given():
+    from ironloop.config import load_config
+    from ironloop.data.loader import TensorData
+
+    cfg = load_config(None, [])
+    data = _data(TensorData(torch.zeros(6, 3), torch.tensor([0, 1, 2, 3, 0, 1])))
+    model = nn.Linear(3, 4)
+    _step, check, classes = step_fns.classification(cfg, model, torch.device("cpu"), None, None,
+                                                    data)
+    assert classes == 4 and check is None  # in memory: every label checked here, once
+    with pytest.raises(DataError, match=r"in \[0, 3\), found a batch with labels in \[0, 3\]"):
+        step_fns.classification(cfg, model, torch.device("cpu"), None, 3, data)
+    assert step_fns.infer_num_classes(model, data.train, torch.device("cpu")) == 4
+
+
+def test_a_loss_or_step_named_by_a_spec_that_does_not_import_names_its_config_key():
+    from ironloop.config import load_config
+    from ironloop.data.loader import TensorData
+    from ironloop.errors import ConfigError
+
+    cfg = load_config(None, []).with_overrides({"loss.name": "no_such_module_x:loss"})
+    data = _data(TensorData(torch.zeros(2, 3), torch.tensor([0, 1])))
+    with pytest.raises(ConfigError, match=r"^loss.name='no_such_module_x:loss': cannot import"):
+        step_fns.classification(cfg, nn.Linear(3, 2), torch.device("cpu"), None, 2, data)
+    with pytest.raises(ConfigError, match=r"^train.step_fn='no_such_module_x:step': cannot"):
+        step_fns.named_step("no_such_module_x:step")
+    assert step_fns.named_step("lm") is step_fns.lm_step
+
+
+def test_accuracy_is_measured_in_evaluation_for_class_scores_and_index_targets_only():
+    step = step_fns.classification_step(lambda out, y: out.sum())
+    model = nn.Linear(3, 2).eval()
+    x = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    scores = model(x)
+    y = scores.argmax(-1)
+    y[1] = 1 - y[1]  # one of two right
+    assert float(step(model, (x, y))[1]["acc"]) == 0.5
+    assert step(model, (x, y.float()))[1] == {}  # float targets: regression, no accuracy
+    seq = nn.Sequential(nn.Linear(3, 2), nn.Unflatten(1, (1, 2))).eval()  # (N, 1, C) output
+    assert step(seq, (x, torch.zeros(2, 1, dtype=torch.long)))[1] == {}
+    assert step(model.train(), (x, y))[1] == {}  # training: no metrics at all

@@ -181,11 +181,12 @@ class TrainModule:
         # NaN.
         ok = None if guard is None else guard.check(meter, grad_norm, progress.offset, skipped,
                                                     world)
+        clip_norm = grad_norm  # the pre-clip norm is still what gets logged, a bad step's too
         if ok is not None and self.clip.mode == "norm" and self.clip.max_norm > 0:
             # A bad step is not clipped: its guard.jsonl line names the parameters whose
             # gradients are non-finite, which a clip by a non-finite norm would make all of them.
-            grad_norm = torch.where(ok, grad_norm, 0.0)
-        clipped = clip_to_norm(params, grad_norm, self.clip.max_norm, self.clip.mode)
+            clip_norm = torch.where(ok, grad_norm, 0.0)
+        clipped = clip_to_norm(params, clip_norm, self.clip.max_norm, self.clip.mode)
         with lr_scaled(opt, self.lr_factor):  # the rollbacks' LR factor, on top of the schedule
             if guard is not None and ok is not None and guard.masks:
                 masked_step(opt, scaler, ok, guard.judge.found_inf(ok))  # skips on device
