@@ -27,7 +27,7 @@ import ironloop
 from ironloop.data.loader import TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summary
+from _common import TINY, summary
 
 NAME = "step_timing_overhead"
 TARGET = 0.99  # on/off samples/s: at most 1% slower
@@ -68,7 +68,7 @@ def _mark_cost_us(device: torch.device, n: int = 20000, reps: int = 5) -> list[f
 def run(quick: bool = False, device: str | None = None) -> dict:
     """Paired on/off repetitions; returns a JSON-serialisable result."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    reps, samples = (5, 4096) if quick else (15, 16384)
+    reps, samples = (1, 256) if TINY else (5, 4096) if quick else (15, 16384)  # TINY: the suite
     g = torch.Generator().manual_seed(0)
     data = TensorData(torch.randn(samples, 128, generator=g),
                       torch.randint(0, 10, (samples,), generator=g))
@@ -82,7 +82,7 @@ def run(quick: bool = False, device: str | None = None) -> dict:
                 (on if flag else off).append(_epoch(data, device, flag, Path(tmp) / str(flag)))
     ratios = [a / b for a, b in zip(on, off)]
     ratio = statistics.median(ratios)
-    marks = _mark_cost_us(torch.device(device))
+    marks = _mark_cost_us(torch.device(device), *((2000, 1) if TINY else ()))
     step_us = 64 / statistics.median(off) * 1e6
     estimate = MARKS_PER_STEP * statistics.median(marks) / step_us
     return {

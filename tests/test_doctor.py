@@ -4,7 +4,6 @@ preflight, --strict and `ironloop doctor` behave as documented."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import warnings
@@ -22,7 +21,7 @@ from ironloop.tools.doctor.lr_find import check_lr_find
 from ironloop.tools.doctor.run import DoctorError, check, subject
 from ironloop.tools.recipe import train_config
 
-from .conftest import REPO, blobs, cfg, run_cli, tiny_mlp
+from .conftest import REPO, blobs, cfg, tiny_mlp
 
 SOFTMAX_PKG = '''
 from torch import nn
@@ -221,13 +220,19 @@ def test_fit_runs_the_preflight_when_doctor_preflight_is_true_and_not_by_default
     assert not (tmp_path / "plain" / "run" / "doctor.json").exists()
 
 
-def test_cli_doctor_names_the_softmax_and_the_fix(softmax_pkg, tmp_path):
-    r = run_cli("doctor", "configs/digits.yaml", "model.name=pkg:softmax_model",
-                f"run.dir={tmp_path / 'doc'}", "--strict",
-                env={"PYTHONPATH": f"{softmax_pkg}{os.pathsep}{REPO / 'src'}"})
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "final module '4' is nn.Softmax" in r.stdout
-    assert "fix:   remove the final nn.Softmax" in r.stdout
+def test_cli_doctor_names_the_softmax_and_the_fix(softmax_pkg, tmp_path, monkeypatch, capsys):
+    """``ironloop doctor`` by the CLI's main in this process (what ``python -m ironloop`` runs;
+    test_cli.py starts that process as a user would): the softmax_pkg fixture makes pkg
+    importable, as PYTHONPATH would."""
+    from ironloop.cli import main
+
+    monkeypatch.chdir(REPO)
+    code = main(["doctor", "configs/digits.yaml", "model.name=pkg:softmax_model",
+                 f"run.dir={tmp_path / 'doc'}", "--strict"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "final module '4' is nn.Softmax" in out
+    assert "fix:   remove the final nn.Softmax" in out
     assert (tmp_path / "doc" / "doctor.json").exists()
 
 

@@ -78,18 +78,20 @@ def test_the_dry_run_reports_every_part_and_row_naming_the_device(tmp_path):
 
 @pytest.mark.slow
 def test_a_part_that_hangs_or_crashes_is_recorded_and_the_next_still_runs(tmp_path):
-    # Caps of 13 s (syncs, which hangs through it) and 21 s (resume): the crash comes after
-    # torch's import, which takes over 10 s on a loaded 2-core machine (a budget of 60 gave it
-    # 5 s plus the grace, and a crash then read "killed at its cap").
-    done = gpu_check(tmp_path, "--only", "syncs", "resume", "--budget", "240",
-                     env={"GPU_CHECK_FAULT": "syncs:hang,resume:crash"})
+    # The hang costs its cap plus the grace, so it is the part with the smallest share
+    # (rollback: 15 of 450, a cap of 3 s at --budget 100), and the crash the part after it in
+    # RUN_ORDER (peers: 140 of 450, a cap of 31 s): the crash comes after torch's import, which
+    # takes over 10 s on a loaded 2-core machine (a cap of 5 s plus the grace made a crash read
+    # "killed at its cap").
+    done = gpu_check(tmp_path, "--only", "rollback", "peers", "--budget", "100",
+                     env={"GPU_CHECK_FAULT": "rollback:hang,peers:crash"})
     assert done.returncode == 1
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     status = {r["part"]: r["status"] for r in report["rows"]}
-    assert status == {"syncs": status["syncs"], "resume": status["resume"]}
-    assert status["syncs"].startswith("failed: killed at its")
-    assert status["resume"].startswith("failed: exited 1")  # it ran after the killed one
-    assert "resume crashes on purpose" in (tmp_path / "gpu-check.log").read_text()
+    assert status == {"rollback": status["rollback"], "peers": status["peers"]}
+    assert status["rollback"].startswith("failed: killed at its")
+    assert status["peers"].startswith("failed: exited 1")  # it ran after the killed one
+    assert "peers crashes on purpose" in (tmp_path / "gpu-check.log").read_text()
     assert "failed: killed at its" in (tmp_path / "gpu-check.md").read_text()
 
 

@@ -466,23 +466,59 @@ def test_a_crashing_trial_is_reported_and_skipped(tmp_path, tune_cli):
     assert tuned.model.name == "tune_subjects:small" and tuned.data.num_workers == 0
 
 
-@pytest.mark.slow
-def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsys, one_thread):
-    """Micro-batches of 1 on a tiny model: per-micro-batch overhead is nearly all of the step,
-    so larger micro-batches of the same 32 samples a step are far faster (one of 32: ~10x, its
-    paired ratios 6x or more at load 12 on 2 cores). 8192 samples: each trial then measures
-    enough steps that the other test worker's load cannot blur the gain into the noise (with
-    512, a trial measured ~0.1 s, and one run in CI found no winner). Micro-batches of 4 gave
-    a 3x gain, paired ratios down to 1.8x under load: closer to the noise than a test on a
-    shared machine should stand (issue 45)."""
+class _VirtualClock:
+    """The tune's clock (``time.perf_counter`` in tools/tune), advanced only by the model's
+    forward passes: what tune measures and decides then does not depend on the machine's speed
+    or load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+_CLOCK = _VirtualClock()
+
+
+class _OverheadPerCall(nn.Module):
+    """nn.Linear(8, 3) whose every forward costs the virtual clock 10 ms plus 1 ms a sample:
+    per-call overhead is most of a small micro-batch's time (the clock is a module global, not
+    an attribute: tune deep-copies the model for every trial)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, x):
+        _CLOCK.now += 0.01 + 0.001 * len(x)
+        return self.linear(x)
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch):
+    from ironloop.tools.tune import output, trials
+
+    _CLOCK.now = 0.0
+    for module in (tune_mod, trials, output):
+        monkeypatch.setattr(module, "time", _CLOCK)
+    return _CLOCK
+
+
+def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsys, one_thread,
+                                                                 virtual_clock):
+    """Micro-batches of 1 whose per-call overhead is nearly all of the step: larger
+    micro-batches of the same 32 samples a step are far faster (one of 32: ~8x). The real
+    trials run, timed by a virtual clock that only the forward passes advance (on a loaded
+    machine a measured gain was blurred into the noise, or the budget ran out before the
+    pairs: issue 45), so tune's decision is the same on every machine; 512 samples keep the
+    projected run (~11 virtual s) too short for a compile row, and the budget of 30 virtual
+    seconds holds every pair (it uses ~24)."""
     g = torch.Generator().manual_seed(0)
-    data = (torch.randn(8192, 8, generator=g), torch.randint(0, 3, (8192,), generator=g))
+    data = (torch.randn(512, 8, generator=g), torch.randint(0, 3, (512,), generator=g))
     config = {"run.dir": str(tmp_path / "run"), "train.epochs": 2, "train.batch_size": 1,
               "train.accumulation_steps": 32, "log.progress": "off"}
-    # 60 s: with 30, a CI run at load 4 (the three fault-injection files beside it) ran out of
-    # budget with micro-batches of 4 at 3 of its 4 pairs (ratios 11.8, 7.3, 2.2) and those of
-    # 32 at none, and found no winner
-    result = ironloop.tune(nn.Linear(8, 3), data, config, budget=60,
+    result = ironloop.tune(_OverheadPerCall(), data, config, budget=30,
                            apply_trajectory_changes=True)
     out = capsys.readouterr().out
     assert result.chosen == {}, out  # in-memory tensors: no worker trials, nothing else to win
