@@ -65,3 +65,19 @@ def test_before_torch_2_6_the_norm_and_the_clip_are_clip_grad_norm_s_own(monkeyp
         assert float(norm) == 13.0 and bool(clipped) is clipped_too
         assert all(torch.equal(p.grad, w) for p, w in zip(params, want[max_norm]))
     assert want[20.0][1].item() == 12.0  # the bound above the norm left them as they were
+
+
+def test_under_fsdp2_the_norm_of_sharded_gradients_is_made_whole(monkeypatch):
+    """FSDP2's gradients are shards (DTensors): the local norm goes through full_tensor, the
+    collective that makes it the global one; plain gradients' norm is used as it is."""
+    from ironloop.engine import gradients
+
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    seen = []
+    monkeypatch.setattr(gradients.data_parallel, "is_sharded", lambda t: seen.append(t) or True)
+    monkeypatch.setattr(gradients.data_parallel, "full_tensor", lambda t: t * 10)
+    assert float(gradients.grad_norm_of([p])) == 50.0  # made whole (here: x 10)
+    assert seen == [p.grad]  # judged by the first gradient
+    monkeypatch.setattr(gradients.data_parallel, "is_sharded", lambda t: False)
+    assert float(gradients.grad_norm_of([p])) == 5.0

@@ -210,7 +210,9 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
         now[0] += preempt.DUPLICATE_S / 2 - 0.01
         os.kill(os.getpid(), signal.SIGTERM)  # still within DUPLICATE_S of the first
         assert p.should_stop() and p.signum == signal.SIGTERM
-        now[0] += 0.02  # past DUPLICATE_S since the first: a user's second request
+        now[0] = 100.0 + preempt.DUPLICATE_S
+        os.kill(os.getpid(), signal.SIGTERM)  # exactly DUPLICATE_S after: still the same one
+        now[0] += 0.01  # past DUPLICATE_S since the first: a user's second request
         with pytest.raises(Exited) as exited:
             os.kill(os.getpid(), signal.SIGTERM)
         assert exited.value.args == (128 + signal.SIGTERM,)

@@ -125,6 +125,19 @@ def test_a_settle_is_due_before_anything_that_needs_exact_numbers():
     assert all(late.due(s, cadence) for s in range(1, 25))
 
 
+def test_a_checkpoint_follows_every_step_path_evaluation_and_checkpoint_every_steps():
+    cadence = Cadence(log_every=5, eval_every=4, checkpoint_every=6, total_steps=20,
+                      validates=True)
+    assert [s for s in range(1, 13) if cadence.evaluates(s)] == [4, 8, 12]
+    assert [s for s in range(1, 13) if cadence.saves(s)] == [4, 6, 8, 12]
+    only_evals = Cadence(log_every=5, eval_every=3, checkpoint_every=0, total_steps=9,
+                         validates=True)
+    assert [s for s in range(1, 10) if only_evals.saves(s)] == [3, 6, 9]
+    neither = Cadence(log_every=5, eval_every=0, checkpoint_every=0, total_steps=9,
+                      validates=False)
+    assert not any(neither.saves(s) or neither.evaluates(s) for s in range(1, 10))
+
+
 def test_the_guards_state_totals_and_close_go_to_its_reporter():
     late = LateSettle(Reporter())
     late.load_state_dict(None)
