@@ -200,8 +200,9 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
         raise Exited(code)
 
     monkeypatch.setattr(preempt, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(preempt, "os", SimpleNamespace(write=lambda fd, b: len(b),
-                                                       _exit=exit_now))
+    written = []
+    monkeypatch.setattr(preempt, "os", SimpleNamespace(
+        write=lambda fd, b: written.append((fd, b)) or len(b), _exit=exit_now))
     with preempt.Preemption(distributed=False) as p:
         assert not p.should_stop()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -216,6 +217,8 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
         with pytest.raises(Exited) as exited:
             os.kill(os.getpid(), signal.SIGTERM)
         assert exited.value.args == (128 + signal.SIGTERM,)
+    assert written == [(2, b"ironloop: second SIGTERM: exiting now without a checkpoint; the "
+                           b"previous one is intact\n")]  # to stderr, the one line said
     assert signal.getsignal(signal.SIGTERM) != p._on_signal  # handlers given back
 
 

@@ -192,7 +192,7 @@ def stop_under_slurm(tmp_path: Path, monkeypatch, show: str, requeue: bool = Tru
 
 
 def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_its_job(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
     got = stop_under_slurm(tmp_path, monkeypatch, f"JobId=42 JobState=RUNNING EndTime={end} "
                                                   "PreemptTime=None Restarts=2")
@@ -200,6 +200,9 @@ def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_it
     assert got[0]["cause"] == "time limit" and got[0]["why"].endswith("s to the time limit")
     assert (got[0]["job"], got[0]["step"], got[0]["restarts"]) == ("42", 7, 2)
     assert (got[1]["job"], got[1]["ok"]) == ("42", True) and "error" not in got[1]
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"ironloop: SLURM job 42: time limit \(\d+ s to the time limit\): "
+                        r"requeued; it resumes from step 7\n", out), out
 
 
 def test_a_job_is_requeued_only_with_slurm_requeue_on_and_a_checkpoint_saved(
