@@ -21,8 +21,10 @@ class Module:
         # LR 1/(1 + n) after n scheduler steps: every position has its own LR
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: 1 / (1 + n))
         self.schedule_on, self.lr_factor, self.lr = schedule_on, 1.0, 1.0
+        self.stepped_at: list[int] = []  # the step each schedule step was told (its hold)
 
     def step_schedule(self, step: int) -> None:
+        self.stepped_at.append(step)
         if self.schedule_on == "step":
             self.optimizer.step()  # no gradients: changes nothing, but comes first
             self.scheduler.step()
@@ -62,7 +64,9 @@ def test_bad_steps_take_back_the_step_count_and_their_schedule_positions():
     late.begin(module, progress)
     module.train_steps(progress, 5)  # the host counted 5 steps; the 2nd and 4th were bad
     late.reporter.verdicts = (5, [1, 3])
+    module.stepped_at.clear()
     assert settle(late, module, progress) is False  # the latest step was good
+    assert module.stepped_at == [10, 11, 12]  # replayed at the good steps' own positions
     assert progress.step == 13
     assert module.scheduler.last_epoch == 3
     assert module.optimizer.param_groups[0]["lr"] == pytest.approx(1 / 4)
