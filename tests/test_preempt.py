@@ -294,3 +294,29 @@ def test_under_a_process_group_the_stop_is_read_one_step_after_the_signal(tmp_pa
         assert other.stopped(3, saved=False).signal_name == "a signal to another rank"
     finally:
         dist.destroy_process_group()
+
+
+def test_handlers_are_installed_from_the_main_thread_only_and_given_back_once():
+    """signal.signal works in the main thread only: fit() called from another thread runs
+    without the stop-at-a-step handlers rather than failing; leaving twice gives back once."""
+    import threading
+
+    from ironloop.engine import preempt
+
+    before = {sig: signal.getsignal(sig) for sig in preempt.SIGNALS}
+    p = preempt.Preemption(distributed=False)
+    with p:
+        assert all(signal.getsignal(sig) == p._on_signal for sig in preempt.SIGNALS)
+    assert {sig: signal.getsignal(sig) for sig in preempt.SIGNALS} == before
+    p.__exit__(None, None, None)  # an error path's second cleanup: nothing left to give back
+    assert {sig: signal.getsignal(sig) for sig in preempt.SIGNALS} == before
+    seen: list = []
+
+    def in_a_thread():
+        with preempt.Preemption(distributed=False) as q:
+            seen.append((dict(q._previous), signal.getsignal(signal.SIGTERM)))
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == [({}, before[signal.SIGTERM])]
