@@ -85,3 +85,61 @@ def test_a_resume_mid_epoch_continues_with_the_carry_its_checkpoint_holds(tmp_pa
     ironloop.fit(tiny_mlp(), blobs(), None, {**config, "train.max_steps": 5}, step_fn=step,
                  resume=True, allow_config_change=True)
     assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_checkpointed_carry_is_a_host_copy_and_loads_onto_the_runs_device_shape_for_shape():
+    c = Carry()
+    c["hidden"] = (torch.ones(2), [torch.ones(1), 3], {"m": torch.ones(3)})
+    c["steps"] = 4  # not a tensor: kept as it is
+    state = c.state_dict()
+    h, rest, inner = state["hidden"]
+    assert type(state["hidden"]) is tuple and type(rest) is list and rest[1] == 3
+    assert {h.device.type, rest[0].device.type, inner["m"].device.type} == {"cpu"}
+    assert state["steps"] == 4
+    back = Carry("meta")  # the run's device, other than the host's (no GPU needed)
+    back = Carry("meta")
+    back.load_state_dict({"hidden": (torch.zeros(2), [torch.zeros(1), 3], {"m": torch.zeros(3)}),
+                          "steps": 4})
+    h, rest, inner = back["hidden"]
+    assert type(back["hidden"]) is tuple and type(rest) is list
+    assert {h.device.type, rest[0].device.type, inner["m"].device.type} == {"meta"}
+    assert back.get("steps") == 4 and back.get("none", 7) == 7 and "none" not in back
+    back.load_state_dict(None)  # a checkpoint from before carries: empty
+    assert "hidden" not in back and back.get("steps") is None
+
+
+def test_a_detached_carry_keeps_its_containers_and_non_tensor_values():
+    c = Carry()
+    w = torch.ones(1, requires_grad=True)
+    c["v"] = [w * 2, (w * 3, "tag")]
+    listed, (inner, tag) = c["v"]
+    assert type(c["v"]) is list and tag == "tag"
+    assert not listed.requires_grad and not inner.requires_grad
+    c.clear()
+    assert "v" not in c
+
+
+def test_a_stateful_steps_checkpoint_holds_the_training_carry_only():
+    def step(model, batch, state):
+        return torch.zeros(()), {}
+
+    s = StatefulStep(step)
+    s.train["n"], s.eval["n"] = torch.tensor(1.0), torch.tensor(9.0)
+    assert list(s.state_dict()) == ["train"] and float(s.state_dict()["train"]["n"]) == 1.0
+    s.load_state_dict({"train": {"n": torch.tensor(5.0)}})
+    assert float(s.train["n"]) == 5.0
+    for empty in (None, {}, {"train": None}):  # from before carries: a fresh one
+        s.load_state_dict(empty)
+        assert "n" not in s.train
+    assert stateful(lambda model, batch, *, state: None, "cpu")[1] is not None  # a keyword
+    assert stateful(print, "cpu")[1] is None  # a plain callable
+    assert stateful(max, "cpu") == (max, None)  # no signature to read (ValueError): plain
+
+    class NoSignature:
+        __signature__ = "not one"  # inspect raises TypeError
+
+        def __call__(self, model, batch):
+            return None
+
+    odd = NoSignature()
+    assert stateful(odd, "cpu") == (odd, None)

@@ -61,3 +61,25 @@ def test_gib_has_two_decimals():
     from ironloop.engine.oom import _gib
 
     assert _gib(3 * 2**30 // 2) == "1.50 GiB" and _gib(0) == "0.00 GiB"
+
+
+def test_on_a_gpu_the_message_gives_what_the_failed_step_held_of_that_devices_memory(
+        monkeypatch):
+    asked = []
+
+    def reads(value):
+        def read(device):
+            asked.append(device)
+            return value
+        return read
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", reads(3 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", reads(7 * 2**29))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        reads(SimpleNamespace(total_memory=80 * 2**30)))
+    run = run_at(0, 0)
+    run.module.device = torch.device("cuda", 1)
+    error = str(out_of_memory(run, torch.OutOfMemoryError("CUDA out of memory")))
+    assert ("precision fp32: allocated 3.00 GiB, reserved 3.50 GiB of 80.00 GiB. torch said: "
+            "CUDA out of memory\n") in error
+    assert asked == [torch.device("cuda", 1)] * 3  # the run's own GPU, not GPU 0

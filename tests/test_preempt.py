@@ -200,8 +200,9 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
         raise Exited(code)
 
     monkeypatch.setattr(preempt, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(preempt, "os", SimpleNamespace(write=lambda fd, b: len(b),
-                                                       _exit=exit_now))
+    written = []
+    monkeypatch.setattr(preempt, "os", SimpleNamespace(
+        write=lambda fd, b: written.append((fd, b)) or len(b), _exit=exit_now))
     with preempt.Preemption(distributed=False) as p:
         assert not p.should_stop()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -210,10 +211,14 @@ def test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills(
         now[0] += preempt.DUPLICATE_S / 2 - 0.01
         os.kill(os.getpid(), signal.SIGTERM)  # still within DUPLICATE_S of the first
         assert p.should_stop() and p.signum == signal.SIGTERM
-        now[0] += 0.02  # past DUPLICATE_S since the first: a user's second request
+        now[0] = 100.0 + preempt.DUPLICATE_S
+        os.kill(os.getpid(), signal.SIGTERM)  # exactly DUPLICATE_S after: still the same one
+        now[0] += 0.01  # past DUPLICATE_S since the first: a user's second request
         with pytest.raises(Exited) as exited:
             os.kill(os.getpid(), signal.SIGTERM)
         assert exited.value.args == (128 + signal.SIGTERM,)
+    assert written == [(2, b"ironloop: second SIGTERM: exiting now without a checkpoint; the "
+                           b"previous one is intact\n")]  # to stderr, the one line said
     assert signal.getsignal(signal.SIGTERM) != p._on_signal  # handlers given back
 
 
@@ -289,3 +294,29 @@ def test_under_a_process_group_the_stop_is_read_one_step_after_the_signal(tmp_pa
         assert other.stopped(3, saved=False).signal_name == "a signal to another rank"
     finally:
         dist.destroy_process_group()
+
+
+def test_handlers_are_installed_from_the_main_thread_only_and_given_back_once():
+    """signal.signal works in the main thread only: fit() called from another thread runs
+    without the stop-at-a-step handlers rather than failing; leaving twice gives back once."""
+    import threading
+
+    from ironloop.engine import preempt
+
+    before = {sig: signal.getsignal(sig) for sig in preempt.SIGNALS}
+    p = preempt.Preemption(distributed=False)
+    with p:
+        assert all(signal.getsignal(sig) == p._on_signal for sig in preempt.SIGNALS)
+    assert {sig: signal.getsignal(sig) for sig in preempt.SIGNALS} == before
+    p.__exit__(None, None, None)  # an error path's second cleanup: nothing left to give back
+    assert {sig: signal.getsignal(sig) for sig in preempt.SIGNALS} == before
+    seen: list = []
+
+    def in_a_thread():
+        with preempt.Preemption(distributed=False) as q:
+            seen.append((dict(q._previous), signal.getsignal(signal.SIGTERM)))
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == [({}, before[signal.SIGTERM])]

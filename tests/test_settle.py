@@ -21,8 +21,10 @@ class Module:
         # LR 1/(1 + n) after n scheduler steps: every position has its own LR
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda n: 1 / (1 + n))
         self.schedule_on, self.lr_factor, self.lr = schedule_on, 1.0, 1.0
+        self.stepped_at: list[int] = []  # the step each schedule step was told (its hold)
 
     def step_schedule(self, step: int) -> None:
+        self.stepped_at.append(step)
         if self.schedule_on == "step":
             self.optimizer.step()  # no gradients: changes nothing, but comes first
             self.scheduler.step()
@@ -62,7 +64,9 @@ def test_bad_steps_take_back_the_step_count_and_their_schedule_positions():
     late.begin(module, progress)
     module.train_steps(progress, 5)  # the host counted 5 steps; the 2nd and 4th were bad
     late.reporter.verdicts = (5, [1, 3])
+    module.stepped_at.clear()
     assert settle(late, module, progress) is False  # the latest step was good
+    assert module.stepped_at == [10, 11, 12]  # replayed at the good steps' own positions
     assert progress.step == 13
     assert module.scheduler.last_epoch == 3
     assert module.optimizer.param_groups[0]["lr"] == pytest.approx(1 / 4)
@@ -123,6 +127,19 @@ def test_a_settle_is_due_before_anything_that_needs_exact_numbers():
         [5, 7, 9, 10, 14, 15, 20, 21, 22, 23, 24]
     late.reporter.device.eager = True  # a callback's on_step_end: every step
     assert all(late.due(s, cadence) for s in range(1, 25))
+
+
+def test_a_checkpoint_follows_every_step_path_evaluation_and_checkpoint_every_steps():
+    cadence = Cadence(log_every=5, eval_every=4, checkpoint_every=6, total_steps=20,
+                      validates=True)
+    assert [s for s in range(1, 13) if cadence.evaluates(s)] == [4, 8, 12]
+    assert [s for s in range(1, 13) if cadence.saves(s)] == [4, 6, 8, 12]
+    only_evals = Cadence(log_every=5, eval_every=3, checkpoint_every=0, total_steps=9,
+                         validates=True)
+    assert [s for s in range(1, 10) if only_evals.saves(s)] == [3, 6, 9]
+    neither = Cadence(log_every=5, eval_every=0, checkpoint_every=0, total_steps=9,
+                      validates=False)
+    assert not any(neither.saves(s) or neither.evaluates(s) for s in range(1, 10))
 
 
 def test_the_guards_state_totals_and_close_go_to_its_reporter():

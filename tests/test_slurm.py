@@ -192,14 +192,17 @@ def stop_under_slurm(tmp_path: Path, monkeypatch, show: str, requeue: bool = Tru
 
 
 def test_a_stop_outside_torchrun_records_its_cause_and_why_and_the_requeue_of_its_job(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
     got = stop_under_slurm(tmp_path, monkeypatch, f"JobId=42 JobState=RUNNING EndTime={end} "
                                                   "PreemptTime=None Restarts=2")
     assert [e["event"] for e in got] == ["slurm_stop", "slurm_requeue"]
     assert got[0]["cause"] == "time limit" and got[0]["why"].endswith("s to the time limit")
     assert (got[0]["job"], got[0]["step"], got[0]["restarts"]) == ("42", 7, 2)
-    assert (got[1]["job"], got[1]["ok"]) == ("42", True)
+    assert (got[1]["job"], got[1]["ok"]) == ("42", True) and "error" not in got[1]
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"ironloop: SLURM job 42: time limit \(\d+ s to the time limit\): "
+                        r"requeued; it resumes from step 7\n", out), out
 
 
 def test_a_job_is_requeued_only_with_slurm_requeue_on_and_a_checkpoint_saved(
@@ -632,6 +635,26 @@ def test_a_signal_while_the_run_is_built_outside_slurm_stops_it_saying_so():
     with pytest.raises(StoppedInSetup, match="^stopped by SIGTERM during setup, before the "
                                              "first step: nothing was trained or saved"):
         SetupSignals()(signal.SIGTERM, None)  # in the process that installed it
+
+
+def test_a_setup_signal_in_a_forked_child_takes_the_default_action_on_itself(monkeypatch):
+    """A loader worker forked during setup inherits the handler: it must die of the signal
+    as it would have (the default action, re-sent to itself), not raise in the parent's
+    place."""
+    from types import SimpleNamespace
+
+    from ironloop.engine import slurm
+
+    handler = slurm.SetupSignals()  # installed by this process
+    done = []
+    monkeypatch.setattr(slurm, "os", SimpleNamespace(getpid=lambda: handler.pid + 1,
+                                                     kill=lambda pid, sig: done.append(
+                                                         ("kill", pid, sig))))
+    monkeypatch.setattr(slurm, "signal", SimpleNamespace(
+        SIG_DFL=signal.SIG_DFL, signal=lambda sig, h: done.append(("signal", sig, h))))
+    assert handler(signal.SIGTERM, None) is None
+    assert done == [("signal", signal.SIGTERM, signal.SIG_DFL),
+                    ("kill", handler.pid + 1, signal.SIGTERM)]
 
 
 def test_the_rendezvous_is_the_first_host_of_the_node_list(tmp_path, monkeypatch):

@@ -455,11 +455,12 @@ def test_a_trace_records_the_gpus_kernels_where_there_is_one(monkeypatch, tmp_pa
     (here torch.profiler's profile is a recorder: this machine has no GPU to trace)."""
     import torch.profiler as tp
 
-    made = []
+    made, shapes = [], []
 
     class Recorder:
         def __init__(self, **kwargs):
             made.append(kwargs["activities"])
+            shapes.append(kwargs["record_shapes"])
 
         def __enter__(self):
             return self
@@ -471,6 +472,7 @@ def test_a_trace_records_the_gpus_kernels_where_there_is_one(monkeypatch, tmp_pa
     timing.Trace(tmp_path, steps=2)
     cpu, cuda = tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA
     assert made == [[cpu, cuda], [cpu]]
+    assert shapes == [True, True]  # each op's input shapes, for the trace's reader
 
 
 def test_optimizer_advice_needs_over_three_tenths_of_step_time_and_more_than_forward_and_backward():

@@ -218,3 +218,27 @@ def test_a_windows_gradients_are_divided_by_its_summed_loss_weights():
     assert window.total is None
     assert perplexity(0.0) == 1.0 and perplexity(709.0) == float("inf")
     assert perplexity(708.0) == math.exp(708.0)
+
+
+def test_under_ddp_a_windows_gradients_are_scaled_by_the_world_over_every_ranks_weights(
+        monkeypatch):
+    """DDP averages the gradients over ranks, so each rank multiplies by world / W, W the
+    window's weight summed over every rank (the all-reduce: here a stand-in for a second
+    rank that had 24 units of its own)."""
+    from ironloop.engine import tokens
+    from ironloop.parallel.world import World
+
+    reduced = []
+
+    def other_rank_adds_24(total, world):
+        reduced.append((total.item(), total.dtype, world.size))
+        return total + 24
+
+    monkeypatch.setattr(tokens, "all_reduce_sum", other_rank_adds_24)
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([8.0, -4.0])
+    window = tokens.WindowWeight()
+    window.add(torch.tensor(8.0))
+    window.normalise([p], World(rank=1, size=2))
+    assert reduced == [(8.0, torch.float64, 2)]  # summed in float64 on a CPU
+    assert p.grad.tolist() == [0.5, -0.25]  # x 2 / (8 + 24)
