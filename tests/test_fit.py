@@ -258,3 +258,20 @@ def test_every_time_table_setting_is_read_from_the_run_s_config_and_module(monke
         (False, False, "LBFGS", False)
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS, Windows: the machine's count
     assert settings_of(run).cores == 64
+
+
+def test_the_test_split_of_a_run_without_checkpoints_is_measured_on_the_restored_best(tmp_path):
+    """Early stopping restored the best weights in memory (there is no best.pt to read): the
+    test split measures those and says so."""
+    train, val = blobs(n=128), blobs(n=64, seed=1)
+    val = type(val)(val.x, (val.y + 1) % 3)  # val disagrees with train: val loss worsens
+    test = blobs(40, seed=2)
+    result = ironloop.fit(tiny_mlp(), train, val,
+                          cfg(tmp_path, train__epochs=20, early_stop__patience=2,
+                              optim__lr=0.01, checkpoint__enabled=False), test_data=test)
+    assert result.results["restored_best"]
+    assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
+    assert result.results["test_weights"] == "best"
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(result.model.eval()(test.x), test.y))
+    assert result.results["test_loss"] == pytest.approx(loss, rel=1e-5)

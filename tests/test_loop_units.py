@@ -183,3 +183,12 @@ def test_named_validation_sets_are_each_batched_as_given(tmp_path):
     assert seen == [10, 10, 5, 32, 8]
     row = read_jsonl(tmp_path / "run" / "evals.jsonl")[0]
     assert [k for k in row if k.startswith("val_")] == ["val_a_loss", "val_b_loss"]
+
+
+def test_an_epoch_line_carries_the_guard_s_totals_once_a_step_was_bad(tmp_path):
+    # 64 samples in batches of 16: steps 1-4 are epoch 1, 5-8 epoch 2; step 6's loss is NaN
+    ironloop.fit(tiny_mlp(), blobs(64), None,
+                 cfg(tmp_path, train__batch_size=16, fault__nan_at_step=[6]))
+    first, second = read_jsonl(tmp_path / "run" / "epochs.jsonl")
+    assert "bad_steps" not in first  # no news yet
+    assert (second["bad_steps"], second["rollbacks"]) == (1, 0)
