@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import ironloop
 from ironloop.callbacks import Callback
+from ironloop.engine import fit as fit_module
 from ironloop.engine.fit import settings_of
 from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
@@ -275,3 +277,38 @@ def test_the_test_split_of_a_run_without_checkpoints_is_measured_on_the_restored
     with torch.no_grad():
         loss = float(torch.nn.functional.cross_entropy(result.model.eval()(test.x), test.y))
     assert result.results["test_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_synchronized_time_split_prints_the_gpu_compute_share(tmp_path, monkeypatch, capsys):
+    """profile.sync's timer (CUDA only) reaches the time table, which then adds the share of
+    the step spent in forward + backward. The CPU timer never syncs: it is set here, after
+    the loop and before the table."""
+    real = fit_module.evaluate.test_metrics
+
+    def synced(run, restored):
+        run.outputs.timer.sync = True
+        return real(run, restored)
+
+    monkeypatch.setattr(fit_module.evaluate, "test_metrics", synced)
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    assert "GPU compute (forward + backward): " in capsys.readouterr().out
+
+
+def test_a_run_stopped_mid_epoch_counts_its_open_epoch_s_training_and_final_evaluation(tmp_path):
+    """results' seconds: the finished epochs' lines, plus the open epoch's training so far and
+    its final evaluation (each step and evaluation batch sleeps, so every part is sizeable)."""
+    def step(m, batch):
+        time.sleep(0.01)
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+
+    # 64 samples in batches of 32: 2 steps an epoch; step 5 is the first of epoch 3
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__epochs=3, train__max_steps=5), step_fn=step)
+    epochs = read_jsonl(tmp_path / "run/epochs.jsonl")
+    final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
+    assert len(epochs) == 2 and final["step"] == 5 and final["seconds"] > 0.01
+    trained = sum(r["train_seconds"] for r in epochs)  # the closed epochs' training
+    assert trained > 0.04
+    open_epoch = result.results["train_seconds"] - trained + final["seconds"]
+    assert result.results["seconds"] == pytest.approx(
+        sum(r["seconds"] for r in epochs) + open_epoch, abs=2e-3)
