@@ -10,12 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.engine import fit as fit_module
 from ironloop.engine.fit import settings_of
-from ironloop.errors import ConfigError
+from ironloop.engine.step_fns import lm_step
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.time_split import advice
 from tests.conftest import blobs, cfg, tiny_mlp
@@ -312,3 +314,58 @@ def test_a_run_stopped_mid_epoch_counts_its_open_epoch_s_training_and_final_eval
     open_epoch = result.results["train_seconds"] - trained + final["seconds"]
     assert result.results["seconds"] == pytest.approx(
         sum(r["seconds"] for r in epochs) + open_epoch, abs=2e-3)
+
+
+# --- fit()'s arguments and the config it resolves --------------------------------------------
+
+def test_a_config_that_is_not_a_config_dict_or_none_is_refused_naming_its_type():
+    assert fit_module.as_config(None) == ironloop.Config()
+    given = ironloop.Config()
+    assert fit_module.as_config(given) is given
+    both = fit_module.as_config({"train": {"epochs": 3}, "optim.lr": 0.5})
+    assert (both.train.epochs, both.optim.lr) == (3, 0.5)
+    with pytest.raises(ConfigError) as e:
+        fit_module.as_config(["train.epochs=3"])
+    assert str(e.value) == "config must be an ironloop.Config, a dict or None, not list"
+
+
+def test_fit_s_required_arguments_are_refused_in_one_full_line(tmp_path):
+    with pytest.raises(UserError) as e:
+        ironloop.fit(lambda x: x, blobs(), None, cfg(tmp_path))
+    assert str(e.value) == ("model must be a torch.nn.Module, not function; pass the model "
+                            "instance (a function: wrap it in an nn.Module's forward)")
+    with pytest.raises(DataError) as e:
+        ironloop.fit(tiny_mlp(), None, None, cfg(tmp_path))
+    assert str(e.value) == ("train_data is None; pass the training split: a Dataset, a "
+                            "DataLoader, a Hugging Face datasets.Dataset or an (inputs, "
+                            "targets) pair")
+
+
+def test_named_validation_sets_monitor_the_first_set_s_loss_unless_a_metric_is_chosen():
+    sets = {"clean": blobs(8), "noisy": blobs(8, seed=1)}
+    base = ironloop.Config()
+    assert fit_module.resolved(base, blobs(8), None, sets).early_stop.metric == "val_clean_loss"
+    chosen = base.with_overrides({"early_stop.metric": "val_noisy_acc"})
+    assert fit_module.resolved(chosen, blobs(8), None, sets).early_stop.metric == "val_noisy_acc"
+    assert fit_module.resolved(base, blobs(8), None, blobs(8)).early_stop.metric == "val_loss"
+    assert fit_module.resolved(base, blobs(8), None, None).early_stop.metric == "val_loss"
+
+
+def test_the_lm_step_reports_perplexity_by_default_and_other_steps_do_not():
+    base = ironloop.Config()
+    assert fit_module.resolved(base, blobs(8), lm_step).eval.perplexity
+    named = base.with_overrides({"train.step_fn": "lm"})
+    assert fit_module.resolved(named, blobs(8), None).eval.perplexity
+    assert not fit_module.resolved(base, blobs(8), None).eval.perplexity
+
+
+def test_a_passed_dataloader_s_batch_size_is_the_run_s():
+    loader = DataLoader(blobs(40), batch_size=5)
+    assert fit_module.resolved(ironloop.Config(), loader, None).train.batch_size == 5
+
+
+def test_the_local_rank_comes_from_torchrun_s_environment(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert fit_module._env_local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert fit_module._env_local_rank() == 3
