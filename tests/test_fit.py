@@ -369,3 +369,22 @@ def test_the_local_rank_comes_from_torchrun_s_environment(monkeypatch):
     assert fit_module._env_local_rank() == 0
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert fit_module._env_local_rank() == 3
+
+
+def test_results_of_a_run_without_validation_have_no_best_and_count_its_epochs(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    got = result.results
+    assert {k: got[k] for k in (
+        "best_val_acc", "final_val_acc", "best_epoch", "monitor", "test_acc", "test_loss",
+        "steps", "epochs", "stopped_early", "restored_best", "stopped_by_callback",
+        "precision", "device")} == {
+        "best_val_acc": None, "final_val_acc": None, "best_epoch": None,
+        "monitor": {"val_loss": None}, "test_acc": None, "test_loss": None, "steps": 2,
+        "epochs": 1, "stopped_early": False, "restored_best": False,
+        "stopped_by_callback": False, "precision": "fp32", "device": "cpu"}
+    assert not {"stopped_mid_epoch", "tokens", "tokens_per_s", "final_val_ppl",
+                "test_weights"} & got.keys()
+    (epoch,) = read_jsonl(tmp_path / "run/epochs.jsonl")
+    assert got["seconds"] == epoch["seconds"]  # no open epoch adds to the closed one
+    assert 0 < got["train_seconds"] <= got["wall_seconds_this_process"] < 600
+    assert json.loads((tmp_path / "run/results.json").read_text()) == got
