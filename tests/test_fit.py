@@ -308,7 +308,7 @@ def test_a_run_stopped_mid_epoch_counts_its_open_epoch_s_training_and_final_eval
                           cfg(tmp_path, train__epochs=3, train__max_steps=5), step_fn=step)
     epochs = read_jsonl(tmp_path / "run/epochs.jsonl")
     final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
-    assert len(epochs) == 2 and final["step"] == 5 and final["seconds"] > 0.01
+    assert len(epochs) == 2 and final["step"] == 5 and 0.01 < final["seconds"] < 60
     trained = sum(r["train_seconds"] for r in epochs)  # the closed epochs' training
     assert trained > 0.04
     open_epoch = result.results["train_seconds"] - trained + final["seconds"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -192,3 +193,16 @@ def test_an_epoch_line_carries_the_guard_s_totals_once_a_step_was_bad(tmp_path):
     first, second = read_jsonl(tmp_path / "run" / "epochs.jsonl")
     assert "bad_steps" not in first  # no news yet
     assert (second["bad_steps"], second["rollbacks"]) == (1, 0)
+
+
+def test_a_patience_of_1_stops_at_the_first_worse_evaluation_and_restores_the_best(tmp_path):
+    train, val = blobs(128), blobs(64, seed=1)
+    val = type(val)(val.x, (val.y + 1) % 3)  # val disagrees with train: val loss worsens
+    model = tiny_mlp()
+    result = ironloop.fit(model, train, val, cfg(tmp_path, train__epochs=20, optim__lr=0.01,
+                                                 early_stop__patience=1))
+    epochs = read_jsonl(tmp_path / "run" / "epochs.jsonl")
+    assert result.results["stopped_early"] and result.results["restored_best"]
+    assert epochs[-1]["val_loss"] > epochs[-2]["val_loss"]  # one worse evaluation ended it
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)["model"]
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
