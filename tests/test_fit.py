@@ -388,3 +388,18 @@ def test_results_of_a_run_without_validation_have_no_best_and_count_its_epochs(t
     assert got["seconds"] == epoch["seconds"]  # no open epoch adds to the closed one
     assert 0 < got["train_seconds"] <= got["wall_seconds_this_process"] < 600
     assert json.loads((tmp_path / "run/results.json").read_text()) == got
+    assert (tmp_path / "run/results.json").read_text().startswith(
+        '{\n  "best_val_acc": null,\n  "final_val_acc": null,\n')  # indented, for people
+
+
+def test_a_run_whose_first_epoch_is_best_records_epoch_1(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__epochs=1))
+    assert result.results["best_epoch"] == 1
+
+
+def test_a_run_stopped_mid_epoch_reports_its_final_evaluation_s_accuracy(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__batch_size=16, train__max_steps=3))
+    final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
+    assert final["step"] == 3 and result.results["final_val_acc"] == final["val_acc"]
