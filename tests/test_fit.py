@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import ironloop
 from ironloop.callbacks import Callback
+from ironloop.engine import fit as fit_module
 from ironloop.engine.fit import settings_of
-from ironloop.errors import ConfigError
+from ironloop.engine.step_fns import lm_step
+from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.outputs.time_split import advice
 from tests.conftest import blobs, cfg, tiny_mlp
@@ -258,3 +262,144 @@ def test_every_time_table_setting_is_read_from_the_run_s_config_and_module(monke
         (False, False, "LBFGS", False)
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS, Windows: the machine's count
     assert settings_of(run).cores == 64
+
+
+def test_the_test_split_of_a_run_without_checkpoints_is_measured_on_the_restored_best(tmp_path):
+    """Early stopping restored the best weights in memory (there is no best.pt to read): the
+    test split measures those and says so."""
+    train, val = blobs(n=128), blobs(n=64, seed=1)
+    val = type(val)(val.x, (val.y + 1) % 3)  # val disagrees with train: val loss worsens
+    test = blobs(40, seed=2)
+    result = ironloop.fit(tiny_mlp(), train, val,
+                          cfg(tmp_path, train__epochs=20, early_stop__patience=2,
+                              optim__lr=0.01, checkpoint__enabled=False), test_data=test)
+    assert result.results["restored_best"]
+    assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
+    assert result.results["test_weights"] == "best"
+    with torch.no_grad():
+        loss = float(torch.nn.functional.cross_entropy(result.model.eval()(test.x), test.y))
+    assert result.results["test_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_synchronized_time_split_prints_the_gpu_compute_share(tmp_path, monkeypatch, capsys):
+    """profile.sync's timer (CUDA only) reaches the time table, which then adds the share of
+    the step spent in forward + backward. The CPU timer never syncs: it is set here, after
+    the loop and before the table."""
+    real = fit_module.evaluate.test_metrics
+
+    def synced(run, restored):
+        run.outputs.timer.sync = True
+        return real(run, restored)
+
+    monkeypatch.setattr(fit_module.evaluate, "test_metrics", synced)
+    ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    assert "GPU compute (forward + backward): " in capsys.readouterr().out
+
+
+def test_a_run_stopped_mid_epoch_counts_its_open_epoch_s_training_and_final_evaluation(tmp_path):
+    """results' seconds: the finished epochs' lines, plus the open epoch's training so far and
+    its final evaluation (each step and evaluation batch sleeps, so every part is sizeable)."""
+    def step(m, batch):
+        time.sleep(0.01)
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1]), {}
+
+    # 64 samples in batches of 32: 2 steps an epoch; step 5 is the first of epoch 3
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__epochs=3, train__max_steps=5), step_fn=step)
+    epochs = read_jsonl(tmp_path / "run/epochs.jsonl")
+    final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
+    assert len(epochs) == 2 and final["step"] == 5 and 0.01 < final["seconds"] < 60
+    trained = sum(r["train_seconds"] for r in epochs)  # the closed epochs' training
+    assert trained > 0.04
+    open_epoch = result.results["train_seconds"] - trained + final["seconds"]
+    assert result.results["seconds"] == pytest.approx(
+        sum(r["seconds"] for r in epochs) + open_epoch, abs=2e-3)
+
+
+# --- fit()'s arguments and the config it resolves --------------------------------------------
+
+def test_a_config_that_is_not_a_config_dict_or_none_is_refused_naming_its_type():
+    assert fit_module.as_config(None) == ironloop.Config()
+    given = ironloop.Config()
+    assert fit_module.as_config(given) is given
+    both = fit_module.as_config({"train": {"epochs": 3}, "optim.lr": 0.5})
+    assert (both.train.epochs, both.optim.lr) == (3, 0.5)
+    with pytest.raises(ConfigError) as e:
+        fit_module.as_config(["train.epochs=3"])
+    assert str(e.value) == "config must be an ironloop.Config, a dict or None, not list"
+
+
+def test_fit_s_required_arguments_are_refused_in_one_full_line(tmp_path):
+    with pytest.raises(UserError) as e:
+        ironloop.fit(lambda x: x, blobs(), None, cfg(tmp_path))
+    assert str(e.value) == ("model must be a torch.nn.Module, not function; pass the model "
+                            "instance (a function: wrap it in an nn.Module's forward)")
+    with pytest.raises(DataError) as e:
+        ironloop.fit(tiny_mlp(), None, None, cfg(tmp_path))
+    assert str(e.value) == ("train_data is None; pass the training split: a Dataset, a "
+                            "DataLoader, a Hugging Face datasets.Dataset or an (inputs, "
+                            "targets) pair")
+
+
+def test_named_validation_sets_monitor_the_first_set_s_loss_unless_a_metric_is_chosen():
+    sets = {"clean": blobs(8), "noisy": blobs(8, seed=1)}
+    base = ironloop.Config()
+    assert fit_module.resolved(base, blobs(8), None, sets).early_stop.metric == "val_clean_loss"
+    chosen = base.with_overrides({"early_stop.metric": "val_noisy_acc"})
+    assert fit_module.resolved(chosen, blobs(8), None, sets).early_stop.metric == "val_noisy_acc"
+    assert fit_module.resolved(base, blobs(8), None, blobs(8)).early_stop.metric == "val_loss"
+    assert fit_module.resolved(base, blobs(8), None, None).early_stop.metric == "val_loss"
+
+
+def test_the_lm_step_reports_perplexity_by_default_and_other_steps_do_not():
+    base = ironloop.Config()
+    assert fit_module.resolved(base, blobs(8), lm_step).eval.perplexity
+    named = base.with_overrides({"train.step_fn": "lm"})
+    assert fit_module.resolved(named, blobs(8), None).eval.perplexity
+    assert not fit_module.resolved(base, blobs(8), None).eval.perplexity
+
+
+def test_a_passed_dataloader_s_batch_size_is_the_run_s():
+    loader = DataLoader(blobs(40), batch_size=5)
+    assert fit_module.resolved(ironloop.Config(), loader, None).train.batch_size == 5
+
+
+def test_the_local_rank_comes_from_torchrun_s_environment(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert fit_module._env_local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert fit_module._env_local_rank() == 3
+
+
+def test_results_of_a_run_without_validation_have_no_best_and_count_its_epochs(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), None, cfg(tmp_path, train__epochs=1))
+    got = result.results
+    assert {k: got[k] for k in (
+        "best_val_acc", "final_val_acc", "best_epoch", "monitor", "test_acc", "test_loss",
+        "steps", "epochs", "stopped_early", "restored_best", "stopped_by_callback",
+        "precision", "device")} == {
+        "best_val_acc": None, "final_val_acc": None, "best_epoch": None,
+        "monitor": {"val_loss": None}, "test_acc": None, "test_loss": None, "steps": 2,
+        "epochs": 1, "stopped_early": False, "restored_best": False,
+        "stopped_by_callback": False, "precision": "fp32", "device": "cpu"}
+    assert not {"stopped_mid_epoch", "tokens", "tokens_per_s", "final_val_ppl",
+                "test_weights"} & got.keys()
+    (epoch,) = read_jsonl(tmp_path / "run/epochs.jsonl")
+    assert got["seconds"] == epoch["seconds"]  # no open epoch adds to the closed one
+    assert 0 < got["train_seconds"] <= got["wall_seconds_this_process"] < 600
+    assert json.loads((tmp_path / "run/results.json").read_text()) == got
+    assert (tmp_path / "run/results.json").read_text().startswith(
+        '{\n  "best_val_acc": null,\n  "final_val_acc": null,\n')  # indented, for people
+
+
+def test_a_run_whose_first_epoch_is_best_records_epoch_1(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__epochs=1))
+    assert result.results["best_epoch"] == 1
+
+
+def test_a_run_stopped_mid_epoch_reports_its_final_evaluation_s_accuracy(tmp_path):
+    result = ironloop.fit(tiny_mlp(), blobs(64), blobs(32, seed=1),
+                          cfg(tmp_path, train__batch_size=16, train__max_steps=3))
+    final = read_jsonl(tmp_path / "run/evals.jsonl")[-1]
+    assert final["step"] == 3 and result.results["final_val_acc"] == final["val_acc"]
