@@ -290,14 +290,19 @@ def test_a_new_node_fetches_the_newest_checkpoint_and_its_logs(remote, tmp_path)
         f"not downloaded (delete the local ones to take them)")
 
 
-@pytest.mark.usefixtures("quick_lease")
-def test_a_damaged_remote_checkpoint_is_skipped_for_the_older_one(remote, tmp_path):
+def _push_two(remote, tmp_path) -> None:
+    """Steps 1 and 2 on the remote, each landed, the mirror closed."""
     mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
     for step in (1, 2):
         path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
         mirror.push(step, {path.name: path}, "file", False)
         _landed(mirror, step)
     mirror.close()
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_damaged_remote_checkpoint_is_skipped_for_the_older_one(remote, tmp_path):
+    _push_two(remote, tmp_path)
     remote.write("step-00000002.pt", b"weights X")  # same size, other bytes
     said: list[str] = []
     got = fetch_newest(remote, tmp_path / "new", -1, said.append)
@@ -432,12 +437,7 @@ def test_a_fetch_whose_temp_folder_is_already_gone_at_its_clean_up_still_succeed
 @pytest.mark.usefixtures("quick_lease")
 def test_a_local_os_error_in_a_fetch_is_warned_in_one_short_line_and_falls_back(
         remote, tmp_path):
-    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
-    for step in (1, 2):
-        path = _checkpoint(tmp_path / "ck", step, f"weights {step}".encode())
-        mirror.push(step, {path.name: path}, "file", False)
-        _landed(mirror, step)
-    mirror.close()
+    _push_two(remote, tmp_path)
 
     def check(path):  # the checkpoint's own load check meets an I/O error on step 2
         if path.name == "step-00000002.pt":
