@@ -305,3 +305,24 @@ def test_a_two_rank_meter_resumed_on_one_process_sums_the_ranks_losses_and_sampl
     resumed.load_state_dict(merged)
     assert resumed.flush_epoch()["train_loss"] == 2.0  # the mean over both ranks' samples
     assert rank_meter(saved, 1, 2) == states[1]  # the same world size: each rank its own
+
+
+def test_a_two_rank_token_weighted_meter_resumed_elsewhere_sums_the_ranks_tokens_on_rank_0():
+    # A language model's loss is logged per token: the tokens, like the loss and the samples,
+    # are summed over the ranks at each log, so rank 0 takes every rank's and the others none.
+    states = []
+    for loss, tokens in ((1.0, 10), (4.0, 30)):
+        meter = Meter(torch.device("cpu"))
+        meter.add_micro(torch.tensor(loss), 2, weight=torch.tensor(float(tokens)))
+        meter.add_step(torch.tensor(0.5), torch.tensor(False), None)
+        states.append(meter.state_dict())
+    saved = {**states[0], "ranks": states}
+    merged = rank_meter(saved, 0, 1)
+    assert merged["totals"].tolist() == [130.0, 0.0, 0.0, 40.0]  # loss 1*10 + 4*30, 40 tokens
+    resumed = Meter(torch.device("cpu"))
+    resumed.load_state_dict(merged)
+    assert resumed.flush_epoch()["train_loss"] == 130.0 / 40  # the mean per token, both ranks
+    assert rank_meter(saved, 1, 3)["totals"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    # a checkpoint from before token weights holds three totals: still read
+    old = [{**s, "totals": s["totals"][:3]} for s in states]
+    assert rank_meter({**old[0], "ranks": old}, 0, 1)["totals"].tolist() == [130.0, 0.0, 0.0]

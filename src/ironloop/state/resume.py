@@ -65,12 +65,13 @@ def restore_rng(state: dict) -> None:
 
 def rank_meter(meter: dict, rank: int, size: int) -> dict:
     """This rank's meter state from a checkpoint's, so that the logged means (sums over every
-    rank's samples, see engine/progress.py) continue as if the run had not stopped.
+    rank's samples and tokens, see engine/progress.py) continue as if the run had not stopped.
 
     On the world size that wrote it, each rank gets its own sums back. On another, rank 0 gets
-    the sums of every rank that wrote it and the others start from zero: the sums over ranks,
-    and so the logged losses, are the same up to the order of the additions. Counts that every
-    rank shares (steps, clipped and skipped steps, the training time) come from rank 0.
+    the sums (loss, samples, tokens) of every rank that wrote it and the others start from zero:
+    the sums over ranks, and so the logged losses, are the same up to the order of the
+    additions. Counts that every rank shares (steps, clipped and skipped steps, the training
+    time) come from rank 0.
     """
     ranks = meter.get("ranks")
     if not ranks:  # one process wrote it, or an ironloop from before per-rank meters
@@ -78,9 +79,12 @@ def rank_meter(meter: dict, rank: int, size: int) -> dict:
     if len(ranks) == size:
         return ranks[rank]
 
-    def loss_and_samples(get, into: dict) -> None:  # element 0 of totals: the loss sum
+    def loss_and_samples(get, into: dict) -> None:
         totals = get(ranks[0])["totals"].clone()
-        totals[0] = sum(get(r)["totals"][0] for r in ranks) if rank == 0 else 0.0
+        # the loss sum (element 0) and the tokens (3, absent before token weights) are summed
+        # over the ranks at every log, as the samples are (Meter._since)
+        for i in [i for i in (0, 3) if i < len(totals)]:
+            totals[i] = sum(get(r)["totals"][i] for r in ranks) if rank == 0 else 0.0
         into["totals"] = totals
         into["samples"] = sum(get(r)["samples"] for r in ranks) if rank == 0 else 0
 
