@@ -48,6 +48,8 @@ def test_mnist1d_has_its_standard_4000_1000_split():
     b = build_data(data_cfg("data.name=mnist1d"))
     assert len(b.train) + len(b.val) == 4000 and len(b.test) == 1000
     assert b.input_shape == (1, 40) and b.num_classes == 10
+    # float32 like the model's weights (mnist1d's arrays are float64), every split
+    assert {b.train.x.dtype, b.val.x.dtype, b.test.x.dtype} == {torch.float32}
 
 
 def test_synthetic_shape_and_classes():

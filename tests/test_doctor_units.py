@@ -683,6 +683,7 @@ def test_classes_missing_from_train_are_listed():
     assert missing.severity == "warning"
     assert missing.measured == "train: 2 of 4 classes never appear: [2, 3]"
     assert "wrong num_classes" in missing.cause and balance.severity == "info"
+    assert missing.fix == "check the split and the number of classes"
     (ten, _) = data_checks.check_labels(labelled([0], c=11))
     assert ten.measured == f"train: 10 of 11 classes never appear: {list(range(1, 11))}"
 

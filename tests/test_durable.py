@@ -143,13 +143,13 @@ def test_a_resumed_run_log_hands_its_trackers_what_they_lack_up_to_the_resume_st
 
 
 def test_catch_up_sends_every_row_of_a_kind_the_tracker_holds_nothing_of(tmp_path):
-    for kind, rows in (("metrics", (1, 2, 3)), ("epochs", (2,))):
+    for kind, rows in (("metrics", (1, 2, 3)), ("epochs", (1, 3))):  # one-step epochs
         (tmp_path / f"{kind}.jsonl").write_text(
             "".join(json.dumps({"step": s}) + "\n" for s in rows))
     fresh = Store(held={"metrics": 1})  # its files name no epochs: it holds none of them
     durable.catch_up([durable.Durable(fresh, 0)], tmp_path, 3)
     assert [(k, r["step"]) for k, r in fresh.rows] == \
-        [("metrics", 2), ("metrics", 3), ("epochs", 2)]
+        [("metrics", 2), ("metrics", 3), ("epochs", 1), ("epochs", 3)]  # step 1's too
 
 
 def test_catch_up_skips_a_row_without_a_step(tmp_path):

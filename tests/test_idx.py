@@ -125,6 +125,15 @@ def test_truncated_payload(tmp_path, gz):
     assert isinstance(e.value, UserError)
 
 
+
+def test_each_dimension_is_read_as_a_whole_32_bit_big_endian_count(tmp_path):
+    # A count of 2**24 + 1 has a byte beyond the low three: a parser that dropped the top byte
+    # would read 1 item and take this one-byte file as complete.
+    path = tmp_path / "huge-count-idx1-ubyte"
+    path.write_bytes(bytes.fromhex("00000801") + (2**24 + 1).to_bytes(4, "big") + b"\x07")
+    with pytest.raises(DataError, match=r"dims \(16777217,\) = 16777217 bytes of data, file has 1"):
+        read_idx(path)
+
 def test_truncated_gz(tmp_path):
     path = tmp_path / "cut-idx3-ubyte.gz"
     rng = np.random.default_rng(0)
