@@ -72,6 +72,12 @@ def test_a_manager_without_a_remote_mirror_closes_quietly(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_on_one_process_the_manager_makes_its_directory_at_its_start_before_any_save(tmp_path):
+    directory = tmp_path / "run" / "checkpoints"
+    manager = sharded.ShardedCheckpointManager(directory, keep_last=1)
+    assert directory.is_dir() and list(directory.iterdir()) == []  # as CheckpointManager's
+    manager.close()
+
 def test_the_checkpoint_directory_is_fsynced_after_the_renames(tmp_path, monkeypatch):
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
     _save(manager, 4)

@@ -4,6 +4,7 @@ names, the mirror's retries and retention. The end-to-end runs are in tests/test
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -55,6 +56,57 @@ def test_a_lease_is_live_up_to_exactly_ttl_s_after_its_last_refresh(monkeypatch)
     assert found.live()  # at TTL_S exactly: not yet expired
     now[0] += 0.001
     assert not found.live()
+
+
+def _a_pid_that_is_gone() -> int:
+    """A pid no process has: one above the kernel's pid_max (a killed run's, in effect)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid = int(f.read()) + 1
+    except OSError:
+        pid = 2**22 + 1
+    assert not remote_lease.alive(pid)
+    return pid
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_lease_on_this_host_is_live_while_its_process_lives_or_this_process_holds_it(remote):
+    here = socket.gethostname()
+    killed = Lease("lineage", host=here, pid=_a_pid_that_is_gone())
+    assert not killed.live()  # its process is gone: nobody refreshes it any more
+    assert Lease("lineage", host=here, pid=os.getppid()).live()  # another live process's
+    ours = Lease("lineage", host=here)  # this process's pid, a run it no longer holds
+    assert not ours.live()
+    holder = Holder(remote, ours)  # this process holds it: live, though its pid is ours
+    try:
+        assert ours.live()
+    finally:
+        holder.release(wait_s=5)
+    assert not ours.live()
+    # the killed run's prefix is taken over at once by its restart, without waiting TTL_S
+    remote_lease._write(remote, killed)
+    restarted = remote_lease.claim(remote, resume=True, say=pytest.fail)
+    try:
+        assert remote_lease.read(remote).run == restarted.lease.run != killed.run
+        assert restarted.lease.lineage == "lineage"
+    finally:
+        restarted.release(wait_s=5)
+
+
+@pytest.mark.parametrize(("ago", "said"), [(0.4, "0"), (-2.0, "0"), (7.6, "8")],
+                         ids=["just-now", "clock-ahead", "seconds-ago"])
+def test_a_fresh_run_refused_a_live_prefix_is_told_how_long_ago_its_lease_was_refreshed(
+        remote, monkeypatch, ago, said):
+    now = 1_000_000.0
+    monkeypatch.setattr(remote_lease.time, "time", lambda: now)
+    found = Lease("lineage", host="another-node", pid=77, refreshed=now - ago)
+    remote_lease._write(remote, found)
+    with pytest.raises(UserError) as e:
+        remote_lease.claim(remote, resume=False, say=pytest.fail)
+    assert str(e.value) == (
+        f"checkpoint.remote {remote.url} is in use by {found.who()}, whose lease was refreshed "
+        f"{said} s ago; wait for that run to end, or choose another checkpoint.remote")
+    assert remote_lease.read(remote) == found  # its lease stays
 
 
 @pytest.mark.parametrize("then", ["released", "deleted"])
@@ -288,6 +340,49 @@ def test_a_new_node_fetches_the_newest_checkpoint_and_its_logs(remote, tmp_path)
     assert restore_logs(remote, seen[0], new) == (  # run.dir's own logs are never replaced
         f"notice: kept run.dir's own metrics.jsonl; the remote's logs at step 2 ({where}) were "
         f"not downloaded (delete the local ones to take them)")
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_after_an_outage_at_the_start_the_first_upload_claims_the_prefix_and_cleans_up_once(
+        remote, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_module, "_BACKOFF_S", 0.001)
+    first = Mirror(remote, tmp_path / "staging", keep_last=3, warn=pytest.fail)
+    for step in (1, 2, 3):  # the run, killed after step 3: it resumes from step 1
+        path = _checkpoint(tmp_path / "old", step, f"old {step}".encode())
+        first.push(step, {path.name: path}, "file", False)
+        _landed(first, step)
+    first.close()
+    read = remote.fs.cat_file
+    down = [2]  # the resume's claim at its start, and the first upload's first try
+
+    def cat_file(path, *args, **kwargs):
+        if down[0]:
+            down[0] -= 1
+            raise ConnectionError("connection refused")
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(remote.fs, "cat_file", cat_file)
+    said: list[str] = []
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=3, warn=said.append)
+    assert mirror.discard_after(1) == []  # the store is down: deferred to the upload thread
+    for step in (2, 3):
+        path = _checkpoint(tmp_path / "new", step, f"new {step}".encode())
+        mirror.push(step, {path.name: path}, "file", False)
+        _landed(mirror, step)
+    mirror.close()
+    assert mirror.uploaded == [2, 3] and mirror.failed == []
+    down_says = (f"checkpoint.remote {remote.url} cannot be used (ConnectionError: connection "
+                 f"refused); check its endpoint, credentials and network")
+    assert said == [
+        f"warning: {down_says}; training goes on from run.dir and uploads retry in the "
+        f"background",
+        f"warning: uploading the prefix's lease to {remote.url} failed (connection refused); "
+        f"retry 1 of 5 in 0.001 s",
+        *(f"notice: removed {remote.show(f'step-0000000{s}')} from the remote: it is past the "
+          f"step this run resumed from" for s in (2, 3))]  # once: at the first upload only
+    assert remote.manifests() == [1, 2, 3]  # the second upload deleted nothing of the first's
+    assert [remote.read(f"step-0000000{s}.pt") for s in (1, 2, 3)] == [b"old 1", b"new 2",
+                                                                      b"new 3"]
 
 
 def _push_two(remote, tmp_path) -> None:
