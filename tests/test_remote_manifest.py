@@ -86,6 +86,13 @@ def test_bytes_that_are_not_json_are_refused(data):
         checked(data, STEP)
 
 
+def test_bytes_that_are_not_json_are_refused_quoting_the_parsers_reason():
+    with pytest.raises(CheckpointError) as e:
+        checked(b"{", STEP)
+    assert str(e.value) == ("its manifest is not JSON (Expecting property name enclosed in "
+                            "double quotes: line 1 column 2 (char 1))")
+
+
 @pytest.mark.parametrize("good", [GOOD, GOOD_DCP, {k: v for k, v in GOOD.items()
                                                    if k not in ("logs", "world_size")}],
                          ids=["file", "dcp", "older, without logs"])
