@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
-from ironloop.errors import UserError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.state import remote as remote_module, remote_lease
 from ironloop.state.io import file_digest
 from ironloop.state.remote import Mirror, fetch_newest, restore_logs
 from ironloop.state.remote_lease import Holder, Lease
-from ironloop.state.remote_store import open_remote
+from ironloop.state.remote_store import StoreUnavailable, open_remote
 
 
 @pytest.fixture
@@ -208,6 +208,87 @@ def test_a_started_holder_refreshes_its_lease_in_the_store(remote, monkeypatch):
     assert back is not None and back.run == lease.run and back.refreshed > 0.0 and said == []
 
 
+class _Ticks:
+    """A holder's stop event whose wait returns at once: ``ticks`` refreshes, then stopped.
+    Records each wait's timeout, so the refresher runs in the test's own thread."""
+
+    def __init__(self, ticks: int):
+        self.ticks, self.waited = ticks, []
+
+    def wait(self, timeout: float) -> bool:
+        self.waited.append(timeout)
+        return len(self.waited) > self.ticks
+
+    def set(self) -> None:
+        pass
+
+
+def test_the_refresher_rewrites_the_lease_every_third_of_ttl_s_until_stopped(remote):
+    lease = Lease("lineage", refreshed=0.0)
+    holder = Holder(remote, lease)
+    holder._stop = _Ticks(2)
+    said: list[str] = []
+    before = time.time()
+    holder._refresh(said.append)
+    try:
+        assert holder._stop.waited == [remote_lease.TTL_S / 3] * 3  # two ticks, then stopped
+        back = remote_lease.read(remote)
+        assert back == lease and back.refreshed >= before and not back.released
+        assert holder.owned and said == []
+    finally:
+        holder.release(wait_s=5)
+
+
+@pytest.mark.parametrize("error", [StoreUnavailable("checkpoint.remote x cannot be used"),
+                                   CheckpointError("garbled")], ids=["outage", "damage"])
+def test_the_refresher_rides_out_a_store_error_and_refreshes_at_the_next_tick(remote, error):
+    lease = Lease("lineage", refreshed=0.0)
+    holder = Holder(remote, lease)
+    holder._stop = _Ticks(2)
+    real, calls = remote.read, []
+
+    def down_once(rel):
+        calls.append(rel)
+        if len(calls) == 1:
+            raise error
+        return real(rel)
+
+    remote.read = down_once
+    holder._refresh(pytest.fail)
+    try:
+        assert len(calls) == 2 and len(holder._stop.waited) == 3  # the first tick failed
+        assert remote_lease.read(remote).refreshed > 0.0  # the second one refreshed it
+    finally:
+        holder.release(wait_s=5)
+
+
+def test_a_lease_taken_over_stops_its_refresher_and_its_release_writes_nothing(remote):
+    mine = Lease("lineage")
+    holder = Holder(remote, mine)
+    other = Lease("lineage", host="another-node", pid=77)
+    remote_lease._write(remote, other)
+    holder._stop = _Ticks(3)
+    said: list[str] = []
+    holder._refresh(said.append)
+    assert len(holder._stop.waited) == 1 and not holder.owned  # stopped at the first tick
+    assert said == [f"warning: checkpoint.remote {remote.url} was taken over by {other.who()}; "
+                    f"this run uploads on but deletes nothing there"]
+    holder.release(wait_s=5)
+    assert remote_lease.read(remote) == other  # not marked released by the run it lost to
+
+
+def test_the_lease_refresher_is_a_daemon_thread_that_never_holds_the_exit(remote):
+    holder = Holder(remote, Lease("lineage"))
+    before = set(threading.enumerate())
+    holder.start(pytest.fail)
+    try:
+        started = [t for t in threading.enumerate() if t not in before]
+        assert [(t.name, t.daemon) for t in started] == [("ironloop-remote-lease", True)]
+        assert holder.started
+    finally:
+        holder.release(wait_s=5)
+
+
 def test_a_local_remote_makes_the_folders_its_objects_go_in(tmp_path):
     store = open_remote(str(tmp_path / "remote"))
     store.write("manifests/step-00000001.json", b"{}")
@@ -232,6 +313,14 @@ def test_removing_a_checkpoint_removes_its_manifest_rank_markers_folders_and_log
     assert remote.names("manifests") == ["step-00000004.json"]
     assert remote.step_objects() == {4: ["step-00000004.pt", "logs/step-00000004"]}
     assert remote.names("step-00000003.dcp") == []
+
+
+def test_removing_a_checkpoint_whose_objects_are_gone_removes_its_manifest(remote):
+    remote.write("manifests/step-00000003.json", b"{}")
+    remote.write("manifests/step-00000004.json", b"{}")
+    remote.write("step-00000004.pt", b"x")
+    remote.remove_checkpoint(3)  # a manifest alone: its objects were deleted before
+    assert remote.manifests() == [4] and remote.step_objects() == {4: ["step-00000004.pt"]}
 
 
 def test_run_dir_records_its_lineage_and_reads_back_only_a_well_formed_one(tmp_path):
@@ -566,3 +655,61 @@ def test_rank_0s_manifest_takes_the_files_of_every_other_rank(remote, tmp_path):
     job = _Job(5, "dcp", False, tmp_path / "s5", world_size=3)
     assert mirror._other_ranks(job) == {**files[1], **files[2]}
     mirror.close()
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_an_os_error_restoring_the_logs_is_warned_in_one_short_line_and_restores_nothing(
+        remote, tmp_path):
+    manifest = {"step": 1, "logs": {"logs/step-00000001/metrics.jsonl": {
+        "blake2b": "ab" * 64, "size": 3}}}
+
+    def get(rel, local):  # the new node's disk fails under the download
+        raise OSError("No space left on device\n" + "x" * 200)
+
+    remote.get = get
+    run_dir = tmp_path / "new"
+    run_dir.mkdir()
+    where = remote.show("logs/step-00000001")
+    assert restore_logs(remote, manifest, run_dir) == (
+        f"warning: the remote logs {where} are damaged (No space left on device); resuming "
+        f"without them: run.dir's logs start at step 1")
+    assert list(run_dir.iterdir()) == []  # neither a log nor a temp folder
+
+
+def test_the_upload_thread_is_a_daemon_named_for_ironloop_that_never_holds_the_exit(
+        remote, tmp_path):
+    gate = threading.Event()
+    real = remote.put
+
+    def held(local, rel):  # the upload waits until the thread was looked at
+        gate.wait(10)
+        real(local, rel)
+
+    remote.put = held
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=2, rank=1,
+                    warn=pytest.fail)
+    before = set(threading.enumerate())
+    path = _checkpoint(tmp_path / "ck", 1, b"weights 1")
+    mirror.push(1, {path.name: path}, "file", False)
+    started = [t for t in threading.enumerate() if t not in before]
+    gate.set()
+    _landed(mirror, 1)
+    mirror.close()
+    assert [(t.name, t.daemon) for t in started] == [("ironloop-remote", True)]
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_a_mirror_that_claims_at_its_first_upload_records_the_prefixs_lineage_in_run_dir(
+        remote, tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, warn=pytest.fail,
+                    logs_from=run_dir)
+    assert mirror.lease is None  # the start made no claim (the store was down then)
+    path = _checkpoint(tmp_path / "ck", 1, b"weights 1")
+    mirror.push(1, {path.name: path}, "file", False)
+    _landed(mirror, 1)
+    mirror.close()
+    assert mirror.uploaded == [1]
+    lineage = remote_lease.read(remote).lineage
+    assert remote_lease.recorded(run_dir / "checkpoints") == lineage
