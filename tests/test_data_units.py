@@ -761,6 +761,20 @@ def test_a_plain_test_split_is_batched_with_the_training_dataloaders_collate_fn(
     data.close()
 
 
+def test_a_stream_runs_validation_keeps_the_val_dataloaders_own_batch_size():
+    """A stream trains, but its validation DataLoader is evaluated as it was given (batch size
+    and collate_fn), as beside map-style training data."""
+    from ironloop.data.source import open_data
+
+    config = _config(**{"train.batch_size": 2, "train.max_steps": 3})
+    val = DataLoader(TensorDataset(torch.zeros(6, 5), torch.zeros(6)), batch_size=3,
+                     collate_fn=_collate)
+    data = open_data(config, Counting(), val, None, 0, 1, torch.device("cpu"))
+    assert data.collate_fn is None  # the stream branch: its batches come from the stream
+    assert data.batching["val"].batch_size == 3 and data.batching["val"].collate_fn is _collate
+    data.close()
+
+
 def test_open_data_splits_a_map_style_run_and_counts_its_steps(capsys):
     from ironloop.data.source import MapSource, open_data
 
