@@ -13,6 +13,7 @@ from ironloop.engine import build
 from ironloop.errors import CheckpointError
 from ironloop.state import dcp as sharded
 from tests.conftest import tiny_mlp
+from tests.test_callbacks import StepCounter
 
 
 def _trained():
@@ -240,20 +241,6 @@ def test_batchnorm_with_accumulation_is_warned_about_once_accumulating(capsys):
     assert capsys.readouterr().out == ""
 
 
-class _Counter(Callback):
-    def __init__(self):
-        self.seen = 0
-
-    def on_step_end(self, run, metrics):
-        self.seen += 1
-
-    def state_dict(self):
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state):
-        self.seen = state["seen"]
-
-
 def test_a_run_s_state_loads_back_into_a_fresh_run_part_by_part(tmp_path):
     """Run.state_dict then Run.load_state_dict (a resume, a rollback): progress, meter, tracker,
     the callbacks', the carry, the last evaluation, the LR the last step used, and the guard's
@@ -266,14 +253,14 @@ def test_a_run_s_state_loads_back_into_a_fresh_run_part_by_part(tmp_path):
 
     def built(name):
         return _built(tmp_path / name, val=blobs(32, seed=1),
-                      given=build.Given(step_fn=step, callbacks=[_Counter()]))
+                      given=build.Given(step_fn=step, callbacks=[StepCounter()]))
 
     old, new = built("old"), built("new")
     try:
         old.progress.epoch, old.progress.step, old.progress.offset = 1, 5, 32
         old.meter.add_micro(torch.tensor(2.0), 4)
         old.tracker.best, old.tracker.best_epoch, old.tracker.bad_epochs = 0.5, 1, 2
-        old.hooks.callbacks[0].seen = 5
+        old.hooks.callbacks[0].steps = 5
         old.module.carry.train["n"] = torch.tensor(3.0)
         old.last_eval = {"step": 4, "val_loss": 0.5}
         old.module.lr = 0.0123
@@ -283,7 +270,7 @@ def test_a_run_s_state_loads_back_into_a_fresh_run_part_by_part(tmp_path):
         assert (new.meter.samples, new.meter.loss_sum.item()) == (4, 8.0)
         t = new.tracker
         assert (t.best, t.best_epoch, t.bad_epochs) == (0.5, 1, 2)
-        assert new.hooks.callbacks[0].seen == 5
+        assert new.hooks.callbacks[0].steps == 5
         assert new.module.carry.train["n"].item() == 3.0
         assert new.last_eval == {"step": 4, "val_loss": 0.5}
         assert new.module.lr == 0.0123

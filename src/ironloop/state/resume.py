@@ -79,7 +79,7 @@ def rank_meter(meter: dict, rank: int, size: int) -> dict:
     if len(ranks) == size:
         return ranks[rank]
 
-    def loss_and_samples(get, into: dict) -> None:
+    def summed_on_rank_0(get, into: dict) -> None:
         totals = get(ranks[0])["totals"].clone()
         # the loss sum (element 0) and the tokens (3, absent before token weights) are summed
         # over the ranks at every log, as the samples are (Meter._since)
@@ -89,8 +89,8 @@ def rank_meter(meter: dict, rank: int, size: int) -> dict:
         into["samples"] = sum(get(r)["samples"] for r in ranks) if rank == 0 else 0
 
     merged = {**ranks[0]}
-    loss_and_samples(lambda r: r, merged)
+    summed_on_rank_0(lambda r: r, merged)
     for mark in ("window_mark", "epoch_mark"):
         merged[mark] = {**ranks[0][mark]}
-        loss_and_samples(lambda r, mark=mark: r[mark], merged[mark])
+        summed_on_rank_0(lambda r, mark=mark: r[mark], merged[mark])
     return merged
