@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -105,6 +106,42 @@ def logged_step(run_dir: Path) -> int:
         return 0
 
 
+#: How long a kill test waits for a run to reach the point where it is killed. A run gets there in
+#: seconds; one still short of it after this long is hung (issue 45: stop 52's CI waited on one
+#: for an hour, until its limit ended the run with no test named).
+HANG_S = 300.0
+
+
+def wait_running(proc, reached, what: str, output=lambda: "", every: float = 0.005) -> None:
+    """Poll until ``reached()`` is true or ``proc`` (a Popen or a tests/forked.py Child) ends,
+    every ``every`` seconds (waiting on the files the run writes, not on a clock). A run still
+    short of it after HANG_S is hung: a forked Child gets SIGABRT first (its faulthandler writes
+    every thread's stack into its output), then it is SIGKILLed, and the test fails
+    naming ``what`` with ``output()``'s tail."""
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None and not reached():
+        if time.monotonic() > deadline:
+            if getattr(proc, "dumps_on_abort", False):  # its faulthandler writes every stack
+                proc.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+            proc.kill()
+            proc.wait(timeout=60)
+            pytest.fail(f"no {what} after {HANG_S:.0f} s: the run hung\n{output()[-6000:]}")
+        time.sleep(every)
+
+
+def piped_stderr(proc: subprocess.Popen):
+    """``output`` for wait_running of a run whose stderr is a pipe: what it wrote once it is
+    dead (bounded: a killed run's loader workers can hold the pipe a few seconds longer)."""
+    def read() -> str:
+        try:
+            return proc.communicate(timeout=30)[1] or ""
+        except (subprocess.TimeoutExpired, ValueError) as e:
+            return f"(its stderr could not be read: {e!r})"
+    return read
+
+
 def train_or_kill(cmd: list[str], run_dir: Path, cwd: Path, env: dict,
                   kill_at: int | None = None) -> None:
     """Run ``cmd`` (an ``ironloop train`` into run_dir) to its end, or, with ``kill_at``,
@@ -112,8 +149,8 @@ def train_or_kill(cmd: list[str], run_dir: Path, cwd: Path, env: dict,
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     if kill_at is not None:
-        while proc.poll() is None and logged_step(run_dir) < kill_at:
-            time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+        wait_running(proc, lambda: logged_step(run_dir) >= kill_at, f"step {kill_at}",
+                     piped_stderr(proc))
         assert proc.poll() is None, f"finished before step {kill_at}: {proc.stderr.read()}"
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)

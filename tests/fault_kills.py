@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import REPO, logged_step
+from tests.conftest import REPO, logged_step, piped_stderr, wait_running
 
 STEPS_PER_EPOCH = 45  # ceil(1438 / (16 * 2))
 EPOCHS = 6
@@ -80,8 +80,8 @@ def run_with_kills(run_dir: Path, targets: list[int], rng: random.Random, extra=
     kills = 0
     for target in targets:
         proc = start(run_dir, *extra)
-        while proc.poll() is None and logged_step(run_dir) < target:
-            time.sleep(0.002)
+        wait_running(proc, lambda t=target: logged_step(run_dir) >= t, f"step {target}",
+                     piped_stderr(proc), every=0.002)
         if proc.poll() is not None:  # finished before the target: nothing left to kill
             assert proc.returncode == 0, proc.stderr.read()
             return kills

@@ -7,8 +7,10 @@ the child (``os.waitpid``), so its exit status is the kernel's: -SIGKILL for a k
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -49,6 +51,10 @@ def fork_main(argv: list[str], env: dict[str, str], out: Path, cwd: Path = REPO,
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the child's streams, to its exit)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        # a hung child tells where: SIGABRT (conftest.wait_running) writes every thread's
+        # stack into ``out``, and leaves no core file
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         for handler in logging.root.handlers[:]:  # pytest's capture: a fresh process has none
             logging.root.removeHandler(handler)
         logging.root.setLevel(logging.WARNING)
@@ -73,6 +79,8 @@ def fork_main(argv: list[str], env: dict[str, str], out: Path, cwd: Path = REPO,
 class Child:
     """The forked child, as much of subprocess.Popen as the tests use. Its exit status is the
     kernel's (os.waitpid): -N when a signal N ended it."""
+
+    dumps_on_abort = True  # its faulthandler is on (fork_main)
 
     def __init__(self, pid: int):
         self.pid = pid

@@ -8,7 +8,6 @@ import contextlib
 import copy
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from ironloop.errors import ConfigError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
 from tests import forked
-from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp, wait_running
 from tests.test_host_reads import READS
 
 
@@ -257,8 +256,8 @@ def _kill_at(tmp_path: Path, run_dir: Path, kill_at: int) -> None:
     out = tmp_path / f"{run_dir.name}.{kill_at}.out"
     proc = forked.fork_main(["train", *SIGKILL_ARGS, f"run.dir={run_dir}", "--resume"],
                             {**os.environ, "OMP_NUM_THREADS": "1"}, out, cwd=tmp_path)
-    while proc.poll() is None and logged_step(run_dir) < kill_at:
-        time.sleep(0.005)  # polls the log file the run writes; no timing is asserted
+    wait_running(proc, lambda: logged_step(run_dir) >= kill_at, f"step {kill_at}",
+                 out.read_text)
     assert proc.poll() is None, f"finished before step {kill_at}: {out.read_text()[-3000:]}"
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL

@@ -8,14 +8,13 @@ import math
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from ironloop.outputs.readers import read_jsonl
-from tests.conftest import REPO, logged_step
+from tests.conftest import REPO, logged_step, piped_stderr, wait_running
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
@@ -50,8 +49,7 @@ def test_bpe_gpt2_trains_from_the_cli_and_resumes_exactly_after_kill_9(tmp_path)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(command(run_dir, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    while proc.poll() is None and logged_step(run_dir) < 25:
-        time.sleep(0.005)
+    wait_running(proc, lambda: logged_step(run_dir) >= 25, "step 25", piped_stderr(proc))
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)

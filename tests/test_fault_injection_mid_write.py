@@ -4,12 +4,11 @@ run (tests/fault_kills.py)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import logged_step
+from tests.conftest import logged_step, piped_stderr, wait_running
 from tests.fault_kills import (
     MIN_KILLS,
     assert_bit_exact,
@@ -34,8 +33,8 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write(reference, tmp_path):
     kills = caught_mid_write = 0
     for floor in (20, 70, 120, 170, 220):
         proc = start(run_dir)
-        while proc.poll() is None and not (logged_step(run_dir) >= floor and temp_files(run_dir)):
-            time.sleep(0.0005)
+        wait_running(proc, lambda f=floor: logged_step(run_dir) >= f and bool(temp_files(run_dir)),
+                     f"checkpoint write past step {floor}", piped_stderr(proc), every=0.0005)
         if proc.poll() is None:
             kill(proc)
             kills += 1

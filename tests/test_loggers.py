@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 import ironloop
 from ironloop.config import Config
 from ironloop.outputs import durable, loggers, wandb_file
-from tests.conftest import REPO, blobs, cfg, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, piped_stderr, tiny_mlp, wait_running
 
 
 class Broken(loggers.Logger):
@@ -273,9 +272,9 @@ def test_every_tracker_holds_each_step_once_across_sigkills_and_resumes(tmp_path
     for kill_after in (4, 8):  # metrics lines: past a checkpoint at 3, then at 6
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-        while proc.poll() is None and \
-                (not metrics.exists() or len(metrics.read_text().splitlines()) < kill_after):
-            time.sleep(0.005)
+        wait_running(proc, lambda n=kill_after: metrics.exists() and
+                     len(metrics.read_text().splitlines()) >= n,
+                     f"{kill_after} metrics lines", piped_stderr(proc))
         assert proc.poll() is None, "the run finished before it could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)

@@ -32,7 +32,7 @@ from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import Mirror, fetch_newest, open_remote
 from ironloop.state.remote_store import Remote, StoreUnavailable, short_error
-from tests.conftest import REPO, tiny_mlp
+from tests.conftest import HANG_S, REPO, tiny_mlp
 from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
 __all__ = ["s3", "s3_server", "uninterrupted"]  # fixtures shared with test_remote.py
@@ -496,7 +496,13 @@ def test_two_fresh_runs_started_together_on_one_prefix_one_is_refused(tmp_path):
     url = f"file://{tmp_path}/remote"
     runs = [_popen(tmp_path / f"run{i}", f"checkpoint.remote={url}", "train.epochs=100000")
             for i in range(2)]
+    deadline = time.monotonic() + HANG_S
     while all(p.poll() is None for p in runs):
+        if time.monotonic() > deadline:  # both claimed the prefix (or both hung)
+            for p in runs:
+                p.kill()
+            pytest.fail(f"neither run was refused in {HANG_S:.0f} s:\n"
+                        + "\n".join(p.communicate(timeout=60)[1][-3000:] for p in runs))
         with contextlib.suppress(subprocess.TimeoutExpired):
             runs[0].wait(timeout=0.2)
     refused, going = (runs[0], runs[1]) if runs[0].poll() is not None else (runs[1], runs[0])

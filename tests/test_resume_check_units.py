@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -440,8 +441,9 @@ def test_a_forked_scratch_run_is_polled_killed_and_waited_on_like_a_process(tmp_
     assert failing.wait() == 70  # the spec is missing: main's code for the user's code failing
     assert "FileNotFoundError" in (tmp_path / "failing.log").read_text()
     done = rc.Forked(tmp_path / "missing.json", tmp_path / "done.log", 1)
+    deadline = time.monotonic() + 60
     while done.poll() is None:
-        pass
+        assert time.monotonic() < deadline, "the forked run never ended"
     assert done.returncode == 70 and done.wait() == 70
 
 

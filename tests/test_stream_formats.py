@@ -10,14 +10,13 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import forked
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_running
 from tests.stream_data import write_files
 
 pytestmark = pytest.mark.slow
@@ -80,9 +79,8 @@ def kill_at(cmd: list[str], tmp_path: Path, forward: int) -> None:
     marker, out = tmp_path / "paused", tmp_path / "killed.out"
     marker.unlink(missing_ok=True)
     proc = forked.fork_main(cmd[3:], env(tmp_path, forward), out)
-    while not marker.exists():
-        assert proc.poll() is None, (proc.returncode, out.read_text()[-3000:])
-        time.sleep(0.05)  # waiting on the file the paused process writes
+    wait_running(proc, marker.exists, f"pause at forward {forward}", out.read_text, every=0.05)
+    assert proc.poll() is None, (proc.returncode, out.read_text()[-3000:])
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
 

@@ -7,7 +7,6 @@ import math
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 
 import ironloop
 from ironloop.outputs.readers import read_jsonl
-from tests.conftest import REPO, logged_step
+from tests.conftest import REPO, logged_step, piped_stderr, wait_running
 
 CORPUS = "".join(f"{a} {b} sat on the {c}.\n" for a in ("the cat", "a dog", "my fox")
                  for b in ("quietly", "once") for c in ("mat", "log", "hill"))
@@ -72,8 +71,8 @@ def test_kill_mid_epoch_resumes_with_the_same_hidden_state(tmp_path):
     proc = subprocess.Popen(_cli(run_dir, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     # Kill inside the first epoch, past a mid-epoch checkpoint that carries the hidden state.
-    while proc.poll() is None and logged_step(run_dir) < 9:  # epoch 1 has 15 steps
-        time.sleep(0.005)
+    wait_running(proc, lambda: logged_step(run_dir) >= 9, "step 9",  # epoch 1 has 15 steps
+                 piped_stderr(proc))
     assert proc.poll() is None, proc.stderr.read()
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
