@@ -16,7 +16,10 @@ an abandoned future). So rank 0 claims the prefix before it deletes or uploads a
   refused: the resume would delete that run's checkpoints past its own step;
 * an object store has no compare-and-swap, so after writing its lease a run waits
   ``SETTLE_S`` and reads it back: of two runs that started together, the one whose write
-  landed last goes on and the other is refused.
+  landed last goes on and the other is refused. That assumes each run's write lands within
+  ``SETTLE_S`` of the read that found the prefix free: a run stalled longer in between (a
+  swapping host, a store that answers in seconds) can write after the other's read-back, and
+  both go on; the first one's refresher then finds the other's lease and deletes nothing more.
 
 Times are each host's wall clock: hosts whose clocks differ by more than ``TTL_S`` can
 misjudge a lease.
