@@ -713,3 +713,27 @@ def test_a_mirror_that_claims_at_its_first_upload_records_the_prefixs_lineage_in
     assert mirror.uploaded == [1]
     lineage = remote_lease.read(remote).lineage
     assert remote_lease.recorded(run_dir / "checkpoints") == lineage
+
+
+@pytest.mark.parametrize("rel", ["lease.json", "manifests/step-00000012.json"])
+def test_a_file_system_write_cut_halfway_leaves_the_object_whole_and_no_temp_file(
+        tmp_path, monkeypatch, rel):
+    """A file system's write truncates first: written in place, a write cut off (a kill, an I/O
+    error), or a second writer's, left half an object. It is written beside and renamed."""
+    store = open_remote(f"file://{tmp_path}/remote")
+    store.write(rel, b'{"old": 1}')
+
+    def cut(path, value, **kwargs):  # half the bytes land, then the disk fails
+        with open(path, "wb") as f:
+            f.write(value[: len(value) // 2])
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store.fs, "pipe_file", cut)
+    with pytest.raises(StoreUnavailable, match="Input/output error"):
+        store.write(rel, b'{"new": 2222222222}')
+    monkeypatch.undo()
+    assert store.read(rel) == b'{"old": 1}'
+    folder = (tmp_path / "remote" / rel).parent
+    assert [p.name for p in folder.iterdir()] == [rel.rsplit("/", 1)[-1]]  # no temp file left
+    store.write(rel, b'{"new": 3}')
+    assert store.read(rel) == b'{"new": 3}' and len(list(folder.iterdir())) == 1

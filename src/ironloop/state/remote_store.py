@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class Remote:
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else [fs.protocol]
         self.bucketed = bool(_BUCKETED & set(protocols))
+        self.in_place = bool({"file", "local"} & set(protocols))  # writes truncate, then write
 
     @contextlib.contextmanager
     def _reaching(self):
@@ -82,9 +84,26 @@ class Remote:
             self.fs.put_file(str(local), self.path(rel))
 
     def write(self, rel: str, data: bytes) -> None:
+        """``data`` as the object ``rel``, whole: a reader (or a second writer) never meets half
+        of it. An object store's put replaces an object whole; a local (or network-mounted)
+        file's write truncates it first, so there it is written beside ``rel`` and renamed
+        over it (two runs claiming a ``file://`` prefix at once left their two leases
+        interleaved in one file, and both were refused)."""
         with self._reaching():
             self._parent(rel)
-            self.fs.pipe_file(self.path(rel), data)
+            if not self.in_place:
+                self.fs.pipe_file(self.path(rel), data)
+                return
+            folder, _, name = rel.rpartition("/")
+            tmp = f"{folder}/.{name}.tmp-{uuid.uuid4().hex}" if folder else \
+                f".{name}.tmp-{uuid.uuid4().hex}"
+            try:
+                self.fs.pipe_file(self.path(tmp), data)
+                self.fs.mv(self.path(tmp), self.path(rel))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.fs.rm(self.path(tmp))
+                raise
 
     def read(self, rel: str) -> bytes:
         with self._reaching():
