@@ -521,7 +521,10 @@ def fake_training(log: list):
         write(out / "metrics.jsonl", [{"step": s, "epoch": 1 + (s > 2), "lr": 1e-3,
                                        "grad_norm": 2.0 if clip <= 1.0 else 0.5}
                                       for s in range(1, 41)])
-        write(out / "epochs.jsonl", [{"epoch": 1, "val_acc": 0.5}, {"epoch": 2, "val_acc": 0.75}])
+        # three epochs: the comparison's accuracy is its last epoch's (seed 8's
+        # clip_comparison_49 read the second)
+        write(out / "epochs.jsonl", [{"epoch": 1, "val_acc": 0.5}, {"epoch": 2, "val_acc": 0.6},
+                                     {"epoch": 3, "val_acc": 0.75}])
     return train_config
 
 

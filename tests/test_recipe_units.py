@@ -78,6 +78,14 @@ def test_fit_with_the_preflight_holds_and_checks_run_dir_before_the_doctor(calls
                            "overwrite": True, "step_fn": step, "loss_fn": loss}
 
 
+def test_fit_with_the_preflight_and_no_flags_checks_run_dir_as_a_fresh_run_never_overwriting(
+        calls, tmp_path):
+    """Without resume= or overwrite=, run.dir is checked as a fresh run's: a finished run
+    there is refused, never overwritten (seed 8's _checked_fit_37)."""
+    recipe.fit(tiny_mlp(), blobs(8), None, {"run.dir": str(tmp_path), "doctor.preflight": True})
+    assert [c for c in calls if c[0] == "check"] == [("check", Path(tmp_path), False, False)]
+
+
 def test_fit_with_the_preflight_on_another_rank_leaves_run_dir_to_rank_0(calls, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("RANK", "1")

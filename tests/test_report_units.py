@@ -623,6 +623,13 @@ def test_the_summary_of_a_finished_epoch_run(tmp_path):
     assert notes == []
 
 
+def test_the_summary_counts_the_runs_own_steps_past_the_last_logged_one(tmp_path):
+    """results.json's steps, not metrics.jsonl's last row: a run of 45 steps logged every 20
+    ends past its last metrics row (seed 8's summary_126)."""
+    run = _run(tmp_path, results={"steps": 45}, metrics=[{"step": 20}, {"step": 40}])
+    assert dict(report.summary(run)[0])["optimizer steps"] == "45"
+
+
 def test_the_summary_of_a_step_run_that_did_not_finish(tmp_path):
     run = _run(tmp_path, metrics=[{"step": 10, "tokens_per_s": 50.0, "time": 1.0},
                                   {"step": 30, "tokens_per_s": 150.0, "grad_norm": 3.0,
