@@ -115,6 +115,12 @@ def test_a_dcp_directory_a_kill_left_without_manifest_or_metadata_is_sharded_and
     unfinished = tmp_path / "step-00000009.dcp"
     unfinished.mkdir()
     assert sharded.is_sharded(unfinished) and not sharded.is_sharded(tmp_path)
+    # a DCP directory by any name, once torch's .metadata is there (seed 8's is_sharded_11)
+    plain = tmp_path / "exported"
+    plain.mkdir()
+    assert not sharded.is_sharded(plain)
+    (plain / ".metadata").write_bytes(b"")
+    assert sharded.is_sharded(plain)
     with pytest.raises(LoadFailure, match="incomplete"):
         sharded.verify(unfinished)
 

@@ -161,6 +161,30 @@ def test_a_metadata_that_is_not_a_pickle_is_unreadable_not_unsafe(tmp_path):
     assert (e.value.path, e.value.reason) == (last, "unreadable .metadata")
 
 
+@pytest.mark.parametrize("stored", [True, False], ids=["with storage_meta", "without"])
+def test_the_safe_reader_gives_the_metadata_its_load_id_in_the_storage_meta_it_has(
+        tmp_path, stored):
+    """As FileSystemReader does: the load_id set on the .metadata's own storage_meta, kept
+    whole (its checkpoint id), or on a fresh one where an older torch wrote none (seed 8's
+    SafeReader.read_metadata_19)."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from ironloop.state.dcp_safe import read_metadata
+
+    run, _, _ = sharded_run(tmp_path)
+    last = run / "checkpoints" / "last.dcp"
+    metadata = read_metadata(last)
+    if not stored:
+        metadata.storage_meta = None
+    else:
+        metadata.storage_meta = StorageMeta(checkpoint_id="the-saved-id")
+    (last / ".metadata").write_bytes(pickle.dumps(metadata))
+    reader = SafeReader(str(last))
+    got = reader.read_metadata().storage_meta
+    assert isinstance(got, StorageMeta) and got.load_id == reader.load_id
+    assert got.checkpoint_id == ("the-saved-id" if stored else None)
+
+
 def test_dcps_per_rank_metadata_fallback_finds_none(tmp_path):
     run, _, _ = sharded_run(tmp_path)
     reader = SafeReader(str(run / "checkpoints" / "last.dcp"))

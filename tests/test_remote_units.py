@@ -737,3 +737,17 @@ def test_a_file_system_write_cut_halfway_leaves_the_object_whole_and_no_temp_fil
     assert [p.name for p in folder.iterdir()] == [rel.rsplit("/", 1)[-1]]  # no temp file left
     store.write(rel, b'{"new": 3}')
     assert store.read(rel) == b'{"new": 3}' and len(list(folder.iterdir())) == 1
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0s_mirror_takes_the_lease_its_process_claimed_and_refreshes_it(
+        remote, tmp_path, rank):
+    """The claim is rank 0's (the only rank that deletes there): its mirror takes that lease
+    and starts its refresher; another rank's mirror holds none (seed 8's Mirror.__init___31)."""
+    holder = remote_lease.claim(remote, resume=False, say=pytest.fail)
+    try:
+        mirror = Mirror(remote, tmp_path / "staging", keep_last=2, rank=rank, warn=pytest.fail)
+        assert mirror.lease is (holder if rank == 0 else None)
+        assert holder.started is (rank == 0)
+    finally:
+        holder.release(wait_s=5)
