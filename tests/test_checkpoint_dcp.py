@@ -238,13 +238,18 @@ def test_an_async_save_commits_only_once_it_is_waited_for(tmp_path, monkeypatch)
 
     monkeypatch.setattr(sharded.dcp, "async_save", async_save)
     manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=3, async_write=True)
-    _save(manager, 2)
+    model, _ = _save(manager, 2)
     assert writes == [None]  # one process: no group of its own
     assert not (tmp_path / "step-00000002.dcp").exists()  # committed only once waited for
     manager.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp", "step-00000002.dcp"]
     path, state = sharded.latest_valid(tmp_path, warn=pytest.fail)
     assert path.name == "last.dcp" and state["progress"]["step"] == 2
+    # the async write holds the model where a load reads it (seed 8's save_34)
+    fresh = tiny_mlp(seed=1)
+    sharded.load_sharded(path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_an_async_save_in_a_process_group_runs_on_a_gloo_group_of_its_own(tmp_path, monkeypatch):
