@@ -39,7 +39,8 @@ def test_shuffle_false_serves_the_dataset_order_and_resumes_at_its_offset():
 
 def test_the_config_must_serve_streams_in_order_one_chunk_of_each_per_step(tmp_path):
     data = ContiguousStreams(torch.arange(100), 4, 5)
-    with pytest.raises(ConfigError, match="data.shuffle=false"):
+    with pytest.raises(ConfigError, match=r"^data\.shuffle=true would serve ContiguousStreams' "
+                                          r"chunks in random order; set data\.shuffle=false$"):
         check_order(data, True, 4)
     with pytest.raises(ConfigError, match="4 streams"):
         check_order(data, False, 8)
