@@ -20,7 +20,7 @@ import ironloop
 from ironloop.callbacks import Callback
 from ironloop.errors import Preempted
 from ironloop.state.io import load_verified
-from tests.conftest import REPO, blobs, cfg, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, tiny_mlp, wait_running
 
 TIMEOUT = 300  # seconds; each run takes a few on an idle machine, far more at load 15
 ARGS = ["configs/digits.yaml", "model.name=mlp", "log.progress=off", "log.every_steps=1",
@@ -46,15 +46,11 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 def wait_for(what, proc: subprocess.Popen, log: Path, why: str) -> None:
-    """Until ``what()`` is true (files are polled, never a fixed sleep)."""
-    deadline = time.monotonic() + TIMEOUT
-    while not what():
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {why}:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no {why} after {TIMEOUT}s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.01)
+    """Until ``what()`` is true (files are polled, never a fixed sleep); conftest.wait_running
+    ends a hung run after HANG_S (a forked one writes its stacks first)."""
+    wait_running(proc, what, why, log.read_text, every=0.01)
+    if not what():
+        pytest.fail(f"the run ended before {why}:\n{log.read_text()[-4000:]}")
 
 
 def events(run_dir: Path) -> list[dict]:
