@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from ironloop.engine.run import Hooks, Outputs, Run
 from ironloop.engine.settle import LateSettle
 from ironloop.engine.timing import StepTimer
 from ironloop.engine.train_module import TrainModule, check_closure
-from ironloop.errors import CheckpointError, UserError
+from ironloop.errors import UserError
 from ironloop.guard.faults import Faults
 from ironloop.guard.reporter import GuardReporter, advice as guard_advice
 from ironloop.guard.verdict import DeviceVerdicts, device_verdicts
@@ -39,8 +38,9 @@ from ironloop.outputs.runlog import RunLog
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import World, all_reduce_sum
 from ironloop.parallel.wrap import checkpoint_activations, compile_model
-from ironloop.state import dcp as sharded, drift, remote, rundir
-from ironloop.state.manager import CheckpointManager
+from ironloop.state import drift, prepare
+from ironloop.state.checkpointer import Checkpointer, Found
+from ironloop.state.run_dir import RunDir
 
 
 @dataclass(frozen=True)
@@ -80,27 +80,31 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     check_monitor(cfg.early_stop.metric, step_fns.step_kind(given.step_fn, cfg.train.step_fn),
                   cfg.eval.perplexity, validates, _prefixes(data, module),
                   tuple(module.metrics.metrics) if module.metrics is not None else ())
+    run_dir = RunDir(cfg.run.dir)
     guard = None if verdicts is None else LateSettle(GuardReporter(
-        cfg.guard, Path(cfg.run.dir), verdicts,
-        cfg.checkpoint.enabled and cfg.guard.rollback_to == "checkpoint",
-        cfg.train.accumulation_steps, guard_advice(cfg.clip.max_norm, module.precision)))
+        cfg.guard, run_dir.path, verdicts,
+        from_files=cfg.checkpoint.enabled and cfg.guard.rollback_to == "checkpoint",
+        accumulation=cfg.train.accumulation_steps,
+        advice=guard_advice(cfg.clip.max_norm, module.precision)))
     tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
                           cfg.early_stop.min_delta)
     cadence = Cadence(cfg.log.every_steps, cfg.eval.every_steps if validates else 0,
                       cfg.checkpoint.every_steps, module.total_steps, validates,
                       faults.steps)
     hooks = Hooks(callbacks, Preemption(world.distributed, cfg.dist.timeout_s), faults)
-    # The outputs come after the restore (the logs are truncated to the resumed step).
-    run = Run(cfg, world, data, module, progress, meter, tracker,
-              Outputs(None, None, _timer(cfg, device, world),
-                      growth=LossGrowth(cfg.log.loss_growth)), guard, cadence, hooks)
-    resumed, source = _prepare_run_dir(run, given)
+    checkpoints = Checkpointer(run_dir, cfg.checkpoint, world, module.raw_model,
+                               module.optimizer)
+    outputs = Outputs(run_dir, checkpoints, _timer(cfg, run_dir, device, world),
+                      growth=LossGrowth(cfg.log.loss_growth))  # the log opens after a restore
+    run = Run(cfg=cfg, world=world, data=data, module=module, progress=progress, meter=meter,
+              tracker=tracker, outputs=outputs, guard=guard, cadence=cadence, hooks=hooks)
+    resumed = _prepare_run_dir(run, given)
     if resumed is not None:
-        _restore(run, resumed, source or "", strategy)
+        _restore(run, resumed)
     if world.is_main:
-        records.write_run_json(Path(cfg.run.dir), records.environment(device, world.size),
+        records.write_run_json(run_dir.path, records.environment(device, world.size),
                                resumed=resumed is not None)
-    _open_outputs(run, strategy, given.resume, resumed, source)
+    _open_outputs(run, given.resume, resumed)
     if guard is not None:
         _start_guard(run, guard.reporter, resumed is not None, bool(given.resume))
     return run, strategy
@@ -112,26 +116,24 @@ def total_steps(cfg: Config, data: RunData) -> int:
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
-def _prepare_run_dir(run: Run, given: Given) -> tuple[dict | None, str | None]:
-    """run.dir refused, overwritten or resumed (state/rundir.py), with config.yaml's record."""
+def _prepare_run_dir(run: Run, given: Given) -> Found | None:
+    """run.dir refused, overwritten or resumed (state/prepare.py), with config.yaml's record."""
     m = run.module
     used = records.used(m.raw_model, m.optimizer, m.scheduler, given.from_config,
                         run.data.described(), **given.user_fns)
-    return rundir.prepare_run_dir(Path(run.cfg.run.dir), run.cfg, given.resume,
-                                  given.overwrite, run.world,
-                                  records.config_record(run.cfg.to_dict(), used),
-                                  given.allow_config_change)
+    return prepare.prepare_run_dir(run.outputs.checkpoints, run.cfg, given.resume,
+                                   given.overwrite, run.world,
+                                   records.config_record(run.cfg.to_dict(), used),
+                                   given.allow_config_change)
 
 
 def _start_guard(run: Run, reporter: GuardReporter, resumed: bool, requested: bool) -> None:
     """After any restore: the reporter's baseline, guard.jsonl, the snapshot; every step
     settles when a fault knob poisons steps or a callback watches them."""
-    manager = run.outputs.checkpoints
     hooks = run.hooks
-    reporter.device.start(run.module.optimizer,
-                          hooks.faults.poisons_steps or _watches_steps(hooks.callbacks))
-    if manager is not None:
-        reporter.wait = manager.wait
+    reporter.verdicts.start(run.module.optimizer,
+                            hooks.faults.poisons_steps or _watches_steps(hooks.callbacks))
+    reporter.checkpoints = run.outputs.checkpoints  # a rollback loads through it
     reporter.start(run, run.meter, run.progress.offset, run.outputs.log, run.world,
                    (resumed, requested), run.module.raw_model)
 
@@ -178,102 +180,61 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
     scheduler, schedule_on = resolve_scheduler(given.scheduler, optimizer, cfg.schedule,
                                                data.source.steps_per_epoch, steps)
     finite = cfg.schedule.name in drift.FINITE_SCHEDULES
-    return TrainModule(wrapped, raw_model, optimizer, scheduler, schedule_on,
-                       grad_scaler(precision, device), step_fn, stateful, device, precision,
-                       cfg.clip, steps, schedule_steps=steps if finite else 0,
-                       verdicts=verdicts, check_labels=check_labels, average=average,
-                       metrics=metrics, frozen=given.optimizer is None and cfg.optim.lr == 0), \
-        strategy
+    module = TrainModule(
+        model=wrapped, raw_model=raw_model, optimizer=optimizer, scheduler=scheduler,
+        schedule_on=schedule_on, scaler=grad_scaler(precision, device), step_fn=step_fn,
+        carry=stateful, device=device, precision=precision, clip=cfg.clip, total_steps=steps,
+        schedule_steps=steps if finite else 0, verdicts=verdicts, check_labels=check_labels,
+        average=average, metrics=metrics,
+        frozen=given.optimizer is None and cfg.optim.lr == 0)
+    return module, strategy
 
 
-def _restore(run: Run, resumed: dict, source: str, strategy: str) -> None:
-    """Put a checkpoint back into the run: a sharded .dcp directory, or one file."""
-    module = run.module
-    if sharded.is_sharded(Path(source)):  # model and optimizer come from DCP, resharded
-        sharded.load_sharded(Path(source), module.raw_model, module.optimizer)
-        resumed = {**resumed, "model": module.raw_model.state_dict(),
-                   "optimizer": module.optimizer.state_dict()}
-    elif strategy == "fsdp":
-        raise CheckpointError(f"{source} is a single-file checkpoint (from ddp or one "
-                              f"process); dist.strategy=fsdp resumes only sharded .dcp "
-                              f"checkpoints. Resume it with dist.strategy=ddp")
-    run.load_state_dict(resumed, source)
-    if run.guard is not None:
-        run.guard.load_state_dict(resumed.get("guard"))
-    run.tracker.best_weights = rundir.best_weights(Path(run.cfg.run.dir), run.cfg)
-    if module.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
-        module.schedule_steps = resumed.get("schedule_steps") or module.schedule_steps
-        module.hold_onecycle()
+def _restore(run: Run, resumed: Found) -> None:
+    """Put a checkpoint back into the run, loaded by the checkpointer (a sharded one's model
+    and optimizer resharded to this run's ranks); the best weights for early stopping's final
+    restore."""
+    checkpoints = run.outputs.checkpoints
+    run.load_state_dict(checkpoints.load(resumed), resumed.source)
+    if run.cfg.early_stop.patience:
+        run.tracker.best_weights = checkpoints.best_weights()
 
 
-def _open_outputs(run: Run, strategy: str, resume, resumed: dict | None,
-                  source: str | None) -> None:
-    """Rank 0's logs (truncated to the resumed step), the resume event, the checkpoint
-    manager (every rank's under FSDP2)."""
+def _open_outputs(run: Run, resume, resumed: Found | None) -> None:
+    """Rank 0's logs (truncated to the resumed step), the resume event, the checkpointer's
+    writer (every rank's under FSDP2)."""
     cfg, world, progress, out = run.cfg, run.world, run.progress, run.outputs
-    run_dir = Path(cfg.run.dir)
     if world.is_main:
         # Any --resume, even one that found nothing and starts fresh, drops log lines past the
         # step it continues from, so each step and each epoch is logged exactly once.
-        ids = (resumed.get("loggers") or {}) if resumed is not None else {}
-        out.log = RunLog(run_dir, False, resume_epoch=progress.epoch,
+        ids = (resumed.state.get("loggers") or {}) if resumed is not None else {}
+        out.log = RunLog(out.dir.path, False, resume_epoch=progress.epoch,
                          resume_step=progress.step if resume else None,
-                         loggers=loggers.build(cfg, run_dir, progress.step if resume else None,
-                                               ids))
+                         loggers=loggers.build(cfg, out.dir.path,
+                                               progress.step if resume else None, ids))
         if resumed is not None:
-            _resume_event(run, out.log, resumed, source or "")
-    if cfg.checkpoint.enabled and strategy == "fsdp":
-        out.checkpoints = sharded.ShardedCheckpointManager(
-            run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_write,
-            mirror=_mirror(cfg, world, progress.step))
-    elif cfg.checkpoint.enabled and world.is_main and \
-            not data_parallel.is_fsdp(run.module.raw_model):
-        out.checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                            cfg.checkpoint.async_write,
-                                            mirror=_mirror(cfg, world, progress.step))
-    if out.checkpoints is not None:
-        # Checkpoints past the step this run resumed from belong to a future that did not
-        # happen: the file and the sharded manager both drop them, saying so.
-        for path in out.checkpoints.discard_after(progress.step):
-            print(f"notice: removed {path}: it is past the step this run resumed from")
+            _resume_event(run, out.log, resumed)
+    out.checkpoints.open(progress.step)
     out.last_saved = progress.step
 
 
-def _timer(cfg: Config, device: torch.device, world: World) -> StepTimer:
+def _timer(cfg: Config, run_dir: RunDir, device: torch.device, world: World) -> StepTimer:
     return StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
-                     Path(cfg.run.dir) / "trace" if cfg.profile.trace and world.is_main
-                     else None, cfg.profile.trace_steps)
+                     run_dir / "trace" if cfg.profile.trace and world.is_main else None,
+                     cfg.profile.trace_steps)
 
 
-def _mirror(cfg: Config, world: World, step: int) -> remote.Mirror | None:
-    """checkpoint.remote's uploader (rank 0's also mirrors the logs); rank 0 first drops
-    remote checkpoints past ``step``."""
-    c = cfg.checkpoint
-    if not c.remote:
-        return None
-    mirror = remote.Mirror(remote.open_remote(c.remote, c.remote_options),
-                           Path(cfg.run.dir) / "checkpoints" / remote.STAGING / f"rank{world.rank}",
-                           c.keep_last, rank=world.rank, world_size=world.size,
-                           retries=c.remote_retries, wait_s=c.remote_wait_s,
-                           logs_from=Path(cfg.run.dir) if world.is_main else None)
-    if world.is_main:
-        for url in mirror.discard_after(step):
-            print(f"notice: removed {url} from the remote: it is past the step this run "
-                  f"resumed from")
-    return mirror
-
-
-def _resume_event(run: Run, log: RunLog, resumed: dict, source: str) -> None:
+def _resume_event(run: Run, log: RunLog, resumed: Found) -> None:
     """events.jsonl's resume line and the console's: from where, what is redone, what
     changed."""
     p = run.progress
     log.catch_up(p.step)  # each tracker gets the rows it does not hold yet
-    event = {"event": "resume", "step": p.step, "epoch": p.epoch + 1, "from": source,
+    event = {"event": "resume", "step": p.step, "epoch": p.epoch + 1, "from": resumed.source,
              "last_logged_step": log.last_logged_step,
              # work lost to the crash: logged past the checkpoint, redone
              "steps_redone": max(0, log.last_logged_step - p.step), "time": time.time()}
     log.write("events", event)
-    changed = drift.changes(resumed.get("config") or {}, run.cfg.to_dict())
+    changed = drift.changes(resumed.state.get("config") or {}, run.cfg.to_dict())
     console.say(True, console.resume_line(event, p, run.plan(), changed))
 
 

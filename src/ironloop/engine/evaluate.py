@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,7 +19,6 @@ from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import sum_over_ranks
-from ironloop.state import rundir
 
 
 def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
@@ -84,8 +82,7 @@ def test_metrics(run: Run, restored: bool) -> tuple[dict[str, float], str]:
     test_set = run.data.test
     if test_set is None or not len(test_set):
         return {}, ""
-    best = None if restored else rundir.best_weights(Path(run.cfg.run.dir), run.cfg,
-                                                     restoring=False)
+    best = None if restored else run.outputs.checkpoints.best_weights()
     model = None
     if best is not None:  # a copy, so the last weights stay the run's (final.safetensors)
         model = copy.deepcopy(run.module.raw_model)

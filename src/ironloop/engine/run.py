@@ -4,9 +4,10 @@ part of it that callbacks see.
 
 What a checkpoint holds lives on the run itself, one attribute per fact (torchtitan's
 ``Trainer(Stateful)``): ``progress`` (epoch, step, offset), ``meter`` (the running sums),
-``tracker`` (the best metric, early stopping) and ``last_eval``. ``state_dict`` collects them
-with every part's state; ``load_state_dict`` puts them back (a resume, a rollback); ``save``
-writes a checkpoint; ``settle`` reads the guard's late verdicts (engine/settle.py).
+``tracker`` (the best metric, early stopping) and ``last_eval``. ``state_dict`` is the whole
+checkpoint dict, every part's state with them; ``load_state_dict`` is the one place that puts it
+back (a resume, a rollback); ``save`` hands it to the checkpointer (state/checkpointer.py);
+``settle`` reads the guard's late verdicts (engine/settle.py).
 
     cfg        the one Config, from start to end (config.yaml and every checkpoint hold it)
     world      rank, size, the process group
@@ -15,7 +16,7 @@ writes a checkpoint; ``settle`` reads the guard's late verdicts (engine/settle.p
     progress   epoch, optimizer steps done, samples of the epoch consumed
     meter      the running loss sums and counts the logs report
     tracker    the best monitored metric and early stopping's patience
-    outputs    the run log, the checkpoint manager, the step timer
+    outputs    run.dir, the run log, the checkpointer, the step timer
     guard      the guard's reporter and its late settle, or None
     cadence    log / evaluate / checkpoint now? and the run's length
     hooks      the user's callbacks, signal handling, the fault knobs
@@ -27,7 +28,6 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ironloop.callbacks import Callback, callbacks_state, fire, load_callbacks_state
@@ -45,19 +45,21 @@ from ironloop.guard.faults import Faults
 from ironloop.outputs import console
 from ironloop.outputs.runlog import RunLog
 from ironloop.parallel.world import World, gather_objects
-from ironloop.state import dcp as sharded
-from ironloop.state.manager import CheckpointManager
+from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.resume import collect_state, rank_meter, restore_rng, restore_state
+from ironloop.state.run_dir import RunDir
 
 
 @dataclass
 class Outputs:
-    """What the run writes: rank 0's logs, the checkpoints (every rank's shards under FSDP2,
-    else rank 0's files; None without checkpoints), and the step-time breakdown."""
+    """What the run writes: run.dir, the checkpoints (every rank's shards under FSDP2, else
+    rank 0's files), the step-time breakdown, and rank 0's logs (opened after a restore, which
+    truncates them to the step it resumed)."""
 
-    log: RunLog | None
-    checkpoints: CheckpointManager | sharded.ShardedCheckpointManager | None
+    dir: RunDir
+    checkpoints: Checkpointer
     timer: StepTimer
+    log: RunLog | None = None
     last_saved: int = 0  # the step of the previous save: on disk once the next one returns
     growth: LossGrowth = field(default_factory=lambda: LossGrowth(0.0))  # log.loss_growth
 
@@ -68,8 +70,7 @@ class Outputs:
 
     def close(self) -> None:
         """Wait for an in-flight async checkpoint write, then close the logs."""
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        self.checkpoints.close()
         if self.log is not None:
             self.log.close()
 
@@ -131,13 +132,14 @@ class Run:
 
     # ---------------------------------------------------------------- the state ------------
     def state_dict(self) -> dict:
-        """What a checkpoint holds (without the guard's state and the trackers' ids, which
-        ``save`` adds: a rollback keeps its own)."""
-        m, p = self.module, self.progress
+        """The whole checkpoint dict: every part's state, the counters, the RNG, the guard's
+        state and the trackers' run ids (what a resume continues)."""
+        m, p, out = self.module, self.progress, self.outputs
         return collect_state(
             self.cfg.to_dict(), m.raw_model,
             {"optimizer": m.optimizer, "scheduler": m.scheduler, "scaler": m.scaler,
-             "progress": p, "meter": self.meter, "tracker": self.tracker, "carry": m.carry},
+             "progress": p, "meter": self.meter, "tracker": self.tracker, "carry": m.carry,
+             "guard": self.guard.reporter if self.guard is not None else None},
             # the drift check compares global batches across resumes
             world_size=self.world.size,
             sampler={**self.data.source.state_dict(), "epoch": p.epoch, "offset": p.offset},
@@ -146,11 +148,12 @@ class Run:
             average=m.average.state_dict() if m.average is not None else None,
             # the LR the last step used: an epoch line written right after a resume (preempted
             # at the epoch's last step) reports it, as the uninterrupted run's does
-            lr=m.lr)
+            lr=m.lr, loggers=out.log.ids() if out.log is not None else {})  # W&B / MLflow
 
     def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
-        """Load every part; a checkpoint that does not fit gets a CheckpointError naming
-        ``source``."""
+        """Load every part (a resume, a rollback); a checkpoint that does not fit gets a
+        CheckpointError naming ``source``. The trackers' ids are read where the logs open
+        (engine/build.py)."""
         m = self.module
         restore_state(state, source, m.raw_model,
                       {"optimizer": m.optimizer, "scheduler": m.scheduler, "scaler": m.scaler,
@@ -165,8 +168,13 @@ class Run:
         m.lr = state.get("lr", m.lr)  # absent in checkpoints from before it was kept
         if m.carry is not None:
             m.carry.load_state_dict(state.get("carry"))
+        if m.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
+            m.schedule_steps = state.get("schedule_steps") or m.schedule_steps
+            m.hold_onecycle()
         restore_rng(state)
         guard = state.get("guard") or {}  # absent in checkpoints from before the guard
+        if self.guard is not None:
+            self.guard.load_state_dict(guard)
         self.data.source.set_skip(guard.get("skip", []))  # honoured even with guard.enabled=false
 
     def save(self, best: bool) -> None:
@@ -177,27 +185,18 @@ class Run:
             self._save(best)
 
     def _save(self, best: bool) -> None:
-        out, p = self.outputs, self.progress
+        out, p, checkpoints = self.outputs, self.progress, self.outputs.checkpoints
         if self.world.distributed:  # a collective: save runs on every rank at the same step
             own = {k: v for k, v in self.meter.state_dict().items() if k != "ranks"}
             self.meter.ranks = gather_objects(own, self.world)
-        manager = out.checkpoints
-        reporter = self.guard.reporter if self.guard is not None else None
-        if manager is not None:
-            state = {**self.state_dict(),
-                     "loggers": out.log.ids() if out.log is not None else {},  # W&B / MLflow
-                     "guard": reporter.state_dict() if reporter is not None else None}
-            if isinstance(manager, sharded.ShardedCheckpointManager):
-                manager.save(state, self.module.raw_model, self.module.optimizer, p.step,
-                             best=best)
-            else:
-                manager.save(state, p.step, best=best)
+        if checkpoints.writes:
+            checkpoints.save(self.state_dict(), p.step, best=best)
             if out.log is not None:  # trackers get what a checkpoint covers
-                out.log.durable(out.last_saved if manager.async_write else p.step)
+                out.log.durable(out.last_saved if checkpoints.async_write else p.step)
                 out.last_saved = p.step  # async: on disk once the next save() returns
-        if reporter is not None:
-            reporter.saved(self)
-        if manager is not None and self.world.is_main:
+        if self.guard is not None:
+            self.guard.reporter.saved(self)
+        if checkpoints.writes and self.world.is_main:
             fire(self, "on_checkpoint", {"step": p.step, "epoch": p.epoch, "best": best})
 
     def settle(self) -> bool:
@@ -250,7 +249,7 @@ class RunView:
     world = property(lambda self: self._run.world)
     device = property(lambda self: self._run.module.device)
     precision = property(lambda self: self._run.module.precision)
-    run_dir = property(lambda self: Path(self._run.cfg.run.dir))
+    run_dir = property(lambda self: self._run.outputs.dir.path)
     last_eval = property(lambda self: dict(self._run.last_eval))
 
     def log_scalars(self, scalars: dict[str, Any]) -> None:

@@ -74,7 +74,7 @@ class LateSettle:
         """Whether the step just counted needs settled numbers before the loop goes on: before
         a log line, an evaluation, a checkpoint, a fault knob's step and the end of the run; at
         every step when the reporter says so (a callback's on_step_end, a known bad step)."""
-        return self.reporter.device.eager or step >= cadence.total_steps or \
+        return self.reporter.verdicts.eager or step >= cadence.total_steps or \
             cadence.logs(step) or cadence.saves(step) or step in cadence.fault_steps
 
     def settle(self, module: TrainModule, progress: Progress, meter: Meter, data: BatchSource,

@@ -9,9 +9,10 @@ branch (``engine/train_module.py``), between measuring the pre-clip grad norm an
     bad  -> skip: no optimizer update (params, Adam moments and step count untouched), the
             window's loss kept out of the logged means, not counted as an optimizer step, no
             scheduler step; one guard.jsonl line and a warning
-    max_bad_steps bad in a row -> roll back: restore the newest checkpoint (or the in-memory
-            snapshot), LR x lr_backoff for the rest of the run, the bad windows' samples join a
-            skip list the sampler honours, carry on (raise RolledBack; loop.train restarts there)
+    max_bad_steps bad in a row -> roll back: restore the newest checkpoint through the
+            checkpointer, files or FSDP2's shards alike (or the in-memory snapshot), LR x
+            lr_backoff for the rest of the run, the bad windows' samples join a skip list the
+            sampler honours, carry on (raise RolledBack; loop.train restarts there)
     a trigger after max_rollbacks rollbacks -> stop with GuardStop (exit code 3)
 
 fp16 overflow skips decided by GradScaler (finite loss, inf grads) stay GradScaler's: counted as
@@ -57,7 +58,7 @@ from ironloop.guard.decide import GuardPolicy
 from ironloop.guard.verdict import DeviceVerdicts
 from ironloop.outputs.runlog import RunLog, truncate_jsonl
 from ironloop.parallel.world import World, all_reduce_sum, barrier
-from ironloop.state.manager import latest_valid
+from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.resume import Stateful
 from ironloop.state.snapshot import copies_done, snapshot
 
@@ -111,20 +112,20 @@ class GuardReporter:
     own parts; the run's parts come with each call that needs them, and ``owner`` (the run:
     ``state_dict``/``load_state_dict``) is what a snapshot takes and a rollback puts back."""
 
-    def __init__(self, cfg, run_dir: Path, device: DeviceVerdicts, from_files: bool,
+    def __init__(self, cfg, run_dir: Path, verdicts: DeviceVerdicts, from_files: bool,
                  accumulation: int, advice: str):
-        self.cfg, self.device, self.run_dir = cfg, device, Path(run_dir)
+        self.cfg, self.verdicts, self.run_dir = cfg, verdicts, Path(run_dir)
         self.advice = advice or "Try a lower optim.lr"  # what a stop suggests (``advice``)
-        self.policy: GuardPolicy = device.policy
+        self.policy: GuardPolicy = verdicts.policy
         # Roll back to the newest checkpoint file (checkpoints on, guard.rollback_to=checkpoint);
         # else to the in-memory snapshot.
         self.from_files, self.accumulation = from_files, accumulation
         self.snapshot: dict | None = None
         self.copied: Callable[[], None] = lambda: None  # waits for the snapshot's copies
-        self.wait: Callable[[], None] = lambda: None  # finishes an async checkpoint write
+        self.checkpoints: Checkpointer | None = None  # the run's: what a rollback restores
         self.file: TextIO | None = None
         self.log: RunLog | None = None
-        self.is_main = True
+        self.is_main, self.sharded = True, False
 
     # ---------------------------------------------------------------- set-up, state ---------
     def start(self, owner: Stateful, meter, offset: int, log: RunLog | None, world: World,
@@ -133,13 +134,14 @@ class GuardReporter:
         ``resume``: (a checkpoint was restored, --resume was asked for)."""
         resumed, resume_requested = resume
         self.log, self.is_main = log, world.is_main
-        self.device.rebase(meter, offset)
+        self.verdicts.rebase(meter, offset)
         if world.is_main:
             path = self.run_dir / "guard.jsonl"
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.policy.logged)
             self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()
-        if (not self.from_files or not resumed) and not _sharded(model):
+        self.sharded = _sharded(model)  # FSDP2: no in-memory snapshot of the shards
+        if not self.from_files or not resumed:
             self._take(owner)
 
     def saved(self, owner: Stateful) -> None:
@@ -149,7 +151,10 @@ class GuardReporter:
 
     def _take(self, owner: Stateful) -> None:
         """The in-memory rollback point: copied into the last one's page-locked tensors, queued
-        on the stream without a host sync (only a rollback, which reads it, waits)."""
+        on the stream without a host sync (only a rollback, which reads it, waits). None under
+        FSDP2, whose rollbacks go to the checkpoints' shards."""
+        if self.sharded:
+            return
         state = owner.state_dict()
         self.snapshot = snapshot(state, self.snapshot, pinned=True)
         self.copied = copies_done(state)
@@ -164,12 +169,12 @@ class GuardReporter:
         read: checkpoints and rollbacks are settle points)."""
         state = self.policy.state_dict()
         if self.cfg.spike_factor > 0:
-            state.update(self.device.judge.state_dict())
+            state.update(self.verdicts.judge.state_dict())
         return state
 
     def load_state_dict(self, state: dict | None) -> None:
         self.policy.load_state_dict(state or {})
-        self.device.judge.load_state_dict(dict(state or {}))
+        self.verdicts.judge.load_state_dict(dict(state or {}))
 
     # ---------------------------------------------------------------- settling --------------
     def settle(self, meter, progress, data: BatchSource, model: nn.Module, world: World,
@@ -182,7 +187,7 @@ class GuardReporter:
 
         ``meter`` and ``progress``: the run's (engine/progress.py); ``data``: its training
         BatchSource (data/source.py), read on the bad path only."""
-        pending = self.device.pending
+        pending = self.verdicts.pending
         attempts = len(pending)
         if not attempts:
             return 0, []
@@ -193,13 +198,13 @@ class GuardReporter:
         else:
             for _ in range(attempts):
                 self.policy.record_good()  # ends any run of bad steps from an earlier settle
-        self.device.rebase(meter, progress.offset)
+        self.verdicts.rebase(meter, progress.offset)
         return attempts, bad
 
     def _settle_bad(self, bad: list[int], meter, progress, data: BatchSource, model: nn.Module,
                     world: World, owner: Stateful) -> None:
         """Record, report and act on the bad steps among the pending ones, in order."""
-        d = self.device
+        d = self.verdicts
         attempts = len(d.pending)
         rows = torch.stack([torch.stack([d.pending[j].total - d.pending[j].before,
                                          d.pending[j].norm.to(meter.loss_sum.dtype)])
@@ -223,10 +228,6 @@ class GuardReporter:
             if self.policy.must_stop:
                 self.stop(step + 1, world)
             if self.policy.must_roll_back:
-                if _sharded(model):  # a rollback restores file checkpoints: not DCP yet
-                    self.stop(step + 1, world, "a rollback under dist.strategy=fsdp is not "
-                                               "supported yet: resume from the newest .dcp "
-                                               "checkpoint with --resume and a lower optim.lr")
                 self._roll_back(step + 1, meter, progress, data, world, owner)
 
     def window(self, data: BatchSource, end: int) -> list[int]:
@@ -258,10 +259,11 @@ class GuardReporter:
 
     def _roll_back(self, step: int, meter, progress, data: BatchSource, world: World,
                    owner: Stateful) -> None:
-        if world.is_main:
-            self.wait()  # the newest checkpoint may still be being written
+        """On every rank at the same step (the verdicts are the sums over ranks): the newest
+        checkpoint back (a collective for FSDP2's shards), the guard's own state kept."""
+        self._wait()  # the newest checkpoint may still be being written
         barrier(world)
-        state, source = self._target()
+        state, source = self._target(step, world)
         keep = self.state_dict()  # the guard's knowledge outlives the rollback
         owner.load_state_dict(state)
         self.load_state_dict(keep)
@@ -271,7 +273,7 @@ class GuardReporter:
             self.stop(step, world, f"{len(self.policy.skip)} training samples are on the skip "
                                    f"list and fewer than one batch is left (the data itself is "
                                    f"bad: NaN or inf inputs or targets?)")
-        self.device.rebase(meter, progress.offset)
+        self.verdicts.rebase(meter, progress.offset)
         p = progress
         if self.log is not None:  # one timeline in the logs, as after a resume
             self.log.rewind(p.step, p.epoch)
@@ -284,14 +286,20 @@ class GuardReporter:
                   f"({len(self.policy.skip)} in all)")
         raise RolledBack()
 
-    def _target(self) -> tuple[dict, str]:
-        """The state to roll back to: the newest valid checkpoint, else the snapshot."""
-        if self.from_files:
-            found = latest_valid(self.run_dir / "checkpoints",
-                                 (lambda msg: print(f"warning: {msg}")) if self.is_main else
-                                 (lambda msg: None))
+    def _target(self, step: int, world: World) -> tuple[dict, str]:
+        """The state to roll back to: the newest valid checkpoint, found and loaded by the
+        checkpointer as a resume does; else the in-memory snapshot."""
+        ckpt = self.checkpoints
+        if self.from_files and ckpt is not None:
+            found = ckpt.latest(fetch=False)
             if found is not None:
-                return found[1], str(Path(found[0]).relative_to(self.run_dir))
+                return ckpt.load(found), str(found.path.relative_to(self.run_dir))
+        if self.snapshot is None:  # FSDP2 keeps no snapshot: its shards live on every rank
+            self.stop(step, world, "no checkpoint to roll back to (under dist.strategy=fsdp "
+                                   "the guard rolls back only to checkpoints: "
+                                   "guard.rollback_to=checkpoint, and one written before the "
+                                   "bad steps; lower checkpoint.every_steps), or resume with "
+                                   "--resume and a lower optim.lr")
         # A fresh copy: optimizer.load_state_dict may keep the very tensors it is given. The
         # pinned copies must have landed first (a host sync: a rollback is a settle point).
         self.copied()
@@ -309,9 +317,13 @@ class GuardReporter:
                f"{self.run_dir / 'checkpoints'} is intact")
         self._write({"event": "stop", "step": step, "rollbacks": g.rollbacks,
                      "bad_steps": g.bad_steps, "message": msg})
-        if world.is_main:
-            self.wait()
+        self._wait()
         raise GuardStop(msg)
+
+    def _wait(self) -> None:
+        """Every rank: the in-flight checkpoint write on disk (under FSDP2 a collective)."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
     def _write(self, row: dict) -> None:
         self.policy.logged += 1  # on every rank: the count is part of the checkpoint

@@ -23,9 +23,10 @@ from pathlib import Path
 
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import write_atomic
+from ironloop.state.run_dir import TRACKED, TRACKERS
 
-MARKS = "trackers.json"
-KINDS = ("metrics", "epochs", "evals", "scalars")  # what RunLog forwards to the trackers
+MARKS = TRACKERS
+KINDS = TRACKED  # what RunLog forwards to the trackers
 
 
 class Durable:

@@ -15,6 +15,7 @@ from pathlib import Path
 from ironloop.errors import UserError
 from ironloop.outputs import durable
 from ironloop.state.io import write_atomic
+from ironloop.state.run_dir import LOGS, RunDir
 
 
 def _append(path: Path):
@@ -66,10 +67,9 @@ class RunLog:
         self.last_logged_step = 0  # the furthest step the previous process logged
         self.last_logged_time = None  # when it wrote its last metrics line
         if resume_step is not None:
-            self.last_logged_time = _last_time(run_dir / "metrics.jsonl")
+            self.last_logged_time = _last_time(RunDir(run_dir).log("metrics"))
             self.last_logged_step = self._truncate(resume_step, resume_epoch)
-        self._files = {name: _append(run_dir / f"{name}.jsonl")
-                       for name in ("metrics", "epochs", "events", "evals", "scalars")}
+        self._files = {name: _append(RunDir(run_dir).log(name)) for name in LOGS}
         self.loggers = list(loggers or [])
         if tensorboard and not any(lg.name == "tensorboard" for lg in self.loggers):
             from ironloop.outputs.loggers import Guarded, TensorBoard
@@ -86,7 +86,7 @@ class RunLog:
                 data = data[f.write(data):]
         except OSError as e:  # a full disk or quota: cut the torn line, stop like a checkpoint
             os.ftruncate(f.fileno(), size)
-            raise _no_room(self.dir / (name + ".jsonl"), e) from None
+            raise _no_room(RunDir(self.dir).log(name), e) from None
         if name != "events":
             for logger in self.loggers:
                 logger.write(name, row)
@@ -117,15 +117,15 @@ class RunLog:
         for f in self._files.values():
             f.close()
         self._truncate(step, epoch)
-        self._files = {name: _append(self.dir / f"{name}.jsonl") for name in self._files}
+        self._files = {name: _append(RunDir(self.dir).log(name)) for name in self._files}
 
     def _truncate(self, step: int, epoch: int) -> int:
         """Keep the lines up to ``step`` (``epoch`` for epochs.jsonl); returns the furthest
         step metrics.jsonl held."""
         for name in ("evals", "scalars"):
-            truncate_jsonl(self.dir / f"{name}.jsonl", "step", step)
-        truncate_jsonl(self.dir / "epochs.jsonl", "epoch", epoch)
-        return truncate_jsonl(self.dir / "metrics.jsonl", "step", step)
+            truncate_jsonl(RunDir(self.dir).log(name), "step", step)
+        truncate_jsonl(RunDir(self.dir).log("epochs"), "epoch", epoch)
+        return truncate_jsonl(RunDir(self.dir).log("metrics"), "step", step)
 
     def ids(self) -> dict:
         """The external runs' ids (W&B, MLflow), for the checkpoint: a resume continues them."""

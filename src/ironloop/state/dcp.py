@@ -1,11 +1,12 @@
-"""Sharded checkpoints: one ``torch.distributed.checkpoint`` (DCP) directory per save.
+"""The sharded writer behind the checkpointer (checkpointer.py): one
+``torch.distributed.checkpoint`` (DCP) directory per save, and reading one back.
 
 Under FSDP2 no rank holds the whole model, so every rank writes its own shards. A checkpoint is
 a directory ``step-{N:08d}.dcp`` holding:
 
 * DCP's files (``*.distcp`` and ``.metadata``) for ``{"model", "optimizer"}``, taken with
   ``get_state_dict`` so that they load on any number of ranks (DCP reshards on load);
-* ``extras-rank{r}.pt``: everything else ``resume.collect_state`` returns on rank r (sampler,
+* ``extras-rank{r}.pt``: everything else ``Run.state_dict`` returns on rank r (sampler,
   progress, meter, tracker, scheduler, any key added there later, and rank r's RNG), written with
   ``save_atomic`` so it carries its own digest;
 * ``manifest.json``, written LAST by rank 0: the step, the world size and a blake2b digest of
@@ -43,6 +44,7 @@ from ironloop.state.dcp_safe import (
     refused_item,
 )
 
+from .file_writer import retention_victims
 from .io import (
     LoadFailure,
     file_digest,
@@ -52,16 +54,12 @@ from .io import (
     save_atomic,
     write_failed,
 )
-from .manager import retention_victims, step_entries
 from .remote import Mirror
+from .run_dir import BEST, LAST, step_entries, step_name
 
 MANIFEST = "manifest.json"
-STEP_RE = re.compile(r"^step-(\d+)\.dcp$")  # a sharded step directory
+LAST_DIR, BEST_DIR = f"{LAST}.dcp", f"{BEST}.dcp"
 _SHARDED = ("model", "optimizer")  # the keys DCP holds; the rest of the state is per-rank extras
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}.dcp"
 
 
 def is_sharded(path: Path) -> bool:
@@ -99,13 +97,14 @@ def _rmtree(path: Path) -> None:
 
 
 def _step_dirs(directory: Path) -> dict[int, Path]:
-    return {s: p for s, p in step_entries(directory, STEP_RE).items() if p.is_dir()}
+    return {s: p for s, p in step_entries(directory, "dcp").items() if p.is_dir()}
 
 
 # ------------------------------------------------------------------------------------ write --
-class ShardedCheckpointManager:
-    """The sharded twin of ``CheckpointManager``: same names (step-N, last, best), same
-    ``keep_last``, same fallback; every rank calls ``save`` (it is a collective).
+class ShardedWriter:
+    """The sharded twin of ``FileWriter``: same names (step-N, last, best), same ``keep_last``,
+    same ``save(state, step, best)``; every rank calls ``save`` (it is a collective) and writes
+    its own shards of ``model`` and ``optimizer``, given here once.
 
     With ``async_write=True`` the shards are written by ``dcp.async_save`` in the background
     (over a process group of its own, so its collectives never interleave with training's); the
@@ -116,9 +115,10 @@ class ShardedCheckpointManager:
     checkpoint to its mirror, which uploads them in the background; rank 0 writes the manifest.
     """
 
-    def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
-                 mirror: Mirror | None = None):
+    def __init__(self, directory: Path, keep_last: int, model: torch.nn.Module, optimizer,
+                 async_write: bool = False, mirror: Mirror | None = None):
         self.directory = Path(directory)
+        self.model, self.optimizer = model, optimizer
         self.keep_last = keep_last
         self.async_write = async_write
         self.mirror = mirror
@@ -147,19 +147,18 @@ class ShardedCheckpointManager:
             _rmtree(p)
         return newer
 
-    def save(self, state: dict, model: torch.nn.Module, optimizer, step: int,
-             best: bool = False) -> None:
-        """Write ``state`` (from ``collect_state``) for ``step``; every rank must call this."""
+    def save(self, state: dict, step: int, best: bool = False) -> None:
+        """Write ``state`` (``Run.state_dict``) for ``step``; every rank must call this."""
         self.wait()
         # rank 0's logs as they are at this step: an async write commits at the next save
         logs = self.mirror.snapshot_logs(step) if self.mirror is not None else None
-        tmp = self.directory / f".{step_name(step)}.tmp"
+        tmp = self.directory / f".{step_name(step, 'dcp')}.tmp"
         if _rank() == 0:
             _rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
         extras = {k: v for k, v in state.items() if k not in _SHARDED}
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer)
         try:
             save_atomic(extras, tmp / f"extras-rank{_rank()}.pt")
             if self.async_write:
@@ -195,9 +194,9 @@ class ShardedCheckpointManager:
             self._publish(tmp, step, best)
         _barrier()  # no rank runs ahead to a resume point that is not on disk yet
         if self.mirror is not None:  # last.dcp: the step directory is gone with keep_last=0
-            own = own_files(self.directory / "last.dcp", _rank())
-            self.mirror.push(step, {f"{step_name(step)}/{p.name}": p for p in own}, "dcp", best,
-                             logs)
+            own = own_files(self.directory / LAST_DIR, _rank())
+            self.mirror.push(step, {f"{step_name(step, 'dcp')}/{p.name}": p for p in own}, "dcp",
+                             best, logs)
 
     def _publish(self, tmp: Path, step: int, best: bool) -> None:
         files = sorted(p for p in tmp.iterdir() if p.is_file())
@@ -210,9 +209,9 @@ class ShardedCheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        primary = self.directory / step_name(step)
+        primary = self.directory / step_name(step, "dcp")
         _swap(tmp, primary)
-        for name in ["last.dcp"] + (["best.dcp"] if best else []):
+        for name in [LAST_DIR] + ([BEST_DIR] if best else []):
             _link_tree(primary, self.directory / name)
         fsync_dir(self.directory)
         # Only now, with the new checkpoint durable under every name, may old ones go.
@@ -321,11 +320,11 @@ def load_extras(path: Path) -> dict:
     return state
 
 
-def latest_valid(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """As ``manager.latest_valid``, for sharded directories: ``last.dcp``, then any newer step
-    directory, newest first; damaged ones are reported through ``warn`` and skipped."""
+def latest_sharded(directory: Path, warn: Callable[[str], object]) -> tuple[Path, dict] | None:
+    """As ``file_writer.latest_file``, for sharded directories: ``last.dcp``, then any newer
+    step directory, newest first; damaged ones are reported through ``warn`` and skipped."""
     directory = Path(directory)
-    last = directory / "last.dcp"
+    last = directory / LAST_DIR
     candidates = [p for _, p in sorted(_step_dirs(directory).items(), reverse=True)]
     if last.is_dir():
         candidates.insert(0, last)
@@ -392,27 +391,6 @@ def consolidate_model(path: Path) -> dict[str, torch.Tensor]:
             else f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         raise CheckpointError(f"refused to load {path}: {what}") from None
     return sd["model"]
-
-
-def latest_any(directory: Path, warn: Callable[[str], None]) -> tuple[Path, dict] | None:
-    """The newest valid checkpoint in ``directory``, file or sharded directory: a run may have
-    written both (an FSDP run resumed on one process continues with files)."""
-    from .manager import latest_valid as latest_file
-
-    found, errors = [], []
-    for pick in (latest_file, latest_valid):
-        try:
-            hit = pick(directory, warn)
-        except CheckpointError as e:
-            errors.append(e)
-            continue
-        if hit is not None:
-            found.append(hit)
-    if not found:
-        if errors:
-            raise errors[0]
-        return None
-    return max(found, key=lambda hit: hit[1]["progress"]["step"])
 
 
 def check_any(path: Path) -> None:

@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from ironloop.errors import UserError
-from ironloop.state import dcp as sharded, remote
+from ironloop.state import dcp, remote
+from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.io import load_verified, remove_quietly, strip_prefixes, temp_path
+from ironloop.state.run_dir import RunDir
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
@@ -52,28 +54,14 @@ def export_run(run_dir: Path | str, out: Path, which: str = "best", force: bool 
             raise UserError("export --which avg reads a local run directory; export best or "
                             "last from the remote, or copy the run's final_avg.safetensors")
         return _export_remote(str(run_dir), out, which, force)
-    run_dir = Path(run_dir)
-    which = "last" if averaged else which
-    ckpt = run_dir / "checkpoints" / f"{which}.pt"
-    if not ckpt.exists() and (run_dir / "checkpoints" / f"{which}.dcp").is_dir():
-        ckpt = run_dir / "checkpoints" / f"{which}.dcp"
-    if not ckpt.exists():
-        found = sorted(p.name for p in (run_dir / "checkpoints").iterdir()
-                       if p.suffix in (".pt", ".dcp") and not p.name.startswith(".")) \
-            if (run_dir / "checkpoints").is_dir() else []
-        raise UserError(f"no {ckpt}; " + (f"this run has {', '.join(found)}: pass --which "
-                        f"{'last' if which == 'best' else 'best'}" if found else
-                        "is it an ironloop run.dir with checkpoint.enabled=true?"))
+    checkpoints = Checkpointer(RunDir(run_dir))
+    ckpt = checkpoints.named("last" if averaged else which)  # names what the run has
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give a file name like model.safetensors")
     if out.exists() and not force:
         raise UserError(f"--out {out} already exists; pass --force to replace it, or pick "
                         f"another name")
-    if averaged:
-        weights = _averaged(ckpt)
-    else:
-        weights = sharded.consolidate_model(ckpt) if ckpt.is_dir() else \
-            load_verified(ckpt)["model"]
+    weights = _averaged(ckpt) if averaged else checkpoints.model_weights(which)
     save_safetensors(weights, out)
     return out
 
@@ -95,9 +83,9 @@ def _export_remote(url: str, out: Path, which: str, force: bool) -> Path:
     store = remote.open_remote(url)
     store.require_bucket()
     with tempfile.TemporaryDirectory(prefix="ironloop-export-") as tmp:
-        ckpts = Path(tmp) / "checkpoints"
+        ckpts = RunDir(tmp).checkpoints
         got = remote.fetch_newest(store, ckpts, -1, lambda msg: print(f"warning: {msg}"),
-                                  best=which == "best", check=sharded.check_any)
+                                  best=which == "best", check=dcp.check_any)
         if got is None:
             raise UserError(f"{url} holds no complete {which} checkpoint"
                             + (": pass --which last" if which == "best" and store.manifests()

@@ -12,7 +12,7 @@ from ironloop.data.bundle import DataBundle
 from ironloop.engine import fit as engine
 from ironloop.engine.fit import FitResult
 from ironloop.state import lock
-from ironloop.state.rundir import check_run_dir
+from ironloop.state.prepare import check_run_dir
 from ironloop.tools.doctor.run import preflight
 from ironloop.tools.models import from_config
 

@@ -270,14 +270,17 @@ def compare_rank(scratch: Path, plan: CheckPlan, rank: int) -> list[Difference]:
 
 
 def _checkpoints(scratch: Path) -> Difference | None:
-    from ironloop.state.manager import latest_valid
+    from ironloop.state.checkpointer import Checkpointer
+    from ironloop.state.dcp import is_sharded
+    from ironloop.state.run_dir import RunDir
 
     def last(run: str) -> dict | None:
         try:
-            found = latest_valid(scratch / run / "checkpoints", warn=lambda message: None)
-        except CheckpointError:  # sharded (DCP) directories are not single files
+            found = Checkpointer(RunDir(scratch / run)).latest()
+        except CheckpointError:  # every one damaged: the per-step records said where
             return None
-        return found[1] if found else None
+        # a sharded (DCP) one holds this rank's extras only: its weights were compared per step
+        return found.state if found is not None and not is_sharded(found.path) else None
 
     a, b = last("straight"), last("crashed")
     if a is None or b is None:  # sharded (DCP) checkpoints: the weights were compared per step
@@ -364,7 +367,7 @@ def doctor_resume_check(cfg: Config, steps: int = DEFAULT_STEPS, nproc: int = 1,
 def write_entry(path: Path, entry: dict) -> None:
     """doctor.json with ``resume_check`` set to ``entry``, whatever else it held kept."""
     from ironloop.state.io import write_atomic
-    from ironloop.state.rundir import unwritable
+    from ironloop.state.prepare import unwritable
 
     try:
         held = json.loads(path.read_text()) if path.exists() else {}

@@ -194,7 +194,7 @@ def render(findings: list[Finding], verbose: bool) -> str:
 
 def write_json(findings: list[Finding], path: Path, seconds: float) -> None:
     from ironloop.state.io import write_atomic
-    from ironloop.state.rundir import unwritable
+    from ironloop.state.prepare import unwritable
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

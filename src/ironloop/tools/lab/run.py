@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 from ironloop.config import Config, load_config
 from ironloop.errors import UserError
 from ironloop.outputs.readers import read_jsonl
-from ironloop.state.io import load_verified
+from ironloop.state.checkpointer import Checkpointer
+from ironloop.state.run_dir import RunDir
 from ironloop.tools.html import Page
 from ironloop.tools.lab import reference as lab_reference, verdicts as judge
 from ironloop.tools.lab.clock import Clock
@@ -318,7 +319,7 @@ def findings(variants: list[Variant], rows: list[dict], under: str) -> dict[str,
     same = "5-amp" if by["5-amp"].overrides["train.precision"] == \
         by["6-checkpoint"].overrides["train.precision"] else "4-accum"
     secs5, secs6 = row[same]["s/epoch"], row["6-checkpoint"]["s/epoch"]
-    ckpts = sorted(p.name for p in (by["6-checkpoint"].run_dir / "checkpoints").glob("*.pt"))
+    ckpts = sorted(p.name for p in RunDir(by["6-checkpoint"].run_dir).checkpoints.glob("*.pt"))
     s = {
         "1-baseline": f"val acc {acc['1-baseline']:.2%} after 5 epochs; epochs took "
                       + ", ".join(f"{e['seconds']:.2f}" for e in by["1-baseline"].epochs())
@@ -378,14 +379,15 @@ def verdicts(variants: list[Variant], rows: list[dict],
     acc = {k: r["final val acc"] for k, r in row.items()}
     lrs = {k: [m["lr"] for m in by[k].metrics()] for k in ("2-onecycle", "3-clip", "4-accum")}
     clip, crash = by["3-clip"].notes, by["7-crash-resume"].notes
-    state = load_verified(by["6-checkpoint"].run_dir / "checkpoints" / "last.pt")
+    found = Checkpointer(RunDir(by["6-checkpoint"].run_dir)).latest()
+    state = found.state if found is not None else {}
     out = [judge.baseline(acc["1-baseline"], NUM_CLASSES),
            judge.lr_rises_then_falls(lrs["2-onecycle"]),
            judge.clipping(clip["clip"], acc["3-clip"], acc["2-onecycle"], clip.get("compare")),
            judge.accumulation(row["4-accum"]["optimizer steps"], by["4-accum"].notes),
            judge.amp(row["4-accum"]["samples/s"], row["5-amp"]["samples/s"], acc["4-accum"],
                      acc["5-amp"], by["5-amp"].overrides["train.precision"],
-                     "cuda" if torch.cuda.is_available() else "cpu", state["scaler"]),
+                     "cuda" if torch.cuda.is_available() else "cpu", state.get("scaler")),
            judge.checkpoint_keys(state)]
     spe, every = crash["steps_per_epoch"], by["6-checkpoint"].overrides["checkpoint.every_steps"]
     expected = max(spe * (crash["crash_step"] // spe), every * (crash["crash_step"] // every))

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ironloop.config import Config
 from ironloop.engine.precision import resolve_device
 from ironloop.state.io import write_atomic
-from ironloop.state.rundir import unwritable
+from ironloop.state.prepare import unwritable
 
 PART_ORDER = ("data", "copy", "forward", "backward", "optimizer", "checkpoint", "validation",
               "other")

@@ -21,12 +21,8 @@ import re
 from typing import Any
 
 from ironloop.errors import CheckpointError
+from ironloop.state.run_dir import MIRRORED as LOGS, SUFFIXES as KINDS, step_name
 
-#: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
-#: no tb/ files, so TensorBoard must get every row again from the restored JSONL.
-LOGS = ("metrics.jsonl", "epochs.jsonl", "evals.jsonl", "scalars.jsonl", "events.jsonl",
-        "guard.jsonl", "run.json")
-KINDS = {"file": ".pt", "dcp": ".dcp"}
 _DIGEST_RE = re.compile(r"^[0-9a-f]{128}$")  # blake2b's default 64-byte digest, hex
 # the files DCP and ironloop write in a .dcp folder: .metadata, __0_0.distcp, manifest.json,
 # extras-rank0.pt; a leading dot only for .metadata, so neither "." nor ".." can pass
@@ -62,7 +58,7 @@ def checked(data: bytes, step: int) -> dict:
 
 def checked_files(files: Any, step: int, kind: str) -> dict:
     """``files`` (a manifest's, or a rank's marker's) naming one checkpoint of ``step``."""
-    stem = f"step-{step:08d}{KINDS[kind]}"
+    stem = step_name(step, kind)
     if kind == "file":
         def plain(name: str) -> bool:
             return name == stem

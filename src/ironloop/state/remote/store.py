@@ -13,7 +13,7 @@ from typing import Any
 from ironloop.errors import UserError
 from ironloop.extras import require
 
-from .remote_manifest import checked
+from .manifest import checked
 
 MANIFESTS = "manifests"
 LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint

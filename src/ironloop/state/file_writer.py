@@ -1,4 +1,5 @@
-"""Where checkpoints live in a run directory, how many are kept, and which one to resume from.
+"""The file writer behind the checkpointer (checkpointer.py): one ``.pt`` file per save, from
+rank 0, and the newest valid one found again.
 
 Layout: ``step-{N:08d}.pt`` rolling files (the newest ``keep_last``), ``last.pt`` (the newest
 save) and ``best.pt`` (the best validation save). Each save writes its bytes once; ``last.pt``
@@ -10,7 +11,6 @@ never changes what another name holds.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import warnings
@@ -30,26 +30,10 @@ from .io import (
     write_failed,
 )
 from .remote import Mirror
+from .run_dir import BEST, LAST, step_entries, step_name
 from .snapshot import copies_done, snapshot
 
-_STEP_RE = re.compile(r"^step-(\d+)\.pt$")
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
-
-
-def step_entries(directory: Path, pattern: re.Pattern = _STEP_RE) -> dict[int, Path]:
-    """step number -> path, for the names in ``directory`` that ``pattern`` matches (its group
-    1 is the step; temp names start with '.' and never match). Sharded checkpoints pass their
-    ``step-N.dcp`` pattern."""
-    found = {}
-    if directory.is_dir():
-        for p in directory.iterdir():
-            m = pattern.match(p.name)
-            if m:
-                found[int(m.group(1))] = p
-    return found
+LAST_FILE, BEST_FILE = f"{LAST}.pt", f"{BEST}.pt"
 
 
 def retention_victims(steps: list[int], keep_last: int) -> list[int]:
@@ -60,7 +44,7 @@ def retention_victims(steps: list[int], keep_last: int) -> list[int]:
     return ordered[: max(len(ordered) - keep_last, 0)]
 
 
-class CheckpointManager:
+class FileWriter:
     """Saves checkpoints into ``directory`` and keeps the newest ``keep_last`` step files.
 
     With ``async_write=True``, ``save`` copies the state to CPU memory and returns; a background
@@ -144,11 +128,11 @@ class CheckpointManager:
             self._error = e
 
     def _write(self, state: dict, step: int, best: bool, logs: Path | None = None) -> None:
-        last = self.directory / "last.pt"
+        last = self.directory / LAST_FILE
         primary = self.directory / step_name(step) if self.keep_last > 0 else last
         save_atomic(state, primary)
         targets = [last] if primary != last else []
-        targets += [self.directory / "best.pt"] if best else []
+        targets += [self.directory / BEST_FILE] if best else []
         for target in targets:
             self._point(target, primary)
         if targets:
@@ -198,7 +182,7 @@ def _progress_step(state: dict) -> int:
     return step
 
 
-def latest_valid(directory: Path, warn: Callable[[str], object]) -> tuple[Path, dict] | None:
+def latest_file(directory: Path, warn: Callable[[str], object]) -> tuple[Path, dict] | None:
     """The valid checkpoint with the highest progress step, or None if there are none at all.
 
     ``last.pt`` is tried first. Step files newer than it are tried too, newest first: a crash
@@ -206,7 +190,7 @@ def latest_valid(directory: Path, warn: Callable[[str], object]) -> tuple[Path, 
     Each damaged file is reported through ``warn``. ``best.pt`` is never a resume candidate.
     """
     directory = Path(directory)
-    last = directory / "last.pt"
+    last = directory / LAST_FILE
     steps = step_entries(directory)
     has_last = last.is_file()
     if not has_last and not steps:
@@ -241,5 +225,5 @@ def latest_valid(directory: Path, warn: Callable[[str], object]) -> tuple[Path, 
 def has_checkpoints(directory: Path) -> bool:
     """Whether ``directory`` holds any checkpoint (last.pt, best.pt or a step file)."""
     directory = Path(directory)
-    return (directory / "last.pt").exists() or (directory / "best.pt").exists() \
+    return (directory / LAST_FILE).exists() or (directory / BEST_FILE).exists() \
         or bool(step_entries(directory))

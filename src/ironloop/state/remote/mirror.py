@@ -20,10 +20,10 @@ Retention follows ``keep_last`` (at least the newest is kept) plus the newest be
 checkpoints are deleted with their logs, manifest first, only after the newer manifest landed.
 A failed upload is retried with backoff and warned about, never raised: training goes on with
 its local copy. ``--resume`` (``fetch_newest``) downloads the newest complete remote checkpoint
-newer than the local one, its manifest checked first (``remote_manifest.py``: every byte from
+newer than the local one, its manifest checked first (``manifest.py``: every byte from
 the store is untrusted), into a fresh temp folder in run.dir; it checks every digest and the
 checkpoint's own load check, and falls back past damaged ones with a one-line reason each.
-The store's operations are ``remote_store.py``; one writer per prefix, ``remote_lease.py``.
+The store's operations are ``store.py``; one writer per prefix, ``lease.py``.
 When run.dir holds no logs of its own (a new node), ``restore_logs`` puts that
 checkpoint's logs there first, checked the same way; a damaged log snapshot is skipped with a
 warning and the checkpoint resumes without it. The resume then truncates them as any resume
@@ -46,11 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state.io import file_digest, fsync_dir
+from ironloop.state.run_dir import RunDir
 
-from . import remote_lease
-from .io import file_digest, fsync_dir
-from .remote_manifest import LOGS, checked_files
-from .remote_store import LOGS_DIR, MANIFESTS, Remote, StoreUnavailable, open_remote, short_error
+from . import lease as remote_lease
+from .manifest import LOGS, checked_files
+from .store import LOGS_DIR, MANIFESTS, Remote, StoreUnavailable, open_remote, short_error
 
 __all__ = ["LOGS", "Remote", "StoreUnavailable", "open_remote"]  # the store, as callers use it
 
@@ -228,7 +229,7 @@ class Mirror:
             return
         if self.refused is not None:
             raise UserError(self.refused)
-        ckpt_dir = self.logs_from / "checkpoints" if self.logs_from is not None else None
+        ckpt_dir = RunDir(self.logs_from).checkpoints if self.logs_from is not None else None
         lease = remote_lease.claim(self.remote, resume=True, say=self._warn,
                                    lineage=remote_lease.recorded(ckpt_dir) if ckpt_dir else None)
         if ckpt_dir is not None:
@@ -440,7 +441,7 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     """The temp folders of fetches a kill cut short (``.remote-step-N.tmp-*`` in checkpoints/,
     ``.remote-logs.tmp-*`` in run.dir): called under run.dir's lock, so no live fetch owns
     them. Returns what was removed."""
-    found = [*Path(run_dir, "checkpoints").glob(".remote-step-*.tmp-*"),
+    found = [*RunDir(run_dir).checkpoints.glob(".remote-step-*.tmp-*"),
              *Path(run_dir).glob(".remote-logs.tmp-*")]
     for path in found:
         if path.is_dir() and not path.is_symlink():

@@ -42,7 +42,7 @@ from ironloop.errors import CheckpointError, UserError
 from ironloop.state.io import write_atomic
 from ironloop.state.lock import alive
 
-from .remote_store import Remote, StoreUnavailable
+from .store import Remote, StoreUnavailable
 
 LEASE = "lease.json"
 RECORD = "remote-lineage"  # in run.dir/checkpoints: the lineage its checkpoints belong to
