@@ -199,7 +199,7 @@ def test_a_data_factorys_stream_offers_its_first_samples_shape(tmp_path, monkeyp
     from ironloop.data.user import user_data
 
     (tmp_path / "byo_units_stream.py").write_text(
-        "from tests.test_data_units import Counting\n"
+        "from tests.data.test_data_units import Counting\n"
         "def data():\n"
         "    return Counting(), None\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -26,7 +26,7 @@ from ironloop.errors import DataError, UserError
 
 # The two official label files (MIT licence, Zalando SE) ship with the tests: a fresh clone
 # needs nothing beside it.
-LABELS = Path(__file__).resolve().parent / "data" / "fashion-mnist"
+LABELS = Path(__file__).resolve().parent / "fashion-mnist"
 
 
 # --- round trips and the on-disk format -------------------------------------------------------

@@ -228,7 +228,7 @@ def test_a_failed_run_stops_its_loader_workers_while_its_error_is_still_held(tmp
     """Workers ignore SIGTERM (data/workers.py), and Python's exit sends SIGTERM to its
     children, then waits for them: a worker still alive when a script ends on fit()'s error
     (its traceback holds the iterator) hung the script forever. fit() now stops them itself."""
-    from tests.test_stream import Plain
+    from tests.data.test_stream import Plain
 
     model, train, val, steps = tiny_mlp(), Raising(bad=40), None, 0
     if where == "stream":

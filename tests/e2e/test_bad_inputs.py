@@ -23,7 +23,7 @@ from ironloop.cli import main
 from ironloop.config import load_config
 from ironloop.errors import ConfigError, DataError, UserError
 from tests.conftest import REPO, blobs, tiny_mlp
-from tests.test_preempt import ARGS, ENV, TIMEOUT
+from tests.engine.test_preempt import ARGS, ENV, TIMEOUT
 
 
 @pytest.mark.parametrize("key", ["optim.lr", "optim.eps", "clip.max_norm", "optim.weight_decay"])

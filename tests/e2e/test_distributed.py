@@ -282,8 +282,8 @@ def test_fsdp_equals_ddp_and_one_process(single_64, ddp_2x32, fsdp_2x32):
 
 def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsdp_2x32,
                                                                             two_ranks):
-    # (checkpoint.remote's multi-rank case, with test_remote.py's others until the two runs
-    # here shared one launch with the FSDP equality test above; the new node's resume is the
+    # (checkpoint.remote's multi-rank case, with tests/state/test_remote.py's others until the two
+    # runs here shared one launch with the FSDP equality test above; the new node's resume is the
     # next run of two_ranks' job, into a run.dir of its own that holds nothing)
     from ironloop.state.remote import open_remote
 

@@ -1,6 +1,6 @@
 """Nothing a user has is lost (issue 29): a wrong --resume directory, a resume of a run that
 cannot be resumed, another run's checkpoint, a rewind, a refused foreign directory (twice).
-The lock and orphaned workers: test_lock_orphans.py; signals and workers:
+The lock and orphaned workers: tests/state/test_lock_orphans.py; signals and workers:
 test_preempt_workers.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ironloop.cli import main
-from tests.test_preempt import ARGS, events
+from tests.engine.test_preempt import ARGS, events
 
 FAST = [*ARGS, "train.epochs=1", "train.max_steps=6", "checkpoint.every_steps=2"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests import forked
 from tests.conftest import REPO
-from tests.test_preempt import (
+from tests.engine.test_preempt import (
     ARGS,
     ENV,
     TIMEOUT,

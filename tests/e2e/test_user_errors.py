@@ -18,7 +18,7 @@ from ironloop.errors import CheckpointError, ConfigError, DataError, UserError
 from ironloop.outputs import console
 from ironloop.state.io import load_verified
 from tests.conftest import blobs, tiny_mlp
-from tests.test_preempt import ARGS
+from tests.engine.test_preempt import ARGS
 
 FAST = [*ARGS, "train.epochs=1", "train.max_steps=3"]
 

@@ -32,7 +32,7 @@ from ironloop.outputs.readers import read_jsonl
 from ironloop.state.io import load_verified, save_atomic
 from tests import forked
 from tests.conftest import REPO, blobs, cfg, logged_step, tiny_mlp, wait_running
-from tests.test_host_reads import READS
+from tests.engine.test_host_reads import READS
 
 
 def bn_mlp(seed: int = 0) -> nn.Module:
@@ -93,7 +93,7 @@ def test_average_equals_a_hand_written_averaged_model_loop(tmp_path, kind):
 
 
 class AllReads(TorchFunctionMode):
-    """Host reads of tensors (torch's own included, unlike tests/test_host_reads.py's
+    """Host reads of tensors (torch's own included, unlike tests/engine/test_host_reads.py's
     counter): what AveragedModel.update_parameters does twice per call."""
 
     def __init__(self):
@@ -291,7 +291,7 @@ DIST_AVERAGE = ("average.kind=ema", "average.decay=0.9", "schedule.name=constant
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """One process with the global batch (64): what 2 ranks x 32 must match, under DDP and FSDP."""
-    from tests.test_distributed import ARGS
+    from tests.e2e.test_distributed import ARGS
 
     run = tmp_path_factory.mktemp("one") / "run"
     # in this process (the distributed tests' config, configs/digits.yaml, from the repository)
@@ -312,7 +312,7 @@ def two_ranks(tmp_path_factory) -> dict[str, Path]:
     ranks_main.py: torchrun and each rank import torch once for all four): DDP; FSDP2 to the
     end; FSDP2's first epoch, then (its 4th run) the resume of that run from its sharded
     checkpoint. {name: run.dir}."""
-    from tests.test_distributed import one_job
+    from tests.e2e.test_distributed import one_job
 
     root = tmp_path_factory.mktemp("ranks")
     one_job(root, [("ddp", ["train.batch_size=32", *DIST_AVERAGE, "checkpoint.enabled=false"]),
@@ -324,7 +324,7 @@ def two_ranks(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow
 def test_two_ddp_ranks_average_as_one_process_with_the_global_batch(one_process, two_ranks):
-    """2 gloo ranks x 32 and one process x 64 take the same steps (tests/test_distributed.py):
+    """2 gloo ranks x 32 and one process x 64 take the same steps (tests/e2e/test_distributed.py):
     their averages match too, and so do the averaged weights' validation figures."""
     one, two = one_process, two_ranks["ddp"]
     a, b = load_file(one / "final_avg.safetensors"), load_file(two / "final_avg.safetensors")

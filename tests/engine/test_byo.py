@@ -224,7 +224,8 @@ def loader_data(root=None):
 def test_a_data_factorys_dataloader_gives_the_model_factory_its_samples_input_shape():
     from ironloop.data.builtin.datasets import build_data
 
-    bundle = build_data(Config().with_overrides(["data.name=tests.test_byo:loader_data"]).data)
+    spec = "data.name=tests.engine.test_byo:loader_data"
+    bundle = build_data(Config().with_overrides([spec]).data)
     assert bundle.input_shape == (5,)  # read off the loader's dataset's first sample
 
 

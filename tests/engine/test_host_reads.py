@@ -105,7 +105,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 import ironloop
 from tests.conftest import blobs, cfg, tiny_mlp
-from tests.test_host_reads import BATCH, CountReads
+from tests.engine.test_host_reads import BATCH, CountReads
 from pathlib import Path
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
 # A DDP wrapper still alive when fit() destroys its process group is freed later, in the

@@ -1,4 +1,5 @@
-"""engine/metrics.py's spec reading, in this process (tests/test_metrics.py trains with them)."""
+"""engine/metrics.py's spec reading, in this process (tests/engine/test_metrics.py trains with
+them)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ def test_a_spec_names_a_class_by_dots_or_a_colon_and_passes_the_other_keys():
     dotted = metrics._from_spec("c", {"spec": f"{__name__}.Counter", "start": 3})
     assert isinstance(dotted, Counter) and dotted.start == 3
     assert metrics._from_spec("c", {"spec": f"{__name__}:Counter"}).start == 0
-    with pytest.raises(ConfigError, match=r"^eval.metrics.c: tests.test_metrics_units.Counter\("
-                                          r"\{'stop': 1\}\) failed: .*; check its arguments$"):
+    with pytest.raises(ConfigError, match=r"^eval.metrics.c: tests.engine.test_metrics_units."
+                                          r"Counter\(\{'stop': 1\}\) failed: .*; "
+                                          r"check its arguments$"):
         metrics._from_spec("c", {"spec": f"{__name__}.Counter", "stop": 1})
 
 

@@ -160,7 +160,7 @@ def test_two_ranks_weigh_tokens_as_one_process(tmp_path, monkeypatch):
     all-reduced over ranks gives one process's per-token gradient (38 = 4 windows of 8 + 6)."""
     from safetensors.torch import load_file
 
-    from tests.test_distributed import train
+    from tests.e2e.test_distributed import train
 
     (tmp_path / "tokens_pkg.py").write_text(TOKENS_PKG)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

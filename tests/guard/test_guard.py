@@ -451,7 +451,7 @@ def test_too_many_rollbacks_exit_3_with_the_message_and_loadable_checkpoints(tmp
 
 @pytest.mark.slow
 def test_two_gloo_ranks_one_poisoned_roll_back_together(tmp_path):
-    from tests.test_distributed import train
+    from tests.e2e.test_distributed import train
 
     order = EpochSampler(1438, 64, seed=0, shuffle=True, world_size=2).permutation().tolist()
     bad = order[128 * 3 + 70]  # step 4's window, in rank 1's half only
@@ -505,7 +505,7 @@ def test_ddp_guard_verdict_agrees_when_only_one_rank_sees_a_nan_loss(tmp_path):
     """A rank's local view cannot decide alone: rank 1 alone sees a NaN loss (its gradients are
     finite, so DDP's gradient average carries nothing bad to rank 0). Both ranks must skip
     the step, or rank 0 steps while rank 1 does not and their weights part."""
-    from tests.test_distributed import TIMEOUT, _stop
+    from tests.e2e.test_distributed import TIMEOUT, _stop
 
     script = tmp_path / "ironloop_one_rank_nan.py"  # "ironloop" in the name: _stop finds it
     script.write_text(ONE_RANK_NAN_LOSS)

@@ -1,6 +1,6 @@
 """outputs/durable.py: a tracker gets a row only once a checkpoint covers its step, and a resume
 sends exactly what it lacks. The trackers here record what reaches them; the real trackers'
-files are read back after SIGKILLs in tests/test_loggers.py."""
+files are read back after SIGKILLs in tests/outputs/test_loggers.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """outputs/loggers.py against stand-ins of the trackers' own APIs (TensorBoard's SummaryWriter,
 wandb, MLflow's client), in this process: what each tracker is asked to start with, what it is
 sent for each row, and how a run's end reaches it. The real trackers' files are read back in
-tests/test_loggers.py."""
+tests/outputs/test_loggers.py."""
 
 from __future__ import annotations
 

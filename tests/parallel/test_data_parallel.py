@@ -1,5 +1,5 @@
 """Choosing the strategy and the FSDP2 blocks (no process group needed), and sharding on a
-process group of one; the multi-rank runs are in tests/test_distributed.py."""
+process group of one; the multi-rank runs are in tests/e2e/test_distributed.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """parallel/world.py in one process: the fresh store of an elastic restart and the sum over
-ranks of an evaluation. The torchrun runs are in tests/test_distributed.py."""
+ranks of an evaluation. The torchrun runs are in tests/e2e/test_distributed.py."""
 
 from __future__ import annotations
 

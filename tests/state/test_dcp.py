@@ -1,7 +1,7 @@
 """Sharded (DCP) checkpoint directories: atomic commit, integrity, fallback, retention, export.
 
 These run in one process (DCP works without a process group); the multi-rank saves, the
-SIGKILL and the resharding resumes are in tests/test_distributed.py.
+SIGKILL and the resharding resumes are in tests/e2e/test_distributed.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import LoadFailure
 from tests.conftest import tiny_mlp
-from tests.test_checkpoint_io import Renames
+from tests.state.test_io import Renames
 
 
 def _trained(seed: int = 0):

@@ -23,7 +23,7 @@ from ironloop.cli import main
 from ironloop.errors import UserError
 from ironloop.state import lock
 from tests.conftest import REPO
-from tests.test_preempt import ARGS, TIMEOUT
+from tests.engine.test_preempt import ARGS, TIMEOUT
 
 
 def test_the_lock_is_reentrant_in_one_process_and_released_after(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from ironloop.cli import main
 from ironloop.state import lock
 from tests.conftest import REPO
-from tests.test_preempt import ARGS, ENV, TIMEOUT, logged_steps, wait_for
+from tests.engine.test_preempt import ARGS, ENV, TIMEOUT, logged_steps, wait_for
 
 HOLDER = """
 import sys, time

@@ -33,7 +33,7 @@ from ironloop.state.io import file_digest
 from ironloop.state.remote import Mirror, fetch_newest, open_remote
 from ironloop.state.remote_store import Remote, StoreUnavailable, short_error
 from tests.conftest import HANG_S, REPO, tiny_mlp
-from tests.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
+from tests.state.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
 __all__ = ["s3", "s3_server", "uninterrupted"]  # fixtures shared with test_remote.py
 

@@ -170,7 +170,7 @@ def test_a_checkpoint_without_a_recorded_step_counts_as_step_0():
 
 
 def test_resume_from_a_sharded_checkpoint_names_it_as_its_source(tmp_path):
-    from tests.test_dcp_safe import sharded_run
+    from tests.state.test_dcp_safe import sharded_run
 
     run, _, _ = sharded_run(tmp_path)
     last = run / "checkpoints" / "last.dcp"

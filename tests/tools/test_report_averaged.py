@@ -8,7 +8,7 @@ import json
 import ironloop
 from ironloop.tools import report
 from tests.conftest import blobs, cfg, tiny_mlp
-from tests.test_report import assert_real_plot, colour_px
+from tests.tools.test_report import assert_real_plot, colour_px
 
 
 def test_report_plots_the_raw_and_averaged_curves(tmp_path):

@@ -1,6 +1,6 @@
 """Unit tests for ironloop.tools.report, in-process and fast: what each plot draws (titles,
 labels, lines and their data, scales, notes), read off the Figure before it is saved, and the
-exact numbers and text the summary and the report write. tests/test_report.py checks the
+exact numbers and text the summary and the report write. tests/tools/test_report.py checks the
 rendered PNGs of a whole fake run."""
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def test_fit_runs_the_preflight_when_doctor_preflight_is_true_and_not_by_default
 
 def test_cli_doctor_names_the_softmax_and_the_fix(softmax_pkg, tmp_path, monkeypatch, capsys):
     """``ironloop doctor`` by the CLI's main in this process (what ``python -m ironloop`` runs;
-    test_cli.py starts that process as a user would): the softmax_pkg fixture makes pkg
+    tests/test_cli.py starts that process as a user would): the softmax_pkg fixture makes pkg
     importable, as PYTHONPATH would."""
     from ironloop.cli import main
 

@@ -249,7 +249,7 @@ def test_the_threads_check_reads_the_run_s_threads_and_workers(monkeypatch):
 
 def test_the_input_bound_fix_names_only_the_steps_still_open(monkeypatch):
     """The doctor's loader fix checks the run's workers, threads and pinning before it
-    recommends them (the step-time advice's rule, tests/test_timing.py)."""
+    recommends them (the step-time advice's rule, tests/engine/test_timing.py)."""
     from types import SimpleNamespace
 
     from ironloop.config import Config

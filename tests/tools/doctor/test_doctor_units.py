@@ -1,7 +1,7 @@
 """The doctor's checks one at a time, in process, on tiny models and data built here: each
 finding's severity, numbers and message at both sides of every threshold. A scripted step (its
-loss a given sequence of values) puts a check exactly on its boundary; tests/test_doctor.py
-runs the checks together on real models."""
+loss a given sequence of values) puts a check exactly on its boundary;
+tests/tools/doctor/test_doctor.py runs the checks together on real models."""
 
 from __future__ import annotations
 

@@ -364,7 +364,7 @@ def test_stream_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_tbptt_step_is_exact(tmp_path):
-    from tests.test_tbptt_lstm import CORPUS
+    from tests.e2e.test_tbptt_lstm import CORPUS
 
     (tmp_path / "input.txt").write_text(CORPUS)
     cfg = load_config("configs/tbptt_lstm.yaml", [

@@ -1,7 +1,7 @@
 """lab/run.py, lab/clock.py and lab/reference.py in process, without training: each function fed
 a hand-made lab (its logs, notes and checkpoints written by the test) and checked to the exact
-sentence, number or call it produces. The real lab (test_lab.py) runs its steps as processes,
-slowly; these tests reach the same code fast."""
+sentence, number or call it produces. The real lab (tests/e2e/test_lab.py) runs its steps as
+processes, slowly; these tests reach the same code fast."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The lab's per-step verdicts, from hand-made log rows: each can pass and each can fail; and
-lab/run.py's plan and verdicts() over a hand-made lab (test_lab.py runs a real one, slowly)."""
+lab/run.py's plan and verdicts() over a hand-made lab (tests/e2e/test_lab.py runs a real one,
+slowly)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """ironloop tune's parts, in process, on fabricated measurements and a fake clock: which trial
 wins, the ratios, the rows, the verdicts, the stop rules at their boundaries, and the exact
-text of the table, tune.json and tuned.yaml. No trial trains here (tests/test_tune.py has the
-real ones): fit() and run_trial are replaced by fakes that stamp a clock the test controls."""
+text of the table, tune.json and tuned.yaml. No trial trains here (tests/tools/tune/test_tune.py has
+the real ones): fit() and run_trial are replaced by fakes that stamp a clock the test controls."""
 
 from __future__ import annotations
 
