@@ -13,8 +13,7 @@ import ironloop
 from ironloop.callbacks import Callback
 from ironloop.outputs.readers import read_jsonl
 from ironloop.tools.report import render_report, summarize
-
-from .conftest import blobs, tiny_mlp
+from tests.conftest import blobs, tiny_mlp
 
 
 class Evals(Callback):

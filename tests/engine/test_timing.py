@@ -19,8 +19,7 @@ from ironloop.engine import timing
 from ironloop.engine.timing import StepTimer
 from ironloop.outputs import time_split
 from ironloop.outputs.time_split import PARTS, RunSettings, advice
-
-from .conftest import blobs, cfg, tiny_mlp
+from tests.conftest import blobs, cfg, tiny_mlp
 
 
 class FakeClock:

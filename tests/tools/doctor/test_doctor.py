@@ -20,8 +20,7 @@ from ironloop.engine.oom import OutOfMemory
 from ironloop.tools.doctor.lr_find import check_lr_find
 from ironloop.tools.doctor.run import DoctorError, check, subject
 from ironloop.tools.recipe import train_config
-
-from .conftest import REPO, blobs, cfg, tiny_mlp
+from tests.conftest import REPO, blobs, cfg, tiny_mlp
 
 SOFTMAX_PKG = '''
 from torch import nn

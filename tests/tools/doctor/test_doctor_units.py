@@ -29,8 +29,7 @@ from ironloop.tools.doctor import (
 )
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import DoctorSubject, head, labels_of, repeated
-
-from .conftest import blobs, tiny_mlp
+from tests.conftest import blobs, tiny_mlp
 
 
 def config(**over) -> Config:
