@@ -1,17 +1,22 @@
 """``ironloop.fit`` (the preflight doctor when doctor.preflight asks for it) and ``ironloop
 train``'s path from a config (tools/recipe.py), with the doctor and the loop recorded instead
-of run: what each is given. The shipped recipes' accuracy: test_recipes.py (slow)."""
+of run: what each is given.
+
+Then (slow) the shipped recipes keep the accuracy their header states (one seed each; the header gives
+the spread over seeds 0-2, and the margin below covers it)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import pytest
 
 from ironloop.config import load_config
 from ironloop.tools import recipe
-from tests.conftest import blobs, tiny_mlp
+from ironloop.tools.recipe import train_config
+from tests.conftest import REPO, blobs, tiny_mlp
 
 
 @pytest.fixture
@@ -116,3 +121,27 @@ def test_train_builds_the_configs_data_and_model_and_asks_for_the_preflight(call
     assert calls[3][5] == {"test_data": None, "num_classes": 3, "resume": False,
                            "overwrite": False, "allow_config_change": False,
                            "from_config": True}
+
+
+#: Percentage points below the stated figure that a single seed may land.
+MARGIN = 1.0
+
+
+def stated(name: str) -> tuple[str, float]:
+    """The metric and accuracy a config's header states, e.g. "# Measured: test acc 97.9%"."""
+    header = (REPO / "configs" / f"{name}.yaml").read_text()
+    m = re.search(r"^# Measured: (test|val) acc (\d+\.\d+)%", header, re.M)
+    assert m, f"configs/{name}.yaml must state its measured accuracy in its header"
+    return m.group(1), float(m.group(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["digits", "mnist1d"])
+def test_recipe_meets_its_stated_accuracy(tmp_path, name):
+    metric, figure = stated(name)
+    cfg = load_config(REPO / "configs" / f"{name}.yaml",
+                      [f"run.dir={tmp_path / name}", "log.progress=off",
+                       "checkpoint.enabled=false", "run.seed=0"])
+    results = train_config(cfg).results
+    acc = results["test_acc"] if metric == "test" else results["final_val_acc"]
+    assert 100 * acc >= figure - MARGIN, (name, acc, figure)
