@@ -2,8 +2,8 @@
 train``'s path from a config (tools/recipe.py), with the doctor and the loop recorded instead
 of run: what each is given.
 
-Then (slow) the shipped recipes keep the accuracy their header states (one seed each; the header gives
-the spread over seeds 0-2, and the margin below covers it)."""
+Then (slow) the shipped recipes keep the accuracy their header states (one seed each; the
+header gives the spread over seeds 0-2, and the margin below covers it)."""
 
 from __future__ import annotations
 
