@@ -15,7 +15,7 @@ ironloop provides each piece:
 - the data factory returns ``vocab_size``, which the model factory receives.
 
 ``plain_loop`` below is the same training in plain torch, with no ironloop import;
-``tests/test_tbptt_lstm.py`` proves the two give equal weights (``torch.equal``).
+``tests/e2e/test_tbptt_lstm.py`` proves the two give equal weights (``torch.equal``).
 
 From the CLI (run from the repository root, with any text file in DATA_DIR/input.txt)::
 

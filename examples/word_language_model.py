@@ -8,7 +8,7 @@ The one thing to know is the layout. word_language_model's ``batchify`` + ``get_
 (``x.t()``) and flattens the targets time-first (``y.t()``), as ``get_batch`` does; the rest is
 word_language_model's own loop: ``init_hidden`` at the start, the hidden state carried and
 detached (``repackage_hidden``) in ``state``, ``NLLLoss`` on the model's log-probabilities.
-``tests/test_lm.py`` checks this step against the plain time-first loop (``torch.equal``).
+``tests/data/test_lm.py`` checks this step against the plain time-first loop (``torch.equal``).
 
     ironloop train configs/word_language_model.yaml data.kwargs.wlm_dir=WLM_DIR
 """

@@ -1,7 +1,7 @@
 """The reference pages, generated from the code and committed under docs/, so that their links
 read on GitHub as on the site. ``python scripts/docs_hooks.py`` writes them; as an MkDocs hook
-(mkdocs.yml `hooks`) it fails the build when one is stale, and tests/test_docs.py checks the same
-without a build. Never written by hand, so they cannot drift from the code:
+(mkdocs.yml `hooks`) it fails the build when one is stale, and tests/e2e/test_docs.py checks the
+same without a build. Never written by hand, so they cannot drift from the code:
 
 - reference/config.md: every config key, read off the config dataclasses (``ironloop.config``:
   the same fields ``ironloop train help`` prints), with its type, default, allowed values, doc,

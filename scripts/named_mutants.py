@@ -45,52 +45,52 @@ MUTANTS = (
     Mutant("zero_grad_keeps_zeros", "engine/loop.py",
            (("module.optimizer.zero_grad(set_to_none=True)",
              "module.optimizer.zero_grad(set_to_none=False)"),),
-           ("tests/test_loop.py::"
+           ("tests/engine/test_loop.py::"
             "test_a_branch_unused_after_its_first_step_is_not_moved_by_adamw_again",),
            "a parameter unused in a window keeps a zero gradient, so AdamW still moves it"),
     Mutant("early_stop_tie_improves", "engine/early_stop.py",
            (("if gain > self.min_delta:", "if gain >= self.min_delta:"),),
-           ("tests/test_early_stop.py::"
+           ("tests/engine/test_early_stop.py::"
             "test_a_tie_with_the_best_or_a_gain_of_exactly_min_delta_is_no_improvement",),
            "a metric sitting at its best resets patience forever"),
     Mutant("python_random_not_restored", "state/rng.py",
            (('random.setstate(_as_tuple(state["python"]))', "pass"),),
-           ("tests/test_rng.py::"
+           ("tests/state/test_rng.py::"
             "test_python_numpy_and_torch_generators_round_trip_through_a_checkpoint",),
            "python's random diverges after a resume"),
     Mutant("verdict_reads_only_the_norm", "guard/verdict.py",
            (("return torch.isfinite(total + norm)", "return torch.isfinite(norm)"),),
-           ("tests/test_guard.py::"
+           ("tests/guard/test_guard.py::"
             "test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_reported",),
            "a non-finite loss with finite gradients is neither skipped nor reported"),
     # The floor lives in two places, the device verdict (what the loop runs) and decide.py's
     # reference (`0.01 * abs(med)`); the same test compares both. Counted once, on the device.
     Mutant("spike_floor_a_tenth", "guard/verdict.py",
            (("0.01 * med.abs()", "0.001 * med.abs()"),),
-           ("tests/test_guard.py::"
+           ("tests/guard/test_guard.py::"
             "test_a_flat_history_floors_sigma_at_one_percent_of_the_median_on_both_guards",),
            "on a flat history noise is called a spike"),
     Mutant("spike_warmup_off_by_one", "guard/verdict.py",
            (("take = good & (self.good > self.warmup)",
              "take = good & (self.good >= self.warmup)"),),
-           ("tests/test_guard.py::"
+           ("tests/guard/test_guard.py::"
             "test_the_device_verdict_keeps_the_reference_window_at_every_step_around_warm_up",),
            "the device's spike window differs from the reference guard's by a sample"),
     Mutant("lock_shared", "state/lock.py",
            (("fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
              "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)"),),
-           ("tests/test_lock.py::"
+           ("tests/state/test_lock.py::"
             "test_a_second_process_is_refused_naming_the_holder_and_a_sigkill_frees_the_lock",),
            "two runs could own one run.dir"),
     Mutant("lock_not_released", "state/lock.py",
            (("fcntl.flock(fd, fcntl.LOCK_UN)", "pass"),),
-           ("tests/test_lock.py::"
+           ("tests/state/test_lock.py::"
             "test_the_lock_ends_with_the_holder_whatever_copies_of_its_descriptor_live_on",),
            "a child holding a copy of the descriptor keeps run.dir locked after fit()"),
     Mutant("duplicate_signal_window_inverted", "engine/preempt.py",
            (("elif time.monotonic() - self._first_at > DUPLICATE_S:",
              "elif time.monotonic() - self._first_at < DUPLICATE_S:"),),
-           ("tests/test_preempt.py::"
+           ("tests/engine/test_preempt.py::"
             "test_the_same_signal_twice_within_the_window_is_one_request_and_later_kills",),
            "one SIGTERM forwarded twice kills the run with no checkpoint"),
     # A mean of batch means takes both edits (each alone is a different, louder bug).
@@ -98,16 +98,17 @@ MUTANTS = (
            (("values = values * n if weight is None", "values = values if weight is None"),
             ("count = count + (n if weight is None else weight)",
              "count = count + (1 if weight is None else weight)")),
-           ("tests/test_evaluation.py::"
+           ("tests/engine/test_evaluate.py::"
             "test_a_ragged_last_validation_batch_weighs_by_its_samples_not_as_a_batch",),
            "a ragged last validation batch weighs as much as a full one"),
     Mutant("resume_rng_not_restored", "engine/run.py",
            (("restore_rng(state)", "pass"),),
-           ("tests/test_resume.py::test_a_resume_continues_the_random_streams_a_step_draws_from",),
+           ("tests/state/test_resume.py::"
+            "test_a_resume_continues_the_random_streams_a_step_draws_from",),
            "a resumed run's random streams (augmentation, dropout) differ from the unbroken run's"),
     Mutant("resume_skip_list_not_restored", "engine/run.py",
            (('self.data.source.set_skip(guard.get("skip", []))', "pass"),),
-           ("tests/test_resume.py::"
+           ("tests/state/test_resume.py::"
             "test_a_resume_after_a_rollback_keeps_skipping_the_poisoned_window",),
            "a resume after a rollback trains on the poisoned samples again"),
 )

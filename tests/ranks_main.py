@@ -1,5 +1,5 @@
 """Several ``ironloop train`` runs, one after another, in each rank of ONE torchrun job: what
-tests/test_distributed.py launches instead of a torchrun job per run, so that torchrun and each
+tests/e2e/test_distributed.py launches instead of a torchrun job per run, so that torchrun and each
 rank start (import torch and ironloop) once for all of them.
 
 ``python -m torch.distributed.run --nproc_per_node=2 --standalone tests/ranks_main.py RUNS``:

@@ -282,3 +282,93 @@ def test_tune_is_a_subpackage_like_doctor_and_lab():
     for pkg in ("tune", "doctor", "lab"):
         assert (PKG / "tools" / pkg / "__init__.py").is_file(), pkg
     assert not list((PKG / "tools").glob("tune_*.py"))
+
+
+# --- the tests mirror the package (issue 54) ------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+#: The folder of the suites that run the whole product (CLI kill/resume, fault injection,
+#: torchrun, SLURM, the docs and the README), whatever modules they reach.
+E2E = "e2e"
+#: Root test files that check the repository rather than one module.
+WHOLE_REPO = {"test_layout.py", "test_lint.py", "test_named_mutants.py", "test_mutants_sample.py"}
+MAX_TEST_FILE_LINES = 800
+#: Not yet merged into their module's files or split (issue 54): each one fixed leaves this list,
+#: and no new one may join it.
+PENDING_UNITS = ["data/test_data_units.py", "state/test_remote_units.py",
+                 "tools/doctor/test_doctor_units.py", "tools/doctor/test_resume_check_units.py",
+                 "tools/lab/test_lab_units.py", "tools/test_report_units.py",
+                 "tools/tune/test_tune_units.py"]
+PENDING_LONG = ["data/test_data_units.py", "tools/doctor/test_doctor_units.py",
+                "tools/doctor/test_resume_check_units.py", "tools/lab/test_lab_units.py",
+                "tools/tune/test_tune.py", "tools/tune/test_tune_units.py"]
+
+
+def _test_files() -> list[Path]:
+    return sorted(TESTS.rglob("test_*.py"))
+
+
+def misplaced_tests() -> list[str]:
+    """Test files below the root outside a folder named after a package of src/ironloop (or
+    e2e/), and test folders that are not packages (``from tests.x.test_y import`` needs them)."""
+    bad = []
+    for path in _test_files():
+        folder = path.parent.relative_to(TESTS)
+        if folder == Path("."):
+            continue
+        name = str(path.relative_to(TESTS))
+        if folder.parts[0] != E2E and not (PKG / folder / "__init__.py").is_file():
+            bad.append(f"{name}: no package src/ironloop/{folder.as_posix()}")
+        if not (path.parent / "__init__.py").is_file():
+            bad.append(f"{name}: no __init__.py beside it")
+    return bad
+
+
+def root_tests_of_no_top_level_module() -> list[str]:
+    """Root test files are test_<top-level module>[_topic].py, or whole-repository checks."""
+    tops = sorted((p.stem for p in PKG.glob("*.py") if not p.stem.startswith("_")),
+                  key=len, reverse=True)
+    return [p.name for p in sorted(TESTS.glob("test_*.py")) if p.name not in WHOLE_REPO
+            and not any(p.stem == f"test_{m}" or p.stem.startswith(f"test_{m}_") for m in tops)]
+
+
+def units_files() -> list[str]:
+    return [p.relative_to(TESTS).as_posix() for p in sorted(TESTS.rglob("*_units.py"))]
+
+
+def long_test_files() -> list[str]:
+    return [p.relative_to(TESTS).as_posix() for p in _test_files()
+            if len(p.read_text().splitlines()) > MAX_TEST_FILE_LINES]
+
+
+def test_every_test_file_sits_in_the_folder_of_the_package_it_tests():
+    assert misplaced_tests() == []
+    assert root_tests_of_no_top_level_module() == []
+
+
+def test_no_units_twin_and_no_test_file_over_800_lines_beyond_those_still_pending():
+    assert units_files() == sorted(PENDING_UNITS)
+    assert long_test_files() == sorted(PENDING_LONG)
+
+
+def test_the_test_layout_checks_find_what_they_look_for(tmp_path, monkeypatch):
+    fake_pkg, fake_tests = tmp_path / "src" / "ironloop", tmp_path / "tests"
+    for pkg in ("", "engine", "tools", "tools/lab"):
+        (fake_pkg / pkg).mkdir(parents=True, exist_ok=True)
+        (fake_pkg / pkg / "__init__.py").write_text("")
+    (fake_pkg / "config.py").write_text("")
+    for folder in ("", "engine", "tools/lab", "e2e", "nowhere"):
+        (fake_tests / folder).mkdir(parents=True, exist_ok=True)
+    for folder in ("", "engine", "tools/lab", "e2e"):
+        (fake_tests / folder / "__init__.py").write_text("")
+    for name in ("test_config.py", "test_config_keys.py", "test_lint.py", "test_loop.py",
+                 "engine/test_loop.py", "tools/lab/test_run.py", "e2e/test_kill.py",
+                 "nowhere/test_x.py", "engine/test_loop_units.py"):
+        (fake_tests / name).write_text("x = 1\n" * (MAX_TEST_FILE_LINES + name.count("run")))
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake_pkg)
+    monkeypatch.setattr(sys.modules[__name__], "TESTS", fake_tests)
+    assert misplaced_tests() == ["nowhere/test_x.py: no package src/ironloop/nowhere",
+                                 "nowhere/test_x.py: no __init__.py beside it"]
+    assert root_tests_of_no_top_level_module() == ["test_loop.py"]
+    assert units_files() == ["engine/test_loop_units.py"]
+    assert long_test_files() == ["tools/lab/test_run.py"]

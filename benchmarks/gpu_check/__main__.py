@@ -12,7 +12,7 @@ and ``gpu-check.log`` (the parts' own output). Exit status 0 when no row failed,
 
 ``--dry-run`` runs every part at tiny sizes on whatever device there is: on a CPU every code
 path that can run there does, and what needs CUDA is a "skipped: no CUDA" row. CI runs it
-(tests/test_gpu_check.py), so the check cannot rot before a GPU is lent.
+(tests/e2e/test_gpu_check.py), so the check cannot rot before a GPU is lent.
 
 GPU_CHECK_FAULT=PART:crash or PART:hang (comma-separated) makes a part crash at its start or
 hang until its cap: the test of the isolation between parts.

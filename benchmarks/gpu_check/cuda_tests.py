@@ -1,7 +1,7 @@
 """Part 5, the CUDA-only tests: ``pytest -m gpu`` on the test files that hold such tests.
 
 Only those files are collected (the rest of the suite imports packages the device machine may
-lack). Every test that skips without CUDA carries the ``gpu`` mark (tests/test_gpu_check.py
+lack). Every test that skips without CUDA carries the ``gpu`` mark (tests/e2e/test_gpu_check.py
 checks that), so ``-m gpu`` runs them all. One row per test, from pytest's JUnit XML; without
 CUDA they are all skipped, and the rows say so.
 """
