@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ironloop import cli
-from ironloop.state.rundir import RUN_OUTPUTS
+from ironloop.state.run_dir import OUTPUTS as RUN_OUTPUTS
 from tests.conftest import REPO, open_all_in_browser
 
 

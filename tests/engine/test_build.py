@@ -10,8 +10,11 @@ import torch
 import ironloop
 from ironloop.callbacks import Callback
 from ironloop.engine import build
+from ironloop.engine.train_module import TrainModule
 from ironloop.errors import CheckpointError
 from ironloop.state import dcp as sharded
+from ironloop.state.checkpointer import Checkpointer, Found
+from ironloop.state.run_dir import RunDir
 from tests.conftest import tiny_mlp
 from tests.test_callbacks import StepCounter
 
@@ -27,8 +30,10 @@ def _trained():
 def _run(tmp_path, model, opt, schedule_steps: int = 0):
     """The parts of a Run that _restore touches; load_state_dict records what it was given."""
     loaded: list[tuple[dict, str]] = []
+    cfg = ironloop.Config().with_overrides({"run.dir": str(tmp_path / "run")})
     run = SimpleNamespace(
-        cfg=ironloop.Config().with_overrides({"run.dir": str(tmp_path / "run")}),
+        cfg=cfg, outputs=SimpleNamespace(checkpoints=Checkpointer(
+            RunDir(tmp_path / "run"), cfg.checkpoint, model=model, optimizer=opt)),
         module=SimpleNamespace(raw_model=model, optimizer=opt, schedule_steps=schedule_steps,
                                hold_onecycle=lambda: loaded.append(({}, "held"))),
         guard=None, tracker=SimpleNamespace(best_weights="stale"),
@@ -37,15 +42,17 @@ def _run(tmp_path, model, opt, schedule_steps: int = 0):
 
 
 def test_a_sharded_checkpoint_restores_the_model_and_the_optimizer_from_dcp(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path / "ck", keep_last=1)
     model, opt = _trained()
-    manager.save({"progress": {"step": 3}, "model": None, "optimizer": None}, model, opt, 3,
-                 False)
-    path, state = sharded.latest_valid(tmp_path / "ck", warn=pytest.fail)
+    manager = sharded.ShardedWriter(tmp_path / "run" / "checkpoints", keep_last=1, model=model,
+                                    optimizer=opt)
+    manager.save({"progress": {"step": 3}, "model": None, "optimizer": None}, 3, False)
     fresh = tiny_mlp(seed=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     run, loaded = _run(tmp_path, fresh, fresh_opt)
-    build._restore(run, state, str(path), "none")
+    found = run.outputs.checkpoints.latest()
+    path = tmp_path / "run" / "checkpoints" / "last.dcp"
+    assert found.path == path
+    build._restore(run, found)
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     want = opt.state_dict()["state"][0]["exp_avg"]
@@ -56,14 +63,15 @@ def test_a_sharded_checkpoint_restores_the_model_and_the_optimizer_from_dcp(tmp_
     assert source == str(path) and resumed["progress"] == {"step": 3}
     torch.testing.assert_close(resumed["optimizer"]["state"][0]["exp_avg"], want, rtol=0, atol=0)
     assert resumed["model"].keys() == model.state_dict().keys()
-    assert run.tracker.best_weights is None  # no best.pt (and no patience): nothing to restore
+    assert run.tracker.best_weights == "stale"  # no patience: early stopping restores nothing
 
 
 def test_fsdp_refuses_a_single_file_checkpoint_naming_the_fix(tmp_path):
     model, opt = _trained()
     run, loaded = _run(tmp_path, model, opt)
+    run.outputs.checkpoints.sharded = True  # as for an FSDP2 model: its shards on every rank
     with pytest.raises(CheckpointError) as e:
-        build._restore(run, {}, str(tmp_path / "last.pt"), "fsdp")
+        build._restore(run, Found(tmp_path / "last.pt", {}))
     assert str(e.value) == (
         f"{tmp_path / 'last.pt'} is a single-file checkpoint (from ddp or one process); "
         "dist.strategy=fsdp resumes only sharded .dcp checkpoints. Resume it with "
@@ -74,14 +82,14 @@ def test_fsdp_refuses_a_single_file_checkpoint_naming_the_fix(tmp_path):
 def test_a_resumed_schedule_keeps_the_checkpoint_s_length(tmp_path):
     model, opt = _trained()
     run, loaded = _run(tmp_path, model, opt, schedule_steps=40)
-    build._restore(run, {"schedule_steps": 25}, str(tmp_path / "last.pt"), "ddp")
+    TrainModule.resume_schedule(run.module, 25)
     assert run.module.schedule_steps == 25 and loaded[-1] == ({}, "held")
     run, loaded = _run(tmp_path, model, opt, schedule_steps=40)
-    build._restore(run, {}, str(tmp_path / "last.pt"), "none")  # an older checkpoint: its own
+    TrainModule.resume_schedule(run.module, None)  # an older checkpoint: its own
     assert run.module.schedule_steps == 40 and loaded[-1] == ({}, "held")
     run, loaded = _run(tmp_path, model, opt, schedule_steps=0)
-    build._restore(run, {"schedule_steps": 25}, str(tmp_path / "last.pt"), "none")
-    assert run.module.schedule_steps == 0 and len(loaded) == 1  # no schedule: nothing held
+    TrainModule.resume_schedule(run.module, 25)
+    assert run.module.schedule_steps == 0 and loaded == []  # no schedule: nothing held
 
 
 def test_the_metric_prefixes_are_one_per_validation_set_and_weight_set():
@@ -148,7 +156,7 @@ def test_each_part_of_the_run_gets_its_config_keys(tmp_path):
         # 64 samples in batches of 32 and 2 micro-batches a step: 1 step an epoch, 3 epochs
         assert (c.log_every, c.eval_every, c.checkpoint_every, c.total_steps, c.validates) == \
             (3, 2, 4, 3, True)
-        manager = run.outputs.checkpoints
+        manager = run.outputs.checkpoints.writer
         assert (manager.directory, manager.keep_last, manager.async_write, manager.mirror) == \
             (tmp_path / "run/checkpoints", 2, True, None)
         assert run.outputs.timer.enabled is False and run.outputs.timer.trace is None
@@ -218,10 +226,10 @@ def test_a_callback_with_its_own_on_step_end_makes_the_guard_settle_every_step(t
     watched.outputs.close()
     plain = _built(tmp_path / "plain", given=build.Given(callbacks=[Callback()]))
     plain.outputs.close()
-    assert (watched.guard.reporter.device.always, plain.guard.reporter.device.always) == \
+    assert (watched.guard.reporter.verdicts.always, plain.guard.reporter.verdicts.always) == \
         (True, False)
-    # the guard waits for an async checkpoint write before it rolls back to the file
-    assert plain.guard.reporter.wait == plain.outputs.checkpoints.wait
+    # the guard rolls back through the run's checkpointer (it waits for an async write first)
+    assert plain.guard.reporter.checkpoints is plain.outputs.checkpoints
 
 
 def test_batchnorm_with_accumulation_is_warned_about_once_accumulating(capsys):

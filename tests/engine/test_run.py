@@ -17,7 +17,7 @@ from ironloop.parallel.world import World
 from ironloop.state import dcp as sharded
 
 
-class ShardRecorder(sharded.ShardedCheckpointManager):
+class ShardRecorder(sharded.ShardedWriter):
     """Stands in for the sharded manager: records each save instead of writing shards."""
 
     def __init__(self):

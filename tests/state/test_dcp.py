@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state import dcp as sharded
+from ironloop.state.checkpointer import _newest
 from ironloop.state.export import export_run
 from ironloop.state.io import LoadFailure
+from ironloop.state.run_dir import step_name
 from tests.conftest import tiny_mlp
 from tests.state.test_io import Renames
 
@@ -38,12 +40,13 @@ def _state(step: int) -> dict:
 
 def _save(manager, step: int, best: bool = False, seed: int = 0):
     model, opt = _trained(seed)
-    manager.save({**_state(step), "model": None, "optimizer": None}, model, opt, step, best)
+    manager.model, manager.optimizer = model, opt  # what the checkpointer gives it
+    manager.save({**_state(step), "model": None, "optimizer": None}, step, best)
     return model, opt
 
 
 def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extras(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=2)
     model, opt = _save(manager, 5, best=True)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["best.dcp", "last.dcp", "step-00000005.dcp"]  # no temp directory left
@@ -53,7 +56,7 @@ def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extra
     assert os.path.samefile(tmp_path / "last.dcp" / ".metadata",
                             tmp_path / "step-00000005.dcp" / ".metadata")
 
-    path, state = sharded.latest_valid(tmp_path, warn=pytest.fail)
+    path, state = sharded.latest_sharded(tmp_path, warn=pytest.fail)
     assert path.name == "last.dcp" and state["progress"]["step"] == 5
     assert state["extra_from_another_feature"]["count"].item() == 5  # any extra key rides along
     assert "model" not in state
@@ -67,19 +70,19 @@ def test_save_commits_a_verified_directory_and_resumes_model_optimizer_and_extra
 
 
 def test_a_manager_without_a_remote_mirror_closes_quietly(tmp_path, capsys):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     manager.close()  # no checkpoint.remote: nothing to wait for, nothing to report
     assert capsys.readouterr().out == ""
 
 
 def test_on_one_process_the_manager_makes_its_directory_at_its_start_before_any_save(tmp_path):
     directory = tmp_path / "run" / "checkpoints"
-    manager = sharded.ShardedCheckpointManager(directory, keep_last=1)
-    assert directory.is_dir() and list(directory.iterdir()) == []  # as CheckpointManager's
+    manager = sharded.ShardedWriter(directory, keep_last=1)
+    assert directory.is_dir() and list(directory.iterdir()) == []  # as FileWriter's
     manager.close()
 
 def test_the_checkpoint_directory_is_fsynced_after_the_renames(tmp_path, monkeypatch):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=2)
     _save(manager, 4)
     renames = Renames(monkeypatch, tmp_path)
     _save(manager, 5, best=True)  # replaces last.dcp: the old one is moved aside first
@@ -88,7 +91,7 @@ def test_the_checkpoint_directory_is_fsynced_after_the_renames(tmp_path, monkeyp
 
 
 def test_damaged_or_unfinished_directories_are_skipped_and_cleaned(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=3)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=3)
     for step in (1, 2, 3):
         _save(manager, step)
     # step 3 (and last.dcp, which links the same bytes) gets a flipped bit in a shard
@@ -100,7 +103,7 @@ def test_damaged_or_unfinished_directories_are_skipped_and_cleaned(tmp_path):
     (tmp_path / ".step-00000004.dcp.tmp").mkdir()
     (tmp_path / "step-00000009.dcp").mkdir()
     warnings = []
-    path, state = sharded.latest_valid(tmp_path, warnings.append)
+    path, state = sharded.latest_sharded(tmp_path, warnings.append)
     assert path.name == "step-00000002.dcp" and state["progress"]["step"] == 2
     assert any("step-00000003.dcp" in w and "changed" in w for w in warnings)
     assert any("step-00000009.dcp" in w and "manifest" in w for w in warnings)
@@ -126,7 +129,7 @@ def test_a_dcp_directory_a_kill_left_without_manifest_or_metadata_is_sharded_and
 
 
 def test_a_shard_that_changed_is_refused_naming_it_and_the_fix(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 1)
     shard = next((tmp_path / "step-00000001.dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes() + b"!")
@@ -137,19 +140,19 @@ def test_a_shard_that_changed_is_refused_naming_it_and_the_fix(tmp_path):
 
 
 def test_every_directory_damaged_is_an_error_naming_them(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 1)
     for d in ("last.dcp", "step-00000001.dcp"):
         (tmp_path / d / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="every checkpoint.*damaged"):
-        sharded.latest_valid(tmp_path, lambda m: None)
+        sharded.latest_sharded(tmp_path, lambda m: None)
 
 
 def test_a_save_over_a_killed_writers_temp_directory_commits_only_its_own_files(tmp_path):
     """A SIGKILL mid-write leaves .step-N.tmp/ behind; the next save of that step (a resume
     that redoes it) starts the directory afresh, so no stale shard is committed with it."""
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
-    stale = tmp_path / f".{sharded.step_name(4)}.tmp"
+    manager = sharded.ShardedWriter(tmp_path, keep_last=2)
+    stale = tmp_path / f".{step_name(4, 'dcp')}.tmp"
     stale.mkdir()
     (stale / "__9_0.distcp").write_bytes(b"a killed writer's shard")
     _save(manager, 4)
@@ -159,12 +162,12 @@ def test_a_save_over_a_killed_writers_temp_directory_commits_only_its_own_files(
 
 
 def test_keep_last_retention(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=2)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=2)
     for step in (1, 2, 3, 4):
         _save(manager, step)
     assert sorted(p.name for p in tmp_path.iterdir()) == \
         ["last.dcp", "step-00000003.dcp", "step-00000004.dcp"]
-    zero = sharded.ShardedCheckpointManager(tmp_path / "zero", keep_last=0)
+    zero = sharded.ShardedWriter(tmp_path / "zero", keep_last=0)
     for step in (1, 2):
         _save(zero, step)
     assert sorted(p.name for p in (tmp_path / "zero").iterdir()) == ["last.dcp"]
@@ -174,17 +177,17 @@ def test_keep_last_retention(tmp_path):
 def test_newest_of_files_and_directories_wins(tmp_path):
     from ironloop.state.io import save_atomic
 
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 3)
     save_atomic(_state(7), tmp_path / "step-00000007.pt")  # e.g. resumed on one process
-    path, state = sharded.latest_any(tmp_path, pytest.fail)
+    path, state = _newest(tmp_path, pytest.fail)
     assert path.name == "step-00000007.pt" and state["progress"]["step"] == 7
     # and the other way round: a file run resumed under FSDP continues with directories
     other = tmp_path / "other"
     other.mkdir()
     save_atomic(_state(3), other / "step-00000003.pt")
-    _save(sharded.ShardedCheckpointManager(other, keep_last=1), 7)
-    path, state = sharded.latest_any(other, pytest.fail)
+    _save(sharded.ShardedWriter(other, keep_last=1), 7)
+    path, state = _newest(other, pytest.fail)
     assert path.suffix == ".dcp" and state["progress"]["step"] == 7
 
 
@@ -194,7 +197,7 @@ def test_on_another_world_size_every_rank_gets_rank_0s_counters_and_its_own_rng(
     state for all; rank 1 keeps its own RNG, rank 2 (new) takes rank 0's."""
     from ironloop.state.io import file_digest, save_atomic
 
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 5)
     path = tmp_path / "step-00000005.dcp"
     rank0 = sharded.load_extras(path)
@@ -213,7 +216,7 @@ def test_on_another_world_size_every_rank_gets_rank_0s_counters_and_its_own_rng(
 
 def test_export_consolidates_a_sharded_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    manager = sharded.ShardedCheckpointManager(run_dir / "checkpoints", keep_last=1)
+    manager = sharded.ShardedWriter(run_dir / "checkpoints", keep_last=1)
     model, _ = _save(manager, 2)
     out = export_run(run_dir, tmp_path / "m.safetensors", which="last")
     weights = load_file(out)
@@ -237,13 +240,13 @@ def test_an_async_save_commits_only_once_it_is_waited_for(tmp_path, monkeypatch)
         return done
 
     monkeypatch.setattr(sharded.dcp, "async_save", async_save)
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=3, async_write=True)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=3, async_write=True)
     model, _ = _save(manager, 2)
     assert writes == [None]  # one process: no group of its own
     assert not (tmp_path / "step-00000002.dcp").exists()  # committed only once waited for
     manager.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp", "step-00000002.dcp"]
-    path, state = sharded.latest_valid(tmp_path, warn=pytest.fail)
+    path, state = sharded.latest_sharded(tmp_path, warn=pytest.fail)
     assert path.name == "last.dcp" and state["progress"]["step"] == 2
     # the async write holds the model where a load reads it (seed 8's save_34)
     fresh = tiny_mlp(seed=1)
@@ -272,7 +275,7 @@ def test_an_async_save_in_a_process_group_runs_on_a_gloo_group_of_its_own(tmp_pa
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60),
                             store=dist.FileStore(str(tmp_path / "store"), 1))
     try:
-        manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=3,
+        manager = sharded.ShardedWriter(tmp_path / "ckpt", keep_last=3,
                                                    async_write=True)
         _save(manager, 2)
         manager.close()
@@ -285,7 +288,7 @@ def test_an_async_save_in_a_process_group_runs_on_a_gloo_group_of_its_own(tmp_pa
 
 
 def test_check_any_verifies_a_sharded_directory_and_a_file(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 3)
     sharded.check_any(tmp_path / "step-00000003.dcp")
     extras = tmp_path / "step-00000003.dcp" / "extras-rank0.pt"
@@ -297,7 +300,7 @@ def test_check_any_verifies_a_sharded_directory_and_a_file(tmp_path):
 
 
 def test_a_damaged_directorys_short_reason_says_which_file_and_how(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 3)
     step = tmp_path / "step-00000003.dcp"
     with open(step / "extras-rank0.pt", "ab") as f:
@@ -312,7 +315,7 @@ def test_a_damaged_directorys_short_reason_says_which_file_and_how(tmp_path):
 
 
 def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 3)
     other = torch.nn.Linear(8, 3)
     with pytest.raises(CheckpointError) as e:
@@ -325,12 +328,12 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_naming_what_to_check(t
 
 
 def test_every_directory_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 1)
     for d in ("last.dcp", "step-00000001.dcp"):
         (tmp_path / d / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError) as e:
-        sharded.latest_valid(tmp_path, lambda m: None)
+        sharded.latest_sharded(tmp_path, lambda m: None)
     assert str(e.value) == (
         f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.dcp'} (unreadable "
         f"manifest), {tmp_path / 'step-00000001.dcp'} (unreadable manifest). Pass --overwrite "
@@ -339,7 +342,7 @@ def test_every_directory_damaged_is_one_error_listing_each_with_its_reason(tmp_p
 
 def test_a_shard_that_fails_to_load_on_export_is_named_by_its_errors_first_200_characters(
         tmp_path, monkeypatch):
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 2)
 
     def broken(*args, **kwargs):
@@ -356,7 +359,7 @@ def test_where_hard_links_fail_last_and_best_are_copies_that_verify(tmp_path, mo
         raise OSError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    manager = sharded.ShardedCheckpointManager(tmp_path, keep_last=1)
+    manager = sharded.ShardedWriter(tmp_path, keep_last=1)
     _save(manager, 4, best=True)
     for name in ("last.dcp", "best.dcp"):
         assert sharded.verify(tmp_path / name) == 4

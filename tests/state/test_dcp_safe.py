@@ -46,8 +46,9 @@ def sharded_run(tmp_path):
     """A run.dir whose checkpoints/ holds step-00000003.dcp and last.dcp, written in one
     process by the manager FSDP runs use."""
     model, opt = model_and_optimizer()
-    manager = sharded.ShardedCheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2)
-    manager.save({"progress": {"step": 3, "epoch": 0, "offset": 0}}, model, opt, step=3)
+    manager = sharded.ShardedWriter(tmp_path / "run" / "checkpoints", keep_last=2, model=model,
+                                    optimizer=opt)
+    manager.save({"progress": {"step": 3, "epoch": 0, "offset": 0}}, step=3)
     return tmp_path / "run", model, opt
 
 

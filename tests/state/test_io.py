@@ -21,18 +21,18 @@ from torch import nn
 
 import ironloop.state.io as ckio
 from ironloop.errors import CheckpointError, UserError
+from ironloop.state.file_writer import (
+    FileWriter,
+    has_checkpoints,
+    latest_file,
+    retention_victims,
+)
 from ironloop.state.io import (
     load_model_state,
     load_verified,
     save_atomic,
     state_digest,
     strip_prefixes,
-)
-from ironloop.state.manager import (
-    CheckpointManager,
-    has_checkpoints,
-    latest_valid,
-    retention_victims,
 )
 
 
@@ -426,7 +426,7 @@ def small_state(step: int) -> dict:
 
 
 def test_manager_rolls_links_and_keeps_best(tmp_path):
-    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    mgr = FileWriter(tmp_path / "ckpt", keep_last=2)
     for step in range(1, 6):
         mgr.save(small_state(step), step, best=(step == 3))
     d = tmp_path / "ckpt"
@@ -444,7 +444,7 @@ def test_manager_rolls_links_and_keeps_best(tmp_path):
 
 @pytest.mark.parametrize("keep_last", [0, 2])
 def test_the_manager_fsyncs_the_directory_after_every_rename(tmp_path, monkeypatch, keep_last):
-    mgr = CheckpointManager(tmp_path, keep_last=keep_last)
+    mgr = FileWriter(tmp_path, keep_last=keep_last)
     renames = Renames(monkeypatch, tmp_path)
     mgr.save(small_state(1), 1, best=True)
     names = ["last.pt", "best.pt"] if keep_last == 0 else ["step-00000001.pt", "last.pt",
@@ -454,7 +454,7 @@ def test_the_manager_fsyncs_the_directory_after_every_rename(tmp_path, monkeypat
 
 
 def test_manager_never_deletes_the_file_it_just_wrote(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = FileWriter(tmp_path, keep_last=2)
     for step in (4, 5, 3):  # the last save is older than the files there (a rewound run)
         mgr.save(small_state(step), step)
     assert listing(tmp_path) == ["last.pt", "step-00000003.pt", "step-00000004.pt",
@@ -463,7 +463,7 @@ def test_manager_never_deletes_the_file_it_just_wrote(tmp_path):
 
 
 def test_manager_keep_last_zero_writes_only_last(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=0)
+    mgr = FileWriter(tmp_path, keep_last=0)
     mgr.save(small_state(1), 1, best=True)
     mgr.save(small_state(2), 2)
     assert listing(tmp_path) == ["best.pt", "last.pt"]
@@ -474,7 +474,7 @@ def test_manager_keep_last_zero_writes_only_last(tmp_path):
 def test_a_failed_last_pt_link_or_copy_names_it_and_keeps_the_previous_one(tmp_path,
                                                                             monkeypatch):
     # No hard links here (os.link fails), and the copy then fills the disk.
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = FileWriter(tmp_path, keep_last=2)
     mgr.save(small_state(1), 1)
 
     def fail(*args, **kwargs):
@@ -496,7 +496,7 @@ def test_without_hard_links_last_and_best_are_byte_copies_of_the_step_file(tmp_p
         raise OSError(errno.EPERM, "Operation not permitted")  # e.g. a FUSE or SMB mount
 
     monkeypatch.setattr(os, "link", no_links)
-    mgr = CheckpointManager(tmp_path, keep_last=2)
+    mgr = FileWriter(tmp_path, keep_last=2)
     mgr.save(small_state(1), 1, best=True)
     step_bytes = (tmp_path / "step-00000001.pt").read_bytes()
     assert (tmp_path / "last.pt").read_bytes() == step_bytes
@@ -505,7 +505,7 @@ def test_without_hard_links_last_and_best_are_byte_copies_of_the_step_file(tmp_p
 
 def test_an_old_checkpoint_that_cannot_be_deleted_is_a_warning_and_the_save_stands(
         tmp_path, monkeypatch):
-    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr = FileWriter(tmp_path, keep_last=1)
     mgr.save(small_state(1), 1)
     real_unlink = os.unlink
 
@@ -530,7 +530,7 @@ def test_a_directory_with_only_step_files_has_checkpoints(tmp_path):
 
 
 def test_discard_after_deletes_newer_step_files_and_killed_writers_temp_files(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = FileWriter(tmp_path, keep_last=5)
     for step in (2, 4, 6):
         mgr.save(small_state(step), step)
     (tmp_path / ".step-00000008.pt.tmp-123-0").write_bytes(b"partial")  # a killed writer's
@@ -539,7 +539,7 @@ def test_discard_after_deletes_newer_step_files_and_killed_writers_temp_files(tm
 
 
 def test_async_snapshot_and_errors(tmp_path, monkeypatch):
-    mgr = CheckpointManager(tmp_path, keep_last=3, async_write=True)
+    mgr = FileWriter(tmp_path, keep_last=3, async_write=True)
     gate, real_open = threading.Event(), open
 
     def gated_open(*a, **k):  # holds the background write until the trainer has moved on
@@ -573,29 +573,29 @@ def test_async_snapshot_and_errors(tmp_path, monkeypatch):
 
 
 def test_latest_valid_falls_back_past_damaged_files(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=3)
+    mgr = FileWriter(tmp_path, keep_last=3)
     for step in (1, 2, 3):
         mgr.save(small_state(step), step)
     warnings: list[str] = []
-    path, state = latest_valid(tmp_path, warnings.append)
+    path, state = latest_file(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"], warnings) == ("last.pt", 3, [])
 
     save_atomic(small_state(4), tmp_path / "step-00000004.pt")  # crash before last.pt moved on
-    path, state = latest_valid(tmp_path, warnings.append)
+    path, state = latest_file(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"], warnings) == ("step-00000004.pt", 4, [])
     os.unlink(tmp_path / "step-00000004.pt")
 
     half = (tmp_path / "last.pt").read_bytes()[:100]
     (tmp_path / ".tmp").write_bytes(half)
     os.replace(tmp_path / ".tmp", tmp_path / "last.pt")  # new inode: step-3 stays intact
-    path, state = latest_valid(tmp_path, warnings.append)
+    path, state = latest_file(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"]) == ("step-00000003.pt", 3)
     assert len(warnings) == 1 and str(tmp_path / "last.pt") in warnings[0]
     assert "damaged" in warnings[0] and "falling back" in warnings[0]
 
     (tmp_path / "step-00000003.pt").write_bytes(b"garbage")
     warnings.clear()
-    path, state = latest_valid(tmp_path, warnings.append)
+    path, state = latest_file(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
     assert len(warnings) == 2 and "step-00000003.pt" in warnings[1]
 
@@ -604,24 +604,24 @@ def test_an_unreadable_step_file_is_skipped_with_the_os_reason_in_the_warning(tm
     save_atomic(small_state(2), tmp_path / "step-00000002.pt")
     (tmp_path / "step-00000003.pt").mkdir()  # reading fails with EISDIR (EACCES, for non-root)
     warnings: list[str] = []
-    path, state = latest_valid(tmp_path, warnings.append)
+    path, state = latest_file(tmp_path, warnings.append)
     assert (path.name, state["progress"]["step"]) == ("step-00000002.pt", 2)
     assert warnings == [f"checkpoint {tmp_path / 'step-00000003.pt'} is damaged (Is a "
                         f"directory); falling back to an older one"]
 
 
 def test_latest_valid_all_damaged_or_none(tmp_path):
-    assert latest_valid(tmp_path / "absent", print) is None
-    assert latest_valid(tmp_path, print) is None and not has_checkpoints(tmp_path)
+    assert latest_file(tmp_path / "absent", print) is None
+    assert latest_file(tmp_path, print) is None and not has_checkpoints(tmp_path)
     save_atomic(small_state(7), tmp_path / "best.pt")
     (tmp_path / ".last.pt.tmp-1-0").write_bytes(b"partial")
-    assert latest_valid(tmp_path, print) is None  # best.pt is never resumed from
+    assert latest_file(tmp_path, print) is None  # best.pt is never resumed from
     assert has_checkpoints(tmp_path)
     (tmp_path / "last.pt").write_bytes(b"")
     (tmp_path / "step-00000005.pt").write_bytes(b"PK\x03\x04 not really")
     warnings: list[str] = []
     with pytest.raises(CheckpointError) as info:
-        latest_valid(tmp_path, warnings.append)
+        latest_file(tmp_path, warnings.append)
     msg = str(info.value)
     assert "last.pt" in msg and "step-00000005.pt" in msg and "--overwrite" in msg
     assert "--resume" in msg and len(warnings) == 2
@@ -630,7 +630,7 @@ def test_latest_valid_all_damaged_or_none(tmp_path):
 def test_async_save_reuses_its_snapshot_buffers_and_writes_each_state(tmp_path):
     """Issue 10: the second async save copies into the first one's CPU buffers (the stall is a
     memory copy, not an allocation), and each file still holds the state of its own step."""
-    mgr = CheckpointManager(tmp_path, keep_last=3, async_write=True)
+    mgr = FileWriter(tmp_path, keep_last=3, async_write=True)
     state = small_state(1)
     mgr.save(state, 1)
     mgr.wait()
@@ -707,7 +707,7 @@ def test_a_truncated_zip_is_damaged_not_empty(tmp_path):
 
 def test_a_negative_keep_last_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -1$"):
-        CheckpointManager(tmp_path, keep_last=-1)
+        FileWriter(tmp_path, keep_last=-1)
     with pytest.raises(ValueError, match=r"^keep_last must be >= 0, got -2$"):
         retention_victims([1, 2], -2)
 
@@ -715,7 +715,7 @@ def test_a_negative_keep_last_is_refused_naming_it(tmp_path):
 def test_every_file_damaged_is_one_error_listing_each_with_its_reason(tmp_path):
     (tmp_path / "last.pt").write_bytes(b"")
     with pytest.raises(CheckpointError) as e:
-        latest_valid(tmp_path, lambda msg: None)
+        latest_file(tmp_path, lambda msg: None)
     assert str(e.value) == (f"every checkpoint in {tmp_path} is damaged: {tmp_path / 'last.pt'} "
                             f"(empty file). Pass --overwrite to start over, or --resume PATH to "
                             f"pick a file (e.g. best.pt) yourself.")
@@ -758,7 +758,7 @@ def test_an_async_checkpoint_of_gpu_tensors_holds_their_values_at_the_save(tmp_p
     256 MB tensor: a copy that takes milliseconds). The guard's test checks the copies are
     queued without a host sync."""
     w = torch.randn(64 * 2**20, device="cuda")
-    mgr = CheckpointManager(tmp_path, keep_last=2, async_write=True)
+    mgr = FileWriter(tmp_path, keep_last=2, async_write=True)
     for step in (1, 2):  # the second save copies into the first one's pinned buffers
         expected = w.cpu()
         mgr.save({"w": w}, step=step)

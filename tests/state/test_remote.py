@@ -32,8 +32,8 @@ from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded, remote as remote_module
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest, save_atomic
-from ironloop.state.remote import LOGS, Mirror, fetch_newest, open_remote
-from ironloop.state.rundir import RUN_OUTPUTS
+from ironloop.state.remote.mirror import LOGS, Mirror, fetch_newest, open_remote
+from ironloop.state.run_dir import OUTPUTS as RUN_OUTPUTS
 from tests.conftest import REPO, StopAt, blobs, cfg, logged_step, tiny_mlp
 
 pytestmark = pytest.mark.usefixtures("quick_lease")
@@ -507,13 +507,14 @@ def test_a_sharded_checkpoint_mirrors_and_comes_back_verified(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')  # the run's log, as rank 0 has it
     mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=1,
                     logs_from=tmp_path)
-    manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=0, mirror=mirror)
     model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = sharded.ShardedWriter(tmp_path / "ckpt", keep_last=0, mirror=mirror, model=model,
+                                    optimizer=opt)
     state = {"format_version": 1, "progress": {"step": 0, "epoch": 0, "offset": 0}}
     for step in (3, 6):
-        manager.save({**state, "progress": {**state["progress"], "step": step}}, model, opt,
-                     step, best=step == 3)
+        manager.save({**state, "progress": {**state["progress"], "step": step}}, step,
+                     best=step == 3)
     manager.close()
     # the run's last line says what reached the remote, as for a .pt run
     assert f"remote: 2 checkpoint(s) uploaded to {url}, the newest step 6\n" in \

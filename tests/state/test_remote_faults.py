@@ -30,8 +30,8 @@ from ironloop.outputs.readers import read_jsonl
 from ironloop.state import dcp as sharded, remote_lease
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
-from ironloop.state.remote import Mirror, fetch_newest, open_remote
-from ironloop.state.remote_store import Remote, StoreUnavailable, short_error
+from ironloop.state.remote.mirror import Mirror, fetch_newest, open_remote
+from ironloop.state.remote.store import Remote, StoreUnavailable, short_error
 from tests.conftest import HANG_S, REPO, tiny_mlp
 from tests.state.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
@@ -547,12 +547,13 @@ def test_a_sharded_checkpoint_with_a_pickle_in_its_extras_falls_back_to_the_olde
     refused by its own load check on the fetched copy, and the older one fetched instead."""
     url = f"file://{tmp_path}/remote"
     mirror = Mirror(open_remote(url), tmp_path / "ckpt" / ".remote-staging", keep_last=2)
-    manager = sharded.ShardedCheckpointManager(tmp_path / "ckpt", keep_last=2, mirror=mirror)
     model = tiny_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = sharded.ShardedWriter(tmp_path / "ckpt", keep_last=2, mirror=mirror, model=model,
+                                    optimizer=opt)
     for step in (3, 6):
         manager.save({"format_version": 1, "progress": {"step": step, "epoch": 0,
-                                                        "offset": 0}}, model, opt, step)
+                                                        "offset": 0}}, step)
     manager.close()
     root = tmp_path / "remote"
     name = "step-00000006.dcp/extras-rank0.pt"

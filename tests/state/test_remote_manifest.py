@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ironloop.errors import CheckpointError
-from ironloop.state.remote_manifest import checked
+from ironloop.state.remote.manifest import checked
 
 STEP = 12
 ENTRY = {"blake2b": "ab" * 64, "size": 10}

@@ -16,9 +16,9 @@ import pytest
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state import remote as remote_module, remote_lease
 from ironloop.state.io import file_digest
-from ironloop.state.remote import Mirror, fetch_newest, restore_logs
-from ironloop.state.remote_lease import Holder, Lease
-from ironloop.state.remote_store import StoreUnavailable, open_remote
+from ironloop.state.remote.lease import Holder, Lease
+from ironloop.state.remote.mirror import Mirror, fetch_newest, restore_logs
+from ironloop.state.remote.store import StoreUnavailable, open_remote
 
 
 @pytest.fixture
@@ -381,14 +381,14 @@ def test_the_mirror_uploads_each_checkpoint_with_its_manifest_and_keeps_the_newe
 @pytest.mark.usefixtures("quick_lease")
 def test_a_managers_save_hands_the_mirror_the_checkpoint_and_the_logs_up_to_it(
         remote, tmp_path):
-    from ironloop.state.manager import CheckpointManager
+    from ironloop.state.file_writer import FileWriter
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     mirror = Mirror(remote, tmp_path / "staging", keep_last=2, warn=pytest.fail,
                     logs_from=run_dir)
-    manager = CheckpointManager(run_dir / "checkpoints", keep_last=1, mirror=mirror)
+    manager = FileWriter(run_dir / "checkpoints", keep_last=1, mirror=mirror)
     manager.save({"progress": {"step": 1}}, 1)
     _landed(mirror, 1)
     mirror.close()
@@ -537,7 +537,7 @@ def test_an_upload_that_fails_is_retried_with_a_growing_wait_and_each_try_is_tol
 
 def test_rank_0_waits_for_the_other_ranks_files_unless_a_newer_checkpoint_supersedes_it(
         remote, tmp_path, monkeypatch):
-    from ironloop.state.remote import _Job
+    from ironloop.state.remote.mirror import _Job
 
     monkeypatch.setattr(remote_module, "_POLL_S", 0.01)
     mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=2, warn=pytest.fail)
@@ -561,7 +561,7 @@ def test_rank_0_waits_for_the_other_ranks_files_unless_a_newer_checkpoint_supers
 @pytest.mark.usefixtures("quick_lease")
 def test_a_queued_checkpoint_is_dropped_for_a_newer_one_unless_it_is_a_best_save(
         remote, tmp_path, monkeypatch):
-    from ironloop.state.remote import _Job
+    from ironloop.state.remote.mirror import _Job
 
     class Drained(BaseException):
         pass
@@ -644,7 +644,7 @@ def _raise(e: BaseException):
 
 
 def test_rank_0s_manifest_takes_the_files_of_every_other_rank(remote, tmp_path):
-    from ironloop.state.remote import _Job
+    from ironloop.state.remote.mirror import _Job
 
     mirror = Mirror(remote, tmp_path / "staging", keep_last=1, world_size=3, warn=pytest.fail)
     dcp = "step-00000005.dcp"

@@ -168,9 +168,7 @@ class Run:
         m.lr = state.get("lr", m.lr)  # absent in checkpoints from before it was kept
         if m.carry is not None:
             m.carry.load_state_dict(state.get("carry"))
-        if m.schedule_steps:  # an extended run keeps the schedule's length (see drift.py)
-            m.schedule_steps = state.get("schedule_steps") or m.schedule_steps
-            m.hold_onecycle()
+        m.resume_schedule(state.get("schedule_steps"))
         restore_rng(state)
         guard = state.get("guard") or {}  # absent in checkpoints from before the guard
         if self.guard is not None:

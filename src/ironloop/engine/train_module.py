@@ -223,6 +223,13 @@ class TrainModule:
                 step < self.schedule_steps - 1:
             self.scheduler.step()
 
+    def resume_schedule(self, steps: int | None) -> None:
+        """A resumed finite schedule keeps the length it was built with (``steps``, from the
+        checkpoint; absent in older ones): an extended run holds its last LR (see drift.py)."""
+        if self.schedule_steps:
+            self.schedule_steps = steps or self.schedule_steps
+            self.hold_onecycle()
+
     def hold_onecycle(self) -> None:
         """A finished onecycle has stepped once past its end, to an extrapolated LR; a run
         extended beyond it gets the LR of the schedule's last step back (OneCycleLR's LR is

@@ -185,9 +185,9 @@ class Checkpointer:
         if not self.writes:
             return
         c, mirror = self.cfg, self._mirror(step)
-        if self.sharded and self.model is not None:
-            self.writer = dcp.ShardedWriter(self.directory, c.keep_last, self.model,
-                                            self.optimizer, c.async_write, mirror=mirror)
+        if self.sharded:
+            self.writer = dcp.ShardedWriter(self.directory, c.keep_last, c.async_write, mirror,
+                                            model=self.model, optimizer=self.optimizer)
         else:
             self.writer = FileWriter(self.directory, c.keep_last, c.async_write, mirror=mirror)
         for path in self.discard_after(step):

@@ -115,8 +115,9 @@ class ShardedWriter:
     checkpoint to its mirror, which uploads them in the background; rank 0 writes the manifest.
     """
 
-    def __init__(self, directory: Path, keep_last: int, model: torch.nn.Module, optimizer,
-                 async_write: bool = False, mirror: Mirror | None = None):
+    def __init__(self, directory: Path, keep_last: int, async_write: bool = False,
+                 mirror: Mirror | None = None, model: torch.nn.Module | None = None,
+                 optimizer=None):
         self.directory = Path(directory)
         self.model, self.optimizer = model, optimizer
         self.keep_last = keep_last
@@ -158,6 +159,7 @@ class ShardedWriter:
             tmp.mkdir(parents=True)
         _barrier()
         extras = {k: v for k, v in state.items() if k not in _SHARDED}
+        assert self.model is not None, "a sharded save needs the model it shards"
         msd, osd = get_state_dict(self.model, self.optimizer)
         try:
             save_atomic(extras, tmp / f"extras-rank{_rank()}.pt")

@@ -645,21 +645,21 @@ def test_a_scratch_run_shorter_than_the_check_is_an_error_naming_its_steps(tmp_p
 
 def test_the_last_checkpoints_of_the_straight_and_crashed_runs_are_compared(tmp_path,
                                                                           monkeypatch):
-    import ironloop.state.manager as manager
+    import ironloop.state.checkpointer as checkpointer
     from ironloop.errors import CheckpointError
 
     held = {"straight": {"model": {"w": torch.ones(2)}, "step": 9},
             "crashed": {"model": {"w": torch.zeros(2)}, "step": 9}}
     asked = []
 
-    def latest_valid(directory, warn):
-        asked.append(directory)
-        run = directory.parent.name
+    def latest(self, fetch=True):
+        asked.append(self.directory)
+        run = self.directory.parent.name
         if run not in held:
-            raise CheckpointError("sharded")
-        return (directory / "last.pt", held[run]) if held[run] else None
+            raise CheckpointError("every one damaged")
+        return checkpointer.Found(self.directory / "last.pt", held[run]) if held[run] else None
 
-    monkeypatch.setattr(manager, "latest_valid", latest_valid)
+    monkeypatch.setattr(checkpointer.Checkpointer, "latest", latest)
     assert rc._checkpoints(tmp_path) == Difference(0, "checkpoint",
                                                    "the last checkpoints differ at model.w")
     assert asked[:2] == [tmp_path / "straight" / "checkpoints",
