@@ -51,8 +51,10 @@ def _train_run(args, slurm) -> int:
                       f"{' (resuming)' if args.resume else ''}; loading torch...", flush=True)
             from ironloop.tools.recipe import train_config
 
+            # held here, so the front door (tools/recipe.run_fit) does not take it again
             result = train_config(cfg, resume=args.resume, overwrite=args.overwrite,
-                                  allow_config_change=args.allow_config_change)
+                                  allow_config_change=args.allow_config_change,
+                                  run_dir_held=True)
     except Preempted as stop:  # under SLURM: requeue the job, or not (engine/slurm.py)
         slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue)
         raise

@@ -331,7 +331,7 @@ def test_the_loops_collective_timeout_is_set_only_on_a_group_fit_created(one_ran
 
 
 def test_a_collectives_timeout_becomes_a_one_line_error_naming_dist_timeout_s(one_rank):
-    @w.name_timeouts
+    @w.name_timeouts()
     def step(a, b=0):
         if a == "hang":
             raise RuntimeError("  [gloo] Timed out waiting 5000ms for recv operation\ntrace")
@@ -362,7 +362,7 @@ def test_a_collectives_timeout_becomes_a_one_line_error_naming_dist_timeout_s(on
 
 
 def test_a_timeout_message_without_a_group_is_left_as_it_is():
-    @w.name_timeouts
+    @w.name_timeouts()
     def step():
         raise RuntimeError("Timed out waiting 5000ms")
 

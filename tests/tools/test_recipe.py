@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ironloop.config import load_config
+from ironloop.engine.build import Given
 from ironloop.tools import recipe
 from ironloop.tools.recipe import train_config
 from tests.conftest import REPO, blobs, tiny_mlp
@@ -24,8 +25,8 @@ def calls(monkeypatch):
     """Every call to the loop, the preflight, the run.dir check and the lock, in order."""
     seen: list[tuple] = []
 
-    def fit(model, train, val, cfg, **kwargs):
-        seen.append(("fit", model, train, val, cfg, kwargs))
+    def train_run(cfg, model, data, given):
+        seen.append(("fit", model, data, cfg, given))
         return "result"
 
     def preflight(cfg, model, bundle, **kwargs):
@@ -36,7 +37,7 @@ def calls(monkeypatch):
         seen.append(("hold", run_dir, enabled))
         yield
 
-    monkeypatch.setattr(recipe.engine, "fit", fit)
+    monkeypatch.setattr(recipe.engine, "train_run", train_run)
     monkeypatch.setattr(recipe, "preflight", preflight)
     monkeypatch.setattr(recipe, "check_run_dir", lambda *args: seen.append(("check", *args)))
     monkeypatch.setattr(recipe.lock, "hold", hold)
@@ -49,19 +50,23 @@ def test_fit_goes_straight_to_the_loop_without_the_preflight(calls, preflight, t
     model, train, val = tiny_mlp(), blobs(8), blobs(4)
     config = {"run.dir": str(tmp_path), "doctor.preflight": preflight}
     assert recipe.fit(model, train, val, config, num_classes=3) == "result"
-    assert [c[0] for c in calls] == ["fit"]
-    _, m, t, v, cfg, kwargs = calls[0]
-    assert (m, t, v, cfg.run.dir, kwargs) == (model, train, val, str(tmp_path),
-                                             {"num_classes": 3})
+    assert [c[0] for c in calls] == ["hold", "fit"]  # run.dir held at the front door, once
+    _, m, data, cfg, given = calls[1]
+    assert (m, data.train, data.val, cfg.run.dir) == (model, train, val, str(tmp_path))
+    assert given == Given(num_classes=3)
 
 
-def test_the_public_fit_carries_the_loops_signature_and_documentation():
+def test_the_public_fit_is_the_front_door_with_its_documented_signature():
     import inspect
 
-    from ironloop.engine.fit import fit
+    import ironloop
 
-    assert recipe.fit.__wrapped__ is fit and recipe.fit.__doc__ == fit.__doc__
-    assert inspect.signature(recipe.fit) == inspect.signature(fit)
+    assert ironloop.fit is recipe.fit and "__wrapped__" not in vars(recipe.fit)
+    assert list(inspect.signature(recipe.fit).parameters) == [
+        "model", "train_data", "val_data", "config", "loss_fn", "step_fn", "test_data",
+        "num_classes", "optimizer", "scheduler", "callbacks", "metrics", "resume",
+        "overwrite", "allow_config_change", "from_config"]
+    assert recipe.fit.__doc__.startswith("Train ``model`` on ``train_data``")
 
 
 def test_fit_with_the_preflight_holds_and_checks_run_dir_before_the_doctor(calls, tmp_path):
@@ -78,9 +83,9 @@ def test_fit_with_the_preflight_holds_and_checks_run_dir_before_the_doctor(calls
     assert (bundle.train, bundle.val, bundle.test, bundle.num_classes, bundle.input_shape) == \
         (train, val, test, 3, ())
     assert kwargs == {"resume": True, "step_fn": step, "loss_fn": loss}
-    assert calls[3][1:4] == (model, train, val)
-    assert calls[3][5] == {"test_data": test, "num_classes": 3, "resume": True,
-                           "overwrite": True, "step_fn": step, "loss_fn": loss}
+    assert calls[3][1:4] == (model, bundle, cfg)  # the preflight's data and config, the same
+    assert calls[3][4] == Given(num_classes=3, resume=True, overwrite=True, step_fn=step,
+                                loss_fn=loss)
 
 
 def test_fit_with_the_preflight_and_no_flags_checks_run_dir_as_a_fresh_run_never_overwriting(
@@ -109,18 +114,26 @@ def test_train_builds_the_configs_data_and_model_and_asks_for_the_preflight(call
     assert [c[0] for c in calls] == ["hold", "check", "preflight", "fit"]
     assert calls[1][1:] == (Path(tmp_path), "last", True)
     _, checked, model, bundle, kwargs = calls[2]
-    assert checked.doctor.preflight is True and kwargs["resume"] == "last"
+    # null is ironloop train's default (the preflight runs): the config is not rewritten
+    assert checked == cfg and kwargs["resume"] == "last"
     assert bundle.num_classes == 3 and model(bundle.train[0][0][None]).shape == (1, 3)
-    _, m, train, val, fit_cfg, fit_kwargs = calls[3]
-    assert (m, train, val, fit_cfg) == (model, bundle.train, bundle.val, checked)
-    assert fit_kwargs == {"test_data": bundle.test, "num_classes": 3, "resume": "last",
-                          "overwrite": True, "allow_config_change": True, "from_config": True}
+    _, m, data, fit_cfg, given = calls[3]
+    assert (m, data, fit_cfg) == (model, bundle, checked)
+    assert given == Given(num_classes=3, resume="last", overwrite=True,
+                          allow_config_change=True, from_config=True)
     calls.clear()
     recipe.train_config(cfg.with_overrides({"doctor.preflight": False}))
     assert calls[2][1].doctor.preflight is False  # the doctor itself skips its checks
-    assert calls[3][5] == {"test_data": None, "num_classes": 3, "resume": False,
-                           "overwrite": False, "allow_config_change": False,
-                           "from_config": True}
+    assert calls[3][4] == Given(num_classes=3, from_config=True)
+
+
+def test_train_under_the_cli_does_not_take_run_dir_again(calls, tmp_path):
+    """ironloop train holds run.dir from before torch's import (cli.py) and says so: the front
+    door checks run.dir and runs the preflight under that hold, without a second one."""
+    cfg = load_config(None, ["data.name=tests.resume_cases:clean_data", "model.name=mlp",
+                             "model.kwargs={hidden: [4]}", f"run.dir={tmp_path}"])
+    recipe.train_config(cfg, run_dir_held=True)
+    assert [c[0] for c in calls] == ["check", "preflight", "fit"]
 
 
 #: Percentage points below the stated figure that a single seed may land.

@@ -1,13 +1,16 @@
-"""``fit()``: build the run from a config, resume it if asked, train, and write the results.
+"""The engine's half of ``fit()``: build the run from its resolved config, resume it if asked,
+train, and write the results (``train_run``).
 
-This module is wiring only: the run is built in ``build.py``, the decisions live in small
-classes (BestTracker, EpochSampler, build_scheduler) and the loop itself lives in ``loop.py``.
+The front door a user calls, ``ironloop.fit`` (tools/recipe.py), parses and resolves the config
+once, holds run.dir's lock, sets run.threads, names collective timeouts and runs the preflight
+doctor, then calls ``train_run``. This module is wiring only: the run is built in ``build.py``,
+the decisions live in small classes (BestTracker, EpochSampler, build_scheduler) and the loop
+itself lives in ``loop.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -22,6 +25,7 @@ from torch import nn
 
 from ironloop.callbacks import fire
 from ironloop.config import Config
+from ironloop.data.bundle import DataBundle
 from ironloop.data.source import open_data, resolve_batch_size
 from ironloop.engine import build, evaluate, loop, optim, step_fns
 from ironloop.engine.oom import out_of_memory
@@ -67,20 +71,6 @@ def as_config(config: Config | dict | None) -> Config:
                       f"not {type(config).__name__}")
 
 
-def _holding_run_dir(fn):
-    """fit() holds run.dir's lock from its start to its end (rank 0 under torchrun), so nothing
-    in run.dir is read, written or deleted while another process owns it (state/lock.py).
-    The outermost of fit()'s wrappers: it parses the config, once, and hands the Config on."""
-
-    @functools.wraps(fn)
-    def wrapper(model, train_data, val_data=None, config=None, **kwargs):
-        cfg = as_config(config)
-        with lock.hold(Path(cfg.run.dir), os.environ.get("RANK", "0") == "0"):
-            return fn(model, train_data, val_data, cfg, **kwargs)
-
-    return wrapper
-
-
 @contextlib.contextmanager
 def cpu_threads(n: int) -> Iterator[None]:
     """``run.threads``: torch's intra-op threads for the run (0 = leave torch's default), set
@@ -96,70 +86,39 @@ def cpu_threads(n: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def _with_threads(fn):
-    @functools.wraps(fn)
-    def wrapper(model, train_data, val_data=None, config=None, **kwargs):
-        with cpu_threads(as_config(config).run.threads):
-            return fn(model, train_data, val_data, config, **kwargs)
-
-    return wrapper
-
-
-@_holding_run_dir
-@_with_threads
-@name_timeouts
 def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
-        loss_fn=None, step_fn=None, test_data=None, num_classes: int | None = None,
-        optimizer=None, scheduler=None, callbacks=None, metrics: dict | None = None,
-        resume: bool | str | None = False, overwrite: bool = False,
-        allow_config_change: bool = False, from_config: bool = False) -> FitResult:
-    """Train ``model`` on ``train_data`` and return the trained model and its results.
+        test_data=None, **given: Any) -> FitResult:
+    """``ironloop.fit`` without its preflight doctor, for the tools that train through the
+    engine (tune's trials, the resume check's scratch runs, the lab's accumulation check): the
+    same steps as the front door, ``ironloop.tools.recipe.fit``, which documents the arguments.
+    It goes once those callers use the front door."""
+    check_arguments(model, train_data)
+    cfg = resolved(as_config(config), train_data, given.get("step_fn"), val_data)
+    data = DataBundle(train=train_data, val=val_data, test=test_data, input_shape=(),
+                      num_classes=given.get("num_classes"))
+    with lock.hold(Path(cfg.run.dir), is_rank0()), cpu_threads(cfg.run.threads), \
+            name_timeouts():
+        return train_run(cfg, model, data, build.Given(**given))
 
-    Args:
-        model: any ``nn.Module``; the default step calls ``model(inputs)`` on ``(inputs,
-            targets)`` batches.
-        train_data, val_data, test_data: a Dataset, a DataLoader (its sampler, collate_fn and
-            batch size are kept), a Hugging Face ``datasets.Dataset``, or an (inputs, targets)
-            pair; ``val_data`` also ``{name: one of those}`` (``val_<name>_<metric>``).
-        config: a Config, a dict (nested sections or "dotted.keys"), or None for the defaults.
-        loss_fn: ``loss_fn(output, target) -> scalar``, a mean over the batch. Default: the
-            ``loss.*`` config (``loss.name`` may be 'module:function').
-        step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor}[, weight])`` for
-            anything that is not ``(inputs, targets)`` classification. Loss and metrics are
-            means over the batch's weight (its samples, or the tokens a third value gives:
-            see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py).
-            Default: ``train.step_fn`` ('module:function' or 'lm'), else classification.
-        num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
-        optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
-            returning one. Default: the ``optim.*`` config.
-        scheduler: a torch LR scheduler, or ``factory(optimizer)`` returning one. It steps after
-            every optimizer step; a ReduceLROnPlateau steps after every evaluation with the
-            monitored metric. Default: the ``schedule.*`` config.
-        callbacks: ``ironloop.callbacks.Callback`` objects; see that module for the hooks.
-        metrics: ``{name: torchmetrics Metric}``, whole-split ``val_<name>`` (engine/metrics.py).
-        resume: True = the newest valid checkpoint in run.dir (fresh start when none);
-            a path = that checkpoint.
-        overwrite: delete a previous run's outputs in run.dir before starting.
-        allow_config_change: resume even when keys that change the training trajectory differ
-            from the checkpoint's config (see ``ironloop.state.drift``).
-        from_config: the model and data were built from model.name / data.name (what
-            ``ironloop train`` does); otherwise config.yaml names the user's classes.
-    """
+
+def is_rank0() -> bool:
+    """Rank 0 under torchrun (or the only process): the one that holds run.dir's lock."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def train_run(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given) -> FitResult:
+    """Build the run and train it: ``cfg`` is the run's config, already resolved (``resolved``),
+    and the caller holds run.dir's lock, run.threads and the named collective timeouts (the
+    front door, ``ironloop.tools.recipe.fit``). Nothing here parses or rewrites the config."""
     started = time.time()
-    _check_arguments(model, train_data)
-    cfg = resolved(as_config(config), train_data, step_fn, val_data)  # the one config from here
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
     precision = resolve_precision(cfg.train.precision, device, world.is_main)
     seed_everything(cfg.run.seed + world.rank)
     faults = Faults(cfg.fault)
-    data = open_data(cfg, train_data, val_data, test_data, world.rank, world.size, device,
-                     poison=faults.poison)
-    given = build.Given(loss_fn=loss_fn, step_fn=step_fn, num_classes=num_classes,
-                        optimizer=optimizer, scheduler=scheduler, callbacks=callbacks,
-                        metrics=metrics, resume=resume, overwrite=overwrite,
-                        allow_config_change=allow_config_change, from_config=from_config)
-    run, _ = build.build_run(cfg, model.to(device), data, device, world, precision, given,
+    opened = open_data(cfg, data.train, data.val, data.test, world.rank, world.size, device,
+                       poison=faults.poison)
+    run, _ = build.build_run(cfg, model.to(device), opened, device, world, precision, given,
                              faults)
     collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
     with run.hooks.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
@@ -170,7 +129,7 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
     return result
 
 
-def _check_arguments(model, train_data) -> None:
+def check_arguments(model, train_data) -> None:
     """fit()'s two required arguments, each refused in one line before anything runs."""
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}; pass the "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import gc
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -81,28 +81,25 @@ def collective_timeout(world: World, timeout_s: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
-def name_timeouts(fn):
+@contextlib.contextmanager
+def name_timeouts() -> Iterator[None]:
     """Turn a collective's timeout (gloo raises a RuntimeError "Timed out waiting Nms ...") into
     a CollectiveTimeout that names ``dist.timeout_s``: the CLI prints it on one line and exits
     non-zero, instead of a traceback from deep inside DDP or FSDP. (NCCL's watchdog aborts the
-    process itself, with its own message naming the timeout.)"""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            if not dist.is_initialized() or "timed out" not in first.lower():
-                raise
-            rank = dist.get_rank()
-            raise CollectiveTimeout(
-                f"rank {rank}: a collective waited longer than dist.timeout_s for another rank, "
-                f"which stopped responding (hung, stopped, or its node is gone); this rank gives "
-                f"up. Check the other ranks' logs; if a step or a checkpoint legitimately takes "
-                f"that long, raise dist.timeout_s. ({first[-160:]})") from e
-
-    return wrapper
+    process itself, with its own message naming the timeout.) A ``with`` block around the run,
+    so that a reader of the front door sees it; ``@name_timeouts()`` also decorates."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if not dist.is_initialized() or "timed out" not in first.lower():
+            raise
+        rank = dist.get_rank()
+        raise CollectiveTimeout(
+            f"rank {rank}: a collective waited longer than dist.timeout_s for another rank, "
+            f"which stopped responding (hung, stopped, or its node is gone); this rank gives "
+            f"up. Check the other ranks' logs; if a step or a checkpoint legitimately takes "
+            f"that long, raise dist.timeout_s. ({first[-160:]})") from e
 
 
 def _fresh_store(agent_store, rank: int, size: int, attempt: str, timeout: timedelta):

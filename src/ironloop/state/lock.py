@@ -7,8 +7,9 @@ before anything in run.dir is read, written or deleted, and held until the run e
 drops a ``flock`` when the last descriptor of its open file goes, however its process dies, so a
 SIGKILL leaves no stale lock behind; the file itself stays (it names the last holder, and it
 marks the directory as one that ironloop wrote). Under torchrun rank 0 holds it for the job.
-Within one process the lock is re-entrant (``ironloop train`` takes it before the preflight
-doctor, ``fit`` again).
+Within one process the lock is re-entrant (a second ``hold`` of a held run.dir only counts);
+``ironloop train`` takes it once, before torch's import, and tells the front door so
+(``tools/recipe.run_fit``).
 
 Forked children (DataLoader workers, ours or the user's, any multiprocessing fork) would share
 the lock's open file description, so orphaned workers of a SIGKILLed run held it for seconds and
