@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from ironloop.errors import CheckpointError, UserError
-from ironloop.state import remote as remote_module, remote_lease
+from ironloop.state.remote import lease as remote_lease, mirror as remote_module
 from ironloop.state.io import file_digest
 from ironloop.state.remote.lease import Holder, Lease
 from ironloop.state.remote.mirror import Mirror, fetch_newest, restore_logs
