@@ -7,7 +7,7 @@ same without a build. Never written by hand, so they cannot drift from the code:
   the same fields ``ironloop train help`` prints), with its type, default, allowed values, doc,
   and whether ``--resume`` lets it change (``ironloop.state.drift``);
 - reference/cli.md: every command and flag, walked from the argparse parser (``ironloop.cli``);
-- reference/run-files.md: the files a run writes, from ``ironloop.state.rundir.RUN_OUTPUTS``,
+- reference/run-files.md: the files a run writes, from ``ironloop.state.run_dir.OUTPUTS``,
   each with its description below (a name without one fails the build, naming this file);
 - project/benchmark-figures.md: BENCHMARKS.md as it is.
 
@@ -31,12 +31,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from ironloop import cli, config as config_mod  # noqa: E402
-from ironloop.state import drift, rundir  # noqa: E402
+from ironloop.state import drift, run_dir  # noqa: E402
 
 GENERATED = ("*Generated from {source} by `python scripts/docs_hooks.py`; do not edit by "
              "hand.*")
 
-#: What each file or directory in RUN_OUTPUTS holds. A file added to RUN_OUTPUTS without a line
+#: What each file or directory in OUTPUTS holds. A file added to OUTPUTS without a line
 #: here fails the docs build: say what it holds.
 RUN_FILES: dict[str, str] = {
     "config.yaml": "the resolved config, and a `used:` block with what the run actually used: "
@@ -94,7 +94,7 @@ RUN_FILES: dict[str, str] = {
     "report": "`ironloop report`'s plots, `report.md` and `report.html`",
 }
 
-#: Files other commands write into run.dir; --overwrite leaves them (they are not RUN_OUTPUTS).
+#: Files other commands write into run.dir; --overwrite leaves them (they are not OUTPUTS).
 OTHER_FILES: dict[str, str] = {
     "doctor.json": "the preflight's findings (`ironloop doctor` writes it too; "
     "`--resume-check` adds `resume_check`)",
@@ -237,21 +237,21 @@ def _cli_page() -> str:
 
 
 def run_files_page() -> str:
-    missing = [n for n in rundir.RUN_OUTPUTS if n not in RUN_FILES]
-    stale = [n for n in RUN_FILES if n not in rundir.RUN_OUTPUTS]
+    missing = [n for n in run_dir.OUTPUTS if n not in RUN_FILES]
+    stale = [n for n in RUN_FILES if n not in run_dir.OUTPUTS]
     if missing or stale:
         from mkdocs.exceptions import PluginError  # the build stops with this one line
 
         raise PluginError(f"scripts/docs_hooks.py: RUN_FILES must describe exactly "
-                         f"ironloop.state.rundir.RUN_OUTPUTS; missing {missing}, not a run "
+                         f"ironloop.state.run_dir.OUTPUTS; missing {missing}, not a run "
                          f"output {stale}: add or remove their lines in RUN_FILES")
     out = ["# Files a run writes", "",
-           GENERATED.format(source="`ironloop.state.rundir.RUN_OUTPUTS`, the names "
+           GENERATED.format(source="`ironloop.state.run_dir.OUTPUTS`, the names "
                             "`--overwrite` removes"), "",
            "Everything a run writes goes into `run.dir`. `--overwrite` deletes these names and "
            "nothing else: anything else you put in `run.dir` stays.", "",
            "| file | content |", "|---|---|"]
-    out += [f"| `{n}` | {_cell(RUN_FILES[n])} |" for n in rundir.RUN_OUTPUTS]
+    out += [f"| `{n}` | {_cell(RUN_FILES[n])} |" for n in run_dir.OUTPUTS]
     out += ["", "Other commands write beside them (kept by `--overwrite`):", "",
             "| file | content |", "|---|---|"]
     out += [f"| `{n}` | {_cell(d)} |" for n, d in OTHER_FILES.items()]

@@ -165,7 +165,7 @@ def quick_lease(monkeypatch):
     """A remote prefix's claim waits SETTLE_S (0.5 s) for a concurrent claim to land before it
     reads its lease back: in-process runs claim one at a time, so the wait only adds up (about
     a second a test in the remote tests). The race itself is tested with the real wait."""
-    from ironloop.state.remote.mirror import lease as remote_lease
+    from ironloop.state.remote import lease as remote_lease
 
     monkeypatch.setattr(remote_lease, "SETTLE_S", 0.01)
 

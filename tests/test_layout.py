@@ -278,6 +278,59 @@ def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
     assert deep_chains() == ["ironloop.engine.e:4 run.data.source.usable"]
 
 
+# --- one checkpointer and one run directory (issue 54) -------------------------------------
+
+#: The writers and finders of checkpoints that only the checkpointer may reach (besides the
+#: modules that define them): a resume, a rollback, export and the doctor go through it.
+CHECKPOINT_INTERNALS = {"FileWriter", "ShardedWriter", "latest_file", "latest_sharded",
+                        "load_sharded", "load_extras", "consolidate_model"}
+CHECKPOINTER = {"ironloop.state.checkpointer", "ironloop.state.file_writer", "ironloop.state.dcp"}
+
+
+def checkpoint_routes() -> list[str]:
+    """Uses of the checkpoint writers and finders (a call, an isinstance) outside the
+    checkpointer."""
+    found = []
+    for mod, tree in trees().items():
+        if mod in CHECKPOINTER:
+            continue
+        for node in ast.walk(tree):
+            name = getattr(node, "id", None) or getattr(node, "attr", None)
+            if isinstance(node, (ast.Name, ast.Attribute)) and name in CHECKPOINT_INTERNALS:
+                found.append(f"{mod}:{node.lineno} {name}")
+    return found
+
+
+def checkpoints_literals() -> list[str]:
+    """The lines of the package that spell the checkpoints folder's name."""
+    return [f"{p.relative_to(PKG)}:{i}" for p in sorted(PKG.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if '"checkpoints"' in line]
+
+
+def test_one_checkpointer_writes_and_finds_checkpoints():
+    assert not checkpoint_routes(), "\n".join(checkpoint_routes())
+
+
+def test_the_checkpoints_folder_is_named_in_one_place():
+    assert len(checkpoints_literals()) <= 2, checkpoints_literals()
+
+
+def test_the_checkpointer_checks_can_fail(tmp_path, monkeypatch):
+    fake = tmp_path / "ironloop"
+    (fake / "guard").mkdir(parents=True)
+    for d in (fake, fake / "guard"):
+        (d / "__init__.py").write_text("")
+    (fake / "guard" / "a.py").write_text(
+        "from ironloop.state.file_writer import latest_file\n"
+        "def f(d):\n    return latest_file(d / \"checkpoints\", print)\n"
+        "def g(w):\n    return isinstance(w, ShardedWriter)\n")
+    (fake / "guard" / "b.py").write_text('A = "checkpoints"\nB = "checkpoints"\n')
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    assert checkpoint_routes() == ["ironloop.guard.a:3 latest_file",
+                                   "ironloop.guard.a:5 ShardedWriter"]
+    assert checkpoints_literals() == ["guard/a.py:3", "guard/b.py:1", "guard/b.py:2"]
+
+
 def test_tune_is_a_subpackage_like_doctor_and_lab():
     for pkg in ("tune", "doctor", "lab"):
         assert (PKG / "tools" / pkg / "__init__.py").is_file(), pkg

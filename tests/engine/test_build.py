@@ -174,7 +174,8 @@ def test_without_validation_data_the_run_evaluates_never_and_a_constant_schedule
                  schedule__name="constant")
     try:
         assert (run.cadence.eval_every, run.cadence.validates) == (0, False)
-        assert (run.outputs.checkpoints, run.guard) == (None, None)
+        assert (run.outputs.checkpoints.writes, run.outputs.checkpoints.writer, run.guard) == \
+            (False, None, None)
         assert run.outputs.timer.enabled is True
         assert (run.module.total_steps, run.module.schedule_steps) == (4, 0)
     finally:

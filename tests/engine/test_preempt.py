@@ -107,7 +107,7 @@ def test_a_signal_saves_the_step_it_reached_and_the_resume_redoes_none(tmp_path,
 SLOW_SAVE = """
 import signal, sys, time
 from pathlib import Path
-from ironloop.state import manager
+from ironloop.state import file_writer as manager
 from ironloop.cli import main
 
 saving = Path(sys.argv[1])

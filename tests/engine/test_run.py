@@ -14,17 +14,23 @@ from ironloop.engine.progress import Meter, Progress
 from ironloop.engine.run import Outputs, Run
 from ironloop.engine.timing import StepTimer
 from ironloop.parallel.world import World
-from ironloop.state import dcp as sharded
+from ironloop.state.run_dir import RunDir
 
 
-class ShardRecorder(sharded.ShardedWriter):
-    """Stands in for the sharded manager: records each save instead of writing shards."""
+class ShardRecorder:
+    """Stands in for the checkpointer under FSDP2 (every rank writes its shards): records each
+    save instead of writing shards."""
+
+    writes, async_write = True, False
 
     def __init__(self):
-        self.async_write, self.saves = False, []
+        self.saves = []
 
-    def save(self, state, model, optimizer, step, best=False):
-        self.saves.append((state, model, optimizer, step, best))
+    def save(self, state, step, best=False):
+        self.saves.append((state, step, best))
+
+    def close(self):
+        pass
 
 
 class Seen(Callback):
@@ -39,9 +45,11 @@ def _run(world: World, manager, log=None, callbacks=()) -> Run:
     module = SimpleNamespace(raw_model=torch.nn.Linear(2, 1), optimizer=object())
     progress = Progress()
     progress.step, progress.epoch = 7, 2
-    run = Run(ironloop.Config(), world, None, module, progress, Meter(torch.device("cpu")),
-              None, Outputs(log, manager, StepTimer(torch.device("cpu"), enabled=False)),
-              None, None, SimpleNamespace(callbacks=list(callbacks)))
+    outputs = Outputs(RunDir("run"), manager, StepTimer(torch.device("cpu"), enabled=False),
+                      log=log)
+    run = Run(cfg=ironloop.Config(), world=world, data=None, module=module, progress=progress,
+              meter=Meter(torch.device("cpu")), tracker=None, outputs=outputs, guard=None,
+              cadence=None, hooks=SimpleNamespace(callbacks=list(callbacks)))
     run.state_dict = lambda: {"progress": {"step": progress.step}}  # type: ignore[method-assign]
     return run
 
@@ -61,10 +69,9 @@ def test_a_rank_without_the_logs_saves_its_shards_with_no_tracker_ids(monkeypatc
     run = _run(World(rank=1, size=2), manager, log=None, callbacks=[seen])
     run.meter.ranks = [{"stale": True}]
     run.save(best=True)
-    (state, model, optimizer, step, best), = manager.saves
-    assert state == {"progress": {"step": 7}, "loggers": {}, "guard": None}
-    assert (model, optimizer, step, best) == (run.module.raw_model, run.module.optimizer, 7,
-                                              True)
+    (state, step, best), = manager.saves
+    assert state == {"progress": {"step": 7}}  # Run.state_dict's, handed on whole
+    assert (step, best) == (7, True)
     (own,), = [offered]
     assert "ranks" not in own and own["samples"] == 0 and own["steps"] == 0
     assert run.meter.ranks == [{"rank": 0}, own]
@@ -73,10 +80,10 @@ def test_a_rank_without_the_logs_saves_its_shards_with_no_tracker_ids(monkeypatc
 
 
 class FileRecorder:
-    """Stands in for rank 0's file manager: records each save."""
+    """Stands in for rank 0's checkpointer (one file a save): records each save."""
 
-    def __init__(self, async_write: bool):
-        self.async_write, self.saves = async_write, []
+    def __init__(self, async_write: bool, writes: bool = True):
+        self.async_write, self.writes, self.saves = async_write, writes, []
 
     def save(self, state, step, best=False):
         self.saves.append((state, step, best))
@@ -105,7 +112,7 @@ def test_rank_0_saves_with_the_trackers_ids_and_marks_the_logs_durable_up_to_the
         run.outputs.last_saved = 3
         run.save(best=is_best)
         (state, step, best), = manager.saves
-        assert state == {"progress": {"step": 7}, "loggers": {"wandb": "abc123"}, "guard": None}
+        assert state == {"progress": {"step": 7}}
         assert (step, best) == (7, is_best)
         assert (log.durable_steps, run.outputs.last_saved) == ([durable], 7)
         assert seen.checkpoints == [{"step": 7, "epoch": 2, "best": is_best}]
@@ -125,18 +132,28 @@ class ReporterRecorder:
         self.told.append(run.progress.step)
 
 
-def test_a_save_puts_the_guard_s_state_in_the_checkpoint_and_moves_its_rollback_point():
+def test_a_save_puts_the_guard_s_state_in_the_checkpoint_and_moves_its_rollback_point(
+        monkeypatch):
     manager, reporter = FileRecorder(False), ReporterRecorder()
     run = _run(World(), manager, log=LogRecorder())
     run.guard = SimpleNamespace(reporter=reporter)
     run.save(best=False)
-    (state, _, _), = manager.saves
-    assert state["guard"] == {"skip": [4]} and reporter.told == [7]
+    assert reporter.told == [7]
+    # the whole checkpoint dict is Run.state_dict's: the guard's part and the trackers' ids
+    monkeypatch.setattr(run_mod, "collect_state",
+                        lambda config, model, parts, **values: {**parts, **values})
+    m = run.module
+    m.scheduler = m.scaler = m.carry = m.average = None
+    m.schedule_steps, m.lr = 0, 0.1
+    run.tracker = None
+    run.data = SimpleNamespace(source=SimpleNamespace(state_dict=lambda: {}))
+    state = Run.state_dict(run)
+    assert state["guard"] is reporter and state["loggers"] == {"wandb": "abc123"}
 
 
 def test_without_checkpoints_a_save_writes_nothing_and_tells_no_callback_but_the_guard():
     log, seen, reporter = LogRecorder(), Seen(), ReporterRecorder()
-    run = _run(World(), None, log=log, callbacks=[seen])
+    run = _run(World(), FileRecorder(False, writes=False), log=log, callbacks=[seen])
     run.guard = SimpleNamespace(reporter=reporter)
     run.save(best=True)
     assert (log.durable_steps, seen.checkpoints, run.outputs.last_saved) == ([], [], 0)

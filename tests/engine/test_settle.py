@@ -39,13 +39,13 @@ class Module:
 class Reporter:
     """The guard's reporter: the verdicts of the steps since the last settle."""
 
-    def __init__(self, verdicts=(0, [])):
-        self.verdicts, self.device = verdicts, SimpleNamespace(eager=False)
+    def __init__(self, settled=(0, [])):
+        self.settled, self.verdicts = settled, SimpleNamespace(eager=False)
         self.policy = SimpleNamespace(totals=lambda: {"bad_steps": 2})
         self.loaded, self.closed = "never", False
 
     def settle(self, meter, progress, data, model, world, owner):
-        return self.verdicts
+        return self.settled
 
     def load_state_dict(self, state):
         self.loaded = state
@@ -63,7 +63,7 @@ def test_bad_steps_take_back_the_step_count_and_their_schedule_positions():
     late = LateSettle(Reporter())
     late.begin(module, progress)
     module.train_steps(progress, 5)  # the host counted 5 steps; the 2nd and 4th were bad
-    late.reporter.verdicts = (5, [1, 3])
+    late.reporter.settled = (5, [1, 3])
     module.stepped_at.clear()
     assert settle(late, module, progress) is False  # the latest step was good
     assert module.stepped_at == [10, 11, 12]  # replayed at the good steps' own positions
@@ -73,7 +73,7 @@ def test_bad_steps_take_back_the_step_count_and_their_schedule_positions():
     assert module.lr == pytest.approx(1 / 3)  # the LR the last good step used
     # the next settle starts from here: two more steps, the last of them bad
     module.train_steps(progress, 2)
-    late.reporter.verdicts = (2, [1])
+    late.reporter.settled = (2, [1])
     assert settle(late, module, progress) is True
     assert progress.step == 14 and module.scheduler.last_epoch == 4
 
@@ -83,7 +83,7 @@ def test_without_a_bad_step_a_settle_changes_nothing_but_the_mark():
     late = LateSettle(Reporter())
     late.begin(module, progress)
     module.train_steps(progress, 3)
-    late.reporter.verdicts = (3, [])
+    late.reporter.settled = (3, [])
     assert settle(late, module, progress) is False
     assert progress.step == 3 and module.scheduler.last_epoch == 3
     assert late.mark is not None and late.mark.step == 3
@@ -104,7 +104,7 @@ def test_a_schedule_that_steps_at_evaluations_is_not_replayed():
     late = LateSettle(Reporter())
     late.begin(module, progress)
     progress.step = 4
-    late.reporter.verdicts = (4, [0, 1])
+    late.reporter.settled = (4, [0, 1])
     settle(late, module, progress)
     assert progress.step == 2 and module.scheduler.last_epoch == 0
 
@@ -125,7 +125,7 @@ def test_a_settle_is_due_before_anything_that_needs_exact_numbers():
                       validates=False, fault_steps=frozenset({9}))
     assert [s for s in range(1, 25) if late.due(s, cadence)] == \
         [5, 7, 9, 10, 14, 15, 20, 21, 22, 23, 24]
-    late.reporter.device.eager = True  # a callback's on_step_end: every step
+    late.reporter.verdicts.eager = True  # a callback's on_step_end: every step
     assert all(late.due(s, cadence) for s in range(1, 25))
 
 

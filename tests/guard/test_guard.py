@@ -405,7 +405,7 @@ def test_the_guards_state_round_trips_its_device_spike_statistics_and_none_loads
     fresh, judged = reporter().state_dict(), reporter()
     zero, world = torch.zeros((), dtype=torch.float64), SimpleNamespace(distributed=False)
     for loss in (1.0, 1.1, 0.9, 1.05):
-        judged.device.judge.verdict(torch.tensor(loss, dtype=torch.float64), zero,
+        judged.verdicts.judge.verdict(torch.tensor(loss, dtype=torch.float64), zero,
                                     torch.tensor(2.0), 1, None, world)
     state = judged.state_dict()
     assert state["losses"] == pytest.approx([1.0, 1.1, 0.9, 1.05]) and state["good"] == 4
@@ -537,15 +537,17 @@ def test_a_rollback_keeps_the_spike_statistics_the_guard_had_learnt(tmp_path):
     assert guard["good"] == 7 and len(guard["losses"]) == len(guard["norms"]) == 3
 
 
-def test_a_due_rollback_of_a_sharded_model_stops_at_that_step_and_says_why(tmp_path,
-                                                                            monkeypatch):
-    # FSDP2 needs several processes: the reporter's own test for it stands in for one
+def test_a_sharded_models_rollback_before_any_checkpoint_stops_at_that_step_and_says_why(
+        tmp_path, monkeypatch):
+    # FSDP2 keeps no in-memory snapshot: with no checkpoint yet there is nothing to roll back
+    # to (e2e/test_guard_fsdp.py rolls back to a .dcp on two real ranks)
     from ironloop.guard import reporter
 
     monkeypatch.setattr(reporter, "_sharded", lambda model: True)
-    with pytest.raises(reporter.GuardStop, match=r"^the guard stopped the run at step 3: a "
-                                                 r"rollback under dist.strategy=fsdp is not "
-                                                 r"supported yet"):
+    with pytest.raises(reporter.GuardStop, match=r"^the guard stopped the run at step 3: no "
+                                                 r"checkpoint to roll back to \(under "
+                                                 r"dist.strategy=fsdp the guard rolls back only "
+                                                 r"to checkpoints"):
         ironloop.fit(tiny_mlp(), *split(), cfg(tmp_path, fault__nan_at_step=[3],
                                                guard__max_bad_steps=1, train__epochs=1),
                      overwrite=True)
@@ -576,7 +578,7 @@ def test_under_ddp_a_bad_steps_reported_loss_is_its_window_loss_summed_over_the_
     # two ranks, the other one with the same window loss: the all-reduce doubles it
     monkeypatch.setattr(rep, "all_reduce_sum", lambda t, world: t * 2)
     f64 = torch.float64
-    d = guard.device
+    d = guard.verdicts
     d.pending = [Pending(torch.tensor(False), torch.tensor(10.0, dtype=f64),
                          torch.tensor(4.0, dtype=f64), torch.tensor(3.0))]
     d.offsets, d.samples = [0, 8], [0, 4]

@@ -16,7 +16,9 @@ from ironloop.guard import reporter as rep
 from ironloop.guard.reporter import GuardReporter, GuardStop, RolledBack
 from ironloop.guard.verdict import Pending, device_verdicts
 from ironloop.parallel.world import World
+from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.io import save_atomic
+from ironloop.state.run_dir import RunDir
 
 F64 = torch.float64
 
@@ -96,10 +98,10 @@ def lines(tmp_path) -> list[dict]:
 
 def test_start_baselines_the_verdicts_opens_guard_jsonl_and_snapshots_the_run(tmp_path):
     guard, run, log = reporter(tmp_path), Run(), object()
-    guard.device.pending = ["stale"]
+    guard.verdicts.pending = ["stale"]
     guard.start(run, meter(3.0, samples=40), 16, log, World(), (False, False),
                 torch.nn.Linear(1, 1))
-    d = guard.device
+    d = guard.verdicts
     assert (d.pending, d.offsets, d.samples, float(d._before)) == ([], [16], [40], 3.0)
     assert guard.log is log and guard.is_main and guard.file is not None
     assert guard.file.name == str(tmp_path / "guard.jsonl") and guard.file.mode == "a"
@@ -138,7 +140,7 @@ def test_the_rollback_point_moves_into_its_own_tensors_and_a_rollback_gets_a_fre
     run.w = torch.tensor([7.0, 8.0])
     guard.saved(run)
     assert guard.snapshot["w"] is kept and kept.tolist() == [7.0, 8.0]
-    target, source = guard._target()
+    target, source = guard._target(0, World())
     assert source == "memory snapshot" and target["w"].tolist() == [7.0, 8.0]
     assert target["w"] is not kept
     target["w"].add_(1)  # the rollback's load may keep and then train the tensors it gets
@@ -165,7 +167,7 @@ def test_the_rollback_point_of_a_gpu_run_is_pinned_queued_without_a_sync_and_exa
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.snapshot["w"] is kept
-    target, _ = guard._target()  # waits for the copies, then reads them
+    target, _ = guard._target(0, World())  # waits for the copies, then reads them
     assert torch.equal(target["w"], before.cpu())
 
 
@@ -179,8 +181,8 @@ def test_the_memory_snapshot_is_taken_unless_a_checkpoint_file_or_sharding_repla
     guard.start(Run(), meter(), 0, None, World(), (resumed, False), torch.nn.Linear(1, 1))
     assert (guard.snapshot is not None) == snapshots
     guard.snapshot = None
-    guard.saved(Run())
-    assert (guard.snapshot is not None) == (not from_files)
+    guard.saved(Run())  # FSDP2's rollbacks go to its checkpoints' shards: never a snapshot
+    assert (guard.snapshot is not None) == (not from_files and not sharded)
 
 
 def test_a_resume_drops_only_the_guard_lines_past_the_checkpoints_count(tmp_path):
@@ -211,10 +213,11 @@ def test_a_settle_with_nothing_pending_reads_nothing_and_a_good_one_ends_the_bad
     progress = SimpleNamespace(step=9, epoch=0, offset=24)
     assert guard.settle(meter(), progress, Data(), None, World(), Run()) == (0, [])
     guard.policy.consecutive, guard.policy.pending = 2, [[1], [2]]
-    pend(guard.device, [(1.0, 1.0, 8, 4), (1.0, 1.0, 16, 8)])
+    pend(guard.verdicts, [(1.0, 1.0, 8, 4), (1.0, 1.0, 16, 8)])
     assert guard.settle(meter(samples=8), progress, Data(), None, World(), Run()) == (2, [])
     assert (guard.policy.consecutive, guard.policy.pending, guard.policy.good) == (0, [], 2)
-    assert (guard.device.pending, guard.device.offsets, guard.device.samples) == ([], [24], [8])
+    assert (guard.verdicts.pending, guard.verdicts.offsets, guard.verdicts.samples) == \
+        ([], [24], [8])
 
 
 def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters_counts(
@@ -226,7 +229,7 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
     model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))  # [1]: no grads
     model[0].weight.grad, model[0].bias.grad = torch.full((1, 1), math.nan), torch.zeros(1)
     m = meter()
-    pend(guard.device, [(8.0, 1.0, 8, 4), (math.nan, 2.0, 16, 8), (4.0, math.inf, 24, 12)])
+    pend(guard.verdicts, [(8.0, 1.0, 8, 4), (math.nan, 2.0, 16, 8), (4.0, math.inf, 24, 12)])
     progress = SimpleNamespace(step=13, epoch=2, offset=24)
     assert guard.settle(m, progress, Data(), model, World(), Run()) == (3, [1, 2])
     assert m.forgot == [(8, 2)]  # the bad windows' local samples, and two steps
@@ -248,14 +251,14 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
         "a row, 8 samples listed in guard.jsonl",
         "warning: guard: step 12 skipped (nonfinite_grad: loss 0.5, grad_norm inf); 2 bad in "
         "a row, 8 samples listed in guard.jsonl"]
-    assert guard.device.offsets == [24] and guard.device.pending == []
+    assert guard.verdicts.offsets == [24] and guard.verdicts.pending == []
 
 
 def test_a_bad_window_reported_by_another_rank_has_no_local_details(tmp_path, capsys):
     guard = started(tmp_path, world=World(rank=1, size=2))
     guard.file = open(tmp_path / "guard.jsonl", "a")  # noqa: SIM115 - to see what it writes
-    pend(guard.device, [(3.0, 1.0, 1, 1)])  # finite and bad: a spike; a 1-sample window
-    guard.device.pending[0] = guard.device.pending[0]._replace(ok=torch.tensor(False))
+    pend(guard.verdicts, [(3.0, 1.0, 1, 1)])  # finite and bad: a spike; a 1-sample window
+    guard.verdicts.pending[0] = guard.verdicts.pending[0]._replace(ok=torch.tensor(False))
     world = SimpleNamespace(distributed=False, is_main=False)
     guard.settle(meter(), SimpleNamespace(step=1, epoch=0, offset=1), Data(), None, world,
                  Run())
@@ -273,11 +276,11 @@ def test_a_due_rollback_restores_the_run_skips_the_windows_and_rewinds_the_logs(
     run, rewound, waited = Run(progress), [], []
     log = SimpleNamespace(rewind=lambda step, epoch: rewound.append((step, epoch)))
     guard.start(run, meter(), 0, log, World(), (False, False), torch.nn.Linear(1, 1))
-    guard.wait = lambda: waited.append(1)
+    guard.checkpoints = SimpleNamespace(wait=lambda: waited.append(1))  # the run's checkpointer
     guard.policy.good = 7  # the guard's own knowledge outlives the rollback
     run.w = torch.tensor([9.0, 9.0])
     progress.step, progress.offset = 8, 12
-    pend(guard.device, [(math.nan, 1.0, 4, 2), (math.nan, 1.0, 8, 4)])
+    pend(guard.verdicts, [(math.nan, 1.0, 4, 2), (math.nan, 1.0, 8, 4)])
     data = Data()
     capsys.readouterr()
     with pytest.raises(RolledBack):
@@ -294,7 +297,7 @@ def test_a_due_rollback_restores_the_run_skips_the_windows_and_rewinds_the_logs(
     assert capsys.readouterr().out.splitlines()[-1] == (
         "warning: guard: rolled back from step 7 to step 5 (memory snapshot); LR factor now "
         "0.25, 8 samples added to the skip list (8 in all)")
-    assert (guard.device.pending, guard.device.offsets) == ([], [12])
+    assert (guard.verdicts.pending, guard.verdicts.offsets) == ([], [12])
 
 
 @pytest.mark.parametrize("usable, stops", [(4, False), (3, True)])
@@ -302,7 +305,7 @@ def test_a_rollback_that_leaves_less_than_one_batch_stops_the_run(tmp_path, usab
     guard = started(tmp_path, "guard.max_bad_steps=1")
     data = Data(global_batch=4)
     data.set_skip = lambda skip: setattr(data, "usable", usable)
-    pend(guard.device, [(math.nan, 1.0, 4, 2)])
+    pend(guard.verdicts, [(math.nan, 1.0, 4, 2)])
     with pytest.raises(GuardStop if stops else RolledBack) as e:
         guard.settle(meter(), SimpleNamespace(step=1, epoch=0, offset=4), data,
                      torch.nn.Linear(1, 1), World(), Run())
@@ -317,11 +320,11 @@ def test_the_stop_names_the_step_the_limits_the_last_8_bad_steps_and_the_advice(
     guard = started(tmp_path, "guard.max_bad_steps=2", "guard.max_rollbacks=1",
                     advice="Try a lower optim.lr, clip.max_norm=1.0")
     waited = []
-    guard.wait = lambda: waited.append(1)
+    guard.checkpoints = SimpleNamespace(wait=lambda: waited.append(1))  # the run's checkpointer
     g = guard.policy
     g.rollbacks, g.bad_steps = 1, 11
     g.events = [[s, "nonfinite_loss"] for s in range(1, 10)]
-    pend(guard.device, [(math.nan, 1.0, 4, 2), (1.0, math.nan, 8, 4)])
+    pend(guard.verdicts, [(math.nan, 1.0, 4, 2), (1.0, math.nan, 8, 4)])
     with pytest.raises(GuardStop) as e:
         guard.settle(meter(), SimpleNamespace(step=30, epoch=0, offset=8), Data(),
                      torch.nn.Linear(1, 1), World(), Run())
@@ -380,7 +383,8 @@ def test_a_rollback_skips_a_damaged_last_checkpoint_and_only_rank_0_warns_of_it(
     (ckpt / "last.pt").write_bytes(b"not a checkpoint")
     guard = reporter(tmp_path, from_files=True)
     guard.is_main = is_main
-    state, source = guard._target()
+    guard.checkpoints = Checkpointer(RunDir(tmp_path))  # what a rollback loads through
+    state, source = guard._target(0, World())
     assert state["progress"] == {"step": 4} and source == "checkpoints/step-4.pt"
     out = capsys.readouterr().out
     if said is None:

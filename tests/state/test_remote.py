@@ -29,9 +29,10 @@ from ironloop import fit
 from ironloop.callbacks import Callback
 from ironloop.errors import UserError
 from ironloop.outputs.readers import read_jsonl
-from ironloop.state import dcp as sharded, remote as remote_module
+from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest, save_atomic
+from ironloop.state.remote import mirror as remote_module
 from ironloop.state.remote.mirror import LOGS, Mirror, fetch_newest, open_remote
 from ironloop.state.run_dir import OUTPUTS as RUN_OUTPUTS
 from tests.conftest import REPO, StopAt, blobs, cfg, logged_step, tiny_mlp

@@ -27,9 +27,10 @@ import torch
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.outputs.readers import read_jsonl
-from ironloop.state import dcp as sharded, remote_lease
+from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
+from ironloop.state.remote import lease as remote_lease
 from ironloop.state.remote.mirror import Mirror, fetch_newest, open_remote
 from ironloop.state.remote.store import Remote, StoreUnavailable, short_error
 from tests.conftest import HANG_S, REPO, tiny_mlp

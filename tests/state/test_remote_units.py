@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from ironloop.errors import CheckpointError, UserError
-from ironloop.state.remote import lease as remote_lease, mirror as remote_module
 from ironloop.state.io import file_digest
+from ironloop.state.remote import lease as remote_lease, mirror as remote_module
 from ironloop.state.remote.lease import Holder, Lease
 from ironloop.state.remote.mirror import Mirror, fetch_newest, restore_logs
 from ironloop.state.remote.store import StoreUnavailable, open_remote

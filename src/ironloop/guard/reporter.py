@@ -291,7 +291,8 @@ class GuardReporter:
         checkpointer as a resume does; else the in-memory snapshot."""
         ckpt = self.checkpoints
         if self.from_files and ckpt is not None:
-            found = ckpt.latest(fetch=False)
+            found = ckpt.latest(fetch=False, warn=(lambda msg: print(f"warning: {msg}"))
+                                if self.is_main else (lambda msg: None))
             if found is not None:
                 return ckpt.load(found), str(found.path.relative_to(self.run_dir))
         if self.snapshot is None:  # FSDP2 keeps no snapshot: its shards live on every rank

@@ -93,14 +93,14 @@ class Checkpointer:
         return self.cfg.async_write
 
     # ---------------------------------------------------------------- finding --------------
-    def latest(self, fetch: bool = True) -> Found | None:
+    def latest(self, fetch: bool = True, warn: Warn | None = None) -> Found | None:
         """The newest valid checkpoint to resume or roll back from, or None. With
         ``checkpoint.remote`` and ``fetch``, a newer complete one there (a new node, an emptied
         disk) is fetched into run.dir first, with the run's logs as they were at its step
         when run.dir has none of its own. Rank 0 fetches; a refusal there (the store
         unreachable with nothing local, every remote checkpoint damaged) stops every rank with
-        the same line."""
-        warn = self._warn()
+        the same line. ``warn``: where a damaged one is reported (rank 0 prints)."""
+        warn = warn or self._warn()
         if not (fetch and self.cfg.remote):
             return _newest(self.directory, warn)
         local, error = None, None

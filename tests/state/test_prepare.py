@@ -1,5 +1,6 @@
-"""state/rundir.py on hand-made run directories (no training run): which run.dir a fresh run
-or a resume is refused, and which checkpoint a ``--resume DIR`` resumes from."""
+"""state/prepare.py and the checkpointer's finding, on hand-made run directories (no training
+run): which run.dir a fresh run or a resume is refused, and which checkpoint a ``--resume DIR``
+resumes from."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 from ironloop.config import Config
 from ironloop.errors import CheckpointError, UserError
 from ironloop.parallel.world import World
-from ironloop.state import rundir
+from ironloop.state import prepare as rundir
+from ironloop.state.checkpointer import Checkpointer, Found, holds_any
 from ironloop.state.io import save_atomic
 from ironloop.state.lock import LOCK_NAME
+from ironloop.state.run_dir import RunDir
 
 
 def _checkpoint(folder, step: int, name: str | None = None):
@@ -20,6 +23,15 @@ def _checkpoint(folder, step: int, name: str | None = None):
     save_atomic({"model": {"w": torch.full((1,), float(step))}, "progress": {"step": step}},
                 path)
     return path
+
+
+def _find(run_dir, resume):
+    """What --resume finds for a run in ``run_dir``."""
+    return Checkpointer(RunDir(run_dir), Config().checkpoint, World()).find(resume)
+
+
+def _at(path, step: int) -> Found:
+    return Found(path, {"progress": {"step": step}})
 
 
 def test_a_fresh_run_over_a_run_with_checkpoints_is_refused_unless_overwritten(tmp_path):
@@ -64,17 +76,17 @@ def test_resume_from_another_directory_takes_its_newest_checkpoint(tmp_path, whe
     _checkpoint(tmp_path / "run" / "checkpoints", 9)  # run.dir's own: not what was asked
     resume = {"run.dir": other, "its checkpoints": other / "checkpoints",
               "a file": newest}[where]
-    source, state = rundir._resume_from(tmp_path / "run", str(resume), Config(), World())
-    assert source == str(newest) and state["progress"]["step"] == 7
-    assert rundir._step_of(state) == 7
+    found = _find(tmp_path / "run", str(resume))
+    assert found.source == str(newest) and found.state["progress"]["step"] == 7
+    assert found.step == 7
 
 
 def test_a_bare_resume_takes_run_dirs_own_newest_or_nothing(tmp_path):
-    assert rundir._resume_from(tmp_path, True, Config(), World()) == (None, None)
+    assert _find(tmp_path, True) is None
     path = _checkpoint(tmp_path / "checkpoints", 4)
-    source, state = rundir._resume_from(tmp_path, True, Config(), World())
-    assert source == str(path) and rundir._step_of(state) == 4
-    assert rundir._step_of({}) == 0 and rundir._step_of({"progress": None}) == 0
+    found = _find(tmp_path, True)
+    assert found.source == str(path) and found.step == 4
+    assert Found(path, {}).step == 0 and Found(path, {"progress": None}).step == 0
 
 
 def test_a_resume_from_another_lineage_may_not_delete_run_dirs_newer_checkpoints(tmp_path):
@@ -84,13 +96,13 @@ def test_a_resume_from_another_lineage_may_not_delete_run_dirs_newer_checkpoints
     (run / "checkpoints" / "step-00000009.dcp").mkdir()  # the newest of three: named
     other = _checkpoint(tmp_path / "other", 4)
     with pytest.raises(CheckpointError) as e:
-        rundir._refuse_other_lineage(run, other, 4)
+        rundir._refuse_other_lineage(Checkpointer(RunDir(run)), _at(other, 4))
     assert str(e.value) == (f"--resume {other}: run.dir {run} holds its own checkpoints up to "
                             f"step 9, past this checkpoint's step 4, which the resume would "
                             f"delete; choose another run.dir, or pass one of "
                             f"{(run / 'checkpoints').resolve()}'s own checkpoints")
-    rundir._refuse_other_lineage(run, own, 5)  # its own: a rewind may delete its future
-    rundir._refuse_other_lineage(run, other, 9)  # nothing newer than step 9
+    rundir._refuse_other_lineage(Checkpointer(RunDir(run)), _at(own, 5))  # its own: a rewind
+    rundir._refuse_other_lineage(Checkpointer(RunDir(run)), _at(other, 9))  # nothing newer
 
 
 @pytest.mark.usefixtures("quick_lease")
@@ -114,8 +126,9 @@ def test_a_new_node_resumes_from_the_remotes_newest_good_checkpoint_warning_once
     cfg = Config().with_overrides({"checkpoint.remote": url})
     new = tmp_path / "new"
     said: list[str] = []
-    path, state = rundir.latest(new / "checkpoints", cfg, World(), said.append)
-    assert path == new / "checkpoints" / "step-00000001.pt" and rundir._step_of(state) == 1
+    found = Checkpointer(RunDir(new), cfg.checkpoint, World()).latest(warn=said.append)
+    path = found.path
+    assert path == new / "checkpoints" / "step-00000001.pt" and found.step == 1
     assert said == [f"remote checkpoint {store.show('step-00000002')} is damaged "
                     f"(step-00000002.pt checksum mismatch); falling back to an older one"]
     assert (new / "checkpoints" / "best.pt").is_file()  # the final restore reads it
@@ -127,11 +140,11 @@ def test_a_new_node_resumes_from_the_remotes_newest_good_checkpoint_warning_once
 
 
 def test_a_folder_with_only_a_sharded_step_directory_holds_a_checkpoint(tmp_path):
-    assert not rundir._any_checkpoint(tmp_path)
+    assert not holds_any(tmp_path)
     (tmp_path / "checkpoints" / "step-00000003.dcp").mkdir(parents=True)
-    assert rundir._any_checkpoint(tmp_path)  # run.dir: in its checkpoints/ folder
-    assert rundir._any_checkpoint(tmp_path / "checkpoints")  # the folder itself
-    assert not rundir._any_checkpoint(tmp_path / "checkpoints" / "step-00000003.dcp")
+    assert holds_any(tmp_path)  # run.dir: in its checkpoints/ folder
+    assert holds_any(tmp_path / "checkpoints")  # the folder itself
+    assert not holds_any(tmp_path / "checkpoints" / "step-00000003.dcp")
 
 
 def test_a_run_dir_that_cannot_be_written_is_one_line_naming_why(tmp_path, monkeypatch):
@@ -156,17 +169,17 @@ def test_overwrite_removes_a_runs_outputs_and_nothing_else_and_writes_the_new_co
     (tmp_path / LOCK_NAME).write_text("{}")
     (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
     (tmp_path / "notes.txt").write_text("mine")
-    got = rundir.prepare_run_dir(tmp_path, Config(), False, True, World(), {"run": {"seed": 3}},
-                                 False)
-    assert got == (None, None)
+    got = rundir.prepare_run_dir(Checkpointer(RunDir(tmp_path)), Config(), False, True, World(),
+                                 {"run": {"seed": 3}}, False)
+    assert got is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "config.yaml", "notes.txt"]
     assert (tmp_path / "config.yaml").read_text() == "run:\n  seed: 3\n"
 
 
 def test_a_checkpoint_without_a_recorded_step_counts_as_step_0():
-    assert rundir._step_of({"progress": {"step": 12}}) == 12
-    assert rundir._step_of({"progress": {}}) == rundir._step_of({"progress": None}) == 0
-    assert rundir._step_of({}) == 0
+    assert _at(None, 12).step == 12
+    assert Found(None, {"progress": {}}).step == Found(None, {"progress": None}).step == 0
+    assert Found(None, {}).step == 0
 
 
 def test_resume_from_a_sharded_checkpoint_names_it_as_its_source(tmp_path):
@@ -174,6 +187,6 @@ def test_resume_from_a_sharded_checkpoint_names_it_as_its_source(tmp_path):
 
     run, _, _ = sharded_run(tmp_path)
     last = run / "checkpoints" / "last.dcp"
-    source, state = rundir._resume_from(tmp_path / "other", str(last), Config(), World())
-    assert source == str(last)  # the resume event's "from" and the other-lineage check's
-    assert state["progress"] == {"step": 3, "epoch": 0, "offset": 0}
+    found = _find(tmp_path / "other", str(last))
+    assert found.source == str(last)  # the resume event's "from" and the other-lineage check's
+    assert found.state["progress"] == {"step": 3, "epoch": 0, "offset": 0}

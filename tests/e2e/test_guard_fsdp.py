@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ironloop.data.loader import EpochSampler
 from ironloop.state.dcp import load_extras
-from tests.test_distributed import launch, rank_pids, train, wait_for_step
+from tests.e2e.test_distributed import launch, rank_pids, train, wait_for_step
 
 pytestmark = pytest.mark.slow
 
