@@ -7,7 +7,7 @@ an abandoned future). So rank 0 claims the prefix before it deletes or uploads a
   process's run id, its host and pid, and when it was last refreshed; the mirror refreshes it
   every ``TTL_S / 3`` while the run lives and marks it released at the end (``Lease``);
 * a fresh run refuses a prefix whose lease is live (the "already holds a run's checkpoints"
-  refusal in rundir.py covers the runs that ended);
+  refusal in prepare.py covers the runs that ended);
 * a resume takes over a released or expired lease of its own lineage and keeps it (run.dir
   records the lineage its checkpoints belong to: ``checkpoints/remote-lineage``; a new node
   with an empty run.dir adopts the prefix's). A live one it watches for up to ``TTL_S``: a
