@@ -42,10 +42,8 @@ from ironloop.parallel.world import (
     all_reduce_sum,
     collective_timeout,
     init_from_env,
-    name_timeouts,
     shutdown,
 )
-from ironloop.state import lock
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.rng import seed_everything
@@ -84,21 +82,6 @@ def cpu_threads(n: int) -> Iterator[None]:
     finally:
         if n:
             torch.set_num_threads(before)
-
-
-def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | None = None, *,
-        test_data=None, **given: Any) -> FitResult:
-    """``ironloop.fit`` without its preflight doctor, for the tools that train through the
-    engine (tune's trials, the resume check's scratch runs, the lab's accumulation check): the
-    same steps as the front door, ``ironloop.tools.recipe.fit``, which documents the arguments.
-    It goes once those callers use the front door."""
-    check_arguments(model, train_data)
-    cfg = resolved(as_config(config), train_data, given.get("step_fn"), val_data)
-    data = DataBundle(train=train_data, val=val_data, test=test_data, input_shape=(),
-                      num_classes=given.get("num_classes"))
-    with lock.hold(Path(cfg.run.dir), is_rank0()), cpu_threads(cfg.run.threads), \
-            name_timeouts():
-        return train_run(cfg, model, data, build.Given(**given))
 
 
 def is_rank0() -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -89,6 +90,17 @@ def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
                       loss_fn=given.loss_fn)  # the doctor's quick checks; strict stops here
         with engine.cpu_threads(cfg.run.threads), name_timeouts():
             return engine.train_run(cfg, model, data, given)
+
+
+def fit_without_preflight(model: nn.Module, train_data, val_data=None,
+                          config: Config | dict | None = None, *, test_data=None,
+                          **given: Any) -> FitResult:
+    """``fit`` without its preflight doctor, whatever doctor.preflight says: for the tools that
+    train through the front door (tune's trials, the resume check's scratch runs, the lab's
+    accumulation check). ``given``: ``fit``'s other keyword arguments."""
+    data = DataBundle(train=train_data, val=val_data, test=test_data, input_shape=(),
+                      num_classes=given.get("num_classes"))
+    return run_fit(engine.as_config(config), model, data, build.Given(**given), doctor=False)
 
 
 def train_config(cfg: Config, resume: bool | str = False, overwrite: bool = False,

@@ -188,9 +188,9 @@ def run_step(cfg, model: nn.Module, bundle):
 def record_run(spec: dict) -> None:
     """One scratch run as ``spec`` says: its config, record file, callbacks and resume flag."""
     from ironloop.config import Config
-    from ironloop.engine.fit import fit
     from ironloop.specs import import_spec
     from ironloop.tools.models import from_config
+    from ironloop.tools.recipe import fit_without_preflight as fit
 
     cfg = Config.from_dict(spec["config"])
     model, bundle = from_config(cfg)

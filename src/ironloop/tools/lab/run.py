@@ -231,8 +231,8 @@ def accumulation_check(v: Variant, out: Path, root: str) -> dict:
     between the two summation orders grow, so one step is the sharp test; the 64 x 1 vs 16 x 4
     equivalence over whole epochs is in the test suite.)"""
     from ironloop.data import TensorData, build_data
-    from ironloop.engine.fit import fit
     from ironloop.tools.models import model_for
+    from ironloop.tools.recipe import fit_without_preflight as fit
 
     cfg = _cfg({**v.overrides, "train.epochs": 1, "schedule.name": "constant",
                 "checkpoint.enabled": False}, out / "accum-check", root)

@@ -30,8 +30,8 @@ from torch import nn
 
 from ironloop.callbacks import Callback
 from ironloop.config import Config
-from ironloop.engine.fit import fit
 from ironloop.errors import Preempted
+from ironloop.tools.recipe import fit_without_preflight as fit
 from ironloop.tools.tune.stop import Stopped, record_signals, trial_prefix
 
 
