@@ -91,3 +91,16 @@ def test_missing_fashion_files_say_where_ironloop_looked(tmp_path):
 def test_unknown_dataset_lists_the_names():
     with pytest.raises(ConfigError, match="digits, mnist1d, fashion-mnist, synthetic"):
         build_data(data_cfg("data.name=cifar"))
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+def test_a_builtin_dataset_with_an_empty_training_split_is_refused():
+    from ironloop.config import DataConfig
+    from ironloop.data.builtin.datasets import build_data
+    from ironloop.errors import DataError
+
+    config = DataConfig(name="synthetic", num_samples=1, val_fraction=0.6, input_shape=[2])
+    with pytest.raises(DataError, match="^data.name='synthetic': the training split is empty$"):
+        build_data(config)
+    assert len(build_data(DataConfig(name="synthetic", num_samples=5, val_fraction=0.2,
+                                     input_shape=[2])).train) == 4

@@ -7,12 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import ironloop
 from ironloop.data.loader import EpochSampler
 from ironloop.data.samplers import order_of
+from ironloop.errors import UserError
 from tests.conftest import blobs, cfg, tiny_mlp
+from tests.data.helpers import Draws, keep_rows
 
 
 class Indexed(Dataset):
@@ -296,7 +307,6 @@ def test_an_empty_validation_set_counts_as_none_for_plateau_and_early_stopping()
 
 
 def test_a_stream_is_described_by_its_datasets_type_and_length_when_it_has_one():
-    from torch.utils.data import IterableDataset
 
     from ironloop.data.source import describe
     from ironloop.data.stream import Stream
@@ -423,3 +433,75 @@ def test_the_doctor_batches_with_the_collate_fn_the_run_will_use():
     assert subject(tiny_mlp(), loader, None, None, Config(), num_classes=3).collate_fn is loaders
     assert subject(tiny_mlp(), loader, None, None, Config(), num_classes=3,
                    collate_fn=passed).collate_fn is passed
+
+
+# ------------------------------------------------------------------ inputs -----------------
+def test_a_dataloaders_own_collate_fn_is_kept_and_the_default_is_not():
+    from ironloop.data.inputs import map_style
+
+    ds = Draws()
+    assert map_style(DataLoader(ds, batch_size=4, collate_fn=keep_rows), "d").collate_fn \
+        is keep_rows
+    given = map_style(DataLoader(ds, batch_size=4), "d")
+    assert given.collate_fn is None and given.dataset is ds and given.batch_size == 4
+
+
+def test_a_plain_tensordataset_becomes_tensordata_even_when_empty():
+    """An empty validation split is still in memory (its labels are checked once, in full)."""
+    from torch.utils.data import TensorDataset
+
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    for n in (0, 3):
+        given = map_style(TensorDataset(torch.zeros(n, 2), torch.zeros(n)), "d").dataset
+        assert isinstance(given, TensorData) and len(given) == n
+
+
+def test_a_tensordata_in_a_dataloader_is_sliced_whatever_its_collate_fn():
+    """TensorData's __getitems__ returns a finished batch: a collate_fn would get it whole."""
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    data = TensorData(torch.zeros(6, 2), torch.zeros(6))
+    given = map_style(DataLoader(data, batch_size=3, collate_fn=keep_rows, drop_last=True), "d")
+    assert given.dataset is data and given.collate_fn is None
+    assert (given.batch_size, given.drop_last) == (3, True)
+    # a plain TensorDataset with its own collate_fn is read per sample, with it
+    plain = TensorDataset(torch.zeros(6, 2), torch.zeros(6))
+    kept = map_style(DataLoader(plain, batch_size=3, collate_fn=keep_rows), "d")
+    assert kept.dataset is plain and kept.collate_fn is keep_rows
+
+
+def test_a_plain_tensordataset_in_a_dataloader_is_sliced_as_tensordata():
+    """A DataLoader over in-memory (inputs, targets) with the default collate_fn: one slice per
+    batch, with the loader's batching kept."""
+    from ironloop.data.inputs import map_style
+    from ironloop.data.loader import TensorData
+
+    x, y = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    given = map_style(DataLoader(TensorDataset(x, y), batch_size=4, drop_last=True), "d")
+    assert isinstance(given.dataset, TensorData) and given.collate_fn is None
+    assert given.dataset.x is x and given.dataset.y is y
+    assert (given.batch_size, given.drop_last) == (4, True)
+
+
+def test_a_custom_batch_sampler_is_refused_naming_its_type():
+    from ironloop.data.inputs import map_style
+
+    class Buckets(BatchSampler):
+        pass
+
+    loader = DataLoader(Draws(), batch_sampler=Buckets(SequentialSampler(range(10)), 2, False))
+    with pytest.raises(UserError, match=r"^train_data: the DataLoader's batch_sampler \(Buckets\) "
+                                        r"cannot be resumed mid-epoch"):
+        map_style(loader, "train_data")
+
+
+def test_only_datasets_loaders_and_pairs_are_map_style_data():
+    from ironloop.data.inputs import map_style
+
+    with pytest.raises(UserError, match="^val_data must be a torch Dataset, a DataLoader, a "
+                                        "Hugging Face datasets.Dataset or an \\(inputs, "
+                                        "targets\\) pair, not dict$"):
+        map_style({"x": 1}, "val_data")

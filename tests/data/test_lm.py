@@ -112,3 +112,64 @@ def test_word_language_models_time_first_loop_equals_the_examples_step_on_batch_
                 p.add_(p.grad, alpha=-lr)
     for (name, a), b in zip(ours.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------------ lm ---------------------
+def test_batchify_needs_two_tokens_per_stream_and_drops_the_tail():
+    from ironloop.data.lm import batchify
+
+    assert batchify(torch.arange(5), 2).tolist() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="^3 tokens cannot make 2 streams of at least 2$"):
+        batchify(torch.arange(3), 2)
+    with pytest.raises(ValueError, match=r"^tokens must be a 1-D sequence, got shape \(2, 2\)$"):
+        batchify(torch.zeros(2, 2), 1)
+
+
+def test_packed_sequences_need_one_block_of_seq_len_plus_one_tokens():
+    from ironloop.data.lm import PackedSequences
+
+    one = PackedSequences(torch.arange(5), 4)
+    assert len(one) == 1 and [t.tolist() for t in one[0]] == [[0, 1, 2, 3], [1, 2, 3, 4]]
+    for short in (4, 3):
+        with pytest.raises(ValueError, match=f"^{short} tokens make no block of seq_len \\+ 1 "
+                                             f"= 5$"):
+            PackedSequences(torch.arange(short), 4)
+    with pytest.raises(ValueError, match="make no block of seq_len"):
+        PackedSequences(torch.arange(5), 0)
+
+
+@pytest.mark.parametrize("from_loader, world, text", [
+    (True, 1, "val_data has 6 streams but evaluates in batches of 4 (its DataLoader's batch "
+              "size); pass it as DataLoader(val, batch_size=6) so that each batch takes one "
+              "chunk of every stream"),
+    (False, 2, "test_data has 6 streams but evaluates in batches of 4 x 2 processes "
+               "(train.batch_size, its batch size); pass it as DataLoader(test, batch_size=3) "
+               "so that each batch takes one chunk of every stream"),
+])
+def test_contiguous_streams_evaluated_in_other_batches_are_refused_saying_which(
+        from_loader, world, text):
+    from ironloop.data.lm import ContiguousStreams, check_eval_order
+    from ironloop.errors import ConfigError
+
+    data = ContiguousStreams(torch.arange(60), streams=6, bptt=3)
+    what = "val_data" if world == 1 else "test_data"
+    with pytest.raises(ConfigError) as e:
+        check_eval_order(data, what, 4, world, in_order=True, from_loader=from_loader)
+    assert str(e.value) == text
+    check_eval_order(data, what, 6 // world, world, in_order=True, from_loader=from_loader)
+    with pytest.raises(ConfigError, match=f"^{what}: its DataLoader's sampler would read"):
+        check_eval_order(data, what, 6 // world, world, in_order=False, from_loader=True)
+
+
+def test_contiguous_streams_refuse_empty_shapes_and_indices_past_their_end():
+    from ironloop.data.lm import ContiguousStreams
+
+    for streams, bptt in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match=f"^streams \\({streams}\\) and bptt \\({bptt}\\) "
+                                             f"must be >= 1$"):
+            ContiguousStreams(torch.arange(20), streams, bptt)
+    data = ContiguousStreams(torch.arange(20), 2, 4)  # rows of 10: chunks at 0, 4, 8
+    assert len(data) == 6 and [t.tolist() for t in data[5]] == [[18], [19]]
+    for k in (6, -1):
+        with pytest.raises(IndexError, match=f"^sample {k} of 6$"):
+            data[k]

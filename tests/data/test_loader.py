@@ -8,11 +8,13 @@ import signal
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import ironloop
 from ironloop.data.loader import EpochSampler, EvalSampler, TensorData, make_loader
 from ironloop.data.workers import STOP_SIGNALS, shielded
 from tests.conftest import blobs, cfg, tiny_mlp
+from tests.data.helpers import NONE, Draws
 
 
 def flat(sampler) -> list[int]:
@@ -78,7 +80,6 @@ def test_loader_leaves_the_global_rng_alone():
 def test_in_memory_tensors_take_the_sliced_path_with_the_same_weights(tmp_path):
     """A TensorDataset, a DataLoader over one and an (x, y) pair train exactly like TensorData
     (issue 10: one index-slice per batch instead of per-sample __getitem__ + collate)."""
-    from torch.utils.data import DataLoader, TensorDataset
 
     import ironloop
     from ironloop.data.loader import as_tensor_data
@@ -105,7 +106,6 @@ def test_in_memory_tensors_take_the_sliced_path_with_the_same_weights(tmp_path):
 
 def test_tensordataset_labels_are_checked_once_in_full_before_training(tmp_path):
     import pytest
-    from torch.utils.data import TensorDataset
 
     import ironloop
     from ironloop.errors import DataError
@@ -240,3 +240,94 @@ def test_a_failed_run_stops_its_loader_workers_while_its_error_is_still_held(tmp
                                              data__num_workers=2, train__max_steps=steps))
     assert error.value.__traceback__ is not None  # what a notebook or an uncaught error keeps
     assert multiprocessing.active_children() == []
+
+
+# ------------------------------------------------------------------ loader -----------------
+def test_a_samplers_permutation_is_its_whole_epoch_without_the_skipped_samples():
+    from ironloop.data.loader import EpochSampler
+
+    sampler = EpochSampler(20, 4, seed=1, shuffle=True)
+    sampler.set_epoch(3)
+    whole = sampler.permutation()
+    assert sorted(whole.tolist()) == list(range(20))
+    assert whole.tolist() == sampler.indices(0, 20)
+    sampler.set_skip([4, 9])
+    assert sampler.permutation().tolist() == [i for i in whole.tolist() if i not in (4, 9)]
+
+
+def test_an_eval_sampler_serves_the_order_it_is_given():
+    from ironloop.data.loader import EvalSampler
+    from ironloop.data.order import KeyedOrder
+
+    order = KeyedOrder(9, seed=4, shuffle=True)
+    sampler = EvalSampler(9, 4, seed=0, shuffle=False, order=order)
+    assert sampler.permutation().tolist() == order.indices(0, NONE, 0, 9).tolist()
+    assert sampler.permutation().tolist() != list(range(9))
+
+
+# ------------------------------------------------------------------ loaders ----------------
+def test_a_loaders_worker_seeds_come_from_the_run_seed_and_its_epoch():
+    """A DataLoader draws its workers' base seed from its generator: seeded from (seed, epoch)
+    for one epoch's loader, from (seed, "every epoch") for the run's persistent one."""
+    from ironloop.data.loader import EpochSampler, make_loader
+    from ironloop.data.seeding import derive_seed
+
+    sampler = EpochSampler(10, 2, seed=3, shuffle=True)
+    sampler.set_epoch(2)
+    once = make_loader(Draws(), sampler, num_workers=0, pin_memory=False)
+    assert once.generator.initial_seed() == derive_seed(3, 2, "loader")
+    run = make_loader(Draws(), sampler, num_workers=0, pin_memory=False, persistent=True)
+    assert run.generator.initial_seed() == derive_seed(3, "every epoch", "loader")
+
+
+def test_the_epoch_loader_keeps_one_loader_for_the_run_unless_samples_are_unseeded():
+    from ironloop.data.loader import EpochLoader, EpochSampler
+    from ironloop.data.seeding import derive_seed
+
+    sampler = EpochSampler(10, 5, seed=3, shuffle=False)
+    loader = EpochLoader(Draws(), sampler, num_workers=0, pin_memory=False)
+    assert len(list(loader)) == 2
+    kept = loader._loader
+    assert kept.generator.initial_seed() == derive_seed(3, "every epoch", "loader")
+    sampler.set_epoch(1)
+    assert len(list(loader)) == 2 and loader._loader is kept  # the same loader, next epoch
+    loader.close()
+    assert loader._loader is None
+    sampler.set_epoch(4)
+    unseeded = EpochLoader(Draws(), sampler, num_workers=0, pin_memory=False,
+                           seed_samples=False)
+    list(unseeded)
+    assert unseeded._loader.generator.initial_seed() == derive_seed(3, 4, "loader")
+
+
+def test_an_eval_sampler_is_rank_zero_of_one_by_default():
+    from ironloop.data.loader import EvalSampler
+
+    sampler = EvalSampler(5, 2, seed=0, shuffle=False)
+    assert (sampler.rank, sampler.world_size) == (0, 1)
+    assert list(sampler) == [[0, 1], [2, 3], [4]] and len(sampler) == 3
+
+
+def test_a_loader_seeds_each_sample_from_seed_epoch_and_index_by_default():
+    from ironloop.data.loader import EpochSampler, make_loader
+    from ironloop.data.seeding import seed_sample
+
+    sampler = EpochSampler(10, 2, seed=5, shuffle=False)
+    sampler.set_epoch(2)
+    first = next(iter(make_loader(Draws(), sampler, num_workers=0, pin_memory=False)))
+    seed_sample(5, 2, 1)
+    assert torch.equal(first[1], torch.rand(3))
+
+
+def test_a_loaders_workers_are_shielded_and_seeded_and_persist_only_when_asked():
+    from ironloop.data import workers
+    from ironloop.data.loader import EpochSampler, _seed_worker, make_loader
+
+    sampler = EpochSampler(10, 2, seed=3, shuffle=False)
+    alone = make_loader(Draws(), sampler, num_workers=0, pin_memory=False, persistent=True)
+    assert alone.worker_init_fn is None and not alone.persistent_workers
+    pool = make_loader(Draws(), sampler, num_workers=2, pin_memory=False, persistent=True)
+    assert pool.worker_init_fn.func is workers._init
+    assert pool.worker_init_fn.args == (_seed_worker,)
+    assert pool.num_workers == 2 and pool.persistent_workers
+    assert not make_loader(Draws(), sampler, num_workers=2, pin_memory=False).persistent_workers

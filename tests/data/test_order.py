@@ -68,3 +68,69 @@ def test_a_drawn_order_is_long_indices_whatever_integer_type_the_sampler_yields(
     assert warning is None
     got = order.indices(0, NONE, 0, 3)
     assert got.dtype == torch.long and sorted(got.tolist()) == [3, 5, 9]
+
+
+# ------------------------------------------------------------------ order ------------------
+def test_a_permutation_computes_in_int64_whatever_the_positions_integer_type():
+    from ironloop.data.order import KeyedOrder
+
+    perm = KeyedOrder(5000, seed=3, shuffle=True).permutation(1)
+    wide = perm(torch.arange(5000))
+    assert wide.dtype == torch.long and sorted(wide.tolist()) == list(range(5000))
+    assert torch.equal(perm(torch.arange(5000, dtype=torch.int32)), wide)
+
+
+# ------------------------------------------------------------------ the keyed order --------
+def _reference_order(n: int, seed: int, epoch: int) -> list[int]:
+    """data/order.py's docstring, written out in plain Python ints: a 6-round balanced Feistel
+    network on the smallest even number of bits (at least 2) that covers n, keyed by
+    derive_seed(seed, epoch, "order", round), each round's function a 32-bit multiply-xorshift
+    hash, cycle-walked back into [0, n)."""
+    import hashlib
+
+    def seed_of(*parts) -> int:
+        digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    def mix(x: int) -> int:
+        for _ in range(2):
+            x = (((x >> 16) ^ x) * 0x45D9F3B) % 2**32
+        return (x >> 16) ^ x
+
+    bits = max(2, (n - 1).bit_length())
+    half = (bits + 1) // 2
+    mask = 2**half - 1
+    keys = [seed_of(seed, epoch, "order", r) % 2**32 for r in range(6)]
+
+    def network(x: int) -> int:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ (mix(right ^ k) & mask)
+        return (left << half) | right
+
+    out = []
+    for p in range(n):
+        y = network(p)
+        while y >= n:
+            y = network(y)
+        out.append(y)
+    return out
+
+
+@pytest.mark.parametrize("n, seed, epoch", [(10, 0, 0), (64, 3, 1), (100, 7, 2), (1000, 1, 5)])
+def test_the_keyed_order_is_the_documented_feistel_network(n, seed, epoch):
+    """The order is part of a checkpoint's meaning (a resume slices it at the saved offset): it
+    must stay the documented function of (seed, epoch), release after release."""
+    from ironloop.data.order import KeyedOrder
+
+    got = KeyedOrder(n, seed, shuffle=True).indices(epoch, NONE, 0, n).tolist()
+    assert got == _reference_order(n, seed, epoch)
+
+
+def test_an_inverse_permutation_computes_in_int64_whatever_the_indices_integer_type():
+    from ironloop.data.order import KeyedOrder
+
+    perm = KeyedOrder(5000, seed=3, shuffle=True).permutation(1)
+    back = perm.inverse(perm(torch.arange(5000)))
+    assert back.dtype == torch.long and back.tolist() == list(range(5000))
+    assert torch.equal(perm.inverse(perm(torch.arange(5000)).to(torch.int32)), back)

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 import ironloop
 from ironloop.data.loader import EpochSampler, make_loader
 from tests.conftest import REPO, cfg, train_or_kill
+from tests.data.helpers import Draws
 
 AUGMENTED = '''
 import random
@@ -176,3 +177,26 @@ def test_seed_sample_seeds_numpy_with_the_samples_derived_seed_mod_2_32():
     finally:
         np.random.set_state(states[0])
         random.setstate(states[1])
+
+
+# ------------------------------------------------------------------ seeding ----------------
+def test_a_seeded_datasets_sample_draws_from_seed_epoch_and_index():
+    from ironloop.data.seeding import SeededDataset, seed_sample
+
+    ds = SeededDataset(Draws(), seed=5)
+    seed_sample(5, 2, 7)
+    expected = torch.rand(3)
+    assert torch.equal(ds[(2, 7)], expected)
+    assert torch.equal(ds.__getitems__([(2, 7)])[0], expected)
+    assert not torch.equal(ds[(3, 7)], expected)  # another epoch, another draw
+    assert len(ds) == 10
+
+
+def test_derive_seed_is_blake2b_of_the_parts_joined_by_colons_in_63_bits():
+    import hashlib
+
+    from ironloop.data.seeding import derive_seed
+
+    digest = hashlib.blake2b(b"3:1:order:0", digest_size=8).digest()
+    assert derive_seed(3, 1, "order", 0) == int.from_bytes(digest, "little") & (2**63 - 1)
+    assert 0 <= derive_seed("eval-subset") < 2**63
