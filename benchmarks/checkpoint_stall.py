@@ -2,7 +2,7 @@
 
 The state is what ironloop checkpoints for a ~100M-parameter model (24 Linear(2048, 2048)
 layers) trained by AdamW: weights plus both moment buffers, about 1.2 GB. Each repetition
-calls ``CheckpointManager.save`` the way the loop does and times how long the call blocks:
+calls ``FileWriter.save`` the way the loop does and times how long the call blocks:
 
 - sync: digest + ``torch.save`` + fsync + rename, all on the training thread;
 - async: the CPU snapshot, copied into the previous save's buffers (the first save of a run
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ironloop.state.manager import CheckpointManager
+from ironloop.state.file_writer import FileWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TINY, size, summary
@@ -70,8 +70,8 @@ def run(quick: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         # One manager each, as in a run: the async one reuses its CPU snapshot from the second
         # save on, so its first save (which allocates the snapshot) is reported apart.
-        sync_manager = CheckpointManager(Path(d) / "sync", keep_last=1)
-        async_manager = CheckpointManager(Path(d) / "async", keep_last=1, async_write=True)
+        sync_manager = FileWriter(Path(d) / "sync", keep_last=1)
+        async_manager = FileWriter(Path(d) / "async", keep_last=1, async_write=True)
         start = time.perf_counter()
         async_manager.save(dict(state), step=0)
         first = time.perf_counter() - start

@@ -12,7 +12,7 @@ allocated); and the pinned one after, both the time the host is held (what a sav
 the loop) and the time until the copies have landed (what a rollback would wait). The copy of
 the last one is compared with the state: equal, or the row fails. The async checkpoint's
 staging copy took the same path: the old one's time (into its last, pageable, copy) and the
-host time of three ``CheckpointManager.save`` calls now (the first allocates its pinned
+host time of three ``FileWriter.save`` calls now (the first allocates its pinned
 memory).
 """
 
@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from benchmarks.gpu_check.shared import Part, resnet50, sync
-from ironloop.state.manager import CheckpointManager
+from ironloop.state.file_writer import FileWriter
 from ironloop.state.snapshot import copies_done, snapshot
 
 
@@ -71,7 +71,7 @@ def measure(part: Part) -> dict:
         landed.append((time.perf_counter() - start) * 1e3)
     snap = held["snap"]
     with tempfile.TemporaryDirectory() as d:  # an async checkpoint: the host held by save()
-        manager = CheckpointManager(d, keep_last=1, async_write=True)
+        manager = FileWriter(d, keep_last=1, async_write=True)
         saves = []
         for step in range(1, 4):
             manager.wait()
