@@ -346,13 +346,6 @@ E2E = "e2e"
 #: Root test files that check the repository rather than one module.
 WHOLE_REPO = {"test_layout.py", "test_lint.py", "test_named_mutants.py", "test_mutants_sample.py"}
 MAX_TEST_FILE_LINES = 800
-#: Not yet merged into their module's files or split (issue 54): each one fixed leaves this list,
-#: and no new one may join it.
-PENDING_UNITS = ["tools/doctor/test_resume_check_units.py",
-                 "tools/lab/test_lab_units.py", "tools/test_report_units.py",
-                 "tools/tune/test_tune_units.py"]
-PENDING_LONG = ["tools/doctor/test_resume_check_units.py", "tools/lab/test_lab_units.py",
-                "tools/tune/test_tune.py", "tools/tune/test_tune_units.py"]
 
 
 def _test_files() -> list[Path]:
@@ -397,9 +390,9 @@ def test_every_test_file_sits_in_the_folder_of_the_package_it_tests():
     assert root_tests_of_no_top_level_module() == []
 
 
-def test_no_units_twin_and_no_test_file_over_800_lines_beyond_those_still_pending():
-    assert units_files() == sorted(PENDING_UNITS)
-    assert long_test_files() == sorted(PENDING_LONG)
+def test_no_units_twin_and_no_test_file_over_800_lines():
+    assert units_files() == []
+    assert long_test_files() == []
 
 
 def test_the_test_layout_checks_find_what_they_look_for(tmp_path, monkeypatch):

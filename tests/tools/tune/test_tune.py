@@ -1,20 +1,20 @@
-"""ironloop tune: the decisions (pure, on measurements fed in), and real tunes on this machine.
-
-The real tunes assert what tune decides, never a time. The loader-bound dataset sleeps per
-sample: an I/O-like latency (disk, network) that worker processes overlap whatever the
-machine's load, which busy-looping work would not on 2 shared cores (that case is a benchmark:
-examples/cpu_reads.yaml, BENCHMARKS.md).
+"""ironloop tune: real tunes on this machine, and what tune() checks, applies and hands its
+trials (the decisions, pure, on measurements fed in: test_tuner.py, test_rows.py, test_trials.py,
+test_output.py, test_stop.py). The real tunes assert what tune decides, never a time. The
+loader-bound dataset sleeps per sample: an I/O-like latency (disk, network) that worker processes
+overlap whatever the machine's load, which busy-looping work would not on 2 shared cores (that
+case is a benchmark: examples/cpu_reads.yaml, BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -27,246 +27,17 @@ from torch import nn
 import ironloop
 from examples.slow_reads import SlowReads
 from ironloop.config import Config
+from ironloop.errors import UserError
 from ironloop.outputs.time_split import RunSettings, advice
 from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import rows as tune_rows
-from ironloop.tools.tune.output import tuned_yaml
-from ironloop.tools.tune.trials import Measure, samples_in_step, window_rates
+from ironloop.tools.tune import output, rows, trials
+from ironloop.tools.tune.rows import Row
+from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed
 from tests.conftest import REPO
+from tests.tools.tune.helpers import data, mk
 
 # measured speed or timed signals: never beside the other (tests/conftest.py cpu_alone)
 pytestmark = pytest.mark.usefixtures("cpu_alone")
-
-
-def measure(median: float, lo: float, hi: float) -> Measure:
-    return Measure(samples_per_s=median, spread=(lo, hi), windows=[lo, median, hi],
-                   step_ms=1.0, extra_s=0.0, seconds=1.0)
-
-
-# -- the decisions --------------------------------------------------------------------------------
-
-
-def test_a_winner_is_faster_in_every_pair_beyond_the_noise():
-    assert tune_mod.paired([1.9, 1.4, 2.3, 1.7]).wins
-    verdict = tune_mod.paired([1.3, 1.25, 1.4, 1.35])
-    assert verdict.wins and verdict.median == pytest.approx(1.325)
-    assert verdict.spread == (1.25, 1.4)
-    # one pair that says slower: one recheck that happened to be low no longer decides,
-    # but neither does one lucky pair
-    assert not tune_mod.paired([1.9, 0.97, 2.3, 1.7]).wins
-    assert "1 of 4 pairs not faster" in tune_mod.paired([1.9, 0.97, 2.3, 1.7]).why
-    assert not tune_mod.paired([3.0, 2.5]).wins  # the budget ran out: 2 of 4 pairs
-    assert not tune_mod.paired([1.03, 1.04, 1.02, 1.06]).wins  # agree, but within 5%
-    assert not tune_mod.paired([]).wins
-
-
-def test_pairs_are_interleaved_and_stop_at_the_first_that_disagrees():
-    """The A/B order of the paired runs, and the ratio each pair gives (the config's projected
-    time over the setting's), on measurements fed in."""
-    order, rates = [], iter([100, 180, 190, 100, 100, 95, 100, 200])
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
-    tuner.est_s, tuner.left = 0.0, lambda: 1e9
-    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
-
-    def fake(overrides, extra_s=0.0):
-        order.append("B" if overrides.get("data.num_workers") else "A")
-        return measure(next(rates), 0, 0)
-
-    tuner.measure = fake
-    verdict = tuner._pairs({}, {"data.num_workers": 2}, 0.0)
-    assert order == ["A", "B", "B", "A", "A", "B"]  # A B, B A, A B: stopped at the slower pair
-    assert verdict.ratios == pytest.approx([1.8, 1.9, 0.95]) and not verdict.wins
-
-
-def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
-    """The screen is one measurement each: here the load made 2 workers look slower than the
-    threads alone. The threads win their pairs against the config, then the workers win theirs
-    against the threads: the workers (with the threads) are chosen, at the product of the two
-    medians. Measurements are fed in by config."""
-    import types
-
-    speed = {(): 100.0, (("run.threads", 1),): 150.0,
-             (("data.num_workers", 2), ("run.threads", 1)): 250.0}
-    screened: set = set()
-
-    def fake(overrides, extra_s=0.0):
-        key = tuple(sorted(overrides.items()))
-        first = key not in screened
-        screened.add(key)
-        return measure(120.0 if first and len(key) == 2 else speed[key], 0, 0)
-
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
-    tuner.est_s, tuner.left, tuner.measure, tuner.rows = 0.0, lambda: 1e9, fake, []
-    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
-    tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
-    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0),
-                         projected_s=10.0)
-    tuner.baseline = base
-    threads = tune_rows.Row("run.threads=1", {"run.threads": 1})
-    both = tune_rows.Row("data.num_workers=2 run.threads=1",
-                         {"data.num_workers": 2, "run.threads": 1})
-    winner = tuner.group([threads, both], {}, base)
-    assert winner is both and both.won and not threads.won
-    assert both.gain == pytest.approx(1.5 * 250 / 150)
-    assert both.pairs["against"] == {"run.threads": 1} and "beat it" in threads.verdict
-
-
-def test_the_screen_leaves_a_contender_the_budget_of_its_pairs():
-    """On an H200, a 60 s tune screened all 13 loader rows and had no time left for a single
-    pair: 4 workers at 3.5x the baseline went unconfirmed and nothing was applied. Once a row
-    screens faster, the screen stops where the budget left would no longer hold that row's
-    pairs. Every trial here costs one 'second' of a simulated budget of 12."""
-    import types
-
-    speed = {(): 100.0, (("data.num_workers", 1),): 95.0, (("data.num_workers", 2),): 170.0,
-             (("data.num_workers", 4),): 350.0, (("data.num_workers", 8),): 390.0,
-             (("data.num_workers", 16),): 380.0}
-    clock = {"spent": 0.0}
-
-    def fake(overrides, extra_s=0.0):
-        clock["spent"] += 1.0
-        return measure(speed[tuple(sorted(overrides.items()))], 0, 0)
-
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
-    tuner.est_s, tuner.measure, tuner.rows = 1.0, fake, []
-    tuner.left = lambda: 12.0 - clock["spent"]
-    tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
-    tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
-    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0),
-                         projected_s=10.0)
-    tuner.baseline = base
-    rows = [tune_rows.Row(f"data.num_workers={n}", {"data.num_workers": n})
-            for n in (1, 2, 4, 8, 16)]
-    winner = tuner.group(rows, {}, base)
-    # without the hold: 5 screens, then 3 pairs where a winner needs 4, and no winner
-    assert winner is not None and winner.won and winner.setting == "data.num_workers=8"
-    assert winner.pairs["ratios"] == pytest.approx([3.9] * 4)
-    skipped = [r for r in rows if r.status == "skipped"]
-    assert [r.setting for r in skipped] == ["data.num_workers=16"]
-    assert "held for the paired runs" in skipped[0].reason
-
-
-def test_when_the_budget_ends_the_pairs_the_last_line_says_so_not_no_faster_setting():
-    """A contender faster in every pair measured, but fewer than PAIRS of them, is not applied;
-    the table's last line says the budget ended its pairs and to raise --budget, instead of
-    "no setting was faster" (which an H200's 3.9x num_workers was called)."""
-    import types
-
-    from ironloop.tools.tune import output
-
-    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 90, 110),
-                         projected_s=100.0)
-    cut = tune_rows.Row("data.num_workers=8", {"data.num_workers": 8}, status="ok",
-                        measure=measure(390.0, 380, 400), projected_s=25.0,
-                        pairs={"ratios": [3.8, 3.9], "wins": False})
-    lost = tune_rows.Row("run.threads=1", {"run.threads": 1}, status="ok",
-                         measure=measure(101.0, 90, 110), projected_s=99.0,
-                         pairs={"ratios": [1.02, 0.97], "wins": False})
-    base.measure.peak_mb = 512.0
-    base.ratio, cut.ratio, lost.ratio = 1.0, 3.9, 1.01
-    info = {"config": "c.yaml", "device": "cuda:0", "cpus": 16, "load_average": [1.0] * 3,
-            "budget_s": 60, "used_s": 59, "tokens_per_sample": None, "max_steps": None,
-            "planned_samples": 1000, "epochs": 1, "train_samples": 1000,
-            "plan": {"pairs": tune_mod.PAIRS}}
-    result = types.SimpleNamespace(info=info, baseline=base, rows=[cut, lost], chosen={},
-                                   speedup=1.0)
-    last = output.table(result).splitlines()[-1]
-    assert "the budget ran out during the paired runs of data.num_workers=8" in last
-    assert "run.threads=1" not in last and "--budget" in last
-    cut.pairs = {"ratios": [3.8, 3.9, 3.7, 4.0], "wins": False}  # all four ran: not the budget
-    assert output.table(result).splitlines()[-1].startswith("no trajectory-free setting")
-
-
-def test_a_row_after_a_winner_is_judged_against_the_winner_and_says_so():
-    """The table's "x base" is against the baseline, the screen's verdict against the best so
-    far: a bf16 row at 1.9x the baseline beside a 1.9x winner is "within noise of" that winner,
-    never a bare "within noise" that reads as no gain at all."""
-    base = tune_rows.Row("baseline", {}, status="ok", measure=measure(100.0, 0, 0))
-    workers = tune_rows.Row("data.num_workers=2", {"data.num_workers": 2}, status="ok",
-                            measure=measure(190.0, 0, 0))
-    bf16 = tune_rows.Row("train.precision=bf16", {"train.precision": "bf16"}, status="ok",
-                         measure=measure(188.0, 0, 0))
-    for row, seconds in ((base, 19.0), (workers, 10.0), (bf16, 10.1)):
-        row.projected_s = seconds
-    assert tune_mod._verdict(bf16, base) == "faster"
-    assert tune_mod._verdict(bf16, workers) == "within noise of data.num_workers=2"
-    assert tune_mod._verdict(base, workers) == "slower than data.num_workers=2"
-    assert tune_mod._verdict(workers, bf16) == "within noise of train.precision=bf16"
-
-
-def test_what_tune_tries():
-    assert tune_rows.thread_counts(0, 2, current=2) == [1, 2]
-    assert tune_rows.thread_counts(2, 2, current=2) == [1, 2]  # leave the workers the cores
-    assert tune_rows.thread_counts(1, 2, current=1) == [1]
-    assert tune_rows.thread_counts(4, 16, current=16) == [12, 16]
-    assert tune_rows.worker_counts(0, 2) == [1, 2]
-    assert tune_rows.worker_counts(2, 16) == [0, 1, 4, 8, 16]
-    assert tune_rows.micro_batches(32, 4) == [(64, 2), (128, 1)]
-    assert tune_rows.micro_batches(32, 1) == [] and tune_rows.micro_batches(32, 3) == []
-
-
-def test_workers_and_threads_are_tried_together(monkeypatch):
-    monkeypatch.setattr(tune_rows, "cpus", lambda: 2)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    subject = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4), SlowReads(n=8, delay=0))
-    rows = {r.setting: r for r in tune_rows.loader_rows(subject, {})}
-    assert set(rows) == {"run.threads=1", "data.num_workers=1", "data.num_workers=1 run.threads=1",
-                         "data.num_workers=2", "data.num_workers=2 run.threads=1"}
-    assert rows["data.num_workers=2 run.threads=1"].overrides == {"data.num_workers": 2,
-                                                                 "run.threads": 1}
-    assert rows["data.num_workers=2 run.threads=1"].kind == "free"  # drift's FREE: see there
-    assert "round differently" in rows["run.threads=1"].note
-    assert not rows["data.num_workers=2"].note
-    # in-memory tensors: no worker rows, but the threads are still tried
-    tensors = tune_mod.Subject(Config(), lambda: nn.Linear(16, 4),
-                               (torch.randn(8, 16), torch.zeros(8, dtype=torch.long)))
-    assert [r.setting for r in tune_rows.loader_rows(tensors, {}) if r.status != "skipped"] == \
-        ["run.threads=1"]
-
-
-def test_a_trial_is_measured_in_seconds_of_work_not_a_count_of_steps():
-    from ironloop.tools.tune.trials import Plan, windows
-
-    plan = tune_mod.plan_for(step_s=0.1, seconds=2.0)  # the baseline: 20 steps of 0.1 s
-    assert plan.measure_s == pytest.approx(plan.window * plan.repeats * 0.1)
-    assert plan.cap > 10 * plan.steps  # room for a setting many times faster
-    # a setting 4x faster stamps 4x the steps in the same seconds: equal windows over them all
-    fast = windows(plan, stamped=plan.warmup + 4 * plan.window * plan.repeats)
-    assert fast.window == 4 * plan.window and fast.repeats == plan.repeats
-    assert windows(Plan(1, 3, 2), stamped=100).window == 3  # a fixed plan stays fixed
-
-
-def test_windows_count_the_ragged_last_step_of_an_epoch():
-    # 100 samples, 32 a step: steps of 32, 32, 32, 4, then the next epoch
-    assert [samples_in_step(s, 100, 32) for s in range(1, 6)] == [32, 32, 32, 4, 32]
-    stamps = [1.0, 2.0, 3.0, 4.0, 5.0]  # one step a second; 1 warm-up, windows of 2 steps
-    assert window_rates(stamps, 1, 2, 100, 32) == [64 / 2, 36 / 2]
-    assert tune_mod.planned_samples(Config().with_overrides({"train.epochs": 3,
-                                                             "train.batch_size": 32}), 100) == 300
-    capped = Config().with_overrides({"train.max_steps": 5, "train.batch_size": 32})
-    assert tune_mod.planned_samples(capped, 100) == 100 + 32
-
-
-def test_a_slow_early_step_and_the_buffer_it_fills_are_warm_up():
-    from ironloop.tools.tune.trials import Plan, settled
-
-    plan = Plan(warmup=1, window=2, repeats=4)
-    steady = [0.1] * 9
-    stamps = list(itertools.accumulate([2.0, *steady]))  # step 1: a 2 s compile
-    assert settled(stamps, 0.0, plan, depth=4) == 1 + 4  # and 4 buffered batches after it
-    assert settled(list(itertools.accumulate([0.1] * 10)), 0.0, plan, depth=4) == 1
-    assert settled(stamps, 0.0, plan, depth=8) == 1  # it would leave under two windows
-
-
-def test_tuned_yaml_is_the_input_when_nothing_changes(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("# my comment\ntrain:\n  epochs: 3\ndata:\n  name: synthetic\n")
-    cfg = ironloop.load_config(path)
-    assert tuned_yaml(cfg, path, [], {}) == path.read_text()
-    text = tuned_yaml(cfg.with_overrides(["train.batch_size=16"]), path,
-                      ["train.batch_size=16"], {"data.num_workers": 2})
-    back = Config.from_dict(yaml.safe_load(text))
-    assert back.data.num_workers == 2 and back.train.batch_size == 16 and back.train.epochs == 3
 
 
 def test_tune_arguments_mix_like_train_s():
@@ -336,7 +107,7 @@ def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(t
     workers = result.chosen.get("data.num_workers", 0)
     assert workers >= 2, out
     # the threads that go with them leave the workers their cores (on 2 cores: one, as now)
-    assert result.chosen.get("run.threads", 1) <= max(1, tune_rows.cpus() - workers), out
+    assert result.chosen.get("run.threads", 1) <= max(1, rows.cpus() - workers), out
     (won,) = [r for r in result.rows if r.won and r.kind == "free"]
     assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
     assert all(r > 1 for r in won.pairs["ratios"])
@@ -497,7 +268,7 @@ class _OverheadPerCall(nn.Module):
 
 @pytest.fixture
 def virtual_clock(monkeypatch):
-    from ironloop.tools.tune import output, trials
+    from ironloop.tools.tune import output
 
     _CLOCK.now = 0.0
     for module in (tune_mod, trials, output):
@@ -535,6 +306,8 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
 # -- a model factory that needs the data factory's values (examples/char_gpt.py) -------------------
 
 CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 60
+
+
 #: configs/char_gpt.yaml's model, behind a factory that needs what the data factory returns
 #: (nanoGPT's GPTConfig has no vocab_size or block_size it could fall back on either).
 LM_SUBJECT = """
@@ -740,7 +513,6 @@ def test_a_trial_that_runs_to_its_last_step_reports_where_its_time_went(tmp_path
 def one_trial_tune(monkeypatch):
     """ironloop.tune() with its budgeted search cut to one real trial, the baseline: what
     tune() hands the trials and what it writes, in a fraction of a second."""
-    from ironloop.tools.tune.rows import Row
     from ironloop.tools.tune.trials import Plan, run_trial
 
     def one_trial(subject, budget, progress):
@@ -778,7 +550,6 @@ def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_tri
 
 
 def test_a_probe_that_overruns_the_budget_says_to_raise_budget(tmp_path, monkeypatch):
-    from ironloop.tools.tune.trials import TrialFailed
 
     def overrun(*_args):
         raise TrialFailed("stopped at its deadline", overrun=True)
@@ -818,9 +589,185 @@ def test_tune_creates_a_run_dir_whose_parents_do_not_exist(tmp_path, one_trial_t
 def test_cpu_peak_memory_is_the_processs_max_rss_in_mib(monkeypatch):
     from types import SimpleNamespace
 
-    from ironloop.tools.tune import trials
 
     # Linux reports ru_maxrss in KiB: 300 MiB of it must read as 300.0.
     monkeypatch.setattr(trials.resource, "getrusage",
                         lambda _who: SimpleNamespace(ru_maxrss=300 * 1024))
     assert trials._peak_mb(cuda=False) == 300.0
+
+
+def _speed(overrides: dict) -> Measure:
+    """What the fabricated machine gives: one thread doubles the speed, bf16 makes it 1.5x, a
+    compile too (after 10 s of compiling); the micro-batch changes nothing."""
+    sps = 100.0 * (2 if overrides.get("run.threads") == 1 else 1) \
+        * (1.5 if overrides.get("train.precision") == "bf16" else 1) \
+        * (1.5 if overrides.get("train.compile") else 1)
+    return mk(sps, extra_s=10.0 if overrides.get("train.compile") else 0.0, seconds=1.0,
+              peak_mb=512.0, step_ms=125.0)
+
+
+@pytest.fixture
+def fabricated(tmp_path, clock, trial_log, monkeypatch):
+    """A tune of a BatchNorm model on in-memory data on 2 cores and 2 threads, whose trials
+    answer ``_speed``: 200 epochs of 64 samples, 8 a step, 2 micro-batches a step."""
+    monkeypatch.setattr(rows, "cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(rows, "_cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(tune_mod, "clean_stale", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(output.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    trial_log.answer = _speed
+    cfg = Config.from_dict({"run": {"device": "cpu", "dir": str(tmp_path / "run")},
+                            "train": {"batch_size": 4, "accumulation_steps": 2, "epochs": 200},
+                            "log": {"progress": "off"}})
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    return Subject(cfg, lambda: model, data(64), {})
+
+
+def test_a_tune_applies_the_free_winners_and_reports_the_trajectory_ones(fabricated, trial_log,
+                                                                       tmp_path, capsys):
+    result = tune_mod._finish(fabricated, 101.0, False, None, [])
+    # the probe's 1 s leaves 100: a share of 0.85 x 100 / (2 rows + 5 + 1 + 12) - 0.75 s of
+    # set-up = 3.5 s, 28 steps of 0.125 s
+    assert [call[1] for call in trial_log.calls[:3]] == [Plan(1, 1, 2)] + 2 * [
+        Plan(1, 5, 5, measure_s=3.125)]
+    assert {id(s) for s in trial_log.subjects} == {id(fabricated)}
+    threads, compiled = {"run.threads": 1}, {"run.threads": 1, "train.compile": True}
+    bf16 = {"run.threads": 1, "train.precision": "bf16"}
+    micro = {"run.threads": 1, "train.batch_size": 8, "train.accumulation_steps": 1}
+    assert [call[0] for call in trial_log.calls] == [
+        {}, {},  # the probe, the baseline
+        threads, *[{}, threads, threads, {}] * 2,  # the screen, then the pairs
+        bf16, *[threads, bf16, bf16, threads] * 2,
+        micro,  # within noise: no pairs
+        compiled, *[threads, compiled, compiled, threads] * 2]
+    assert result.chosen == {"run.threads": 1, "train.compile": True}
+    assert result.trajectory == {"train.precision": "bf16"} and not result.applied_trajectory
+    assert result.config.to_dict() == fabricated.cfg.with_overrides(result.chosen).to_dict()
+    # 12,800 samples: 128 s, 64 s with one thread, 12,800 / 300 + 10 s compiled
+    compiled_s = 12800 / 300 + 10.0
+    assert result.speedup == pytest.approx(2.0 * 64 / compiled_s)
+    assert [(r.setting, r.status, r.won) for r in result.rows] == [
+        ("data.num_workers", "skipped", False), ("run.threads=1", "ok", True),
+        ("train.precision=bf16", "ok", True),
+        ("train.batch_size=8 train.accumulation_steps=1", "ok", False),
+        ("train.compile=true", "ok", True)]
+    _, one, half, batch, compile_row = result.rows
+    assert (one.gain, half.gain) == (2.0, 1.5)
+    assert compile_row.gain == pytest.approx(64 / compiled_s)
+    assert batch.note == "BatchNorm: NOT the same trajectory (it normalises each micro-batch)"
+    assert batch.verdict == "within noise of run.threads=1"
+    assert half.base == threads and compile_row.base == threads
+    assert result.baseline.projected_s == 128.0 and one.projected_s == 64.0
+    assert compile_row.projected_s == pytest.approx(compiled_s)
+    run = tmp_path / "run"
+    doc = json.loads((run / "tune.json").read_text())
+    assert doc["chosen"] == result.chosen and doc["trajectory_winners"] == result.trajectory
+    assert doc["info"]["budget_s"] == 101.0 and doc["info"]["plan"]["pairs"] == 4
+    assert doc["info"]["planned_samples"] == 12800 and doc["info"]["used_s"] == 30.0
+    assert yaml.safe_load((run / "tuned.yaml").read_text()) == result.config.to_dict()
+    out = capsys.readouterr().out
+    assert out.startswith(f"tune: removed 1 trial directory left in {tempfile.gettempdir()} by "
+                          f"tunes that were killed\nironloop tune: cpu, ")
+    assert "were not applied: train.precision=bf16" in out
+    assert result.paths == {"tune.json": run / "tune.json", "tuned.yaml": run / "tuned.yaml"}
+
+
+def test_a_tune_applies_the_trajectory_winners_when_told(fabricated, monkeypatch, capsys):
+    monkeypatch.setattr(tune_mod, "clean_stale", lambda: 3)
+    result = tune_mod._finish(fabricated, 1000.0, True, None, [])
+    assert result.applied_trajectory is True
+    assert result.config.train.precision == "bf16" and result.config.run.threads == 1
+    out = capsys.readouterr().out
+    assert out.startswith("tune: removed 3 trial directories left in ")
+    assert "notice: --apply-trajectory-changes: train.precision: 'fp32' -> 'bf16'" in out
+
+
+def test_a_compile_gets_its_reserve_only_when_the_budget_has_it(fabricated, trial_log, clock):
+    _, chosen, _ = tune_mod.run_tune(fabricated, 1000.0, "off")
+    deadlines = {tuple(sorted(call[0].items())): call[2] - t for call, t in
+                 zip(trial_log.calls, _starts(trial_log))}
+    compiled = (("run.threads", 1), ("train.compile", True))
+    # the compile's trials: 3 x (1 s + 30 s of reserve) past their start
+    assert deadlines[compiled] == 3 * (1.0 + 30.0)
+    assert chosen == {"run.threads": 1, "train.compile": True}
+
+
+def _starts(trial_log):
+    """Each logged trial started at the clock's reading before its cost: 1000, 1001, ..."""
+    return [1000.0 + i * trial_log.cost for i in range(len(trial_log.calls))]
+
+
+@pytest.mark.parametrize(("budget", "after", "trials"), [(52.0, 1.0 + 5.0, 1 + 4 * 2),
+                                                       (52.25, 31.25, 1)])
+def test_a_compile_reserve_is_held_only_beyond_a_trials_share(fabricated, trial_log, clock,
+                                                               budget, after, trials):
+    # 21 trials of 1 s before the compile's: 31 s left is 30 s of reserve and a trial's 1 s,
+    # not more: no reserve, and the compile's trials have a trial's deadline, 1 s + 5 at least;
+    # 31.25 s left holds it, and the deadline is the budget's end (with no room for pairs)
+    tune_mod.run_tune(fabricated, budget, "off")
+    compiled = [call[2] - start for call, start in zip(trial_log.calls, _starts(trial_log))
+                if "train.compile" in call[0]]
+    pairs = [call for call in trial_log.calls[21:] if "train.compile" not in call[0]]
+    assert compiled[0] == after and len(compiled) + len(pairs) == trials
+
+
+def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeypatch):
+    seen = {}
+
+    def finish(subj, budget, apply, path, overrides):
+        seen.update(subject=subj, args=(budget, apply, path, overrides))
+        return "result"
+
+    monkeypatch.setattr(tune_mod, "_finish", finish)
+    model = nn.Linear(4, 2)
+    loss, step, optimizer, scheduler = object(), object(), object(), object()
+    x, y = data(32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    assert tune_mod.tune(model, loader, {"train.epochs": 2}, loss_fn=loss, step_fn=step,
+                         num_classes=2, optimizer=optimizer, scheduler=scheduler, budget=30.0,
+                         apply_trajectory_changes=True) == "result"
+    subj = seen["subject"]
+    assert seen["args"] == (30.0, True, None, [])
+    assert subj.cfg.train.batch_size == 16 and subj.cfg.train.epochs == 2  # as fit() does
+    assert subj.train is loader
+    assert subj.fit_kwargs == {"loss_fn": loss, "step_fn": step, "num_classes": 2,
+                               "optimizer": optimizer, "scheduler": scheduler}
+    copy = subj.make_model()
+    assert copy is not model and subj.make_model() is not copy
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the user's model after tune(): the trials' copies are of before
+    assert not torch.equal(subj.make_model().weight, model.weight)
+    tune_mod.tune(model, (x, y))
+    assert seen["subject"].cfg.train.batch_size == Config().train.batch_size
+    assert seen["args"] == (tune_mod.DEFAULT_BUDGET, False, None, [])
+    sampled = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=None)
+    tune_mod.tune(model, sampled, {"train.batch_size": 8})
+    assert seen["subject"].cfg.train.batch_size == 8
+
+
+def test_tune_refuses_a_scheduler_instance():
+    # an instance, not built: a real optimizer's first construction imports torch._dynamo
+    instance = torch.optim.lr_scheduler.StepLR.__new__(torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(UserError) as raised:
+        tune_mod.tune(nn.Linear(4, 2), data(8), scheduler=instance)
+    assert str(raised.value) == ("tune: pass scheduler as a factory (e.g. lambda params: "
+                                 "torch.optim.AdamW(params)), not an instance: every trial trains "
+                                 "its own copy of the model")
+
+
+def test_tune_config_tunes_the_configs_data_and_model(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  name: synthetic\n  num_samples: 40\n  input_shape: [4]\n"
+                    "  num_classes: 3\nmodel:\n  name: mlp\n")
+    seen = {}
+    monkeypatch.setattr(tune_mod, "_finish", lambda subj, *args: seen.update(
+        subject=subj, args=args) or "result")
+    assert tune_mod.tune_config(str(path), ["train.epochs=2"], 15.0, True) == "result"
+    subj = seen["subject"]
+    assert seen["args"] == (15.0, True, path, ["train.epochs=2"])
+    assert subj.cfg.train.epochs == 2 and subj.samples == 32  # 20% held out for validation
+    assert subj.fit_kwargs == {"num_classes": 3, "from_config": True}
+    assert isinstance(subj.make_model(), nn.Module)
+    tune_mod.tune_config(str(path), [])
+    assert seen["args"] == (tune_mod.DEFAULT_BUDGET, False, path, [])

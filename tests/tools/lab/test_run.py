@@ -1,7 +1,7 @@
-"""lab/run.py, lab/clock.py and lab/reference.py in process, without training: each function fed
-a hand-made lab (its logs, notes and checkpoints written by the test) and checked to the exact
-sentence, number or call it produces. The real lab (tests/e2e/test_lab.py) runs its steps as
-processes, slowly; these tests reach the same code fast."""
+"""tools.lab.run in process, without training: each function fed a hand-made lab (its logs, notes
+and checkpoints written by the test) and checked to the exact sentence, number or call it
+produces. The real lab (tests/e2e/test_lab.py) runs its steps as processes, slowly; these tests
+reach the same code fast."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import yaml
 
 from ironloop.config import DataConfig
 from ironloop.errors import UserError
-from ironloop.tools.lab import clock as lab_clock, reference as lab_reference, run
+from ironloop.tools.lab import clock as lab_clock, run
 from ironloop.tools.lab.clock import Clock
 
 
@@ -32,140 +31,6 @@ def cpu_bf16(monkeypatch):
     sentences' machine-dependent parts fixed."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-
-
-# -- clock.py -------------------------------------------------------------------------------------
-
-def test_cpu_seconds_add_this_process_and_its_waited_for_children(monkeypatch):
-    times = SimpleNamespace(user=1.0, system=2.0, children_user=4.0, children_system=8.0)
-    monkeypatch.setattr(lab_clock.os, "times", lambda: times)
-    assert lab_clock.cpu_seconds() == 15.0
-
-
-def test_the_load_is_the_1_minute_average_or_0_where_there_is_none(monkeypatch):
-    monkeypatch.setattr(lab_clock.os, "getloadavg", lambda: (1.5, 2.5, 3.5))
-    assert lab_clock.load() == 1.5
-
-    def unavailable():
-        raise OSError("no load average")
-
-    monkeypatch.setattr(lab_clock.os, "getloadavg", unavailable)
-    assert lab_clock.load() == 0.0
-    monkeypatch.delattr(lab_clock.os, "getloadavg")
-    assert lab_clock.load() == 0.0
-
-
-def test_a_clock_times_each_part_and_reports_the_load_range_and_totals(monkeypatch, capsys):
-    loads = iter([0.5, 2.25, 1.0])
-    monkeypatch.setattr(lab_clock, "load", lambda: next(loads))
-    monkeypatch.setattr(lab_clock.os, "cpu_count", lambda: 16)
-    ticks = iter([10.0, 12.5, 20.0, 20.25])
-    cpus = iter([100.0, 103.0, 200.0, 200.5])
-    monkeypatch.setattr(lab_clock.time, "perf_counter", lambda: next(ticks))
-    monkeypatch.setattr(lab_clock, "cpu_seconds", lambda: next(cpus))
-    clock = Clock()
-    assert clock.rows == [] and clock.loads == [0.5] and clock.cores == 16
-    with clock.part("1-baseline"):
-        pass
-    with clock.part("plots"):
-        pass
-    assert clock.rows == [("1-baseline", 2.5, 3.0), ("plots", 0.25, 0.5)]
-    assert clock.loads == [0.5, 2.25, 1.0]
-    assert capsys.readouterr().out == ("[lab] 1-baseline: 2.5 s wall, 3.0 s CPU (load 2.2 on 16 "
-                                       "cores)\n[lab] plots: 0.2 s wall, 0.5 s CPU (load 1.0 on "
-                                       "16 cores)\n")
-    assert clock.under() == "16 cores, load average 0.5-2.2 while it ran"
-    assert clock.table() == (["part", "wall s", "CPU s"],
-                             [["1-baseline", "2.5", "3.0"], ["plots", "0.2", "0.5"],
-                              ["total", "2.8", "3.5"]])
-
-
-def test_a_clock_counts_one_core_where_the_count_is_unknown(monkeypatch):
-    monkeypatch.setattr(lab_clock.os, "cpu_count", lambda: None)
-    assert Clock().cores == 1
-
-
-# -- reference.py ---------------------------------------------------------------------------------
-
-def test_the_reference_scripts_see_ironlooops_own_shuffled_order():
-    from ironloop.data.loader import EpochSampler
-
-    for epoch in (0, 3):
-        sampler = EpochSampler(50, 1, 7, shuffle=True)
-        sampler.set_epoch(epoch)
-        assert torch.equal(lab_reference.ironloop_order(50, 7, epoch), sampler.permutation())
-    order = lab_reference.ironloop_order(50, 7, 0)
-    assert sorted(order.tolist()) == list(range(50)) and order.tolist() != list(range(50))
-    assert not torch.equal(order, lab_reference.ironloop_order(50, 7, 1))
-    assert not torch.equal(order, lab_reference.ironloop_order(50, 8, 0))
-
-
-def test_the_examples_load_as_modules_with_their_train_function():
-    module = lab_reference._load(lab_reference.PLAIN)
-    assert module.__name__ == "ironloop_lab_production_loop" and callable(module.train)
-    assert Path(module.__file__) == lab_reference.EXAMPLES / "production_loop.py"
-
-
-def test_the_line_diff_counts_only_added_and_removed_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr(lab_reference, "EXAMPLES", tmp_path)
-    assert not lab_reference.available()
-    (tmp_path / "production_loop.py").write_text("a\nb\nc\n-x\n")
-    (tmp_path / "production_loop_accelerate.py").write_text("a\nB\nc\n-x\nd\n")
-    assert lab_reference.available()
-    diff, changed = lab_reference.line_diff()
-    assert diff.splitlines() == ["--- production_loop.py", "+++ production_loop_accelerate.py",
-                                 "@@ -2 +2 @@", "-b", "+B", "@@ -4,0 +5 @@", "+d"]
-    assert changed == 3
-
-
-def test_the_reference_scripts_train_with_step_6s_settings(tmp_path, monkeypatch, cpu_bf16):
-    """run_references hands each script step 6's config as keyword arguments, the same initial
-    weights, ironloop's order, and its own output folder; without accelerate the twin is
-    skipped (None)."""
-    variants = run.steps_plan("digits")
-    cfg = run._cfg({**variants[5].overrides, "optim.weight_decay": 0.05,
-                    "loss.label_smoothing": 0.1, "run.seed": 3}, tmp_path / "ref", "data")
-    calls = []
-
-    def fake_load(name):
-        def train(model, train_set, val_set, out, **kw):
-            calls.append((name, model, train_set, val_set, out, kw))
-            return {"val_acc": 0.5 if name == lab_reference.PLAIN else 0.25, "steps": 7,
-                    "other": 1}
-        return SimpleNamespace(train=train)
-
-    monkeypatch.setattr(lab_reference, "_load", fake_load)
-    import importlib.util
-
-    real = importlib.util.find_spec
-    with monkeypatch.context() as m:  # accelerate installed or not, as the test needs
-        m.setattr(importlib.util, "find_spec",
-                  lambda name, *a: object() if name == "accelerate" else real(name, *a))
-        got = lab_reference.run_references(cfg, tmp_path / "ref")
-    assert [c[0] for c in calls] == ["production_loop", "production_loop_accelerate"]
-    assert [c[4] for c in calls] == [tmp_path / "ref" / "production_loop",
-                                     tmp_path / "ref" / "production_loop_accelerate"]
-    kw = calls[0][5]
-    assert kw == dict(epochs=5, batch_size=32, accum=4, lr=1e-3, max_lr=3e-3, weight_decay=0.05,
-                      schedule="onecycle", max_norm=1.0, label_smoothing=0.1, precision="bf16",
-                      seed=3, order=lab_reference.ironloop_order, ckpt_every=100)
-    assert calls[1][5] == kw
-    first, second = calls[0][1], calls[1][1]
-    assert first is not second and all(torch.equal(a, b) for a, b in
-                                       zip(first.state_dict().values(),
-                                           second.state_dict().values()))
-    (x, y), (vx, vy) = calls[0][2], calls[0][3]
-    assert len(x) == len(y) == 1438 and len(vx) == len(vy) == 359
-    diff, changed = lab_reference.line_diff()
-    assert got == {"plain": {"val_acc": 0.5, "steps": 7}, "accel": {"val_acc": 0.25, "steps": 7},
-                   "diff": diff, "diff_lines": changed}
-
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "accelerate" else real(name, *a))
-    calls.clear()
-    got = lab_reference.run_references(cfg, tmp_path / "ref")
-    assert [c[0] for c in calls] == ["production_loop"] and got["accel"] is None
-    assert got["plain"] == {"val_acc": 0.5, "steps": 7}
 
 
 # -- run.py: the plan -----------------------------------------------------------------------------
