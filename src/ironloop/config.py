@@ -106,6 +106,8 @@ class TrainConfig(Section):
                            "or only at the run's start (never)", ("epoch", "never"))
     compile: bool = fld(False, "torch.compile the model for training (evaluation runs eager)")
     compile_mode: str = fld("default", "torch.compile mode", COMPILE_MODES)
+    cuda_graph: bool = fld(False, "capture the whole optimizer step (forward, backward, guard, "
+                           "clip, step) as one CUDA graph after 3 eager steps; CUDA only")
     activation_checkpointing: list = fld([], "block class names whose forward is recomputed "
                                         "in backward (torch.utils.checkpoint), e.g. [Block]")
     callbacks: list = fld([], "callbacks to build, after fit()'s own: each 'module:Class', or "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ("story", "syncs", "peers", "resume", "cuda_tests", "rollback")
+PARTS = ("story", "syncs", "peers", "resume", "cuda_tests", "rollback", "overhead")
 
 
 def gpu_check(out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from torch import nn
 from ironloop.callbacks import HOOKS, Callback, from_specs
 from ironloop.config import Config
 from ironloop.data.source import RunData
-from ironloop.engine import carry, step_fns
+from ironloop.engine import carry, cuda_graph, step_fns
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
 from ironloop.engine.divergence import LossGrowth
@@ -187,6 +187,8 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
         schedule_steps=steps if finite else 0, verdicts=verdicts, check_labels=check_labels,
         average=average, metrics=metrics,
         frozen=given.optimizer is None and cfg.optim.lr == 0)
+    # train.cuda_graph: refused here, before training, if the step cannot be captured
+    module.graph = cuda_graph.build(cfg, module, world, module.takes_closure)
     return module, strategy
 
 

@@ -23,6 +23,8 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [average.update(), when due]              # engine/average.py: EMA/SWA, on the device
     [run.settle(), when due]                  # engine/settle.py: the guard's lagged read
+    (train.cuda_graph: after 3 eager windows, the window's micro-batches, unscale to
+     scheduler, are one CUDA graph replay; the host's bookkeeping follows it, engine/cuda_graph.py)
     [fault knobs] -> [log line] -> on_step_end
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
     -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
@@ -120,19 +122,23 @@ def train_epoch(run: Run) -> None:
         if micro == 0:
             n = source.usable  # a stream learns its end a window ahead (data/stream.py)
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
-            module.optimizer.zero_grad(set_to_none=True)
+            module.zero_grad()  # set_to_none, unless a CUDA graph owns the gradients
         n_micro = batch_size_of(batch)
         p.offset += min(global_batch, n - p.offset)
         last = micro == accum - 1 or p.offset >= n
         timer.mark("copy")  # near 0: the copy ran while the previous step computed
-        loss = micro_step(run, batch, n_micro, window, last, weights)
+        loss = micro_step(run, batch, n_micro, window, last, weights) if module.graph is None \
+            else module.graph.collect(batch, n_micro)  # train.cuda_graph: run at the window's end
         micro += 1
         if not last:
             continue
         micro = 0
-        weights.normalise(module.params, run.world)  # no-op unless the step weights its loss
-        # LBFGS's closure recomputes this batch; None for any other optimizer
-        module.optimizer_step(p, run.meter, run.world, module.closure(batch, loss))
+        if module.graph is not None:  # the window as one graph replay (engine/cuda_graph.py)
+            module.graph.step(p, run.meter, run.world, window)
+        else:
+            weights.normalise(module.params, run.world)  # no-op unless the step weights its loss
+            # LBFGS's closure recomputes this batch; None for any other optimizer
+            module.optimizer_step(p, run.meter, run.world, module.closure(batch, loss))
         timer.mark("optimizer")
         if module.average is not None and module.average.due(p.step):
             module.average.update()  # on the device, no host read (engine/average.py)

@@ -112,6 +112,7 @@ class TrainModule:
     frozen: bool = False             # optim.lr=0: every step at LR 0, whatever a resumed schedule
     average: WeightAverage | None = None  # the averaged weights (average.kind), or None
     metrics: SplitMetrics | None = None   # whole-split metrics for evaluation (eval.metrics)
+    graph: Any = None                # train.cuda_graph: the StepGraph (engine/cuda_graph.py)
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
     # them, not only those requiring grad: a callback may unfreeze a layer later.
     params: list[nn.Parameter] = field(default_factory=list)
@@ -142,6 +143,12 @@ class TrainModule:
             return again.detach()
 
         return closure
+
+    def zero_grad(self) -> None:
+        """At a window's start. A captured graph owns the gradients: its replay overwrites
+        them, and set to None here they would be lost to the host (cuda_graph.py)."""
+        if self.graph is None or not self.graph.captured:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def autocast(self):
         return autocast(self.precision, self.device)

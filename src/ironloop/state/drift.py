@@ -38,6 +38,7 @@ FREE: tuple[str, ...] = (
     "eval.metrics",      # more columns: whole-split metrics read the predictions only
     "train.compile",     # the same module, compiled or not (bits may differ, as across devices)
     "train.compile_mode",
+    "train.cuda_graph",  # the same step, replayed from a graph or launched kernel by kernel
     "train.activation_checkpointing",  # recomputes the same forward in backward: same math
     "dist.",             # ddp or fsdp, how blocks are sharded, the timeout: the same math
 )
