@@ -10,8 +10,9 @@ import time
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
-from ironloop.data.source import EvalBatching, eval_loader
+from ironloop.data.counting import counted
+from ironloop.data.loader import EvalSampler, make_loader, to_device
+from ironloop.data.source import EvalBatching, eval_loader, eval_sampler
 from ironloop.data.workers import iterating
 from ironloop.engine.run import Run
 from ironloop.engine.step_fns import METRIC_INPUTS
@@ -123,7 +124,10 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
     data = run.data
     batching = data.batching.get(split) or \
         EvalBatching(run.cfg.train.batch_size, None, data.collate_fn)
-    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
+    order = eval_sampler(dataset, batching, run.cfg, run.world.rank, run.world.size)
+    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device,
+                         order)
+    drawn = order.batch_sizes()  # each batch's samples, as drawn (data/counting.py)
     sums, names, count, batches = None, [], 0, 0
     whole = module.metrics  # whole-split metrics (eval.metrics), or None
     if whole is not None:
@@ -135,7 +139,7 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
         for batch in each:
             if module.check_labels is not None:
                 module.check_labels(batch)
-            n = batch_size_of(batch)
+            n = counted(batch, next(drawn))
             batch = to_device(batch, device, device.type == "cuda")
             with module.autocast():
                 loss, metrics, weight = module.forward(model, batch, "evaluation", run.progress)
