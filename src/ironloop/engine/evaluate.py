@@ -4,7 +4,6 @@ schedule, log evals.jsonl, fire on_eval_end. The same ``run_evaluation`` serves 
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -84,12 +83,18 @@ def test_metrics(run: Run, restored: bool) -> tuple[dict[str, float], str]:
     if test_set is None or not len(test_set):
         return {}, ""
     best = None if restored else run.outputs.checkpoints.best_weights()
-    model = None
-    if best is not None:  # a copy, so the last weights stay the run's (final.safetensors)
-        model = copy.deepcopy(run.module.raw_model)
-        model.load_state_dict(best)
-    return (_prefixed(run, "", evaluate(run, test_set, "test", model)),
-            "best" if restored or best is not None else "last")
+    if best is None:
+        return _prefixed(run, "", evaluate(run, test_set, "test")), "best" if restored else "last"
+    # The best weights go into the live model, and the last ones back after: a deep copy would
+    # share whatever the forward reaches outside the module tree (minGPT's ``self.mlpf =
+    # lambda x: m.c_proj(m.act(m.c_fc(x)))`` calls the original's layers), and test a hybrid.
+    model = run.module.raw_model
+    last = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best)
+    try:
+        return _prefixed(run, "", evaluate(run, test_set, "test")), "best"
+    finally:
+        model.load_state_dict(last)  # final.safetensors and the caller keep the last weights
 
 
 def _prefixed(run: Run, prefix: str, metrics: dict[str, float]) -> dict[str, float]:
