@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ironloop.data.counting import declared_count, rank_share
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
 from ironloop.data.workers import shielded, stop_workers
@@ -143,6 +144,15 @@ class EpochSampler:
                 batch = idx[start:start + size]
                 yield torch.tensor_split(batch, self.world_size)[self.rank] \
                     if self.world_size > 1 else batch
+
+    def batch_sizes(self) -> Iterator[int]:
+        """This rank's batch sizes, as ``index_batches`` yields them (an empty share left
+        out), without computing the order: the samples each batch was drawn with."""
+        end, size = self.usable, self.global_batch
+        for first in range(self.offset, end, size):
+            share = rank_share(min(size, end - first), self.rank, self.world_size)
+            if share:
+                yield share
 
     def __iter__(self) -> Iterator[list[int]]:
         for idx in self.index_batches():
@@ -292,7 +302,12 @@ def _sliced(dataset: TensorData, sampler: EpochSampler, pin_memory: bool):
 
 
 def batch_size_of(batch) -> int:
-    """Samples in a batch: the length of its first tensor (tuple, list or dict batches)."""
+    """Samples in a batch for a message (the doctor's): its declared count (a graph batch's
+    ``num_graphs``), else the length of its first tensor (tuple, list or dict batches). The loop
+    counts what the sampler drew instead (data/counting.py)."""
+    declared = declared_count(batch)
+    if declared is not None:
+        return declared
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]  # not len(): Tensor.__len__ is a Python-level call
     if isinstance(batch, dict):
@@ -305,11 +320,19 @@ def batch_size_of(batch) -> int:
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):
-    """Move a (nested) batch; non_blocking pairs with pinned memory to overlap the copy."""
+    """Move a (nested) batch; non_blocking pairs with pinned memory to overlap the copy. An
+    object with its own ``.to(device)`` (PyTorch Geometric's ``Batch``, Hugging Face's
+    ``BatchEncoding``) moves itself; anything else (a string, a number) stays as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    move = getattr(batch, "to", None)
+    if callable(move) and not isinstance(batch, (str, bytes)):
+        try:
+            return move(device, non_blocking=non_blocking)
+        except TypeError:  # a .to(device) without non_blocking
+            return move(device)
     return batch

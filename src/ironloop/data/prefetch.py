@@ -72,3 +72,5 @@ def _keep_alive(batch, compute: torch.cuda.Stream) -> None:
     elif isinstance(batch, (list, tuple)):
         for v in batch:
             _keep_alive(v, compute)
+    elif callable(getattr(batch, "record_stream", None)):  # PyTorch Geometric's Batch has one
+        batch.record_stream(compute)

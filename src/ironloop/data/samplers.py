@@ -17,18 +17,23 @@ the order of any epoch again, on demand. Per kind of sampler:
   consumed, which is exact only if the sampler gives the same order every time. One warning says
   so.
 
-The last four hold one epoch's order as a tensor (O(N)): that is what the sampler yields anyway.
+The last four hold one epoch's order as a tensor, of at most ``longest(N)`` samples (64 epochs'
+worth, at least 2**20): a longer or endless sampler (``RandomSampler(replacement=True,
+num_samples=10**10)``, makemore's "infinite" one) is refused in one line after reading that many,
+before training, instead of filling memory; an epoch's length is ``train.max_steps``'s to bound.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import derive_seed
+from ironloop.errors import DataError
 
 
 def order_of(sampler, n: int, seed: int, shuffle: bool = True):
@@ -42,14 +47,14 @@ def order_of(sampler, n: int, seed: int, shuffle: bool = True):
     if isinstance(sampler, DistributedSampler):
         return KeyedOrder(n, seed, sampler.shuffle), None
     if hasattr(sampler, "generator"):
-        return DrawnOrder(sampler, seed, "generator"), None
+        return DrawnOrder(sampler, seed, "generator", n), None
     if callable(getattr(sampler, "state_dict", None)) \
             and callable(getattr(sampler, "load_state_dict", None)):
-        return DrawnOrder(sampler, seed, "state"), None
+        return DrawnOrder(sampler, seed, "state", n), None
     if callable(getattr(sampler, "set_epoch", None)):
-        return DrawnOrder(sampler, seed, "set_epoch"), None
+        return DrawnOrder(sampler, seed, "set_epoch", n), None
     name = type(sampler).__name__
-    return DrawnOrder(sampler, seed, "replay"), (
+    return DrawnOrder(sampler, seed, "replay", n), (
         f"warning: the DataLoader's {name} has no set_epoch, state_dict or generator, so "
         f"ironloop cannot redraw an interrupted epoch: a mid-epoch resume draws the {name} "
         f"afresh and skips the samples already consumed, which is exact only if it yields the "
@@ -60,8 +65,8 @@ def order_of(sampler, n: int, seed: int, shuffle: bool = True):
 class DrawnOrder:
     """An epoch's order as the user's sampler draws it, redrawn on demand (see the module)."""
 
-    def __init__(self, sampler, seed: int, how: str):
-        self.sampler, self.seed, self.how = sampler, seed, how
+    def __init__(self, sampler, seed: int, how: str, n: int):
+        self.sampler, self.seed, self.how, self.n = sampler, seed, how, n
         self._epoch: int | None = None
         self._drawn = torch.zeros(0, dtype=torch.long)
         self._kept: tuple | None = None      # (skip, the drawn order without it)
@@ -83,7 +88,7 @@ class DrawnOrder:
                 r, self._restored = self._restored, None
                 sampler.load_state_dict(r["start"] if r["epoch"] == epoch else r["after"])
             self._start = sampler.state_dict()
-        self._drawn = torch.as_tensor(list(sampler), dtype=torch.long)
+        self._drawn = _drawn(sampler, self.n)
         self._epoch, self._kept = epoch, None
         return self._drawn
 
@@ -111,3 +116,26 @@ class DrawnOrder:
     def load_state_dict(self, state: dict) -> None:
         if self.how == "state" and state:
             self._restored, self._epoch = state, None
+
+
+def longest(n: int) -> int:
+    """The most samples one drawn epoch may hold: 64 passes over the dataset, at least 2**20
+    (8 MB of int64)."""
+    return max(64 * n, 1 << 20)
+
+
+def _drawn(sampler, n: int) -> torch.Tensor:
+    """One epoch of ``sampler`` as a tensor, read lazily and refused past ``longest(n)``."""
+    bound = longest(n)
+    drawn = torch.as_tensor(list(itertools.islice(iter(sampler), bound + 1)), dtype=torch.long)
+    if len(drawn) > bound:
+        name = type(sampler).__name__
+        try:
+            size = f"{len(sampler):,} samples"
+        except TypeError:  # no __len__: an endless sampler
+            size = "more samples"
+        raise DataError(f"the DataLoader's {name} draws {size} an epoch, more than {bound:,} "
+                        f"(64x the {n:,} in the dataset), and ironloop holds an epoch's order to "
+                        f"resume it exactly; give it num_samples=len(dataset) (or a few times "
+                        f"that) and bound the run with train.max_steps instead")
+    return drawn

@@ -256,14 +256,22 @@ def eval_split(data, what: str, cfg: Config, train_collate, world_size: int,
     return dataset, batching
 
 
-def eval_loader(dataset, batching: EvalBatching, cfg: Config, rank: int, world_size: int,
-                device: torch.device):
-    """The batches of an evaluation split on this rank, as ``batching`` says: every sample of
-    it (all but a drop_last tail) exactly once over all ranks."""
+def eval_sampler(dataset, batching: EvalBatching, cfg: Config, rank: int,
+                 world_size: int) -> EvalSampler:
+    """An evaluation split's order on this rank, as ``batching`` says: every sample of it (all
+    but a drop_last tail) exactly once over all ranks."""
     order, _ = order_of(batching.sampler, len(dataset), cfg.run.seed, shuffle=False)
-    sampler = EvalSampler(len(dataset), batching.batch_size, cfg.run.seed, shuffle=False,
-                          rank=rank, world_size=world_size, order=order,
-                          drop_last=batching.drop_last)
+    return EvalSampler(len(dataset), batching.batch_size, cfg.run.seed, shuffle=False,
+                       rank=rank, world_size=world_size, order=order,
+                       drop_last=batching.drop_last)
+
+
+def eval_loader(dataset, batching: EvalBatching, cfg: Config, rank: int, world_size: int,
+                device: torch.device, sampler: EvalSampler | None = None):
+    """The batches of an evaluation split on this rank (``sampler``: its ``eval_sampler``,
+    when the caller also reads its batch sizes)."""
+    if sampler is None:
+        sampler = eval_sampler(dataset, batching, cfg, rank, world_size)
     return make_loader(dataset, sampler, num_workers=cfg.data.num_workers,
                        pin_memory=cfg.data.pin_memory and device.type == "cuda",
                        collate_fn=batching.collate_fn, seed_samples=cfg.data.seed_samples)
@@ -401,4 +409,4 @@ def _has_nonfinite(obj) -> bool:
 
 
 __all__ = ["BatchSource", "EvalBatching", "MapSource", "RunData", "StreamOrder", "eval_loader",
-           "eval_split", "open_data", "resolve_batch_size"]
+           "eval_sampler", "eval_split", "open_data", "resolve_batch_size"]

@@ -36,7 +36,7 @@ from torch.optim.swa_utils import (
 )
 
 from ironloop.config import AverageConfig
-from ironloop.errors import CheckpointError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.parallel import data_parallel
 
 
@@ -49,6 +49,7 @@ class WeightAverage:
         self.decay, self.warmup = cfg.decay, cfg.kind == "ema" and cfg.warmup
         fn = get_ema_multi_avg_fn(cfg.decay) if cfg.kind == "ema" else get_swa_multi_avg_fn()
         self.averaged = AveragedModel(model, multi_avg_fn=fn, use_buffers=cfg.kind == "ema")
+        refuse_outside_reach(model, self.averaged.module, cfg.kind)
         self.averaged.requires_grad_(False)  # never trained: no grads, no optimizer sees it
         self.source = model
         self.count = 0  # updates so far, on the host; ``averaged.n_averaged`` on the device
@@ -172,3 +173,41 @@ def build_average(cfg: AverageConfig, model: nn.Module) -> WeightAverage | None:
     if cfg.kind == "none":
         return None
     return WeightAverage(cfg, model)
+
+
+def outside_reach(original: nn.Module, copied: nn.Module) -> tuple[str, str] | None:
+    """(the copy's attribute, the original's module) where a deep copy of ``original`` still
+    calls the original: a function attribute that closes over one of its modules (minGPT's
+    ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))``) or a method bound to one. deepcopy
+    copies neither a function nor what its closure holds, so the copy's forward would run the
+    original's weights."""
+    names = {id(m): name or "the model" for name, m in original.named_modules()}
+    for where, module in copied.named_modules():
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or isinstance(value, nn.Module):
+                continue  # torch's own tables (_modules, _parameters, ...) and submodules
+            owner = getattr(value, "__self__", None)  # a bound method
+            cells = getattr(getattr(value, "__func__", value), "__closure__", None) or ()
+            for held in [owner, *(_contents(c) for c in cells)]:
+                if isinstance(held, nn.Module) and id(held) in names:
+                    return f"{where}.{attr}" if where else attr, names[id(held)]
+    return None
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def refuse_outside_reach(original: nn.Module, copied: nn.Module, kind: str) -> None:
+    """Refuse, before training, averaged weights whose copy would call the original model."""
+    found = outside_reach(original, copied)
+    if found is not None:
+        attr, module = found
+        raise UserError(f"average.kind={kind} averages a deep copy of the model, but its "
+                        f"attribute {attr} is a function that calls the original's {module}, "
+                        f"so the copy would run the raw weights; make it a method (def "
+                        f"{attr.rsplit('.', 1)[-1]}(self, x): ...) or an nn.Module, or set "
+                        f"average.kind=none")

@@ -4,14 +4,14 @@ schedule, log evals.jsonl, fire on_eval_end. The same ``run_evaluation`` serves 
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import EvalSampler, batch_size_of, make_loader, to_device
-from ironloop.data.source import EvalBatching, eval_loader
+from ironloop.data.counting import counted
+from ironloop.data.loader import EvalSampler, make_loader, to_device
+from ironloop.data.source import EvalBatching, eval_loader, eval_sampler
 from ironloop.data.workers import iterating
 from ironloop.engine.run import Run
 from ironloop.engine.step_fns import METRIC_INPUTS
@@ -83,12 +83,18 @@ def test_metrics(run: Run, restored: bool) -> tuple[dict[str, float], str]:
     if test_set is None or not len(test_set):
         return {}, ""
     best = None if restored else run.outputs.checkpoints.best_weights()
-    model = None
-    if best is not None:  # a copy, so the last weights stay the run's (final.safetensors)
-        model = copy.deepcopy(run.module.raw_model)
-        model.load_state_dict(best)
-    return (_prefixed(run, "", evaluate(run, test_set, "test", model)),
-            "best" if restored or best is not None else "last")
+    if best is None:
+        return _prefixed(run, "", evaluate(run, test_set, "test")), "best" if restored else "last"
+    # The best weights go into the live model, and the last ones back after: a deep copy would
+    # share whatever the forward reaches outside the module tree (minGPT's ``self.mlpf =
+    # lambda x: m.c_proj(m.act(m.c_fc(x)))`` calls the original's layers), and test a hybrid.
+    model = run.module.raw_model
+    last = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best)
+    try:
+        return _prefixed(run, "", evaluate(run, test_set, "test")), "best"
+    finally:
+        model.load_state_dict(last)  # final.safetensors and the caller keep the last weights
 
 
 def _prefixed(run: Run, prefix: str, metrics: dict[str, float]) -> dict[str, float]:
@@ -123,7 +129,10 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
     data = run.data
     batching = data.batching.get(split) or \
         EvalBatching(run.cfg.train.batch_size, None, data.collate_fn)
-    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device)
+    order = eval_sampler(dataset, batching, run.cfg, run.world.rank, run.world.size)
+    loader = eval_loader(dataset, batching, run.cfg, run.world.rank, run.world.size, device,
+                         order)
+    drawn = order.batch_sizes()  # each batch's samples, as drawn (data/counting.py)
     sums, names, count, batches = None, [], 0, 0
     whole = module.metrics  # whole-split metrics (eval.metrics), or None
     if whole is not None:
@@ -135,7 +144,7 @@ def _evaluate(run: Run, dataset, split: str, model: torch.nn.Module) -> dict[str
         for batch in each:
             if module.check_labels is not None:
                 module.check_labels(batch)
-            n = batch_size_of(batch)
+            n = counted(batch, next(drawn))
             batch = to_device(batch, device, device.type == "cuda")
             with module.autocast():
                 loss, metrics, weight = module.forward(model, batch, "evaluation", run.progress)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 
 from ironloop.callbacks import fire
-from ironloop.data.loader import batch_size_of
+from ironloop.data.counting import check_rows, counted, rank_share
 from ironloop.data.prefetch import prefetch
 from ironloop.engine.evaluate import run_evaluation, timed_evaluation
 from ironloop.engine.run import Run
@@ -114,6 +114,7 @@ def train_epoch(run: Run) -> None:
         run.guard.begin(module, p)  # the counters are exact here
     micro = window = 0
     weights = WindowWeight()  # a step that weights its loss (tokens): the window's total
+    samples_first = getattr(module.step_fn, "samples_first", False)  # the default step
     # Batches arrive on the device, the next one's copy already started (data/prefetch.py); the
     # label check runs on each host batch first, before it can become a CUDA assert.
     for batch in prefetch(source.batches(), module.device, module.check_labels,
@@ -123,8 +124,14 @@ def train_epoch(run: Run) -> None:
             n = source.usable  # a stream learns its end a window ahead (data/stream.py)
             window = min(global_batch * accum, n - p.offset)  # samples in this step, all ranks
             module.zero_grad()  # set_to_none, unless a CUDA graph owns the gradients
-        n_micro = batch_size_of(batch)
-        p.offset += min(global_batch, n - p.offset)
+        taken = min(global_batch, n - p.offset)  # the samples the order drew, all ranks
+        # Counted by the loop, not by the batch's shape (data/counting.py): a graph's first
+        # tensor has a row per node. The default step reads batch[0] as one row per sample.
+        drawn = rank_share(taken, run.world.rank, run.world.size)
+        if samples_first:
+            check_rows(batch, drawn)
+        n_micro = counted(batch, drawn)
+        p.offset += taken
         last = micro == accum - 1 or p.offset >= n
         timer.mark("copy")  # near 0: the copy ran while the previous step computed
         loss = micro_step(run, batch, n_micro, window, last, weights) if module.graph is None \

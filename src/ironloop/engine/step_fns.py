@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ironloop.config import Config
+from ironloop.data.counting import declared_count
 from ironloop.data.source import RunData
 from ironloop.engine.optim import Loss
 from ironloop.errors import DataError, UserError
@@ -128,12 +129,18 @@ def own_loss(out) -> torch.Tensor:
 
 def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
     """The default step for ``(inputs, targets)`` batches: loss, and accuracy when evaluating;
-    ``feed_metrics``: also the model's outputs and the targets for ``eval.metrics``."""
+    ``feed_metrics``: also the model's outputs and the targets for ``eval.metrics``. A graph
+    batch (PyTorch Geometric's, with ``num_graphs`` and ``y``) is ``model(batch)`` against
+    ``batch.y``."""
 
     def step(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(batch, dict):  # Hugging Face style: keyword inputs, the model's own loss
             return output_loss(keyword_call(model, batch)), {}
-        x, y = batch[0], batch[1]
+        if declared_count(batch) is not None and isinstance(getattr(batch, "y", None),
+                                                            torch.Tensor):
+            x, y = batch, batch.y  # a graph batch: the model reads its x, edge_index, batch
+        else:
+            x, y = batch[0], batch[1]
         try:
             out = model(x)
         except RuntimeError as e:
@@ -154,6 +161,7 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
             metrics[METRIC_INPUTS] = (out, y)
         return loss, metrics
 
+    step.samples_first = True  # type: ignore[attr-defined]  # reads batch[0] as the inputs
     return step
 
 

@@ -24,6 +24,12 @@ METHOD = "steepest descent of the smoothed loss against log(LR)"
 def sweep(s: DoctorSubject, start: float = 1e-7, end: float = 10.0, steps: int = 100,
           beta: float = 0.98) -> tuple[list[float], list[float]]:
     """(lrs, smoothed losses) until divergence or ``end``."""
+    with s.borrowed():  # the sweep trains the model itself: its weights come back after
+        return _sweep(s, start, end, steps, beta)
+
+
+def _sweep(s: DoctorSubject, start: float, end: float, steps: int,
+           beta: float) -> tuple[list[float], list[float]]:
     model, opt = s.copy()
     factor = (end / start) ** (1 / max(steps - 1, 1))
     lrs: list[float] = []

@@ -73,7 +73,7 @@ def check(s: DoctorSubject, quick: bool = True, raise_step: bool = False) -> lis
     are not in memory. When the run's step itself raises (``probe_step``), the model checks
     are not run: with ``raise_step`` (the preflight) the error is raised, as the run would
     raise it; otherwise it is an error finding."""
-    with preserved_rng():
+    with preserved_rng(), s.borrowed():  # the checks train the model itself, put back after
         return _check(s, quick, raise_step)
 
 

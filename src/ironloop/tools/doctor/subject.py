@@ -3,8 +3,11 @@ batch or a throwaway copy of the model and its optimizer. Checks never touch the
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import dataclass
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ class DoctorSubject:
     step_fn: Any = None          # the run's step: every check computes its loss through it
     user_step: bool = False      # the user's step_fn (or the built-in LM step), not the default
     val_batching: Any = None     # how evaluation batches val (data/source.py's EvalBatching)
+    _kept: Any = field(default=None, repr=False)  # borrowed(): (state, training, device)
 
     def loader(self, batch_size: int | None = None, num_workers: int = 0):
         """The training data in the run's own order (epoch 0), in the main process."""
@@ -53,10 +57,44 @@ class DoctorSubject:
         return to_device(next(iter(loader)), self.device, False)
 
     def copy(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A deep copy of the model in train mode and a fresh optimizer built from the config:
-        what the real run starts with, so the real run stays untouched."""
-        model = copy.deepcopy(self.model).to(self.device).train()
+        """The model in train mode, as it was handed over, and a fresh optimizer built from the
+        config: what the real run starts with. Not a deep copy: a copy would share whatever the
+        forward reaches outside the module tree (minGPT's ``self.mlpf = lambda x:
+        m.c_proj(m.act(m.c_fc(x)))`` calls the original's layers), so its checks would see
+        dead parameters that train normally. Inside ``borrowed()`` (``check``, the LR sweep),
+        which puts the weights, mode, gradients and device back after the checks; a check
+        called on its own, outside it, gets a deep copy."""
+        if self._kept is None:
+            model = copy.deepcopy(self.model).to(self.device).train()
+        else:
+            self._put_back(self._kept)  # every check starts from the handed-over weights
+            model = self.model.to(self.device).train()
         return model, build_optimizer(model, self.cfg.optim)
+
+    @contextlib.contextmanager
+    def borrowed(self) -> Iterator[None]:
+        """Checks may train the model (``copy()``): its state as handed over comes back after
+        them, also when one raises."""
+        if self._kept is not None:  # nested: the outer one puts it back
+            yield
+            return
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        self._kept = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                      self.model.training, first.device if first is not None else None)
+        try:
+            yield
+        finally:
+            kept, self._kept = self._kept, None
+            self._put_back(kept)
+            if kept[2] is not None:
+                self.model.to(kept[2])
+
+    def _put_back(self, kept: tuple) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(kept[0])
+        self.model.train(kept[1])
+        for p in self.model.parameters():
+            p.grad = None
 
     def loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of ``model`` on ``batch``, through the run's step: the checks see the
