@@ -41,6 +41,11 @@ class World:
         return self.size > 1
 
 
+def env_world_size() -> int:
+    """The number of ranks torchrun starts (WORLD_SIZE), known before the group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any.
 
@@ -49,7 +54,7 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     instead of waiting forever. Joining the group and the setup before the loop wait up to
     ``RENDEZVOUS_TIMEOUT_S`` (or ``timeout_s`` when longer) for the other ranks.
     """
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = env_world_size()
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
