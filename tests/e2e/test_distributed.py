@@ -461,3 +461,32 @@ def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_
     said = [line for t in text for line in t.splitlines() if line.startswith("ironloop: error")]
     assert len(said) == 1 and "is in use by run rrrrrrrr (pid 77 on node-b)" in said[0], text
     assert not (tmp_path / "run").exists()
+
+
+def test_a_two_rank_checkpoint_resumed_by_one_process_keeps_the_global_batch(ddp_2x32, tmp_path,
+                                                                             capsys):
+    # The same per-rank batch of 32 on 1 process: two micro-batches per step keep the global
+    # batch of 64, so the step count, the LR schedule and the data position are the
+    # uninterrupted 2-rank run's (a global batch of 32 trained 92 steps).
+    step30 = str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt")
+    one = read(train_here(tmp_path / "one", "train.batch_size=32", "--resume", step30))
+    assert_same_weights(ddp_2x32, one)
+    assert one["metric_steps"] == [s for s in ddp_2x32["metric_steps"] if s > 30]
+    out = capsys.readouterr().out
+    assert "world size 2 -> 1: accumulation 1 -> 2, global batch 64 kept" in out
+    events = [json.loads(x) for x in (tmp_path / "one" / "events.jsonl").read_text()
+              .splitlines()]
+    assert [(e["event"], e["world_size"], e["global_batch"]) for e in events] == \
+        [("start", 1, 64), ("resume", 1, 64)]
+    # 48 per rank cannot make 64: refused before anything runs, in one line, exit 2
+    from ironloop.cli import main
+
+    with contextlib.chdir(REPO):
+        code = main(["train", *ARGS, f"run.dir={tmp_path / 'bad'}", "train.batch_size=48",
+                     "--resume", step30])
+    captured = capsys.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1, captured
+    assert "global batch of 64" in errors[0] and "train.batch_size=48 x 1 rank(s)" in errors[0]
+    assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "bad" / "config.yaml").exists()
