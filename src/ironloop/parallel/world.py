@@ -77,7 +77,8 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
         # agents' restart counts differ after one worker's crash, so nothing per-agent names it.
         store, rank, size = next(dist.rendezvous("env://", timeout=joining))
         dist.init_process_group(backend=backend, timeout=joining, rank=rank, world_size=size,
-                                store=_fresh_store(store, rank, size, joining, timeout_s))
+                                store=_fresh_store(store, rank, size, joining, timeout_s,
+                                                   next(_GROUPS)))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
@@ -113,7 +114,8 @@ def name_timeouts() -> Iterator[None]:
             f"that long, raise dist.timeout_s. ({first[-160:]})") from e
 
 
-def _fresh_store(agent_store, rank: int, size: int, timeout: timedelta, meet_s: float):
+def _fresh_store(agent_store, rank: int, size: int, timeout: timedelta, meet_s: float,
+                 group: int):
     """A new, empty TCPStore for this attempt of the group, hosted by rank 0.
 
     torchrun's agent keeps one store for the whole job, so after a restart the previous
@@ -127,7 +129,7 @@ def _fresh_store(agent_store, rank: int, size: int, timeout: timedelta, meet_s: 
     (dist.timeout_s), with one line. (Wrapping the agent's store in a PrefixStore instead made
     gloo's destructor deadlock on the GIL at exit, about half the time.)
     """
-    key = STORE_KEY.format(next(_GROUPS))
+    key = STORE_KEY.format(group)
     if rank == 0:
         host = socket.gethostname()
         fresh = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout,
