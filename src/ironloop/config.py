@@ -97,6 +97,9 @@ class TrainConfig(Section):
     max_steps: int = fld(0, "stop after this many optimizer steps (0 = no cap)")
     batch_size: int = fld(64, "samples per micro-batch, per process")
     accumulation_steps: int = fld(1, "micro-batches summed into one optimizer step")
+    global_batch_size: int = fld(0, "samples per optimizer step over all ranks, kept on a resume "
+                                 "at another world size by re-deriving accumulation_steps "
+                                 "(0 = batch_size x accumulation_steps x ranks at the start)")
     precision: str = fld("fp32", "fp32 | fp16 (autocast + GradScaler) | bf16 (autocast) | auto",
                         ("fp32", "fp16", "bf16", "auto"))
     step_fn: str = fld("", "'module:function' step(model, batch[, state]) -> (loss, {name: "
@@ -115,7 +118,7 @@ class TrainConfig(Section):
 
     def validate(self) -> None:
         self._positive("epochs", "batch_size")
-        self._non_negative("max_steps")
+        self._non_negative("max_steps", "global_batch_size")
         if self.accumulation_steps < 1:
             self._bad("accumulation_steps", "must be >= 1")
         if self.step_fn and ":" not in self.step_fn and self.step_fn != "lm":

@@ -461,3 +461,73 @@ def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_
     said = [line for t in text for line in t.splitlines() if line.startswith("ironloop: error")]
     assert len(said) == 1 and "is in use by run rrrrrrrr (pid 77 on node-b)" in said[0], text
     assert not (tmp_path / "run").exists()
+
+
+def test_a_two_rank_checkpoint_resumed_by_one_process_keeps_the_global_batch(ddp_2x32, tmp_path,
+                                                                             capsys):
+    # The same per-rank batch of 32 on 1 process: two micro-batches per step keep the global
+    # batch of 64, so the step count, the LR schedule and the data position are the
+    # uninterrupted 2-rank run's (a global batch of 32 trained 92 steps).
+    step30 = str(ddp_2x32["dir"] / "checkpoints" / "step-00000030.pt")
+    one = read(train_here(tmp_path / "one", "train.batch_size=32", "--resume", step30))
+    assert_same_weights(ddp_2x32, one)
+    assert one["metric_steps"] == [s for s in ddp_2x32["metric_steps"] if s > 30]
+    out = capsys.readouterr().out
+    assert "world size 2 -> 1: accumulation 1 -> 2, global batch 64 kept" in out
+    events = [json.loads(x) for x in (tmp_path / "one" / "events.jsonl").read_text()
+              .splitlines()]
+    assert [(e["event"], e["world_size"], e["global_batch"]) for e in events] == \
+        [("start", 1, 64), ("resume", 1, 64)]
+    # 48 per rank cannot make 64: refused before anything runs, in one line, exit 2
+    from ironloop.cli import main
+
+    with contextlib.chdir(REPO):
+        code = main(["train", *ARGS, f"run.dir={tmp_path / 'bad'}", "train.batch_size=48",
+                     "--resume", step30])
+    captured = capsys.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1, captured
+    assert "global batch of 64" in errors[0] and "train.batch_size=48 x 1 rank(s)" in errors[0]
+    assert "Traceback" not in captured.out + captured.err
+    assert not (tmp_path / "bad" / "config.yaml").exists()
+
+
+def two_agents(run_dir: Path, *overrides: str) -> list[tuple[subprocess.Popen, Path]]:
+    """Two torchrun agents as two "nodes" on 127.0.0.1 (c10d rendezvous, one rank each,
+    ``--nnodes=1:2 --max-restarts=3 --resume``), each writing to run_dir.agent{n}.log; agent 0
+    hosts the rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agents = []
+    for n in (0, 1):
+        log = run_dir.parent / f"{run_dir.name}.agent{n}.log"
+        with log.open("w") as out:
+            agents.append((subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-id=t{port}",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=3", "-m", "ironloop",
+                 "train", *ARGS, f"run.dir={run_dir}", *overrides, "--resume"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT), log))
+    return agents
+
+
+def test_a_crashed_worker_restarts_both_agents_groups_though_their_restart_counts_differ(
+        ddp_2x32, tmp_path):
+    # One worker SIGKILLed, both agents alive: its agent restarts with TORCHELASTIC_RESTART_COUNT
+    # 1, the other (restarting for the membership change) with 0. The attempt's store is named
+    # by what both agree on, so the group meets again (it hung 15 minutes when each rank looked
+    # for the store under its own agent's count) and finishes as the uninterrupted run.
+    run_dir = tmp_path / "run"
+    agents = two_agents(run_dir, "train.batch_size=32", "checkpoint.every_steps=5",
+                        "checkpoint.keep_last=20", "log.every_steps=1")
+    (proc0, log0), (proc1, _) = agents
+    wait_for_step(run_dir, 12, proc0, log0)
+    worker = Path(f"/proc/{proc1.pid}/task/{proc1.pid}/children").read_text().split()
+    os.kill(int(worker[0]), signal.SIGKILL)
+    for proc, log in agents:
+        finish(proc, log, ranks=2)  # a bounded wait: TIMEOUT, then the test fails
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["world_size"] for e in events if e["event"] == "start"] == [2, 2], events
+    assert_same_run({**ddp_2x32, "metric_steps": list(range(1, 47))}, read(run_dir))

@@ -90,7 +90,7 @@ def test_each_step_did_what_it_says(lab):
     assert {"best.pt", "last.pt"} <= ckpts
     events = [json.loads(x) for x in (lab / "7-crash-resume" / "events.jsonl").read_text()
               .splitlines()]
-    assert [e["event"] for e in events] == ["resume"]
+    assert [e["event"] for e in events] == ["start", "start", "resume"]
 
 
 def test_existing_lab_output_is_not_overwritten(lab, capsys, monkeypatch):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ironloop.errors import ConfigError, UserError
 from ironloop.parallel import world as w
-from ironloop.parallel.world import World, _fresh_store, sum_over_ranks
+from ironloop.parallel.world import CollectiveTimeout, World, _fresh_store, sum_over_ranks
 
 
 def test_an_elastic_restart_gets_a_fresh_store_that_rank_0_hosts_and_every_rank_reaches():
@@ -22,8 +22,8 @@ def test_an_elastic_restart_gets_a_fresh_store_that_rank_0_hosts_and_every_rank_
     agent.set_timeout(timedelta(seconds=5))
     agent.set("gloo/connect/0", "the previous attempt's dead rank 0")
     joining = timedelta(seconds=17)
-    host = _fresh_store(agent, 0, 2, "1", joining)
-    other = _fresh_store(agent, 1, 2, "1", joining)  # learns rank 0's address from the agent
+    host = _fresh_store(agent, 0, 2, joining, 5, 0)
+    other = _fresh_store(agent, 1, 2, joining, 5, 0)  # learns rank 0's address from the agent
     host.set("attempt 1", "rank 0 was here")
     assert other.get("attempt 1") == b"rank 0 was here"
     assert not other.check(["gloo/connect/0"])  # nothing of the previous attempt
@@ -34,8 +34,8 @@ def test_two_jobs_restarting_on_one_node_each_get_a_free_port_for_their_fresh_st
     """Rank 0 lets the OS pick the fresh store's port: two jobs whose rank 0 share a node
     (or the world size taken as a port) would otherwise collide."""
     joining = timedelta(seconds=5)
-    first = _fresh_store(dist.HashStore(), 0, 2, "1", joining)
-    second = _fresh_store(dist.HashStore(), 0, 2, "1", joining)
+    first = _fresh_store(dist.HashStore(), 0, 2, joining, 5, 0)
+    second = _fresh_store(dist.HashStore(), 0, 2, joining, 5, 0)
     assert first.port != second.port and min(first.port, second.port) > 1023
 
 
@@ -47,10 +47,24 @@ def test_a_rank_reaches_a_fresh_store_at_an_ipv6_address():
     except Exception:  # noqa: BLE001 - no IPv6 loopback here
         pytest.skip("no IPv6 loopback")
     agent = dist.HashStore()
-    agent.set("ironloop/attempt_3/store", f"::1:{host.port}")
-    other = _fresh_store(agent, 1, 2, "3", timedelta(seconds=5))
+    host.set("ironloop/token", "t")
+    agent.set("ironloop/group_store/3", f"::1:{host.port}:t")
+    other = _fresh_store(agent, 1, 2, timedelta(seconds=5), 5, 3)
     host.set("k", "v")
     assert other.get("k") == b"v"
+
+
+def test_a_stale_address_is_passed_over_and_a_missing_rank_0_fails_in_one_line():
+    """The previous attempt's rank 0 (gone) left its address under the key: the others wait
+    for this attempt's, and give up after dist.timeout_s naming it."""
+    agent = dist.HashStore()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    agent.set("ironloop/group_store/0", f"127.0.0.1:{dead}:old")
+    with pytest.raises(CollectiveTimeout, match=r"rank 1: rank 0 of this attempt did not "
+                                                r"publish its store within dist.timeout_s=1 s"):
+        _fresh_store(agent, 1, 2, timedelta(seconds=5), 1, 0)
 
 
 def _rank_zero(store_path: str, expected: dict) -> None:
@@ -241,6 +255,8 @@ class _Joins:
         self.path = str(tmp_path / "joined")
         self.real = dist.init_process_group
         monkeypatch.setattr(dist, "init_process_group", self)
+        # torchrun's store, as rank 0 reaches it through env://; the attempt's store is ours
+        monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(dist.HashStore(), 0, 2)]))
 
     def __call__(self, **kwargs):
         self.calls.append(kwargs)
@@ -259,7 +275,8 @@ def test_joining_waits_the_rendezvous_timeout_or_the_collective_one_when_longer(
     finally:
         dist.destroy_process_group()
     assert got == World(rank=0, local_rank=0, size=1, owns_group=True)
-    assert joins.calls == [{"backend": "gloo", "timeout": timedelta(seconds=joining)}]
+    assert [{k: c[k] for k in ("backend", "timeout")} for c in joins.calls] == \
+        [{"backend": "gloo", "timeout": timedelta(seconds=joining)}]
 
 
 def test_a_joined_rank_takes_its_rank_and_the_worlds_size_from_the_group(monkeypatch,
@@ -287,7 +304,8 @@ def test_a_cuda_rank_joins_with_nccl_on_its_local_device(monkeypatch, tmp_path):
         got = w.init_from_env("cuda")
     finally:
         dist.destroy_process_group()
-    assert joins.calls == [{"backend": "nccl", "timeout": timedelta(seconds=900)}]
+    assert [(c["backend"], c["timeout"]) for c in joins.calls] == \
+        [("nccl", timedelta(seconds=900))]
     assert devices == [1] and got == World(rank=0, local_rank=1, size=1, owns_group=True)
 
 
@@ -303,22 +321,23 @@ def test_an_elastic_restart_joins_through_a_fresh_store(monkeypatch, tmp_path):
     monkeypatch.setattr(dist, "rendezvous", rendezvous)
     hosted, real_fresh = [], w._fresh_store
 
-    def fresh_store(store, rank, size, attempt, timeout):  # the store, made for this world
-        hosted.append((rank, size, attempt, timeout))
-        return real_fresh(store, rank, size, attempt, timeout)
+    def fresh_store(store, rank, size, timeout, meet_s, group):  # made for this world
+        hosted.append((rank, size, timeout, meet_s))
+        return real_fresh(store, rank, size, timeout, meet_s, group)
 
     monkeypatch.setattr(w, "_fresh_store", fresh_store)
     try:
         got = w.init_from_env("cpu", 30.0)
     finally:
         dist.destroy_process_group()
-    assert hosted == [(0, 1, "2", timedelta(seconds=900))]
+    assert hosted == [(0, 1, timedelta(seconds=900), 30.0)]  # whatever the restart count
     assert got.owns_group and asked == [("env://", timedelta(seconds=900))]
     (call,) = joins.calls
     store = call.pop("store")
     assert call == {"backend": "gloo", "timeout": timedelta(seconds=900), "rank": 0,
                     "world_size": 1}
-    host, port = agent.get("ironloop/attempt_2/store").decode().rsplit(":", 1)
+    key = next(k for k in (f"ironloop/group_store/{n}" for n in range(100)) if agent.check([k]))
+    host, port, _ = agent.get(key).decode().rsplit(":", 2)
     assert host == socket.gethostname()  # rank 0 hosts it
     assert isinstance(store, dist.TCPStore) and store.port == int(port)
 

@@ -214,6 +214,9 @@ def _open_outputs(run: Run, resume, resumed: Found | None) -> None:
                          resume_step=progress.step if resume else None,
                          loggers=loggers.build(cfg, out.dir.path,
                                                progress.step if resume else None, ids))
+        # every start, at the world size and global batch it trains at; then a resume's line
+        out.log.write("events", {"event": "start", "step": progress.step, **_world(run),
+                                 "resumed": resumed is not None, "time": time.time()})
         if resumed is not None:
             _resume_event(run, out.log, resumed)
     out.checkpoints.open(progress.step)
@@ -231,13 +234,26 @@ def _resume_event(run: Run, log: RunLog, resumed: Found) -> None:
     changed."""
     p = run.progress
     log.catch_up(p.step)  # each tracker gets the rows it does not hold yet
+    old = resumed.state.get("config") or {}
+    before = resumed.state.get("world_size", run.world.size)
     event = {"event": "resume", "step": p.step, "epoch": p.epoch + 1, "from": resumed.source,
              "last_logged_step": log.last_logged_step,
              # work lost to the crash: logged past the checkpoint, redone
-             "steps_redone": max(0, log.last_logged_step - p.step), "time": time.time()}
+             "steps_redone": max(0, log.last_logged_step - p.step), "time": time.time(),
+             "world_size_before": before,
+             "accumulation_before": (old.get("train") or {}).get("accumulation_steps"),
+             "global_batch_before": drift.global_window(old, before), **_world(run)}
     log.write("events", event)
-    changed = drift.changes(resumed.state.get("config") or {}, run.cfg.to_dict())
+    changed = drift.changes(old, run.cfg.to_dict())
+    if before != run.world.size:  # the resume line says why accumulation changed
+        changed = [c for c in changed if c[0] != "train.accumulation_steps"]
     console.say(True, console.resume_line(event, p, run.plan(), changed))
+
+
+def _world(run: Run) -> dict:
+    """The world size and the global batch this start trains at (events.jsonl)."""
+    return {"world_size": run.world.size, "accumulation_steps": run.cfg.train.accumulation_steps,
+            "global_batch": run.plan().window}
 
 
 def _warn_batchnorm(model: nn.Module, cfg: Config, world: World) -> None:

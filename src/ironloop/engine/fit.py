@@ -41,12 +41,16 @@ from ironloop.parallel import data_parallel
 from ironloop.parallel.world import (
     all_reduce_sum,
     collective_timeout,
+    env_world_size,
     init_from_env,
     shutdown,
 )
+from ironloop.state import global_batch
+from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.rng import seed_everything
+from ironloop.state.run_dir import RunDir
 
 
 @dataclass
@@ -124,12 +128,15 @@ def check_arguments(model, train_data) -> None:
                         "pair")
 
 
-def resolved(cfg: Config, train_data, step_fn, val_data=None) -> Config:
+def resolved(cfg: Config, train_data, step_fn, val_data=None, resume=False) -> Config:
     """The run's config, complete before anything reads it: a passed DataLoader keeps its
-    batch size, the LM step reports perplexity, and with several validation sets the default
-    early_stop.metric (val_loss) is the first set's loss. Written once, to config.yaml and into
-    every checkpoint."""
+    batch size, a resume on another number of ranks (``resume``: what --resume names) keeps
+    the run's global batch (state/global_batch.py), the LM step reports perplexity, and with
+    several validation sets the default early_stop.metric (val_loss) is the first set's loss.
+    Written once, to config.yaml and into every checkpoint."""
     cfg = resolve_batch_size(cfg, train_data)
+    peeked = Checkpointer(RunDir(cfg.run.dir)).peek(resume) if resume else None
+    cfg = global_batch.keep(cfg, env_world_size(), peeked.state if peeked else None)
     if isinstance(val_data, dict) and val_data and cfg.early_stop.metric == "val_loss":
         first = next(iter(val_data))  # no val_loss without an unnamed set
         cfg = cfg.with_overrides({"early_stop.metric": f"val_{first}_loss"})

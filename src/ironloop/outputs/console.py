@@ -170,6 +170,18 @@ def epoch_line(row: dict, plan: RunPlan, last_eval: dict) -> str:
     return "  ".join(parts) + _averaged(row)
 
 
+def world_change(event: dict) -> str:
+    """"; world size 2 -> 1: accumulation 1 -> 2, global batch 64 kept", or "" when the
+    number of ranks is the one the checkpoint was written on."""
+    before, now = event.get("world_size_before"), event.get("world_size")
+    if before is None or before == now:
+        return ""
+    g0, g = event.get("global_batch_before"), event.get("global_batch")
+    kept = f"global batch {g} kept" if g0 == g else f"global batch {g0} -> {g}"
+    return (f"; world size {before} -> {now}: accumulation {event.get('accumulation_before')} "
+            f"-> {event.get('accumulation_steps')}, {kept}")
+
+
 def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -> str:
     """The one line a resume prints: from where, what is redone, what changed."""
     line = (f"resumed from {event['from']} at step {event['step']}/{plan.total_steps} "
@@ -180,6 +192,7 @@ def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -
                  f"process had logged after this checkpoint")
     else:
         line += "; the previous process logged no step past it"
+    line += world_change(event)
     line += "; config unchanged" if not changed else "; config changed: " + ", ".join(
         f"{k} {a!r} -> {b!r}" for k, a, b in changed)
     if event["step"] >= plan.total_steps:  # a finished run, or a shorter max_steps

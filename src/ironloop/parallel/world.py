@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import socket
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +22,10 @@ from ironloop.errors import RankZeroError, UserError
 T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = 900.0  # seconds every rank may take to join the process group
+STORE_KEY = "ironloop/group_store/{}"  # in torchrun's store: the n-th group's host:port:token
+TOKEN_KEY = "ironloop/token"  # in the attempt's own store: rank 0's token
+_GROUPS = itertools.count()  # the groups this process joined, in order
+MEET_TRY_S = 5.0  # seconds one try to reach rank 0's store may take (a dead address fails)
 
 
 class CollectiveTimeout(UserError):
@@ -41,15 +48,21 @@ class World:
         return self.size > 1
 
 
+def env_world_size() -> int:
+    """The number of ranks torchrun starts (WORLD_SIZE), known before the group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     """Join the process group that torchrun describes in WORLD_SIZE/RANK/LOCAL_RANK, if any.
 
     ``timeout_s`` bounds every collective of the training loop (``collective_timeout``): a rank
     that stops answering (stopped, hung, its node gone) makes the others fail after that long
-    instead of waiting forever. Joining the group and the setup before the loop wait up to
-    ``RENDEZVOUS_TIMEOUT_S`` (or ``timeout_s`` when longer) for the other ranks.
+    instead of waiting forever. Meeting rank 0 of this attempt waits up to ``timeout_s``
+    (``_fresh_store``); the setup before the loop waits up to ``RENDEZVOUS_TIMEOUT_S`` (or
+    ``timeout_s`` when longer) for the other ranks.
     """
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = env_world_size()
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
@@ -60,13 +73,12 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
         # (collective_timeout below).
         joining = timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
         backend = "nccl" if device_type == "cuda" else "gloo"
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt == "0":
-            dist.init_process_group(backend=backend, timeout=joining)
-        else:
-            store, rank, size = next(dist.rendezvous("env://", timeout=joining))
-            dist.init_process_group(backend=backend, timeout=joining, rank=rank, world_size=size,
-                                    store=_fresh_store(store, rank, size, attempt, joining))
+        # Every attempt (the first and each elastic restart) meets in a store of its own: the
+        # agents' restart counts differ after one worker's crash, so nothing per-agent names it.
+        store, rank, size = next(dist.rendezvous("env://", timeout=joining))
+        dist.init_process_group(backend=backend, timeout=joining, rank=rank, world_size=size,
+                                store=_fresh_store(store, rank, size, joining, timeout_s,
+                                                   next(_GROUPS)))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
@@ -102,24 +114,50 @@ def name_timeouts() -> Iterator[None]:
             f"that long, raise dist.timeout_s. ({first[-160:]})") from e
 
 
-def _fresh_store(agent_store, rank: int, size: int, attempt: str, timeout: timedelta):
-    """A new, empty TCPStore for an elastic restart, hosted by rank 0.
+def _fresh_store(agent_store, rank: int, size: int, timeout: timedelta, meet_s: float,
+                 group: int):
+    """A new, empty TCPStore for this attempt of the group, hosted by rank 0.
 
     torchrun's agent keeps one store for the whole job, so after a restart the previous
     attempt's addresses are still in it and gloo would connect to the dead ranks' ports
     ("connectFullMesh failed ... Connection refused"). Rank 0 publishes the new store's address
-    in the agent's store under a key of this attempt. (Wrapping the agent's store in a
-    PrefixStore instead made gloo's destructor deadlock on the GIL at exit, about half the time.)
+    and a token of its own under one key; the others take the address whose store holds that
+    token, so a stale address (the previous attempt's rank 0, gone) is passed over whatever
+    each agent's restart count says. The key counts the groups this process joined (a torchrun
+    job that trains several runs, one after another, joins one per run: every rank in the same
+    order). Waiting for rank 0 is bounded by ``meet_s``
+    (dist.timeout_s), with one line. (Wrapping the agent's store in a PrefixStore instead made
+    gloo's destructor deadlock on the GIL at exit, about half the time.)
     """
-    key = f"ironloop/attempt_{attempt}/store"
+    key = STORE_KEY.format(group)
     if rank == 0:
         host = socket.gethostname()
         fresh = dist.TCPStore(host, 0, size, is_master=True, timeout=timeout,
                               wait_for_workers=False)  # they learn the port only below
-        agent_store.set(key, f"{host}:{fresh.port}")
+        token = uuid.uuid4().hex
+        fresh.set(TOKEN_KEY, token)
+        agent_store.set(key, f"{host}:{fresh.port}:{token}")
         return fresh
-    host, port = agent_store.get(key).decode().rsplit(":", 1)  # waits for rank 0
-    return dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+    deadline = time.monotonic() + meet_s
+    agent_store.set_timeout(timedelta(seconds=meet_s))
+    while time.monotonic() < deadline:
+        try:
+            host, port, token = agent_store.get(key).decode().rsplit(":", 2)
+            # a plain connect first: a dead address is refused without TCPStore's C++ dump
+            socket.create_connection((host, int(port)), timeout=MEET_TRY_S).close()
+            fresh = dist.TCPStore(host, int(port), size, is_master=False,
+                                  timeout=timedelta(seconds=MEET_TRY_S))
+            if fresh.get(TOKEN_KEY).decode() == token:
+                fresh.set_timeout(timeout)
+                return fresh
+        except (RuntimeError, ValueError, OSError):  # gone, refused, not there yet
+            pass
+        time.sleep(MEET_TRY_S / 10)  # rank 0 of this attempt has not published yet
+    raise CollectiveTimeout(
+        f"rank {rank}: rank 0 of this attempt did not publish its store within "
+        f"dist.timeout_s={meet_s:g} s (still starting, or its node is gone); this rank gives "
+        f"up and torchrun restarts the group, if restarts remain. Check rank 0's log; raise "
+        f"dist.timeout_s if ranks legitimately start that far apart")
 
 
 def shutdown(world: World) -> None:

@@ -129,6 +129,19 @@ class Checkpointer:
         folder = RunDir(path).checkpoints
         return _newest(folder if folder.is_dir() else path, self._warn())
 
+    def peek(self, resume: bool | str | Path) -> Found | None:
+        """What ``find`` would resume from, read before the run is built (the global batch a
+        resume keeps, state/global_batch.py): local checkpoints only, nothing fetched, nothing
+        said. None when there is none or it cannot be read: ``find`` says why, later."""
+        path = Path(resume) if isinstance(resume, (str, Path)) else None
+        try:
+            if path is not None and (dcp.is_sharded(path) or not path.is_dir()):
+                return self.find(path)
+            folder = self.directory if path is None else RunDir(path).checkpoints
+            return _newest(folder if path is None or folder.is_dir() else path, lambda m: None)
+        except (CheckpointError, OSError):
+            return None
+
     def holds_newer(self, step: int) -> int | None:
         """The newest step of run.dir's own checkpoints past ``step``, or None."""
         newer = [s for kind in ("file", "dcp") for s in step_entries(self.directory, kind)

@@ -45,7 +45,11 @@ FREE: tuple[str, ...] = (
 
 #: Per-rank batch keys: free when the global window (their product times the number of ranks)
 #: is unchanged, as when a run resumes on another allocation (2 x 32 on 2 ranks -> 64 on 1).
-WINDOW: tuple[str, ...] = ("train.batch_size", "train.accumulation_steps")
+WINDOW: tuple[str, ...] = ("train.batch_size", "train.accumulation_steps",
+                           "train.global_batch_size")
+
+#: What a world-size change alone changes, named in the refusal.
+GLOBAL = "global batch (batch_size x accumulation_steps x ranks)"
 
 #: Trajectory keys that only set how long the run goes on.
 LENGTH: tuple[str, ...] = ("train.epochs", "train.max_steps")
@@ -97,8 +101,12 @@ def check(old: dict, new: dict, allow: bool, say=print,
 
     Returns the accepted trajectory changes."""
     found = changes(old, new)
-    window = global_window(old, worlds[0])
-    same_window = window is not None and window == global_window(new, worlds[1])
+    window, new_window = global_window(old, worlds[0]), global_window(new, worlds[1])
+    same_window = window is not None and window == new_window
+    if None not in (window, new_window) and not same_window and \
+            not any(c[0] in WINDOW for c in found):
+        # the same keys on another number of ranks: the global batch changed all the same
+        found.append((GLOBAL, window, new_window))
 
     def free_key(key: str) -> bool:
         return is_free(key) or (key in WINDOW and same_window) or frozen(key)

@@ -78,7 +78,8 @@ def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
     ``run_dir_held``: the caller holds run.dir's lock already (``ironloop train`` takes it
     before torch's import, cli.py), so it is not taken again here."""
     engine.check_arguments(model, data.train)
-    cfg = engine.resolved(cfg, data.train, given.step_fn, data.val)  # the one config from here
+    cfg = engine.resolved(cfg, data.train, given.step_fn, data.val,  # the one config from here
+                          given.resume)
     main, run_dir = engine.is_rank0(), Path(cfg.run.dir)
     with contextlib.nullcontext() if run_dir_held else lock.hold(run_dir, main):
         if doctor:
