@@ -311,7 +311,7 @@ class Mirror:
     def _readable(self, step: int) -> dict | None:
         try:
             return self.remote.manifest(step)
-        except CheckpointError as e:
+        except (CheckpointError, FileNotFoundError) as e:  # gone since the listing: kept too
             self._warn(f"warning: kept {self.remote.show(f'step-{step:08d}')}: its manifest is "
                        f"unreadable ({e}); ironloop deletes no checkpoint it cannot read")
             return None
@@ -430,7 +430,7 @@ def _inside(folder: Path, rel: str) -> Path:
 
 def _get_checked(remote: Remote, rel: str, local: Path, want: dict) -> None:
     try:
-        remote.get(rel, local)
+        remote.get(rel, local, want["size"])
     except FileNotFoundError:
         raise CheckpointError(f"{rel} missing") from None
     if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:
