@@ -244,11 +244,11 @@ def test_the_refresher_rides_out_a_store_error_and_refreshes_at_the_next_tick(re
     holder._stop = _Ticks(2)
     real, calls = remote.read, []
 
-    def down_once(rel):
+    def down_once(rel, **kw):
         calls.append(rel)
         if len(calls) == 1:
             raise error
-        return real(rel)
+        return real(rel, **kw)
 
     remote.read = down_once
     holder._refresh(pytest.fail)

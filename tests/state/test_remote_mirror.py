@@ -396,7 +396,7 @@ def test_an_os_error_restoring_the_logs_is_warned_in_one_short_line_and_restores
     manifest = {"step": 1, "logs": {"logs/step-00000001/metrics.jsonl": {
         "blake2b": "ab" * 64, "size": 3}}}
 
-    def get(rel, local):  # the new node's disk fails under the download
+    def get(rel, local, size=None):  # the new node's disk fails under the download
         raise OSError("No space left on device\n" + "x" * 200)
 
     remote.get = get

@@ -84,10 +84,14 @@ def holder(run_dir: Path) -> str:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts)."""
+    """Whether process ``pid`` exists on this host (another user's counts). ``pid`` comes from a
+    file another process wrote: anything but a positive int names no process (0 and -1 would
+    ask about a whole process group, or every process)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the pid exists
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True  # it exists, under another user

@@ -9,6 +9,7 @@ Rank 0 writes; every rank reads the checkpoint it resumes from.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:
     a finished run that cannot be resumed (checkpoint.enabled=false: starting over would
     overwrite it). ``ironloop train`` runs them before its preflight doctor writes doctor.json."""
     if resume:
+        refuse_broken_layout(run_dir)
         path = Path(resume) if isinstance(resume, (str, Path)) else None
         if path is not None and path.is_dir() and not dcp.is_sharded(path) \
                 and not holds_any(path):
@@ -123,6 +125,24 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:
                         f"another run.dir")
     if not overwrite:
         refuse_foreign(run_dir)
+
+
+def refuse_broken_layout(run_dir: Path) -> None:
+    """A resume whose checkpoints path is not a folder it can read and write: refused before
+    anything in run.dir is written. Taken for "no checkpoint", it truncated the run's logs, then
+    crashed on the first save."""
+    path = RunDir(run_dir).checkpoints
+    if not os.path.lexists(path):
+        return
+    if not path.is_dir():  # a link to a folder (a bigger disk) is a folder
+        what = "a dangling link" if path.is_symlink() else "not a folder"
+        raise UserError(f"{path} is {what}, so run.dir {run_dir} cannot be resumed, and its "
+                        f"logs are kept as they are; move it aside (or put the run's checkpoints "
+                        f"folder back), then resume")
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        raise UserError(f"{path} cannot be read and written by this user, so run.dir "
+                        f"{run_dir} cannot be resumed; fix its permissions (chmod u+rwx), then "
+                        f"resume")
 
 
 def _logged(run_dir: Path) -> bool:

@@ -22,13 +22,17 @@ an abandoned future). So rank 0 claims the prefix before it deletes or uploads a
   both go on; the first one's refresher then finds the other's lease and deletes nothing more.
 
 Times are each host's wall clock: hosts whose clocks differ by more than ``TTL_S`` can
-misjudge a lease.
+misjudge a lease. Every byte of ``lease.json`` is untrusted, as a manifest's is (``checked``):
+one of the wrong shape names nobody (one line, and the prefix is free); one refreshed more than
+``SKEW_S`` ahead of this host's clock (a node whose clock ran ahead, then died) is expired,
+saying so; so a resume waits at most ``TTL_S`` for any lease, as the docs promise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -37,16 +41,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ironloop.errors import CheckpointError, UserError
 from ironloop.state.io import write_atomic
 from ironloop.state.lock import alive
 
-from .store import Remote, StoreUnavailable
+from .store import LEASE_CAP, Remote, StoreUnavailable
 
 LEASE = "lease.json"
 RECORD = "remote-lineage"  # in run.dir/checkpoints: the lineage its checkpoints belong to
 TTL_S = 30.0  # a lease not refreshed for this long belongs to a run that is gone
+SKEW_S = 5.0  # a lease refreshed further ahead of this host's clock is expired, not live
 SETTLE_S = 0.5  # how long two concurrent claims have to both land before either reads back
 _POLL_S = 1.0
 _live: set[str] = set()  # run ids whose lease this process holds now
@@ -63,11 +69,15 @@ class Lease:
     refreshed: float = field(default_factory=time.time)
     released: bool = False
 
+    def ahead(self) -> float:
+        """How far ``refreshed`` is ahead of this host's clock (0 when it is not)."""
+        return max(0.0, self.refreshed - time.time())
+
     def who(self) -> str:
         return f"run {self.run[:8]} (pid {self.pid} on {self.host})"
 
     def live(self) -> bool:
-        if self.released or time.time() > self.refreshed + TTL_S:
+        if self.released or time.time() > self.refreshed + TTL_S or self.ahead() > SKEW_S:
             return False
         if self.host == socket.gethostname() and self.run not in _live:
             return self.pid != os.getpid() and alive(self.pid)  # ours, or killed: gone
@@ -75,13 +85,61 @@ class Lease:
 
 
 def read(remote: Remote) -> Lease | None:
-    """The prefix's lease, or None (none yet, or one too garbled to name anybody)."""
+    """The prefix's lease, or None: none yet, or one too garbled to name anybody (``look``)."""
+    return look(remote)[0]
+
+
+def look(remote: Remote) -> tuple[Lease | None, str]:
+    """The prefix's lease, or None and why it names nobody ("" when there is none)."""
     try:
-        data = json.loads(remote.read(LEASE))
-        return Lease(**{k: data[k] for k in ("lineage", "run", "host", "pid", "refreshed",
-                                             "released")})
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
+        data = remote.read(LEASE, cap=LEASE_CAP)
+    except FileNotFoundError:
+        return None, ""
+    except CheckpointError as e:  # larger than any lease, or a file:// link
+        return None, str(e)
+    return checked(data)
+
+
+def _tell(remote: Remote, found: Lease | None, say: Callable[[str], object]) -> None:
+    """One line for a lease that names nobody, or that was refreshed in this host's future."""
+    if found is None:
+        why = look(remote)[1]
+        if why:
+            say(f"notice: {remote.show(LEASE)} names no run ({why}): the prefix is taken as "
+                f"free")
+    elif found.ahead() > SKEW_S and not found.released:
+        say(f"notice: the lease {remote.show(LEASE)} was refreshed {found.ahead():.0f} s ahead "
+            f"of this host's clock (its host's clock runs ahead; more than {SKEW_S:g} s is no "
+            f"live run's): treated as expired")
+
+
+_TYPES = {"lineage": str, "run": str, "host": str, "pid": int, "refreshed": float,
+          "released": bool}
+
+
+def checked(data: bytes) -> tuple[Lease | None, str]:
+    """``lease.json``'s bytes as a Lease when each key has its type (``refreshed`` a finite
+    number, ``pid`` a positive int), else None and what is wrong, in a few words."""
+    try:
+        found = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None, "it is not JSON"
+    if not isinstance(found, dict):
+        return None, "it is not a JSON object"
+    for key, kind in _TYPES.items():
+        if not _fits(found.get(key), kind):
+            return None, f"its {key} is {str(found.get(key))[:40]!r}"
+    return Lease(**{k: found[k] for k in _TYPES}), ""
+
+
+def _fits(value: Any, kind: type) -> bool:
+    if isinstance(value, bool) or kind is bool:  # JSON's true is no number, nor a pid
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if kind is int:
+        return isinstance(value, int) and value > 0
+    return isinstance(value, str) and 0 < len(value) <= 255
 
 
 def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print,
@@ -93,6 +151,7 @@ def claim(remote: Remote, resume: bool, say: Callable[[str], object] = print,
     if earlier is not None and earlier.started is False:  # a run of this process was refused
         earlier.release()
     found = read(remote)
+    _tell(remote, found, say)
     if found is not None and found.live():
         if not resume:
             ago = max(0.0, time.time() - found.refreshed)  # another host's clock may run ahead
@@ -126,10 +185,10 @@ def _wait_out(remote: Remote, found: Lease, say: Callable[[str], object]) -> Non
     names a process that runs on this host."""
     if found.host == socket.gethostname():  # live() saw its pid running
         raise _in_use(remote, found, "runs on this host")
+    until = min(found.refreshed, time.time()) + TTL_S  # never past TTL_S: see live()
     say(f"notice: checkpoint.remote {remote.url} is leased to {found.who()}; waiting up to "
-        f"{found.refreshed + TTL_S - time.time():.0f} s for the lease to expire, as a killed "
-        f"run's does")
-    while time.time() <= found.refreshed + TTL_S:
+        f"{until - time.time():.0f} s for the lease to expire, as a killed run's does")
+    while time.time() <= until:
         time.sleep(_POLL_S)
         now = read(remote)
         if now is None or now.released:

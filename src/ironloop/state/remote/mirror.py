@@ -51,7 +51,15 @@ from ironloop.state.run_dir import RunDir
 
 from . import lease as remote_lease
 from .manifest import LOGS, checked_files
-from .store import LOGS_DIR, MANIFESTS, Remote, StoreUnavailable, open_remote, short_error
+from .store import (
+    LOGS_DIR,
+    MANIFESTS,
+    Remote,
+    StoreLink,
+    StoreUnavailable,
+    open_remote,
+    short_error,
+)
 
 __all__ = ["LOGS", "Remote", "StoreUnavailable", "open_remote"]  # the store, as callers use it
 
@@ -212,8 +220,8 @@ class Mirror:
             try:
                 return fn()
             except Exception as e:  # any store or network error is retried
-                if attempt == self.retries or _refusal(e):
-                    raise
+                if attempt == self.retries or _refusal(e) or isinstance(e, StoreLink):
+                    raise  # a link planted in the store stays there: retrying cannot help
                 self._warn(f"warning: uploading {what} to {self.remote.url} failed "
                            f"({short_error(e)}); retry {attempt + 1} of {self.retries} in "
                            f"{delay:g} s")
@@ -311,7 +319,7 @@ class Mirror:
     def _readable(self, step: int) -> dict | None:
         try:
             return self.remote.manifest(step)
-        except CheckpointError as e:
+        except (CheckpointError, FileNotFoundError) as e:  # gone since the listing: kept too
             self._warn(f"warning: kept {self.remote.show(f'step-{step:08d}')}: its manifest is "
                        f"unreadable ({e}); ironloop deletes no checkpoint it cannot read")
             return None
@@ -348,8 +356,9 @@ class Mirror:
 
 def _refusal(e: Exception) -> bool:
     """A UserError that is not the store failing: the prefix is another run's
-    (remote_lease). Retrying cannot change it."""
-    return isinstance(e, UserError) and not isinstance(e, StoreUnavailable)
+    (remote_lease). Retrying cannot change it. A link planted in a file:// store fails only
+    the upload that met it."""
+    return isinstance(e, UserError) and not isinstance(e, (StoreUnavailable, StoreLink))
 
 
 def _marker_files(data: bytes, step: int) -> dict:
@@ -430,7 +439,7 @@ def _inside(folder: Path, rel: str) -> Path:
 
 def _get_checked(remote: Remote, rel: str, local: Path, want: dict) -> None:
     try:
-        remote.get(rel, local)
+        remote.get(rel, local, want["size"])
     except FileNotFoundError:
         raise CheckpointError(f"{rel} missing") from None
     if local.stat().st_size != want["size"] or file_digest(local) != want["blake2b"]:

@@ -5,21 +5,30 @@ into one StoreUnavailable naming the URL. fsspec (and s3fs, gcsfs) are imported 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
 
-from ironloop.errors import UserError
+from ironloop.errors import CheckpointError, UserError
 from ironloop.extras import require
 
 from .manifest import checked
 
 MANIFESTS = "manifests"
 LOGS_DIR = "logs"  # logs/step-N/<name>: the log snapshot of step N's checkpoint
-_MANIFEST_RE = re.compile(r"^step-(\d+)\.json$")
-_STEP_OBJECT_RE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
-_LOG_STEP_RE = re.compile(r"^step-(\d+)$")
+# ASCII digits only: \d matches any Unicode digit and int() reads them, so a stray
+# "step-٠٠٠٠٠٥٤٦.json" named step 546, whose read then failed
+_MANIFEST_RE = re.compile(r"^step-([0-9]+)\.json$")
+_STEP_OBJECT_RE = re.compile(r"^step-([0-9]+)\.(pt|dcp)$")
+_LOG_STEP_RE = re.compile(r"^step-([0-9]+)$")
+#: the most a manifest (or a rank's marker) and a lease may hold: every read of one is bounded,
+#: so an object that is huge (or a file:// link to /dev/zero) is damage, not a MemoryError
+MANIFEST_CAP = 16 << 20
+LEASE_CAP = 64 << 10
 
 
 # ----------------------------------------------------------------------------------- store --
@@ -31,6 +40,12 @@ _BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"
 class StoreUnavailable(UserError):
     """``checkpoint.remote`` cannot be reached or used: the network, the endpoint, the
     credentials or the permissions. Not damage: a resume never falls back past it."""
+
+
+class StoreLink(CheckpointError):
+    """A ``file://`` store holds a symbolic link (or a device, a FIFO) where ironloop keeps a
+    file or folder of its own: never followed, on a write or a read. Followed, an upload
+    overwrote whatever file the link pointed to, outside the store."""
 
 
 class Remote:
@@ -80,6 +95,9 @@ class Remote:
 
     def put(self, local: Path, rel: str) -> None:
         with self._reaching():
+            if self.in_place:  # beside it, then renamed over it: a link there is replaced
+                self._replace(rel, lambda tmp: self.fs.put_file(str(local), tmp))
+                return
             self._parent(rel)
             self.fs.put_file(str(local), self.path(rel))
 
@@ -90,32 +108,91 @@ class Remote:
         over it (two runs claiming a ``file://`` prefix at once left their two leases
         interleaved in one file, and both were refused)."""
         with self._reaching():
-            self._parent(rel)
             if not self.in_place:
+                self._parent(rel)
                 self.fs.pipe_file(self.path(rel), data)
                 return
-            folder, _, name = rel.rpartition("/")
-            tmp = f"{folder}/.{name}.tmp-{uuid.uuid4().hex}" if folder else \
-                f".{name}.tmp-{uuid.uuid4().hex}"
+            self._replace(rel, lambda tmp: self.fs.pipe_file(tmp, data))
+
+    def _replace(self, rel: str, write) -> None:
+        """A file:// object written to a fresh name beside ``rel`` and renamed over it: the
+        rename replaces a link planted at ``rel`` rather than writing through it, and no folder
+        on the way may be a link (``_unlinked``)."""
+        folder, _, name = rel.rpartition("/")
+        tmp = f"{folder}/.{name}.tmp-{uuid.uuid4().hex}" if folder else \
+            f".{name}.tmp-{uuid.uuid4().hex}"
+        os.makedirs(self.root, exist_ok=True)  # the root the user named may be a link
+        self._unlinked(rel, create=True)
+        try:
+            write(self.path(tmp))
+            self._unlinked(rel)  # again: a folder swapped for a link meanwhile is refused
+            # not fs.mv (shutil.move): onto a link to a folder, it moves the file into it
+            os.replace(self.path(tmp), self.path(rel))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(self.path(tmp))
+            raise
+
+    def _unlinked(self, rel: str, create: bool = False, last: bool = False) -> None:
+        """file://: every folder of ``rel`` under the store's root (and with ``last``, ``rel``
+        itself) is a real folder (a regular file), never a link; StoreLink naming it otherwise.
+        With ``create``, missing folders are made, one at a time, each checked."""
+        parts = rel.split("/")
+        at = self.root
+        for i, part in enumerate(parts if last else parts[:-1]):
+            at = f"{at}/{part}"
             try:
-                self.fs.pipe_file(self.path(tmp), data)
-                self.fs.mv(self.path(tmp), self.path(rel))
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    self.fs.rm(self.path(tmp))
-                raise
+                mode = os.lstat(at).st_mode
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(at)
+                mode = os.lstat(at).st_mode
+            folder = i < len(parts) - 1
+            if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular " + (
+                    "folder" if folder else "file")
+                raise StoreLink(f"{self.show('/'.join(parts[:i + 1]))} is {what}; ironloop "
+                                f"never writes or reads through one (it could reach a file "
+                                f"outside the store): remove it")
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, cap: int = MANIFEST_CAP) -> bytes:
+        """The object ``rel``, at most ``cap`` bytes: a larger one is a CheckpointError."""
         with self._reaching():
-            return self.fs.cat_file(self.path(rel))
+            if self.in_place:
+                self._unlinked(rel, last=True)
+            data = self.fs.cat_file(self.path(rel), start=0, end=cap + 1)
+        if len(data) > cap:
+            raise CheckpointError(f"{self.show(rel)} is larger than {cap} bytes, which no "
+                                  f"object ironloop writes there is")
+        return data
 
-    def get(self, rel: str, local: Path) -> None:
+    def get(self, rel: str, local: Path, size: int | None = None) -> None:
+        """The object ``rel`` into ``local``; with ``size`` (its manifest's), one of any other
+        size is a CheckpointError before a byte is copied."""
         with self._reaching():
+            if self.in_place:
+                self._unlinked(rel, last=True)
+            if size is not None and self.fs.size(self.path(rel)) != size:
+                # as the digest check after the copy says it: never a copy of unbounded size
+                raise CheckpointError(f"{rel} checksum mismatch")
             self.fs.get_file(self.path(rel), str(local))
 
     def delete(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError), self._reaching():
-            self.fs.rm(self.path(rel), recursive=True)
+            if not self.in_place:
+                self.fs.rm(self.path(rel), recursive=True)
+                return
+            try:
+                self._unlinked(rel)
+            except StoreLink:  # under a link: not in the store, and nothing of ours to delete
+                return
+            path = self.path(rel)
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)  # unlinks the links inside, never follows them
+            else:
+                os.unlink(path)  # a file, or a link planted in its place: the link goes
 
     def names(self, rel: str = "") -> list[str]:
         """The base names directly under ``rel`` ([] when it does not exist)."""
