@@ -3,7 +3,42 @@
 Anything derived from ``UserError`` is a mistake the user can fix (a bad config key, a missing
 file, a damaged checkpoint). The CLI prints its message on one line and exits 2 with no traceback.
 Everything else is a bug in ironloop and keeps its traceback.
+
+A message that names one of the run's options speaks the caller's language: ``--overwrite``
+to the CLI, ``overwrite=True`` to Python. The front door a Python user calls (``ironloop.fit``)
+says so once (``speaking_python``); every message asks ``option(...)``, so nothing between the
+front door and the message carries it.
 """
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+#: "cli" (the default: ironloop train, the tools) or "python" (ironloop.fit)
+_SPOKEN: ContextVar[str] = ContextVar("ironloop_spoken", default="cli")
+
+#: option -> (its CLI flag, its fit() argument)
+_OPTIONS = {"overwrite": ("--overwrite", "overwrite=True"),
+            "resume": ("--resume", "resume=True"),
+            "resume PATH": ("--resume PATH", "resume=PATH"),
+            "allow_config_change": ("--allow-config-change", "allow_config_change=True")}
+
+
+def option(name: str) -> str:
+    """How the user spells one of fit()'s options: ``option("overwrite")`` is
+    ``--overwrite`` from the CLI, ``overwrite=True`` from Python."""
+    cli, python = _OPTIONS[name]
+    return python if _SPOKEN.get() == "python" else cli
+
+
+@contextlib.contextmanager
+def speaking_python() -> Iterator[None]:
+    """Messages raised or printed inside name fit()'s arguments, not the CLI's flags."""
+    token = _SPOKEN.set("python")
+    try:
+        yield
+    finally:
+        _SPOKEN.reset(token)
 
 
 class UserError(Exception):

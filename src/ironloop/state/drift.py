@@ -9,7 +9,8 @@ difference there is refused unless the user passes ``--allow-config-change``
 Extending a run (``train.epochs`` / ``train.max_steps``) keeps the learning-rate schedule the
 run was built with: its length and state come from the checkpoint, and past its end the LR
 holds at the value of the schedule's last step. The LR curve is continuous, and the steps already
-taken were trained under the schedule that is recorded.
+taken were trained under the schedule that is recorded. A cosine or onecycle ends near 0, so
+the resume warns before its first step (engine/schedule_notes.py).
 """
 
 from __future__ import annotations
