@@ -17,18 +17,15 @@ from contextvars import ContextVar
 #: "cli" (the default: ironloop train, the tools) or "python" (ironloop.fit)
 _SPOKEN: ContextVar[str] = ContextVar("ironloop_spoken", default="cli")
 
-#: option -> (its CLI flag, its fit() argument)
-_OPTIONS = {"overwrite": ("--overwrite", "overwrite=True"),
-            "resume": ("--resume", "resume=True"),
-            "resume PATH": ("--resume PATH", "resume=PATH"),
-            "allow_config_change": ("--allow-config-change", "allow_config_change=True")}
-
-
-def option(name: str) -> str:
-    """How the user spells one of fit()'s options: ``option("overwrite")`` is
-    ``--overwrite`` from the CLI, ``overwrite=True`` from Python."""
-    cli, python = _OPTIONS[name]
-    return python if _SPOKEN.get() == "python" else cli
+def option(name: str, value: object = None) -> str:
+    """How the user spells one of fit()'s options (``overwrite``, ``resume``,
+    ``allow_config_change``): ``option("overwrite")`` is ``--overwrite`` from the CLI,
+    ``overwrite=True`` from Python; ``option("resume", "best.pt")`` is ``--resume best.pt`` or
+    ``resume='best.pt'``."""
+    if _SPOKEN.get() == "python":
+        return f"{name}={True if value is None else str(value)!r}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
 
 
 @contextlib.contextmanager
@@ -73,7 +70,7 @@ class Preempted(Exception):
     exit_code = EXIT_CODE
 
     def __init__(self, signal_name: str, step: int, saved: bool):
-        what = "with a checkpoint of it; resume with --resume" if saved else \
+        what = f"with a checkpoint of it; resume with {option('resume')}" if saved else \
             "without a checkpoint (checkpoint.enabled=false)"
         super().__init__(f"preempted by {signal_name}: stopped after step {step}, {what}")
         self.signal_name, self.step, self.saved = signal_name, step, saved

@@ -247,7 +247,7 @@ def test_a_fresh_run_over_a_run_dir_with_checkpoints_but_no_log_line_is_refused(
     run_dir = tmp_path / "run"
     (run_dir / "metrics.jsonl").unlink()
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    with pytest.raises(UserError, match="already holds a run; pass --resume"):
+    with pytest.raises(UserError, match="already holds a run; pass resume=True"):
         ironloop.fit(tiny_mlp(), blobs(), None, conf)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
