@@ -17,13 +17,24 @@ from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
-def api_page(tmp_path_factory) -> str:
+def build(tmp_path_factory) -> tuple[Path, str]:
+    """The site as ./scripts/docs builds it, and the build's output."""
     out = tmp_path_factory.mktemp("site")
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
                         str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stderr[-3000:]}"
-    return (Path(out) / "reference" / "api.html").read_text()
+    return Path(out), r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def api_page(build) -> str:
+    return (build[0] / "reference" / "api.html").read_text()
+
+
+def test_the_build_does_not_run_the_cli(build):
+    # the docs' inspection imports ironloop.__main__: it must not parse mkdocs' own arguments
+    assert "invalid choice" not in build[1] and "usage: ironloop" not in build[1]
 
 
 def headings(page: str) -> list[str]:
