@@ -193,10 +193,11 @@ def test_skip_list_filters_the_permutation_and_keeps_the_prefix():
 
 
 def test_a_rollback_the_inputs_explain_skips_only_them_and_keeps_the_lr():
-    g = GuardPolicy(max_bad_steps=3, max_rollbacks=0, lr_backoff=0.5)
+    g = GuardPolicy(max_bad_steps=1, max_rollbacks=0, lr_backoff=0.5)
     g.observe(5, math.nan, 1.0, lambda: [7, 8, 9])
     assert g.roll_back(inputs=[8]) == [8]
-    assert (g.skip, g.lr_factor, g.rollbacks, g.input_rollbacks) == ([8], 1.0, 0, 1)
+    assert (g.skip, g.lr_factor, g.rollbacks, g.input_rollbacks) == ([8], 1.0, 1, 1)
     assert not g.must_stop and g.consecutive == 0  # max_rollbacks=0 is not spent on it
     g.observe(6, math.nan, 1.0, lambda: [1, 2])  # a bad step the inputs do not explain
-    assert g.roll_back() == [1, 2] and (g.lr_factor, g.rollbacks) == (0.5, 1)
+    assert g.must_stop  # ... and this one is: max_rollbacks=0
+    assert g.roll_back() == [1, 2] and (g.lr_factor, g.rollbacks) == (0.5, 2)

@@ -204,7 +204,7 @@ def test_nan_sample_is_left_out_alone_and_keeps_the_lr(tmp_path, rollback_to, ca
     assert [bad_line["n"], rollback["n"]] == [1, 2]  # numbered as written: a resume cuts at n
     state = load_verified(run_dir / "checkpoints" / "last.pt")
     assert state["guard"]["skip"] == [bad] and state["guard"]["lr_factor"] == 1.0
-    assert (result.results["rollbacks"], result.results["skipped_samples"]) == (0, 1)
+    assert (result.results["rollbacks"], result.results["skipped_samples"]) == (1, 1)
     metrics = rows(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))  # one timeline
     assert {m["lr"] for m in metrics} == {1e-2}  # the constant LR, not backed off
