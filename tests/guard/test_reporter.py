@@ -252,8 +252,8 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
     assert capsys.readouterr().out.splitlines() == [
         "warning: guard: step 12 skipped (nonfinite_loss: loss nan, grad_norm 2.0); 1 bad in "
         "a row, 8 samples listed in guard.jsonl",
-        "warning: guard: step 12 skipped (nonfinite_grad: loss 0.5, grad_norm inf); 2 bad in "
-        "a row, 8 samples listed in guard.jsonl"]
+        "warning: guard: step 12, attempt 2, skipped (nonfinite_grad: loss 0.5, grad_norm inf); "
+        "2 bad in a row, 8 samples listed in guard.jsonl"]
     assert guard.verdicts.offsets == [24] and guard.verdicts.pending == []
 
 

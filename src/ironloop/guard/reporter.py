@@ -258,9 +258,13 @@ class GuardReporter:
             row.update(samples=samples, nonfinite_grads=grads,
                        inputs_nonfinite=bool(bad_inputs), nonfinite_input_samples=bad_inputs)
         self._write(row)
-        self._say(f"step {bad.step} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
-                  f"{_num(bad.norm)}); {self.policy.consecutive} bad in a row, "
-                  f"{len(samples)} samples listed in guard.jsonl")
+        # A bad attempt is no step: the next attempt is at the same step number, so a run of
+        # bad ones is told apart by its attempt, not by a step that never happened.
+        n = self.policy.consecutive
+        attempt = f"step {bad.step}" if n == 1 else f"step {bad.step}, attempt {n},"
+        self._say(f"{attempt} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
+                  f"{_num(bad.norm)}); {n} bad in a row, {len(samples)} samples listed in "
+                  f"guard.jsonl")
 
     def _roll_back(self, step: int, meter, progress, data: BatchSource, world: World,
                    owner: Stateful, inputs: list[int] | None = None) -> None:
