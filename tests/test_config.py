@@ -96,3 +96,13 @@ def test_help_lists_every_key(capsys):
     assert "(one of: constant | warmup_cosine | onecycle | cosine" in lines["schedule.name"]
     assert "adamw | adam | sgd, or a torch.optim class" in lines["optim.name"]
     assert "(one of: norm | value)" in lines["clip.mode"]
+
+
+def test_every_default_train_help_prints_is_an_override_the_parser_takes():
+    # `ironloop train help` showed `optim.fused = None`, which the parser refuses
+    from ironloop.config import describe, load_config
+
+    overrides = [line.split("  # ")[0].replace(" = ", "=", 1) for line in describe().splitlines()]
+    assert "optim.fused=null" in overrides
+    optim = [o for o in overrides if o.startswith("optim.")]
+    assert load_config(None, optim).optim.fused is None  # each taken as printed

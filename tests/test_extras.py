@@ -1,11 +1,16 @@
-"""A lean install: the base dependencies, the extras, and the error a missing extra gives."""
+"""A lean install: the base dependencies, the extras, and the error a missing extra gives; what
+./scripts/demo installs (the [demo] extra, whose closure is read from the installed packages'
+metadata, no network: none of the heavy extras the test suite needs)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
+from packaging.requirements import Requirement
 
 from ironloop.config import DataConfig
 from ironloop.data import build_data
@@ -77,3 +82,49 @@ def test_a_tracker_that_is_not_installed_names_its_extra(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"log\.tensorboard=true needs the tensorboard package.*"
                                         r"pip install 'ironloop\[tensorboard\]'"):
         loggers.TensorBoard(tmp_path, None)
+
+
+#: what ./scripts/demo must not install: the test suite's heavy extras
+DEMO_LEAVES_OUT = {"lightning", "pytorch-lightning", "transformers", "mlflow", "wandb", "mkdocs",
+                   "moto", "playwright", "datasets", "tensorboard", "mutmut"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(requirements: list[str]) -> set[str]:
+    """Every distribution these requirements pull in, read off the installed metadata."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonical(req.name)
+        if name in seen or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        for sub in metadata.requires(req.name) or []:
+            if req.extras:  # the extras asked for, as pip resolves them
+                wanted = any(Requirement(sub).marker is not None and
+                             Requirement(sub).marker.evaluate({"extra": e}) for e in req.extras)
+                if wanted:
+                    todo.append(Requirement(sub.split(";")[0]))
+            todo.append(Requirement(sub))
+    return seen
+
+
+def test_the_demos_install_pulls_in_none_of_the_heavy_extras():
+    project = _pyproject()["project"]
+    demo = closure([*project["dependencies"], *project["optional-dependencies"]["demo"]])
+    assert {"torch", "scikit-learn", "matplotlib"} <= demo
+    heavy = sorted(demo & DEMO_LEAVES_OUT)
+    assert not heavy, f"./scripts/demo would install {heavy}"
+    # the whole install does pull them in: the check reads a real closure
+    assert {"lightning", "mkdocs"} <= closure(project["optional-dependencies"]["all"])
+
+
+def test_scripts_demo_asks_for_the_demo_extra_and_says_what_the_first_run_costs():
+    demo, env = (REPO / "scripts" / "demo").read_text(), (REPO / "scripts" / "_env").read_text()
+    assert demo.index("IRONLOOP_EXTRAS=demo") < demo.index('source "$(dirname "$0")/_env"')
+    assert 'EXTRAS=${IRONLOOP_EXTRAS:-all}' in env and '-e ".[$EXTRAS]"' in env
+    assert "first run" in demo

@@ -2,4 +2,5 @@
 
 from ironloop.cli import entry
 
-entry()
+if __name__ == "__main__":  # imported, as the docs build's inspection does, it runs nothing
+    entry()

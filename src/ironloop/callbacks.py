@@ -44,22 +44,24 @@ class Callback:
     """Subclass and override the hooks you need; the others do nothing."""
 
     def on_train_start(self, run, metrics: dict) -> None:
-        pass
+        """Before the first step; ``metrics``: ``{"step", "epoch"}`` (non-zero after a resume)."""
 
     def on_step_end(self, run, metrics: dict) -> None:
-        pass
+        """After every optimizer step; ``metrics``: the metrics.jsonl row on logging steps, else
+        ``{"step", "epoch"}`` (no host sync is added per step)."""
 
     def on_eval_end(self, run, metrics: dict) -> None:
-        pass
+        """After every evaluation; ``metrics``: the evals.jsonl row (``val_loss``, ...)."""
 
     def on_epoch_end(self, run, metrics: dict) -> None:
-        pass
+        """At the end of every epoch; ``metrics``: the epochs.jsonl row."""
 
     def on_checkpoint(self, run, metrics: dict) -> None:
-        pass
+        """After a checkpoint was written (rank 0); ``metrics``: ``{"step", "epoch", "best"}``."""
 
     def on_train_end(self, run, metrics: dict) -> None:
-        pass
+        """After the last step, before the results are written; ``metrics``:
+        ``{"step", "epoch", "best"}``."""
 
 
 def fire(run, hook: str, metrics: dict[str, Any]) -> None:

@@ -552,6 +552,7 @@ def describe() -> str:
             # the allowed values, unless the doc already lists them (as "a | b | c")
             allowed = f" (one of: {' | '.join(map(str, choices))})" if choices and \
                 " | " not in doc else ""
-            lines.append(f"{name}.{f.metadata.get('key') or f.name} = {default!r}  "
+            shown = "null" if default is None else repr(default)  # what an override accepts
+            lines.append(f"{name}.{f.metadata.get('key') or f.name} = {shown}  "
                          f"# {doc}{allowed}")
     return "\n".join(lines)

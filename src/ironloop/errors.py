@@ -3,7 +3,39 @@
 Anything derived from ``UserError`` is a mistake the user can fix (a bad config key, a missing
 file, a damaged checkpoint). The CLI prints its message on one line and exits 2 with no traceback.
 Everything else is a bug in ironloop and keeps its traceback.
+
+A message that names one of the run's options speaks the caller's language: ``--overwrite``
+to the CLI, ``overwrite=True`` to Python. The front door a Python user calls (``ironloop.fit``)
+says so once (``speaking_python``); every message asks ``option(...)``, so nothing between the
+front door and the message carries it.
 """
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+#: "cli" (the default: ironloop train, the tools) or "python" (ironloop.fit)
+_SPOKEN: ContextVar[str] = ContextVar("ironloop_spoken", default="cli")
+
+def option(name: str, value: object = None) -> str:
+    """How the user spells one of fit()'s options (``overwrite``, ``resume``,
+    ``allow_config_change``): ``option("overwrite")`` is ``--overwrite`` from the CLI,
+    ``overwrite=True`` from Python; ``option("resume", "best.pt")`` is ``--resume best.pt`` or
+    ``resume='best.pt'``."""
+    if _SPOKEN.get() == "python":
+        return f"{name}={True if value is None else str(value)!r}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
+@contextlib.contextmanager
+def speaking_python() -> Iterator[None]:
+    """Messages raised or printed inside name fit()'s arguments, not the CLI's flags."""
+    token = _SPOKEN.set("python")
+    try:
+        yield
+    finally:
+        _SPOKEN.reset(token)
 
 
 class UserError(Exception):
@@ -38,7 +70,7 @@ class Preempted(Exception):
     exit_code = EXIT_CODE
 
     def __init__(self, signal_name: str, step: int, saved: bool):
-        what = "with a checkpoint of it; resume with --resume" if saved else \
+        what = f"with a checkpoint of it; resume with {option('resume')}" if saved else \
             "without a checkpoint (checkpoint.enabled=false)"
         super().__init__(f"preempted by {signal_name}: stopped after step {step}, {what}")
         self.signal_name, self.step, self.saved = signal_name, step, saved

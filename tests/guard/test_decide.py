@@ -104,7 +104,8 @@ def test_the_policys_defaults_are_the_guard_configs():
             g.spike_warmup) == (conf.max_bad_steps, conf.max_rollbacks, conf.lr_backoff,
                                 conf.spike_factor, conf.spike_window, conf.spike_warmup)
     assert g.state_dict() == {"consecutive": 0, "bad_steps": 0, "rollbacks": 0,
-                              "lr_factor": 1.0, "skip": [], "pending": [], "events": [],
+                              "input_rollbacks": 0, "lr_factor": 1.0, "skip": [],
+                              "pending": [], "events": [],
                               "good": 0, "losses": [], "norms": [], "logged": 0}
 
 
@@ -189,3 +190,14 @@ def test_skip_list_filters_the_permutation_and_keeps_the_prefix():
     again.set_epoch(2)
     again.set_skip(reversed(late))
     assert again.permutation().tolist() == perm  # a pure function of (seed, epoch, skip)
+
+
+def test_a_rollback_the_inputs_explain_skips_only_them_and_keeps_the_lr():
+    g = GuardPolicy(max_bad_steps=1, max_rollbacks=0, lr_backoff=0.5)
+    g.observe(5, math.nan, 1.0, lambda: [7, 8, 9])
+    assert g.roll_back(inputs=[8]) == [8]
+    assert (g.skip, g.lr_factor, g.rollbacks, g.input_rollbacks) == ([8], 1.0, 1, 1)
+    assert not g.must_stop and g.consecutive == 0  # max_rollbacks=0 is not spent on it
+    g.observe(6, math.nan, 1.0, lambda: [1, 2])  # a bad step the inputs do not explain
+    assert g.must_stop  # ... and this one is: max_rollbacks=0
+    assert g.roll_back() == [1, 2] and (g.lr_factor, g.rollbacks) == (0.5, 2)

@@ -180,36 +180,38 @@ def test_fault_nan_sample_on_a_map_style_dataset_poisons_that_samples_input_only
 
 
 @pytest.mark.parametrize("rollback_to", ["checkpoint", "memory"])
-def test_nan_sample_rolls_back_to_the_checkpoint_and_skips_the_sample(tmp_path, rollback_to):
+def test_nan_sample_is_left_out_alone_and_keeps_the_lr(tmp_path, rollback_to, capsys):
+    """The bad step's inputs explain it: only that sample joins the skip list, the LR is not
+    backed off (a rollback for the order's sake, not one of max_rollbacks=0's)."""
     order = EpochSampler(256, 32, seed=0, shuffle=True).permutation().tolist()
     bad = order[32 * 4 + 5]  # in the fifth window: the newest checkpoint is step 4
     result = ironloop.fit(tiny_mlp(), *split(),
-                          cfg(tmp_path, fault__nan_sample=bad, guard__max_bad_steps=1,
-                              checkpoint__every_steps=2, train__epochs=3,
-                              guard__rollback_to=rollback_to,
+                          cfg(tmp_path, fault__nan_sample=bad, guard__max_bad_steps=3,
+                              guard__max_rollbacks=0, checkpoint__every_steps=2,
+                              train__epochs=3, guard__rollback_to=rollback_to,
                               optim__lr=1e-2), overwrite=True)
     run_dir = tmp_path / "run"
-    bad_line, rollback = rows(run_dir / "guard.jsonl")
+    bad_line, rollback = rows(run_dir / "guard.jsonl")  # one bad step: never read again
     assert bad_line["step"] == 5 and bad_line["inputs_nonfinite"] is True
     assert bad_line["nonfinite_input_samples"] == [bad]
     assert (rollback["event"], rollback["from_step"], rollback["to_step"]) == ("rollback", 5, 4)
     assert rollback["source"] == {"checkpoint": "checkpoints/last.pt",
                                   "memory": "memory snapshot"}[rollback_to]
-    assert rollback["lr_factor"] == 0.5
+    assert rollback["cause"] == "nonfinite_inputs" and rollback["lr_factor"] == 1.0
     assert rollback["epoch"] == 1  # 1-based, as every log's epoch: step 4 ends in the first
     assert all(isinstance(row["time"], float) for row in (bad_line, rollback))  # wall time
-    assert bad in rollback["samples_added"] and len(rollback["samples_added"]) == 32
-    assert rollback["skipped_samples"] == 32  # the whole list, so far
+    assert rollback["samples_added"] == [bad] and rollback["skipped_samples"] == 1
     assert [bad_line["n"], rollback["n"]] == [1, 2]  # numbered as written: a resume cuts at n
     state = load_verified(run_dir / "checkpoints" / "last.pt")
-    assert bad in state["guard"]["skip"] and state["guard"]["lr_factor"] == 0.5
-    assert (result.results["rollbacks"], result.results["skipped_samples"]) == (1, 32)
+    assert state["guard"]["skip"] == [bad] and state["guard"]["lr_factor"] == 1.0
+    assert (result.results["rollbacks"], result.results["skipped_samples"]) == (1, 1)
     metrics = rows(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))  # one timeline
-    assert {m["lr"] for m in metrics if m["step"] > 4} == {5e-3}  # constant LR x 0.5
-    assert result.results["steps"] == 3 * 7  # 224 samples left: 7 windows per epoch
+    assert {m["lr"] for m in metrics} == {1e-2}  # the constant LR, not backed off
+    assert result.results["steps"] == 3 * 8  # 255 samples left: 8 windows, the last short
+    assert f"to leave out sample(s) [{bad}]" in capsys.readouterr().out
     summary = summarize(run_dir)  # what `ironloop report` shows
-    assert "| rollbacks | 1 |" in summary and "| skipped samples | 32 |" in summary
+    assert "| bad steps | 1 |" in summary and "| skipped samples | 1 |" in summary
 
 
 def rolled_back_in_epoch_2(tmp_path):

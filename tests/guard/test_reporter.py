@@ -47,16 +47,19 @@ class Run:
 
 class Data:
     """A training BatchSource's bad-path parts: position p of the epoch's order is sample
-    100 + p; samples 100 and 108 have non-finite inputs."""
+    100 + p; the samples ``nonfinite`` names have non-finite inputs (none by default: a bad
+    step the inputs do not explain)."""
 
-    def __init__(self, global_batch: int = 4, usable: int = 64):
+    def __init__(self, global_batch: int = 4, usable: int = 64,
+                 nonfinite: tuple[int, ...] = ()):
         self.global_batch, self.usable, self.skips = global_batch, usable, []
+        self.nonfinite = nonfinite
 
     def indices(self, start: int, end: int) -> list[int]:
         return [100 + p for p in range(start, end)]
 
     def nonfinite_inputs(self, samples: list[int]) -> list[int]:
-        return [i for i in samples if i in (100, 108)]
+        return [i for i in samples if i in self.nonfinite]
 
     def set_skip(self, skip) -> None:
         self.skips.append(list(skip))
@@ -237,8 +240,8 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
     assert first == {"n": 1, "event": "bad_step", "step": 12, "epoch": 3,
                      "reason": "nonfinite_loss", "loss": "nan", "grad_norm": 2.0,
                      "consecutive": 1, "samples": list(range(108, 116)),
-                     "nonfinite_grads": None, "inputs_nonfinite": True,
-                     "nonfinite_input_samples": [108]}
+                     "nonfinite_grads": None, "inputs_nonfinite": False,
+                     "nonfinite_input_samples": []}
     assert second == {"n": 2, "event": "bad_step", "step": 12, "epoch": 3,
                       "reason": "nonfinite_grad", "loss": 0.5, "grad_norm": "inf",
                       "consecutive": 2, "samples": list(range(116, 124)),
@@ -249,8 +252,8 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
     assert capsys.readouterr().out.splitlines() == [
         "warning: guard: step 12 skipped (nonfinite_loss: loss nan, grad_norm 2.0); 1 bad in "
         "a row, 8 samples listed in guard.jsonl",
-        "warning: guard: step 12 skipped (nonfinite_grad: loss 0.5, grad_norm inf); 2 bad in "
-        "a row, 8 samples listed in guard.jsonl"]
+        "warning: guard: step 12, attempt 2, skipped (nonfinite_grad: loss 0.5, grad_norm inf); "
+        "2 bad in a row, 8 samples listed in guard.jsonl"]
     assert guard.verdicts.offsets == [24] and guard.verdicts.pending == []
 
 
@@ -291,7 +294,7 @@ def test_a_due_rollback_restores_the_run_skips_the_windows_and_rewinds_the_logs(
     assert rewound == [(5, 1)]
     assert lines(tmp_path)[-1] == {"n": 3, "event": "rollback", "step": 7, "from_step": 7,
                                    "to_step": 5, "epoch": 2, "source": "memory snapshot",
-                                   "lr_factor": 0.25,
+                                   "cause": "bad_steps", "lr_factor": 0.25,
                                    "samples_added": list(range(100, 108)),
                                    "skipped_samples": 8}
     assert capsys.readouterr().out.splitlines()[-1] == (

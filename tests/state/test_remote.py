@@ -293,7 +293,7 @@ def test_an_incomplete_remote_checkpoint_does_not_count_and_is_cleaned(tmp_path,
 def test_a_fresh_run_into_a_remote_holding_checkpoints_is_refused_then_overwritten(tmp_path):
     url = f"file://{tmp_path}/remote"
     _fit(_config(tmp_path, checkpoint__remote=url), callbacks=[StopAt(5)])
-    with pytest.raises(UserError, match=r"checkpoint\.remote .* already holds .* --resume"):
+    with pytest.raises(UserError, match=r"checkpoint\.remote .* already holds .* resume=True"):
         _fit(_config(tmp_path, "other", checkpoint__remote=url))
     assert open_remote(url).manifests() == [5]
     _fit(_config(tmp_path, "other", checkpoint__remote=url), overwrite=True,

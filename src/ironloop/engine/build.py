@@ -15,7 +15,7 @@ from torch import nn
 from ironloop.callbacks import HOOKS, Callback, from_specs
 from ironloop.config import Config
 from ironloop.data.source import RunData
-from ironloop.engine import carry, cuda_graph, step_fns
+from ironloop.engine import carry, cuda_graph, schedule_notes, step_fns
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
 from ironloop.engine.divergence import LossGrowth
@@ -101,6 +101,7 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     resumed = _prepare_run_dir(run, given)
     if resumed is not None:
         _restore(run, resumed)
+        _warn_past_schedule(run)
     if world.is_main:
         records.write_run_json(run_dir.path, records.environment(device, world.size),
                                resumed=resumed is not None)
@@ -200,6 +201,19 @@ def _restore(run: Run, resumed: Found) -> None:
     run.load_state_dict(checkpoints.load(resumed), resumed.source)
     if run.cfg.early_stop.patience:
         run.tracker.best_weights = checkpoints.best_weights()
+
+
+def _warn_past_schedule(run: Run) -> None:
+    """Before the first step: a resume that runs past the end of its finite schedule says at
+    what LR those steps run (engine/schedule_notes.py)."""
+    m, step = run.module, run.progress.step
+    held = float(m.optimizer.param_groups[0]["lr"]) if step >= m.schedule_steps else \
+        schedule_notes.end_lr(run.cfg)  # the schedule still runs to its end first
+    warning = schedule_notes.extension_warning(
+        run.cfg.schedule.name, m.schedule_steps, step, m.total_steps, held,
+        schedule_notes.peak_lr(run.cfg))
+    if warning and run.world.is_main:
+        print(warning)
 
 
 def _open_outputs(run: Run, resume, resumed: Found | None) -> None:

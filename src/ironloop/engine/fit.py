@@ -55,6 +55,15 @@ from ironloop.state.run_dir import RunDir
 
 @dataclass
 class FitResult:
+    """What ``fit`` returns.
+
+    Attributes:
+        model: the trained model (the best weights when early stopping restored them).
+        results: results.json's content: the final and best metrics, steps, seconds, the
+            guard's counts.
+        run_dir: the run's directory (run.dir), where every file of the run lies.
+    """
+
     model: nn.Module
     results: dict
     run_dir: Path

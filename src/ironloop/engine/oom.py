@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ironloop.engine.run import Run
-from ironloop.errors import UserError
+from ironloop.errors import UserError, option
 
 
 class OutOfMemory(UserError):
@@ -46,5 +46,6 @@ def out_of_memory(run: Run, error: BaseException) -> OutOfMemory:
         f"{p.epoch + 1}) with train.batch_size={bs}, precision {precision}: "
         f"{used}. torch said: {str(error).splitlines()[0] if str(error) else 'OOM'}\n"
         f"Fixes, easiest first:\n{steps}\n"
-        f"Checkpoints in {cfg.run.dir}/checkpoints are intact: resume with --resume after the "
+        f"Checkpoints in {cfg.run.dir}/checkpoints are intact: resume with {option('resume')} "
+        f"after the "
         f"change.")

@@ -28,7 +28,8 @@ class GuardPolicy:
                                                                     spike_warmup)
         self.consecutive = 0      # bad steps in a row, now
         self.bad_steps = 0        # bad steps in the whole run
-        self.rollbacks = 0
+        self.rollbacks = 0        # every rollback, those the inputs explain included
+        self.input_rollbacks = 0  # rollbacks that only left out samples with NaN/inf inputs
         self.lr_factor = 1.0      # applied on top of the schedule at every optimizer step
         self.skip: list[int] = []           # sample indices the sampler leaves out, sorted
         self.pending: list[list[int]] = []  # the windows of the current run of bad steps
@@ -84,15 +85,26 @@ class GuardPolicy:
 
     @property
     def must_stop(self) -> bool:
-        """A rollback is due but the allowed ones are used up."""
-        return self.must_roll_back and self.rollbacks >= self.max_rollbacks
+        """A rollback is due but the allowed ones are used up (those the inputs explained do
+        not count: see ``roll_back``)."""
+        return self.must_roll_back and \
+            self.rollbacks - self.input_rollbacks >= self.max_rollbacks
 
-    def roll_back(self) -> list[int]:
-        """Count a rollback, back the LR off, skip the pending windows; returns the new skips."""
-        added = sorted({i for w in self.pending for i in w} - set(self.skip))
-        self.skip = sorted(set(self.skip).union(added))
+    def roll_back(self, inputs: list[int] | None = None) -> list[int]:
+        """Count a rollback, back the LR off, skip the pending windows; returns the new skips.
+
+        ``inputs``: the samples whose inputs are non-finite, found in the bad window. They
+        explain the bad step: only they join the skip list, the LR stays, and the rollback is
+        not one of ``max_rollbacks`` (each bad sample causes at most one: it is never read
+        again). The LR backs off only for bad steps the inputs do not explain."""
         self.rollbacks += 1
-        self.lr_factor *= self.lr_backoff
+        if inputs:
+            added = sorted(set(inputs) - set(self.skip))
+            self.input_rollbacks += 1
+        else:
+            added = sorted({i for w in self.pending for i in w} - set(self.skip))
+            self.lr_factor *= self.lr_backoff
+        self.skip = sorted(set(self.skip).union(added))
         self.consecutive, self.pending = 0, []
         return added
 
@@ -100,8 +112,8 @@ class GuardPolicy:
         return {"bad_steps": self.bad_steps, "rollbacks": self.rollbacks,
                 "skipped_samples": len(self.skip)}
 
-    _STATE = ("consecutive", "bad_steps", "rollbacks", "lr_factor", "skip", "pending", "events",
-              "good", "losses", "norms", "logged")
+    _STATE = ("consecutive", "bad_steps", "rollbacks", "input_rollbacks", "lr_factor", "skip",
+              "pending", "events", "good", "losses", "norms", "logged")
 
     def state_dict(self) -> dict:
         return {k: _copy(getattr(self, k)) for k in self._STATE}

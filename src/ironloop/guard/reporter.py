@@ -9,6 +9,8 @@ branch (``engine/train_module.py``), between measuring the pre-clip grad norm an
     bad  -> skip: no optimizer update (params, Adam moments and step count untouched), the
             window's loss kept out of the logged means, not counted as an optimizer step, no
             scheduler step; one guard.jsonl line and a warning
+    bad, and the window holds samples whose inputs are NaN or inf -> roll back at once, leaving
+            out only those samples (the LR stays; not one of max_rollbacks)
     max_bad_steps bad in a row -> roll back: restore the newest checkpoint through the
             checkpointer, files or FSDP2's shards alike (or the in-memory snapshot), LR x
             lr_backoff for the rest of the run, the bad windows' samples join a skip list the
@@ -224,7 +226,11 @@ class GuardReporter:
             reason = self.policy.classify(loss, norm) or "spike"  # finite and bad: a spike
             self.policy.record_bad(step + 1, reason, self.window(data, d.offsets[j + 1]))
             bad_step = BadStep(step + 1, progress.epoch + 1, reason, loss, norm)
-            self._report_bad(bad_step, data, model if j == attempts - 1 else None, world)
+            # every rank reads the same global indices, so every rank takes the same decision
+            inputs = data.nonfinite_inputs(self.policy.pending[-1])  # bad path only
+            self._report_bad(bad_step, inputs, model if j == attempts - 1 else None, world)
+            if inputs:  # the inputs explain the step: leave them out, keep the LR
+                self._roll_back(step + 1, meter, progress, data, world, owner, inputs)
             if self.policy.must_stop:
                 self.stop(step + 1, world)
             if self.policy.must_roll_back:
@@ -237,7 +243,7 @@ class GuardReporter:
         return data.indices((end - 1) // size * size, end)
 
     # ---------------------------------------------------------------- the bad path ----------
-    def _report_bad(self, bad: BadStep, data: BatchSource, model: nn.Module | None,
+    def _report_bad(self, bad: BadStep, bad_inputs: list[int], model: nn.Module | None,
                     world: World) -> None:
         """One guard.jsonl line and a warning. ``model``: given when the step is the latest
         one, whose gradients are still those of the bad step (a verdict settled late: None)."""
@@ -249,25 +255,29 @@ class GuardReporter:
             grads = [n for n, p in model.named_parameters()
                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())] \
                 if model is not None else None  # host sync, bad path only
-            bad_inputs = data.nonfinite_inputs(samples)
             row.update(samples=samples, nonfinite_grads=grads,
                        inputs_nonfinite=bool(bad_inputs), nonfinite_input_samples=bad_inputs)
         self._write(row)
-        self._say(f"step {bad.step} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
-                  f"{_num(bad.norm)}); {self.policy.consecutive} bad in a row, "
-                  f"{len(samples)} samples listed in guard.jsonl")
+        # A bad attempt is no step: the next attempt is at the same step number, so a run of
+        # bad ones is told apart by its attempt, not by a step that never happened.
+        n = self.policy.consecutive
+        attempt = f"step {bad.step}" if n == 1 else f"step {bad.step}, attempt {n},"
+        self._say(f"{attempt} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
+                  f"{_num(bad.norm)}); {n} bad in a row, {len(samples)} samples listed in "
+                  f"guard.jsonl")
 
     def _roll_back(self, step: int, meter, progress, data: BatchSource, world: World,
-                   owner: Stateful) -> None:
+                   owner: Stateful, inputs: list[int] | None = None) -> None:
         """On every rank at the same step (the verdicts are the sums over ranks): the newest
-        checkpoint back (a collective for FSDP2's shards), the guard's own state kept."""
+        checkpoint back (a collective for FSDP2's shards), the guard's own state kept.
+        ``inputs``: the non-finite input samples that explain the bad step (decide.py)."""
         self._wait()  # the newest checkpoint may still be being written
         barrier(world)
         state, source = self._target(step, world)
         keep = self.state_dict()  # the guard's knowledge outlives the rollback
         owner.load_state_dict(state)
         self.load_state_dict(keep)
-        added = self.policy.roll_back()
+        added = self.policy.roll_back(inputs)
         data.set_skip(self.policy.skip)
         if data.usable < data.global_batch:  # nothing left to train on
             self.stop(step, world, f"{len(self.policy.skip)} training samples are on the skip "
@@ -279,11 +289,17 @@ class GuardReporter:
             self.log.rewind(p.step, p.epoch)
         self._write({"event": "rollback", "step": step, "from_step": step,
                      "to_step": p.step, "epoch": p.epoch + 1, "source": source,
+                     "cause": "nonfinite_inputs" if inputs else "bad_steps",
                      "lr_factor": self.policy.lr_factor, "samples_added": added,
                      "skipped_samples": len(self.policy.skip)})
-        self._say(f"rolled back from step {step} to step {p.step} ({source}); LR factor now "
-                  f"{self.policy.lr_factor:g}, {len(added)} samples added to the skip list "
-                  f"({len(self.policy.skip)} in all)")
+        if inputs:
+            self._say(f"rolled back from step {step} to step {p.step} ({source}) to leave out "
+                      f"sample(s) {inputs}, whose inputs are NaN or inf; the LR is unchanged "
+                      f"({len(self.policy.skip)} on the skip list in all)")
+        else:
+            self._say(f"rolled back from step {step} to step {p.step} ({source}); LR factor "
+                      f"now {self.policy.lr_factor:g}, {len(added)} samples added to the skip "
+                      f"list ({len(self.policy.skip)} in all)")
         raise RolledBack()
 
     def _target(self, step: int, world: World) -> tuple[dict, str]:

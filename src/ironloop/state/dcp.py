@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ironloop.errors import CheckpointError
+from ironloop.errors import CheckpointError, option
 from ironloop.state.dcp_safe import (
     SafePlanner,
     SafeReader,
@@ -346,8 +346,9 @@ def latest_sharded(directory: Path, warn: Callable[[str], object]) -> tuple[Path
             break  # step directories are tried newest first: the first good one is the newest
     if best is None:
         raise CheckpointError(
-            f"every checkpoint in {directory} is damaged: {', '.join(damaged)}. Pass --overwrite "
-            "to start over, or --resume PATH to pick one (e.g. best.dcp) yourself.")
+            f"every checkpoint in {directory} is damaged: {', '.join(damaged)}. Pass "
+            f"{option('overwrite')} to start over, or {option('resume', 'PATH')} to pick one "
+            f"(e.g. best.dcp) yourself.")
     return best[0], load_extras(best[0])
 
 

@@ -9,14 +9,15 @@ difference there is refused unless the user passes ``--allow-config-change``
 Extending a run (``train.epochs`` / ``train.max_steps``) keeps the learning-rate schedule the
 run was built with: its length and state come from the checkpoint, and past its end the LR
 holds at the value of the schedule's last step. The LR curve is continuous, and the steps already
-taken were trained under the schedule that is recorded.
+taken were trained under the schedule that is recorded. A cosine or onecycle ends near 0, so
+the resume warns before its first step (engine/schedule_notes.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ironloop.errors import ConfigError
+from ironloop.errors import ConfigError, option
 
 #: Keys, or "section." prefixes, that cannot change the weights. Edit here and nowhere else.
 FREE: tuple[str, ...] = (
@@ -120,7 +121,7 @@ def check(old: dict, new: dict, allow: bool, say=print,
         raise ConfigError(
             "the resumed config differs from the checkpoint's in keys that change the training "
             f"trajectory: {'; '.join(map(_fmt, bound))}. Resume with the checkpoint's values, "
-            "or pass --allow-config-change (fit(..., allow_config_change=True)) to accept them")
+            f"or pass {option('allow_config_change')} to accept them")
     for c in free:
         why = (f"the same {window} samples per optimizer step over {worlds[1]} rank(s)"
                if c[0] in WINDOW else "every step from here runs at LR 0: the weights stay "
@@ -133,5 +134,5 @@ def check(old: dict, new: dict, allow: bool, say=print,
             what = "values held in the optimizer or scheduler state keep the checkpoint's"
         else:
             what = "applies from the resumed step on"
-        say(f"notice: --allow-config-change: {_fmt(c)} ({what})")
+        say(f"notice: {option('allow_config_change')}: {_fmt(c)} ({what})")
     return bound

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ironloop.errors import CheckpointError
+from ironloop.errors import CheckpointError, option
 
 from .io import (
     LoadFailure,
@@ -217,8 +217,9 @@ def latest_file(directory: Path, warn: Callable[[str], object]) -> tuple[Path, d
     if found is not None:
         return last, found[0]
     raise CheckpointError(
-        f"every checkpoint in {directory} is damaged: {', '.join(damaged)}. Pass --overwrite to "
-        "start over, or --resume PATH to pick a file (e.g. best.pt) yourself."
+        f"every checkpoint in {directory} is damaged: {', '.join(damaged)}. Pass "
+        f"{option('overwrite')} to start over, or {option('resume', 'PATH')} to pick a file "
+        f"(e.g. best.pt) yourself."
     )
 
 

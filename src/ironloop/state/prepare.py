@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from ironloop.config import Config
-from ironloop.errors import CheckpointError, UserError
+from ironloop.errors import CheckpointError, UserError, option
 from ironloop.parallel.world import World, rank_zero_first
 from ironloop.state import dcp, drift, remote
 from ironloop.state.checkpointer import Checkpointer, Found, holds_any
@@ -43,7 +43,7 @@ def refuse_foreign(run_dir: Path) -> None:
     if theirs:
         raise UserError(f"run.dir {run_dir} holds {', '.join(theirs)}, which ironloop did not "
                         f"write (no {LOCK_NAME}) and no checkpoint; a run would overwrite them. "
-                        f"Choose another run.dir, or pass --overwrite to replace them")
+                        f"Choose another run.dir, or pass {option('overwrite')} to replace them")
 
 
 def prepare_run_dir(checkpoints: Checkpointer, cfg: Config, resume, overwrite: bool,
@@ -107,21 +107,24 @@ def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:
         path = Path(resume) if isinstance(resume, (str, Path)) else None
         if path is not None and path.is_dir() and not dcp.is_sharded(path) \
                 and not holds_any(path):
-            raise CheckpointError(f"--resume {path}: no checkpoint in this directory; pass the "
-                                  f"run.dir or the checkpoint file of the run to resume, or "
-                                  f"leave --resume out to start a fresh run")
+            raise CheckpointError(f"{option('resume', path)}: no checkpoint in this directory; "
+                                  f"pass the run.dir or the checkpoint file of the run to "
+                                  f"resume, or leave {option('resume')} out to start a fresh "
+                                  f"run")
         if holds_any(RunDir(run_dir).checkpoints):
             return
         refuse_foreign(run_dir)
         if path is None and _unresumable(run_dir):
             raise UserError(f"run.dir {run_dir} holds a run that wrote no checkpoint "
-                            f"(checkpoint.enabled=false), so --resume would start it over and "
-                            f"overwrite its outputs; pass --overwrite to start over, or choose "
+                            f"(checkpoint.enabled=false), so {option('resume')} would start it "
+                            f"over and overwrite its outputs; pass {option('overwrite')} to "
+                            f"start over, or choose "
                             f"another run.dir")
         return
     if not overwrite and (has_checkpoints(RunDir(run_dir).checkpoints) or _logged(run_dir)):
-        raise UserError(f"run.dir {run_dir} already holds a run; pass --resume to continue "
-                        f"it, --overwrite to delete its outputs and start over, or choose "
+        raise UserError(f"run.dir {run_dir} already holds a run; pass {option('resume')} to "
+                        f"continue it, {option('overwrite')} to delete its outputs and start "
+                        f"over, or choose "
                         f"another run.dir")
     if not overwrite:
         refuse_foreign(run_dir)
@@ -177,7 +180,7 @@ def _refuse_other_lineage(checkpoints: Checkpointer, found: Found) -> None:
         return
     newest = checkpoints.holds_newer(found.step)
     if newest is not None:
-        raise CheckpointError(f"--resume {found.path}: run.dir {checkpoints.run_dir.path} "
+        raise CheckpointError(f"{option('resume', found.path)}: run.dir {checkpoints.run_dir.path} "
                               f"holds its own checkpoints up to step {newest}, past this "
                               f"checkpoint's step {found.step}, which the resume would delete; "
                               f"choose another run.dir, or pass one of {ckpt_dir}'s own "
@@ -194,10 +197,12 @@ def fresh_remote(cfg: Config, overwrite: bool) -> None:
     if held and not overwrite:
         lease.release()
         raise UserError(f"checkpoint.remote {store.url} already holds a run's checkpoints "
-                        f"(steps {held[0]}..{held[-1]}); pass --resume to continue it, "
-                        f"--overwrite to delete them and start over, or choose another "
+                        f"(steps {held[0]}..{held[-1]}); pass {option('resume')} to continue "
+                        f"it, {option('overwrite')} to delete them and start over, or choose "
+                        f"another "
                         f"checkpoint.remote")
     for step in held:
         store.remove_checkpoint(step)
     if held:
-        print(f"notice: removed {len(held)} checkpoint(s) from {store.url} (--overwrite)")
+        print(f"notice: removed {len(held)} checkpoint(s) from {store.url} "
+              f"({option('overwrite')})")

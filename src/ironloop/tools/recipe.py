@@ -15,6 +15,8 @@ from ironloop.config import Config
 from ironloop.data.bundle import DataBundle
 from ironloop.engine import build, fit as engine
 from ironloop.engine.fit import FitResult
+from ironloop.engine.schedule_notes import ignored_settings
+from ironloop.errors import speaking_python
 from ironloop.parallel.world import name_timeouts
 from ironloop.state import lock
 from ironloop.state.prepare import check_run_dir
@@ -67,7 +69,8 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
                         metrics=metrics, resume=resume, overwrite=overwrite,
                         allow_config_change=allow_config_change, from_config=from_config)
     # doctor.preflight null is fit()'s default: no preflight (ironloop train's is to run it)
-    return run_fit(cfg, model, data, given, doctor=cfg.doctor.preflight is True)
+    with speaking_python():  # errors and notices name fit()'s arguments, not the CLI's flags
+        return run_fit(cfg, model, data, given, doctor=cfg.doctor.preflight is True)
 
 
 def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given, *,
@@ -81,6 +84,8 @@ def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
     cfg = engine.resolved(cfg, data.train, given.step_fn, data.val,  # the one config from here
                           given.resume)
     main, run_dir = engine.is_rank0(), Path(cfg.run.dir)
+    for warning in ignored_settings(cfg) if main and given.scheduler is None else ():
+        print(warning)  # before anything runs: a key the schedule overrides changes nothing
     with contextlib.nullcontext() if run_dir_held else lock.hold(run_dir, main):
         if doctor:
             # The checks that can refuse run.dir come before the preflight writes doctor.json

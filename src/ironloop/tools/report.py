@@ -514,8 +514,9 @@ def write_html(run_dir: Path, found: list, images: list[Path], out: Path) -> Pat
     page.h2("Diagnosis")
     if not found:
         page.p("Nothing in the logs calls for attention.")
-    page.items([(f"{f.severity} ({f.check}):", f"{f.measured}. Likely cause: {f.cause}. "
-                 f"Fix: {f.fix}.") for f in found])
+    page.items([(f"{f.severity} ({f.check}):", f"{f.measured}." +
+                 (f" Likely cause: {f.cause}." if f.cause else "") +  # an info has neither
+                 (f" Fix: {f.fix}." if f.fix else "")) for f in found])
     for path in images:
         page.image(path)
     return page.write(out)

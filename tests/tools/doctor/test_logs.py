@@ -169,7 +169,7 @@ def test_the_diagnosis_section_lists_every_finding_or_says_nothing_calls_for_att
     assert logs.markdown([]) == "## Diagnosis\n\nNothing in the logs calls for attention.\n"
     assert logs.markdown([Finding("x", "warning", "m", "c", "f"), info("y", "n")]) == (
         "## Diagnosis\n\n- **warning** (x): m. *Likely cause:* c. *Fix:* f.\n"
-        "- **info** (y): n. *Likely cause:* . *Fix:* .\n")
+        "- **info** (y): n.\n")  # an info has no cause or fix to print
 
 
 def test_diagnose_logs_reads_every_log_of_a_run(tmp_path):

@@ -21,6 +21,8 @@ CLIP_SHARE = 0.5       # clipped steps in steady state (after the first 10% of s
 #: changes their step (Lion's sign does not change at all).
 ADAPTIVE = ("adam", "adamw", "adamax", "nadam", "radam", "sparseadam", "adagrad", "adadelta",
             "rmsprop", "adafactor", "lion", "lamb", "adan", "sophia")
+ZERO_LR = 0.01         # an LR at or below 1% of the run's peak trains (almost) nothing
+ZERO_LR_WINDOWS = 5    # ... over the last 5 log windows or more
 SLOWDOWN = 0.7         # last quarter's samples/s below 70% of the first quarter's
 AVERAGE_WORSE = 0.05   # the averaged weights' val loss 5% above the raw weights' at the end
 
@@ -33,7 +35,8 @@ def diagnose_logs(run_dir: Path | str) -> list[Finding]:
     evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
     cfg = load_mapping(run_dir / "config.yaml")[0]
     results = load_mapping(run_dir / "results.json")[0]
-    return [*non_finite_loss(metrics), *flat_loss(epochs, metrics), *overfitting(epochs),
+    return [*non_finite_loss(metrics), *(zero_lr(metrics) or flat_loss(epochs, metrics)),
+            *overfitting(epochs),
             *high_first_val_acc(epochs),
             *clipping(metrics, get_dotted(cfg, "clip.max_norm"), optimizer_name(cfg)),
             *throughput_drop(metrics, epochs, results), *average_worse(evals, cfg)]
@@ -77,6 +80,35 @@ def flat_loss(epochs: list[dict], metrics: list[dict]) -> list[Finding]:
                     "probabilities to a loss that expects logits (a loss stuck at log(C))",
                     "run `ironloop doctor CONFIG --lr-find` (dead_parameters, probabilities "
                     "and the LR range test)")]
+
+
+def zero_lr(metrics: list[dict]) -> list[Finding]:
+    """The run ends with ZERO_LR_WINDOWS or more log windows at an LR of at most ZERO_LR of its
+    peak while the loss stays flat: training that changed (almost) nothing. The usual cause is
+    a run extended on resume past its finite schedule (engine/schedule_notes.py)."""
+    rows = [(r["step"], lr, num(r.get("loss"))) for r in metrics
+            if (lr := num(r.get("lr"))) is not None and isinstance(r.get("step"), int)]
+    peak = max((lr for _, lr, _ in rows), default=0.0)
+    tail: list[tuple] = []
+    for row in reversed(rows):
+        if row[1] > ZERO_LR * peak:
+            break
+        tail.insert(0, row)
+    losses = [loss for *_, loss in tail if loss is not None]
+    if peak <= 0 or len(tail) < ZERO_LR_WINDOWS or not losses or \
+            min(losses) < (1 - FLAT) * losses[0]:
+        return []
+    return [Finding("flat_loss", "warning",
+                    f"the training loss is flat ({number(losses[0])} -> {number(losses[-1])}) "
+                    f"from step {tail[0][0]} to {tail[-1][0]}, where the LR is "
+                    f"{number(tail[-1][1])} ({tail[-1][1] / peak:.0%} of its peak "
+                    f"{number(peak)})",
+                    "those steps trained at (almost) no LR: a finite schedule (cosine, "
+                    "warmup_cosine, onecycle) ended before the run did, as when a resume "
+                    "extends train.max_steps or train.epochs (the schedule keeps the length it "
+                    "was built with), or optim.lr=0",
+                    "start a fresh run with the length you want (its schedule is built for it), "
+                    "or one with a schedule without an end (schedule.name=constant)")]
 
 
 def overfitting(epochs: list[dict]) -> list[Finding]:
@@ -226,6 +258,7 @@ def markdown(findings: list[Finding]) -> str:
         return "## Diagnosis\n\nNothing in the logs calls for attention.\n"
     lines = ["## Diagnosis", ""]
     for f in findings:
-        lines.append(f"- **{f.severity}** ({f.check}): {f.measured}. *Likely cause:* "
-                     f"{f.cause}. *Fix:* {f.fix}.")
+        cause = f" *Likely cause:* {f.cause}." if f.cause else ""  # an info has neither
+        fix = f" *Fix:* {f.fix}." if f.fix else ""
+        lines.append(f"- **{f.severity}** ({f.check}): {f.measured}.{cause}{fix}")
     return "\n".join(lines) + "\n"
