@@ -42,9 +42,9 @@ class Mutant:
 
 
 MUTANTS = (
-    Mutant("zero_grad_keeps_zeros", "engine/loop.py",
-           (("module.optimizer.zero_grad(set_to_none=True)",
-             "module.optimizer.zero_grad(set_to_none=False)"),),
+    Mutant("zero_grad_keeps_zeros", "engine/train_module.py",
+           (("            self.optimizer.zero_grad(set_to_none=True)\n\n",
+             "            self.optimizer.zero_grad(set_to_none=False)\n\n"),),
            ("tests/engine/test_loop.py::"
             "test_a_branch_unused_after_its_first_step_is_not_moved_by_adamw_again",),
            "a parameter unused in a window keeps a zero gradient, so AdamW still moves it"),
