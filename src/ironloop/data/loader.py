@@ -73,6 +73,14 @@ class TensorRows(Dataset):
         return [t.index_select(0, idx) for t in self.tensors]
 
 
+def is_sliced(dataset, collate_fn=None) -> bool:
+    """Whether ``make_loader`` batches ``dataset`` as index slices of in-memory tensors (a
+    TensorData, or a plain TensorDataset of any number of tensors, with no collate_fn of its
+    own): no per-sample path, so loader workers could only copy its slices between processes."""
+    return collate_fn is None and (isinstance(dataset, (TensorData, TensorRows))
+                                   or type(dataset) is TensorDataset)
+
+
 def as_tensor_data(dataset) -> TensorData | None:
     """The same tensors as a TensorData when ``dataset`` holds (inputs, targets) in memory.
 
