@@ -32,7 +32,7 @@ from _common import TINY, machine  # noqa: E402
 STANDALONE = ["tune_speedup", "chaos_remote"]
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
             "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
-            "lab_time", "remote_stall", "resume_check_time"]
+            "lab_time", "remote_stall", "resume_check_time", "one_tensor_step"]
 BEGIN = "<!-- benchmarks/run.py writes from here: edits below this line are overwritten -->"
 END = "<!-- benchmarks/run.py writes up to here -->"
 

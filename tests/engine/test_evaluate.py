@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.utils.data import Dataset
 
 import ironloop
@@ -199,3 +200,37 @@ def test_a_rank_that_owes_forwards_runs_them_on_one_sample_on_the_device(monkeyp
     assert len(seen) == 2
     for batch in seen:
         assert torch.equal(batch[0], data.x[:1]) and torch.equal(batch[1], data.y[:1])
+
+
+# -- evaluation on its own RNG stream (issue 59, item 8) --------------------------------------
+
+def _noisy_step(model, batch):
+    """A diffusion-like step: the loss depends on noise drawn from the global generator, in
+    training and in evaluation alike."""
+    x, y = batch
+    noise = torch.randn_like(x)
+    loss = torch.nn.functional.cross_entropy(model(x + noise), y)
+    return loss, {}
+
+
+def test_adding_val_data_leaves_a_random_drawing_steps_trajectory_unchanged(tmp_path):
+    # Evaluation used to draw its noise (and its loader's base seed) from the global stream,
+    # so the steps after it drew other noise: the weights moved once val_data was given.
+    trained = []
+    for name, val in (("plain", None), ("val", blobs(n=64, seed=1))):
+        model = tiny_mlp()
+        ironloop.fit(model, blobs(), val, cfg(tmp_path / name, train__epochs=3,
+                                              eval__every_steps=2), step_fn=_noisy_step)
+        trained.append(model.state_dict())
+    for key, value in trained[0].items():
+        assert torch.equal(value, trained[1][key]), key
+    assert len(read_jsonl(tmp_path / "val/run/evals.jsonl")) > 3
+
+
+def test_every_evaluation_of_a_split_draws_the_same_noise(tmp_path):
+    # lr 0: the weights never move, so evaluations that drew the same noise score the same
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
+                 cfg(tmp_path, train__epochs=3, eval__every_steps=2), step_fn=_noisy_step,
+                 optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    losses = [e["val_loss"] for e in read_jsonl(tmp_path / "run/evals.jsonl")]
+    assert len(losses) > 3 and len(set(losses)) == 1, losses

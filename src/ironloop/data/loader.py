@@ -51,6 +51,36 @@ class TensorData(Dataset):
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 
+class TensorRows(Dataset):
+    """A plain ``TensorDataset`` of one tensor or of three and more (a diffusion model's or a
+    GAN's images alone; inputs, masks and targets), batched as TensorData is: one
+    ``index_select`` per tensor, in place of N ``__getitem__`` and a collate. A batch is the
+    list default_collate makes of the same samples, so a step sees what the DataLoader gave."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices) -> list[torch.Tensor]:
+        """``indices``: a list of ints, or a 1-D index tensor (the loop's sliced path)."""
+        idx = indices if isinstance(indices, torch.Tensor) \
+            else torch.as_tensor(indices, dtype=torch.long)
+        return [t.index_select(0, idx) for t in self.tensors]
+
+
+def is_sliced(dataset, collate_fn=None) -> bool:
+    """Whether ``make_loader`` batches ``dataset`` as index slices of in-memory tensors (a
+    TensorData, or a plain TensorDataset of any number of tensors, with no collate_fn of its
+    own): no per-sample path, so loader workers could only copy its slices between processes."""
+    return collate_fn is None and (isinstance(dataset, (TensorData, TensorRows))
+                                   or type(dataset) is TensorDataset)
+
+
 def as_tensor_data(dataset) -> TensorData | None:
     """The same tensors as a TensorData when ``dataset`` holds (inputs, targets) in memory.
 
@@ -215,22 +245,26 @@ class EvalSampler(EpochSampler):
 
 def make_loader(dataset: Dataset, sampler: EpochSampler, *, num_workers: int, pin_memory: bool,
                 collate_fn=None, seed_samples: bool = True, persistent: bool = False):
-    """The batches of the sampler's epoch from its offset: index slices of a TensorData in this
-    process, else a DataLoader, with its own generator.
+    """The batches of the sampler's epoch from its offset: index slices of in-memory tensors
+    (a TensorData, a plain TensorDataset) in this process, else a DataLoader, with its own
+    generator.
 
     ``seed_samples``: each sample is loaded right after seeding python, numpy and torch from
     (seed, epoch, index) (``data/seeding.py``), so random augmentation is the same whatever the
-    worker, the number of workers or the resume point. A TensorData holds no randomness and is
-    not wrapped. ``persistent``: the DataLoader is meant to be iterated once per epoch, and its
-    workers stay up between epochs (the sampler lives in this process, so each ``iter()`` reads
-    its current epoch and offset).
+    worker, the number of workers or the resume point. A TensorData, or a plain TensorDataset
+    of any number of tensors, holds no randomness and is not wrapped. ``persistent``: the
+    DataLoader is meant to be iterated once per epoch, and its workers stay up between epochs
+    (the sampler lives in this process, so each ``iter()`` reads its current epoch and offset).
 
     The generator matters: creating a DataLoader iterator draws a base seed for its workers, and
     without a generator of its own that draw comes from the global torch RNG, which would then
     differ between an uninterrupted run and a resumed one.
     """
     batches: EpochSampler | KeyedBatches = sampler
-    if collate_fn is None and isinstance(dataset, TensorData):
+    if collate_fn is None and type(dataset) is TensorDataset:
+        # No plain TensorDataset draws a random number: no per-sample seeding to pay for.
+        dataset = TensorRows(dataset.tensors)
+    if collate_fn is None and isinstance(dataset, (TensorData, TensorRows)):
         if num_workers == 0:
             return _sliced(dataset, sampler, pin_memory)
         collate_fn = _already_collated
@@ -293,12 +327,12 @@ class EpochLoader:
         self._loader = self._it = None
 
 
-def _sliced(dataset: TensorData, sampler: EpochSampler, pin_memory: bool):
-    """A TensorData's batches without a DataLoader: the same batches, minus its per-batch
+def _sliced(dataset: TensorData | TensorRows, sampler: EpochSampler, pin_memory: bool):
+    """In-memory tensors' batches without a DataLoader: the same batches, minus its per-batch
     bookkeeping and the index list round trip, which cost a tiny model a tenth of its step."""
     for idx in sampler.index_batches():
-        batch = dataset.__getitems__(idx)
-        yield tuple(t.pin_memory() for t in batch) if pin_memory else batch
+        batch: tuple | list = dataset.__getitems__(idx)
+        yield type(batch)(t.pin_memory() for t in batch) if pin_memory else batch
 
 
 def batch_size_of(batch) -> int:

@@ -11,6 +11,7 @@ import torch
 from ironloop.callbacks import fire
 from ironloop.data.counting import counted
 from ironloop.data.loader import EvalSampler, make_loader, to_device
+from ironloop.data.seeding import derive_seed
 from ironloop.data.source import EvalBatching, eval_loader, eval_sampler
 from ironloop.data.workers import iterating
 from ironloop.engine.run import Run
@@ -19,6 +20,7 @@ from ironloop.engine.tokens import perplexity
 from ironloop.errors import ConfigError
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import sum_over_ranks
+from ironloop.state.rng import preserved_rng, seed_everything
 
 
 def timed_evaluation(run: Run) -> tuple[dict[str, float], bool]:
@@ -109,12 +111,21 @@ def evaluate(run: Run, dataset, split: str = "val",
              model: torch.nn.Module | None = None) -> dict[str, float]:
     """Mean loss and metrics over a dataset (the run's ``split``, batched as its DataLoader
     said), in eval mode (``model``: the raw weights by default); restores the previous mode,
-    also when the step raises."""
+    also when the step raises.
+
+    Evaluation draws from a stream of its own: the global generators (python, numpy, torch's
+    CPU and CUDA ones) are put back afterwards, so adding ``val_data`` leaves a step that draws
+    random numbers (a diffusion model's noise and timesteps) on the trajectory it had without
+    it, and an exact resume needs no evaluation replayed. Inside, they are seeded from (seed,
+    split, rank): every evaluation of a split draws the same noise, so its losses compare
+    across evaluations, and a resumed run's evaluations match the uninterrupted run's."""
     model = run.module.raw_model if model is None else model
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(run, dataset, split, model)
+        with preserved_rng():
+            seed_everything(derive_seed(run.cfg.run.seed, "evaluation", split, run.world.rank))
+            return _evaluate(run, dataset, split, model)
     finally:
         model.train(was_training)
 

@@ -26,6 +26,7 @@ from torch import nn
 from ironloop.callbacks import fire
 from ironloop.config import Config
 from ironloop.data.bundle import DataBundle
+from ironloop.data.loader import is_sliced
 from ironloop.data.source import open_data, resolve_batch_size
 from ironloop.engine import build, evaluate, loop, optim, step_fns
 from ironloop.engine.oom import out_of_memory
@@ -230,7 +231,8 @@ def settings_of(run: Run) -> RunSettings:
         optimizer_class=optim.foreign(module.optimizer, cfg.optim),
         checkpoint_async=cfg.checkpoint.async_write,
         checkpoint_every_steps=cfg.checkpoint.every_steps, precision=module.precision,
-        bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported())
+        bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported(),
+        sliced=is_sliced(run.data.train, run.data.collate_fn))
 
 
 def _results(run: Run, test: dict, train_seconds: float, restored: bool,

@@ -63,6 +63,7 @@ class RunSettings:
     checkpoint_every_steps: int = 0  # 0: at epoch ends only
     precision: str = "fp32"
     bf16_open: bool = False       # this device runs bf16 natively (CUDA with bf16 support)
+    sliced: bool = False          # batches are index slices of in-memory tensors (loader.py)
 
 
 def advice(total: dict[str, float], run: RunSettings) -> list[str]:
@@ -83,6 +84,10 @@ def _data_advice(data: float, run: RunSettings) -> str:
     if data <= 0.10:
         return ""
     steps, workers = [], run.num_workers
+    if run.sliced:  # one index_select per tensor: workers would only pickle the slices
+        return (f"data wait is {100 * data:.0f}% of step time: the batches are already slices "
+                f"of in-memory tensors, which loader workers would only copy between processes;"
+                f" a larger train.batch_size spreads the per-batch cost over more samples")
     if run.num_workers < run.cores:
         steps.append(f"raise data.num_workers (now {run.num_workers}; {run.cores} cores)")
         workers = max(run.num_workers + 1, min(run.cores, 2))  # the workers that would run

@@ -263,3 +263,22 @@ def test_the_loader_fix_asks_for_workers_in_proportion_within_the_cores(monkeypa
     assert data_checks.loader_fix(s, 2.0, 1.0).endswith(
         f", or make __getitem__ cheaper; `{data_checks.tune_command()}` measures which is "
         f"fastest")
+
+
+def test_a_leakage_share_found_among_capped_reads_names_what_it_read():
+    # The preflight hashes the first `cap` samples of data not in memory: 1 of 4 test names
+    # among the first 4 of 12 training ones is a lower bound, not the split's share (issue 59).
+    names = [(torch.tensor([float(i)]), 0) for i in range(12)]
+    s = make(train=list(names), val=None)
+    s.test = [names[10], names[2], (torch.tensor([50.0]), 0), names[11], names[7]]
+    (f,) = data_checks.check_leakage(s, cap=4)
+    assert f.measured == ("1 of 4 of 5 test samples (25.0%) appear among the 4 of 12 train "
+                          "samples read (a lower bound: `ironloop doctor CONFIG` reads every "
+                          "sample), e.g. test[1]=train[2]")
+    (f,) = data_checks.check_leakage(s)  # everything read: the split's own share
+    assert f.measured == ("4 of 5 test samples (80.0%) also appear in train, e.g. "
+                          "test[0]=train[10], test[1]=train[2], test[3]=train[11], "
+                          "test[4]=train[7]")
+    s.test = [(torch.tensor([50.0]), 0)] * 5
+    assert data_checks.check_leakage(s, cap=4) == [
+        info("leakage", "train/test: no duplicated inputs among 4 of 12 x 4 of 5 samples read")]

@@ -130,11 +130,14 @@ def _hashes(dataset, cap: int | None) -> list[bytes]:
 
 
 def check_leakage(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
-    """6. Samples whose inputs appear in both train and val (or train and test)."""
+    """6. Samples whose inputs appear in both train and val (or train and test). The share is
+    over the samples read: with a cap (the preflight) only the first ``cap`` samples of a split
+    not in memory are hashed, so a share found among them is a lower bound, and it says so."""
     if s.train is None:
         return []
+    hashed = _hashes(s.train, cap)
     train: dict[bytes, int] = {}
-    for i, h in enumerate(_hashes(s.train, cap)):
+    for i, h in enumerate(hashed):
         train.setdefault(h, i)
     out = []
     for split, data in (("val", s.val), ("test", s.test)):
@@ -142,19 +145,28 @@ def check_leakage(s: DoctorSubject, cap: int | None = None) -> list[Finding]:
             continue
         hashes = _hashes(data, cap)
         dup = [(i, train[h]) for i, h in enumerate(hashes) if h in train]
+        whole = len(hashed) == len(s.train) and len(hashes) == len(data)
         if not dup:
-            out.append(info("leakage", f"train/{split}: no duplicated inputs among "
-                            f"{len(train)} x {len(hashes)} samples"))
+            among = f"{len(train)} x {len(hashes)} samples" if whole else \
+                f"{_read(hashed, s.train)} x {_read(hashes, data)} samples read"
+            out.append(info("leakage", f"train/{split}: no duplicated inputs among {among}"))
             continue
         pairs = ", ".join(f"{split}[{a}]=train[{b}]" for a, b in dup[:5])
+        among = "also appear in train" if whole else (
+            f"appear among the {_read(hashed, s.train)} train samples read (a lower bound: "
+            f"`ironloop doctor CONFIG` reads every sample)")
         out.append(Finding("leakage", "error",
-                           f"{len(dup)} of {len(hashes)} {split} samples "
-                           f"({100 * len(dup) / len(hashes):.1f}%) also appear in train, e.g. "
-                           f"{pairs}",
+                           f"{len(dup)} of {_read(hashes, data)} {split} samples "
+                           f"({100 * len(dup) / len(hashes):.1f}%) {among}, e.g. {pairs}",
                            f"duplicated samples across the split: {split} scores will be "
                            f"optimistic (the model is graded on data it trained on)",
                            f"deduplicate before splitting, or drop these samples from {split}"))
     return out
+
+
+def _read(hashes: list[bytes], dataset) -> str:
+    """How many of a split's samples were hashed: 'N', or 'M of N' when the cap cut it."""
+    return f"{len(hashes)}" if len(hashes) == len(dataset) else f"{len(hashes)} of {len(dataset)}"
 
 
 def _loader_seconds_per_batch(s: DoctorSubject, max_batches: int, budget: float) -> float:
