@@ -112,7 +112,7 @@ def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(t
     assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
     assert all(r > 1 for r in won.pairs["ratios"])
     assert result.speedup == pytest.approx(won.pairs["median"], rel=1e-3)
-    assert "x base" in out and "run time at 2 epochs" in out and "chosen (paired against" in out
+    assert "x base" in out and "run time at 2 epochs" in out and "chosen (" in out
     doc = json.loads((tmp_path / "run/tune.json").read_text())
     assert doc["chosen"] == result.chosen and doc["speedup"] == pytest.approx(result.speedup,
                                                                                rel=1e-3)
@@ -634,26 +634,31 @@ def test_a_tune_applies_the_free_winners_and_reports_the_trajectory_ones(fabrica
     assert {id(s) for s in trial_log.subjects} == {id(fabricated)}
     threads, compiled = {"run.threads": 1}, {"run.threads": 1, "train.compile": True}
     bf16 = {"run.threads": 1, "train.precision": "bf16"}
+    compile_only = {"train.compile": True}
     micro = {"run.threads": 1, "train.batch_size": 8, "train.accumulation_steps": 1}
     assert [call[0] for call in trial_log.calls] == [
         {}, {},  # the probe, the baseline
-        threads, *[{}, threads, threads, {}] * 2,  # the screen, then the pairs
+        threads,  # 2x, every window: kept on, its pairs held for the end
         bf16, *[threads, bf16, bf16, threads] * 2,
         micro,  # within noise: no pairs
-        compiled, *[threads, compiled, compiled, threads] * 2]
+        compiled, *[threads, compiled, compiled, threads] * 2,  # 1.22x: not clear, paired
+        *[compile_only, compiled, compiled, compile_only] * 2]  # the kept threads confirmed
     assert result.chosen == {"run.threads": 1, "train.compile": True}
     assert result.trajectory == {"train.precision": "bf16"} and not result.applied_trajectory
     assert result.config.to_dict() == fabricated.cfg.with_overrides(result.chosen).to_dict()
     # 12,800 samples: 128 s, 64 s with one thread, 12,800 / 300 + 10 s compiled
+    # (the kept threads' gain is their confirmation's: on top of the compile, 12,800 / 150 + 10 s
+    # against compiled_s)
     compiled_s = 12800 / 300 + 10.0
-    assert result.speedup == pytest.approx(2.0 * 64 / compiled_s)
+    threads_gain = (12800 / 150 + 10.0) / compiled_s
+    assert result.speedup == pytest.approx(threads_gain * 64 / compiled_s)
     assert [(r.setting, r.status, r.won) for r in result.rows] == [
         ("data.num_workers", "skipped", False), ("run.threads=1", "ok", True),
         ("train.precision=bf16", "ok", True),
         ("train.batch_size=8 train.accumulation_steps=1", "ok", False),
         ("train.compile=true", "ok", True)]
     _, one, half, batch, compile_row = result.rows
-    assert (one.gain, half.gain) == (2.0, 1.5)
+    assert (one.gain, half.gain) == (pytest.approx(threads_gain), 1.5) and one.kept
     assert compile_row.gain == pytest.approx(64 / compiled_s)
     assert batch.note == "BatchNorm: NOT the same trajectory (it normalises each micro-batch)"
     assert batch.verdict == "within noise of run.threads=1"
@@ -698,18 +703,20 @@ def _starts(trial_log):
     return [1000.0 + i * trial_log.cost for i in range(len(trial_log.calls))]
 
 
-@pytest.mark.parametrize(("budget", "after", "trials"), [(52.0, 1.0 + 5.0, 1 + 4 * 2),
-                                                       (52.25, 31.25, 1)])
+@pytest.mark.parametrize(("budget", "after", "compiled_n", "others"),
+                         [(52.0, 1.0 + 5.0, 1 + 4 + 8, 4), (52.25, 39.25, 1, 8)])
 def test_a_compile_reserve_is_held_only_beyond_a_trials_share(fabricated, trial_log, clock,
-                                                               budget, after, trials):
-    # 21 trials of 1 s before the compile's: 31 s left is 30 s of reserve and a trial's 1 s,
-    # not more: no reserve, and the compile's trials have a trial's deadline, 1 s + 5 at least;
-    # 31.25 s left holds it, and the deadline is the budget's end (with no room for pairs)
+                                                               budget, after, compiled_n, others):
+    # 13 trials of 1 s before the compile's, and 8 s held for the kept threads' pairs: 31 s
+    # beyond those is 30 s of reserve and a trial's 1 s, not more: no reserve, the compile's
+    # trials have a trial's deadline (1 s + 5 at least), its 4 pairs run and the confirmation's
+    # 8 trials all compile; 31.25 s holds it, the deadline is the budget's end, no room is left
+    # for the compile's pairs, and the threads are confirmed alone (8 trials)
     tune_mod.run_tune(fabricated, budget, "off")
     compiled = [call[2] - start for call, start in zip(trial_log.calls, _starts(trial_log))
                 if "train.compile" in call[0]]
-    pairs = [call for call in trial_log.calls[21:] if "train.compile" not in call[0]]
-    assert compiled[0] == after and len(compiled) + len(pairs) == trials
+    rest = [call for call in trial_log.calls[13:] if "train.compile" not in call[0]]
+    assert compiled[0] == after and (len(compiled), len(rest)) == (compiled_n, others)
 
 
 def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeypatch):

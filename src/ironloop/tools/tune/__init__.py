@@ -42,16 +42,8 @@ from ironloop.engine.precision import resolve_device
 from ironloop.errors import ConfigError, UserError
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.models import model_for
-from ironloop.tools.tune import output
-from ironloop.tools.tune.rows import (
-    Row,
-    compile_rows,
-    loader_extra_rows,
-    loader_rows,
-    micro_batch_rows,
-    pin_rows,
-    precision_rows,
-)
+from ironloop.tools.tune import output, spend
+from ironloop.tools.tune.rows import Row, loader_rows
 from ironloop.tools.tune.stop import clean_stale, stop_on_signals
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed, run_trial
 
@@ -148,6 +140,8 @@ class Tuner:
 
     pairs = PAIRS  # paired runs a winner must win (tune.json's info says how many)
 
+    reserved = 0.0  # seconds held for the kept settings' confirmation
+
     def __init__(self, subject: Subject, budget: float, bar):
         self.subject, self.bar = subject, bar
         self.started = time.perf_counter()
@@ -200,11 +194,13 @@ class Tuner:
         """Measure one row (a screen), unless the budget left, less ``hold_s`` kept for the
         paired runs, cannot fit it."""
         row.base = dict(base)
+        row.est_s = cost = spend.row_cost(self.est_s, extra_s)  # before it starts
+        hold_s += self.reserved
         if row.status == "skipped":
             pass
-        elif self.left() - hold_s < self.est_s + extra_s:
+        elif self.left() - hold_s < cost:
             held = f", {hold_s:.0f} s of them held for the paired runs" if hold_s else ""
-            row.status, row.reason = "skipped", (f"budget: needs ~{self.est_s + extra_s:.0f} s, "
+            row.status, row.reason = "skipped", (f"budget: needs ~{cost:.0f} s, "
                                                  f"{max(0.0, self.left()):.0f} s left{held}")
         else:
             self.bar.set_description(row.setting)
@@ -234,11 +230,14 @@ class Tuner:
         starts = self.epochs if per_epoch and not cfg.train.compile else 1
         return self.samples / m.samples_per_s + starts * m.extra_s
 
-    def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0) -> Row | None:
+    def group(self, rows: list[Row], current: dict, best: Row, extra_s: float = 0.0,
+              keep: bool = False) -> Row | None:
         """Run the rows on top of ``current`` (the screen); the fastest ones that project more
         than NOISE faster than ``best`` are measured in pairs, fastest first: the first against
         ``current``, each after a winner against the winner. The last to win its pairs is the
-        group's winner (a screen is one measurement: its order may be the load's)."""
+        group's winner (a screen is one measurement: its order may be the load's). With
+        ``keep``, a fastest row that screened clearly faster (spend.clearly_faster) is returned
+        ``kept`` instead, without pairs: ``confirm`` pairs the kept rows together."""
         # A screen is one measurement, so nothing wins without its paired runs: once a row
         # has screened faster, the screen leaves the budget its pairs need (on an H200, a
         # 60 s budget screened every row and left none, and a 3.5x faster num_workers went
@@ -252,6 +251,8 @@ class Tuner:
         for r in ok:
             r.verdict = _verdict(r, best)
         contenders = sorted((r for r in ok if _screened_faster(r, best)), key=lambda r: r.run_s)
+        if keep and contenders and spend.clearly_faster(contenders[0], best):
+            return self._keep(contenders, best, extra_s)
         for r in contenders[CONFIRMS:]:
             r.verdict = "faster, but other settings were faster still"
         winner: Row | None = None
@@ -275,19 +276,60 @@ class Tuner:
             winner = r
         return winner
 
-    def _pairs(self, a: dict, b: dict, extra_s: float) -> Paired:
+    def _keep(self, contenders: list[Row], best: Row, extra_s: float) -> Row:
+        """The clearly fastest row stays on for the next screens; the budget now holds the
+        paired runs that will confirm it with the other kept rows."""
+        top = contenders[0]
+        top.kept, top.gain = True, best.run_s / top.run_s  # the screen's gain, until confirmed
+        top.verdict = (f"kept on for the next screens (screened {best.run_s / top.run_s:.2f}x "
+                       f"faster than {_name(best if best.overrides else None, 'the config')}, "
+                       f"clearly: every window faster); to be confirmed in pairs")
+        for r in contenders[1:]:
+            r.verdict = f"faster, but {top.setting} was clearly faster"
+        # One confirmation for all kept rows: the largest extra (a compile) is the one held.
+        self.reserved = max(self.reserved, spend.confirm_cost(self.est_s, PAIRS, extra_s))
+        return top
+
+    def confirm(self, chosen: dict, kept: list[Row], extra_s: float = 0.0) -> dict:
+        """Paired runs of ``chosen`` (the settings that won their own pairs, on top of the kept
+        ones) against ``chosen`` plus the kept rows; if the combination does not win them, the
+        last kept row is dropped and the rest paired again, while the budget holds. Returns the
+        free overrides to apply: nothing kept is applied unconfirmed."""
+        self.reserved = 0.0  # what was held is now spent
+        chosen_rows = [r for r in self.rows if r.won and r.kind == "free"]
+        kept = list(kept)
+        while kept:
+            combo = {**chosen, **{k: v for r in kept for k, v in r.overrides.items()}}
+            verdict = self._pairs(chosen, combo, extra_s, extra_s)
+            if verdict.wins:
+                ratios = [r.gain for r in kept]  # each one's screened gain
+                for r, gain in zip(kept, spend.apportion(kept, ratios, verdict.median)):
+                    r.won, r.gain, r.pairs = True, gain, {**verdict.to_dict(), "against": chosen}
+                    r.verdict = (f"chosen (kept, then {_names(kept)} paired against "
+                                 f"{_names(chosen_rows) or 'the config'}: "
+                                 f"median {verdict.median:.2f}x, {verdict.spread[0]:.2f}-"
+                                 f"{verdict.spread[1]:.2f}x, {verdict.why})")
+                return combo
+            last = kept.pop()
+            last.kept, last.pairs = False, {**verdict.to_dict(), "against": chosen}
+            last.verdict = (f"kept for the screens, but the combination with it was not faster "
+                            f"in the paired runs ({verdict.why}; "
+                            f"{_ratios(verdict.ratios)})")
+        return chosen
+
+    def _pairs(self, a: dict, b: dict, extra_s: float, extra_a: float = 0.0) -> Paired:
         """Up to PAIRS interleaved measurements of config ``a`` (A) and ``b`` (B), in the order
         A B, B A, A B, B A; stops at the first pair that says B is not faster, since the rule
         needs them all."""
         ratios: list[float] = []
         for i in range(PAIRS):
-            if self.left() < 2 * self.est_s + extra_s:
+            if self.left() - self.reserved < 2 * self.est_s + extra_s + extra_a:
                 break  # the budget holds: fewer pairs than PAIRS never win
             try:
                 if i % 2 == 0:
-                    ma, mb = self.measure(a), self.measure(b, extra_s)
+                    ma, mb = self.measure(a, extra_a), self.measure(b, extra_s)
                 else:
-                    mb, ma = self.measure(b, extra_s), self.measure(a)
+                    mb, ma = self.measure(b, extra_s), self.measure(a, extra_a)
             except TrialFailed as e:
                 return Paired(ratios, False, 1.0, (1.0, 1.0), f"a paired trial failed: {e}")
             ratios.append(self.projected(ma, a) / self.projected(mb, b))
@@ -349,6 +391,10 @@ def _name(row: Row | None, default: str) -> str:
     return row.setting if row is not None else default
 
 
+def _names(rows: list[Row]) -> str:
+    return " + ".join(r.setting for r in rows)
+
+
 def _ratios(ratios: list[float]) -> str:
     return "ratios " + ", ".join(f"{r:.2f}" for r in ratios) if ratios else "no pairs"
 
@@ -369,31 +415,32 @@ def run_tune(subject: Subject, budget: float,
     with preserved_rng(), output.progress_bar(progress, budget) as bar:
         tuner = Tuner(subject, budget, bar)
         baseline = tuner.start(
-            planned_rows=len(loader_rows(subject, {})) + 5)
-        current: dict = {}
-        best = baseline
-        # Each group's rows are built on top of the winners so far; workers and threads are
-        # one group, since they share the cores.
-        for make_rows in (lambda cur: loader_rows(subject, cur),
-                          lambda cur: loader_extra_rows(subject, cur),
-                          lambda cur: pin_rows(subject, device)):
-            winner = tuner.group(make_rows(current), current, best)
-            if winner is not None:
-                current, best = {**current, **winner.overrides}, winner
-        model = subject.make_model()
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                     for m in model.modules())
-        trajectory = {}
-        for rows in (precision_rows(subject, device), micro_batch_rows(subject, has_bn)):
-            winner = tuner.group(rows, current, best)
-            if winner is not None:
-                trajectory.update(winner.overrides)
-        tuner.largest_fit(current, device)
-        reserve = COMPILE_RESERVE if tuner.left() > COMPILE_RESERVE + tuner.est_s else 0.0
-        winner = tuner.group(compile_rows(subject, baseline.run_s), current, best,
-                             extra_s=reserve)
-        if winner is not None:
-            current = {**current, **winner.overrides}
+            planned_rows=len(loader_rows(subject, {})) + 6)
+        current: dict = {}   # free settings chosen in their own pairs
+        kept: list[Row] = []  # free settings kept on from a clear screen, not yet confirmed
+        best, trajectory, extra_on = baseline, {}, 0.0
+        groups = spend.groups(subject, device, baseline.run_s, lambda: (
+            COMPILE_RESERVE if tuner.left() - tuner.reserved > COMPILE_RESERVE + tuner.est_s
+            else 0.0))
+        for g in spend.order(groups, baseline.measured.time_split):
+            for make_rows in g.makers:
+                on = {**current, **{k: v for r in kept for k, v in r.overrides.items()}}
+                extra_s = g.extra_s()
+                winner = tuner.group(make_rows(on), on, best, extra_s, keep=g.kind == "free")
+                if winner is None:
+                    continue
+                if g.kind == "trajectory":
+                    trajectory.update(winner.overrides)  # reported; never on for the screens
+                    continue
+                extra_on = max(extra_on, extra_s)  # a compile on: its reserve in the pairs
+                if winner.kept:
+                    kept.append(winner)
+                else:
+                    current = {**current, **winner.overrides}
+                best = winner
+        tuner.largest_fit({**current, **{k: v for r in kept for k, v in r.overrides.items()}},
+                          device)
+        current = tuner.confirm(current, kept, extra_on)
     return tuner, current, trajectory
 
 

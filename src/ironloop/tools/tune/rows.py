@@ -35,6 +35,9 @@ class Row:
     won: bool = False                 # chosen (free) or the second table's winner
     gain: float = 1.0                 # a winner's run-time gain over what it replaced: the
                                       # median of its paired ratios
+    kept: bool = False                # screened clearly faster: on for the next screens, then
+                                      # confirmed with the others kept (spend.py)
+    est_s: float | None = None        # its expected seconds, estimated before it started
 
     @property
     def measured(self) -> Measure:
@@ -63,6 +66,10 @@ class Row:
             out["pairs"] = self.pairs
         if self.won:
             out["gain"] = round(self.gain, 4)
+        if self.kept:
+            out["kept"] = True
+        if self.est_s is not None:
+            out["est_s"] = round(self.est_s, 2)
         return out
 
 
@@ -154,6 +161,15 @@ def precision_rows(subject: Subject, device: torch.device) -> list[Row]:
     return [Row(f"train.precision={p}", {"train.precision": p}, kind="trajectory",
                 note="fp16 with a GradScaler" if p == "fp16" else "autocast, no scaler")
             for p in options if p != current]
+
+
+def cuda_graph_rows(subject: Subject, device: torch.device) -> list[Row]:
+    """CUDA only: the whole step replayed from one graph (engine/cuda_graph.py). A config it
+    cannot capture (compile on, a closure optimizer...) fails its trial, and the row says why."""
+    if device.type != "cuda" or subject.cfg.train.cuda_graph:
+        return []
+    return [Row("train.cuda_graph=true", {"train.cuda_graph": True},
+                note="the same step, replayed from a CUDA graph")]
 
 
 def _cpu_has_bf16() -> bool:
