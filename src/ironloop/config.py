@@ -10,6 +10,7 @@ twice: ``config_fields.load_yaml``) and coerced to the field type.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from ironloop.errors import ConfigError
 
 #: The most threads or loader processes one run may start (a typo's millions fork-bomb).
 MAX_PROCS = 1024
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesystems
 
 
 @dataclass
@@ -45,6 +47,12 @@ class RunConfig(Section):
         if not 0 <= self.threads <= MAX_PROCS:
             # torch.set_num_threads takes any count; OpenMP then crashes the run (SIGSEGV)
             self._bad("threads", f"must be in [0, {MAX_PROCS}] (0 = torch's default)")
+        if not self.dir.strip():  # as from run.dir=$UNSET: it trained into the current directory
+            self._bad("dir", "is empty; name the run's output directory, e.g. run.dir=runs/a")
+        long = [part for part in self.dir.split("/") if len(os.fsencode(part)) > NAME_MAX]
+        if long:  # the lock's open failed with a traceback (ENAMETOOLONG)
+            self._bad("dir", f"has a component of {len(os.fsencode(long[0]))} bytes "
+                      f"({long[0][:24]}...); a file name may have at most {NAME_MAX}: shorten it")
 
 
 @dataclass

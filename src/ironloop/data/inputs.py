@@ -37,6 +37,11 @@ def map_style(data, what: str) -> MapData:
     if isinstance(data, DataLoader):
         return _from_loader(data, what)
     if isinstance(data, (tuple, list)) and len(data) == 2:
+        if any(isinstance(d, (Dataset, DataLoader)) or is_hf_dataset(d) for d in data):
+            # [val_a, val_b] read as (inputs, targets): a traceback deep in the evaluation
+            raise UserError(f"{what} is a {type(data).__name__} of datasets, not an (inputs, "
+                            f"targets) pair; pass one dataset, or several validation sets as "
+                            f"a dict {{name: dataset}}")
         return MapData(TensorData(torch.as_tensor(data[0]), torch.as_tensor(data[1])))
     if is_hf_dataset(data):
         return MapData(data.with_format("torch") if data.format["type"] is None else data)
@@ -62,6 +67,10 @@ def _from_loader(loader: DataLoader, what: str) -> MapData:
         raise UserError(f"{what}: the DataLoader's batch_sampler "
                         f"({type(loader.batch_sampler).__name__}) cannot be resumed mid-epoch "
                         f"by ironloop; pass sampler=... and batch_size=... instead")
+    if loader.batch_sampler is None:  # batch_size=None: each "batch" one unbatched sample
+        raise UserError(f"{what}: a DataLoader with batch_size=None yields single samples, "
+                        f"not batches (ironloop batches by train.batch_size); pass "
+                        f"batch_size=N, or the dataset itself")
     sampler = loader.sampler
     if is_hf_dataset(dataset):
         return MapData(map_style(dataset, what).dataset, _own_collate(loader),

@@ -41,7 +41,9 @@ from ironloop.outputs.time_split import RunSettings, table
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import (
     all_reduce_sum,
+    check_env,
     collective_timeout,
+    env_int,
     env_world_size,
     init_from_env,
     shutdown,
@@ -144,6 +146,7 @@ def resolved(cfg: Config, train_data, step_fn, val_data=None, resume=False) -> C
     the run's global batch (state/global_batch.py), the LM step reports perplexity, and with
     several validation sets the default early_stop.metric (val_loss) is the first set's loss.
     Written once, to config.yaml and into every checkpoint."""
+    check_env()  # WORLD_SIZE=two, or set without MASTER_ADDR: one line before anything
     cfg = resolve_batch_size(cfg, train_data)
     peeked = Checkpointer(RunDir(cfg.run.dir)).peek(resume) if resume else None
     cfg = global_batch.keep(cfg, env_world_size(), peeked.state if peeked else None)
@@ -177,7 +180,7 @@ def _train(run: Run) -> None:
 
 
 def _env_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return env_int("LOCAL_RANK", 0)
 
 
 def _finish(run: Run, started: float) -> FitResult:

@@ -34,6 +34,8 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     optim.lr, optim.weight_decay and optim.fused/foreach where its constructor takes them,
     optim.args, and torch's defaults for the rest."""
     cls = _class_of(cfg.name)
+    if cls is torch.optim.SparseAdam:
+        _refuse_dense(model)
     takes = inspect.signature(cls).parameters
     groups = param_groups(model, cfg.weight_decay, cfg.decay_bias_and_norm) \
         if "weight_decay" in takes else [p for p in model.parameters() if p.requires_grad]
@@ -53,6 +55,18 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
         raise ConfigError(f"optim.name={cfg.name} with optim.args={cfg.args}: "
                           f"{str(e).splitlines()[0]}; see help(torch.optim.{cls.__name__})"
                           ) from None
+
+
+def _refuse_dense(model: nn.Module) -> None:
+    """SparseAdam steps only sparse gradients: refused before training, not at the first step
+    (RuntimeError: SparseAdam does not support dense gradients)."""
+    sparse = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+              and m.sparse for p in m.parameters()}
+    dense = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in sparse]
+    if dense:
+        raise ConfigError(f"optim.name=SparseAdam steps sparse gradients only, and parameter "
+                          f"{dense[0]!r} (of {len(dense)}) gets a dense one; use optim.name=adam "
+                          f"or adamw, or pass an optimizer of your own to fit()")
 
 
 def _fused_fits(model: nn.Module) -> bool:

@@ -140,6 +140,7 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
                                                             torch.Tensor):
             x, y = batch, batch.y  # a graph batch: the model reads its x, edge_index, batch
         else:
+            _refuse_extra_items(batch)
             x, y = batch[0], batch[1]
         try:
             out = model(x)
@@ -153,6 +154,10 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
             if not _is_shape_error(e):
                 raise
             raise misfit(out, y, e) from None
+        if isinstance(loss, torch.Tensor) and loss.ndim:  # shape only: no host-device sync
+            raise UserError(f"loss_fn returned a Tensor{list(loss.shape)}, one loss per sample "
+                            f"or element; it must return one number: reduce it (.mean(), or "
+                            f"the loss's reduction='mean')")
         if model.training:
             return loss, {}
         metrics = {} if y.is_floating_point() or out.ndim != 2 else \
@@ -163,6 +168,16 @@ def classification_step(loss_fn, feed_metrics: bool = False) -> StepFn:
 
     step.samples_first = True  # type: ignore[attr-defined]  # reads batch[0] as the inputs
     return step
+
+
+def _refuse_extra_items(batch) -> None:
+    """A dataset returning (x, y, w): the default step reads (inputs, targets), and the rest
+    (sample weights, ids) was ignored without a word. Refused rather than guessed at."""
+    if isinstance(batch, (list, tuple)) and len(batch) > 2:
+        raise DataError(f"a batch holds {len(batch)} items; the default step uses the first two "
+                        f"as (inputs, targets) and would ignore the rest (sample weights?): "
+                        f"pass a step_fn(model, batch) that uses them, or return (inputs, "
+                        f"targets) from the dataset")
 
 
 def _is_shape_error(e: Exception) -> bool:

@@ -50,7 +50,40 @@ class World:
 
 def env_world_size() -> int:
     """The number of ranks torchrun starts (WORLD_SIZE), known before the group is joined."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
+
+
+def env_int(name: str, default: int) -> int:
+    """A rank variable torchrun (or SLURM, engine/slurm.py) sets, read as a whole number >= 0;
+    anything else is one line naming it, not int()'s traceback."""
+    raw = os.environ.get(name, str(default))
+    if not (raw.isascii() and raw.strip().isdigit()):
+        raise UserError(f"environment variable {name}={raw!r}: must be a whole number >= 0 "
+                        f"(torchrun sets it); unset it to train in one process, or start the "
+                        f"run with torchrun")
+    return int(raw)
+
+
+# What dist.rendezvous("env://") reads: without one, a traceback from inside torch.
+RENDEZVOUS_VARS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_env() -> None:
+    """The rank variables refused before anything is built (``engine.resolved``), not when the
+    group is joined after the preflight."""
+    size, _ = env_world_size(), env_int("LOCAL_RANK", 0)
+    if size > 1 and not dist.is_initialized():
+        _refuse_partial_env(size)
+
+
+def _refuse_partial_env(size: int) -> None:
+    """WORLD_SIZE > 1 set by hand, without the rest of what torchrun sets."""
+    missing = [v for v in RENDEZVOUS_VARS if not os.environ.get(v)]
+    if missing:
+        raise UserError(f"WORLD_SIZE={size} but {', '.join(missing)} not set: a run over "
+                        f"several processes needs the variables torchrun sets; start it with "
+                        f"torchrun --nproc-per-node={size}, or unset WORLD_SIZE for one process")
+    env_int("RANK", 0)
 
 
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
@@ -66,7 +99,8 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
     if size <= 1:
         return World()
     owns = not dist.is_initialized()
-    if owns:
+    local = env_int("LOCAL_RANK", 0)
+    if owns:  # the env's rank variables were checked before anything was built (check_env)
         # Joining and setting up get their own, generous timeout: ranks start seconds to minutes
         # apart (imports on a busy node, a slow filesystem) and rank 0 alone prepares run.dir,
         # which says nothing about a hung collective. The loop sets dist.timeout_s
@@ -79,7 +113,6 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> World:
         dist.init_process_group(backend=backend, timeout=joining, rank=rank, world_size=size,
                                 store=_fresh_store(store, rank, size, joining, timeout_s,
                                                    next(_GROUPS)))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local)
     return World(rank=dist.get_rank(), local_rank=local, size=dist.get_world_size(),

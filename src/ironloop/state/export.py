@@ -48,6 +48,11 @@ def export_run(run_dir: Path | str, out: Path, which: str = "best", force: bool 
     ``run_dir`` may be a checkpoint.remote URL: its newest complete (best) checkpoint is
     fetched and verified first. ``avg``: the averaged weights (average.kind) of the last
     checkpoint, from a local run directory."""
+    if force and (out.is_symlink() or (os.path.lexists(out) and not out.is_file()
+                                       and not out.is_dir())):
+        # os.replace would turn a device node, a symlink or a folder into a regular file
+        raise UserError(f"--out {out} exists and is not a regular file (a folder, a symlink "
+                        f"or a device); --force replaces only a file: pick another --out")
     averaged = which == "avg"
     if remote.is_remote(run_dir):
         if averaged:

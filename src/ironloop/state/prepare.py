@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import yaml
@@ -94,6 +95,24 @@ def _take(run_dir: Path, cfg: Config, resume, overwrite: bool, record: dict) -> 
             remote_lease.record(RunDir(run_dir).checkpoints, lease.lease.lineage)
     except OSError as e:
         raise unwritable(run_dir, e) from e
+
+
+def refuse_resume_args(resume, overwrite: bool) -> None:
+    """``--resume``'s argument, refused before anything reads it: empty (``--resume=$UNSET``
+    started a fresh run), with ``--overwrite`` (which one was dropped, silently), or naming a
+    path that is neither a file nor a folder (a FIFO: the read waited forever)."""
+    if isinstance(resume, (str, Path)) and not str(resume).strip():
+        raise UserError("--resume= names an empty path (an unset shell variable?); pass "
+                        "--resume alone for the newest checkpoint in run.dir, or the path of "
+                        "a checkpoint or run.dir")
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite together: --resume continues the run in "
+                        "run.dir, --overwrite deletes it and starts over; pass one of them")
+    if isinstance(resume, (str, Path)) and os.path.exists(resume):
+        mode = os.stat(resume).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"--resume {resume}: not a regular file or a folder (a pipe "
+                                  f"or a device); pass a checkpoint file or a run.dir")
 
 
 def check_run_dir(run_dir: Path, resume, overwrite: bool) -> None:

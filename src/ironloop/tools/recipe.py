@@ -19,7 +19,7 @@ from ironloop.engine.schedule_notes import ignored_settings
 from ironloop.errors import speaking_python
 from ironloop.parallel.world import name_timeouts
 from ironloop.state import lock
-from ironloop.state.prepare import check_run_dir
+from ironloop.state.prepare import check_run_dir, refuse_resume_args
 from ironloop.tools.doctor.run import preflight
 from ironloop.tools.models import from_config
 
@@ -81,6 +81,7 @@ def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
     ``run_dir_held``: the caller holds run.dir's lock already (``ironloop train`` takes it
     before torch's import, cli.py), so it is not taken again here."""
     engine.check_arguments(model, data.train)
+    refuse_resume_args(given.resume, given.overwrite)
     cfg = engine.resolved(cfg, data.train, given.step_fn, data.val,  # the one config from here
                           given.resume)
     main, run_dir = engine.is_rank0(), Path(cfg.run.dir)

@@ -273,7 +273,14 @@ class Mirror:
         body = json.dumps(manifest, indent=1).encode()
         self._retry(f"{marker}.json", lambda: self.remote.write(f"{marker}.json", body))
         self.uploaded.append(job.step)
-        self._retry("retention", lambda: self._retain(job.step))
+        try:
+            self._retry("retention", lambda: self._retain(job.step))
+        except Exception as e:  # the step is in the store: not "was not uploaded"
+            if _refusal(e):
+                raise
+            self._warn(f"warning: remote checkpoint step {job.step} was uploaded to "
+                       f"{self.remote.url}, but removing older ones failed ({short_error(e)}); "
+                       f"they stay there until a later save's retention removes them")
 
     def _other_ranks(self, job: _Job) -> dict[str, dict]:
         """The files ranks 1.. uploaded for this step, from their markers (polled: no

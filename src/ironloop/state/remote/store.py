@@ -249,7 +249,33 @@ def open_remote(url: str, options: dict | None = None) -> Remote:
     except (ValueError, TypeError) as e:
         raise UserError(f"checkpoint.remote={url} cannot be opened ({e}); check the URL and "
                         f"checkpoint.remote_options") from None
+    except OSError as e:  # ftp://, sftp:// connect in the constructor: ConnectionRefusedError
+        raise StoreUnavailable(f"checkpoint.remote {url} cannot be used ({type(e).__name__}: "
+                               f"{short_error(e)}); check its endpoint, credentials and "
+                               f"network") from e
+    _refuse_unknown_options(fs, url, options or {})
     return Remote(fs, root, url)
+
+
+def _refuse_unknown_options(fs, url: str, options: dict) -> None:
+    """A local filesystem takes any keyword and ignores it: ``remote_options={nonsense_kw: 5}``
+    on file:// was accepted, and a typo (``auto_mkdirs``) did nothing, silently. Other stores
+    pass their keywords on to clients of their own, so only the local one is checked."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        return
+    import inspect
+
+    known = {n for cls in type(fs).__mro__ if "__init__" in vars(cls)
+             for n, p in inspect.signature(vars(cls)["__init__"]).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"}
+    known.add("skip_instance_cache")  # fsspec's instance cache reads it, not the constructor
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UserError(f"checkpoint.remote_options: {', '.join(unknown)} not a keyword of "
+                        f"{type(fs).__name__} (checkpoint.remote={url}); it takes "
+                        f"{', '.join(sorted(known)) or 'none'}: remove the key or fix its name")
 
 
 def short_error(e: BaseException) -> str:
