@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ import pytest
 from tests.conftest import REPO
 from tests.e2e.test_distributed import (
     ARGS,
+    TIMEOUT,
     assert_same_run,
+    assert_same_weights,
     finish,
     read,
     train_here,
@@ -58,20 +61,29 @@ def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str
           ) -> tuple[subprocess.Popen, Path]:
     """One torchrun agent (a "node": one rank) of the elastic job into ``run_dir``, writing to
     run_dir.{name}.log; ``rdzv`` its --rdzv-* arguments."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           # torchrun's agents share one TCPStore across rendezvous rounds by default, and a
+           # round with a newcomer then never completes (the replacement waits for MASTER_ADDR,
+           # the survivor for role_info: the same with a plain DDP script,
+           # tests/e2e/elastic_plain_ddp.py); a store per round lets a node rejoin.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     log = run_dir.parent / f"{run_dir.name}.{name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
-             "--nproc-per-node=1", *rdzv, f"--rdzv-conf={RDZV_CONF}", "--max-restarts=3",
+             "--nproc-per-node=1", *rdzv, "--max-restarts=3",
              "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}", *RUN, *overrides,
              "--resume"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return proc, log
 
 
-def c10d(port: int) -> list[str]:
-    return ["--rdzv-backend=c10d", f"--rdzv-id=t{port}", f"--rdzv-endpoint=127.0.0.1:{port}"]
+def c10d(port: int, host: bool) -> list[str]:
+    """c10d rendezvous on 127.0.0.1:``port``; ``host``: this agent hosts its store. (Said, not
+    guessed: on one machine every agent's hostname matches the endpoint's, and whichever binds
+    the port first would host it.)"""
+    return ["--rdzv-backend=c10d", f"--rdzv-id=t{port}", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-conf={RDZV_CONF},is_host={str(host).lower()}"]
 
 
 def kill_node(proc: subprocess.Popen) -> None:
@@ -104,8 +116,8 @@ def test_a_lost_node_continues_at_one_rank_with_the_global_batch_kept(uninterrup
     # micro-batches of 32 per step.
     run_dir = tmp_path / "run"
     port = free_port()
-    host, log0 = agent(run_dir, "agent0", c10d(port))
-    other, _ = agent(run_dir, "agent1", c10d(port))
+    host, log0 = agent(run_dir, "agent0", c10d(port, True))
+    other, _ = agent(run_dir, "agent1", c10d(port, False))
     try:
         wait_for_step(run_dir, 12, host, log0)
         kill_node(other)
@@ -118,3 +130,50 @@ def test_a_lost_node_continues_at_one_rank_with_the_global_batch_kept(uninterrup
     lost = [line for line in log0.read_text().splitlines() if "lost" in line]
     assert any("rank 1" in line and "torchrun restarts" in line for line in lost), \
         log0.read_text()[-6000:]
+
+
+def wait_for_start(run_dir: Path, world_size: int, nth: int, proc: subprocess.Popen,
+                   log: Path) -> None:
+    """Until events.jsonl holds ``nth`` start events at ``world_size`` ranks."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists() and sum(
+                e["event"] == "start" and e["world_size"] == world_size
+                for e in events(run_dir)) >= nth:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its start at {world_size} rank(s):\n"
+                        f"{log.read_text()[-5000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no start at {world_size} rank(s) after {TIMEOUT}s:\n{log.read_text()[-5000:]}")
+
+
+def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_path):
+    # As above, then a new agent started once the survivor trains alone: the survivor's agent
+    # sees it waiting, restarts its worker, and the two resume at world size 2 (accumulation
+    # 2 -> 1). A longer run (30 epochs) leaves the new agent time to join. (Every agent runs
+    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the group never
+    # re-forms, torchrun's own limit.)
+    longer = ("train.epochs=30",)
+    reference = read(train_here(tmp_path / "one", "train.batch_size=64",
+                                "checkpoint.enabled=false", "log.every_steps=1", *longer))
+    run_dir = tmp_path / "run"
+    port = free_port()
+    host, log0 = agent(run_dir, "agent0", c10d(port, True), *longer)
+    other, _ = agent(run_dir, "agent1", c10d(port, False), *longer)
+    new = other
+    try:
+        wait_for_step(run_dir, 12, host, log0)
+        kill_node(other)
+        wait_for_start(run_dir, 1, 1, host, log0)
+        new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer)
+        for proc, log in ((host, log0), (new, log2)):
+            finish(proc, log, ranks=2)
+    finally:
+        for p in (host, other, new):
+            p.kill()
+    assert_same_weights(reference, read(run_dir))
+    starts = [e["world_size"] for e in events(run_dir) if e["event"] == "start"]
+    assert starts[:2] == [2, 1] and starts[-1] == 2, events(run_dir)
+    for log in (log0, log2):
+        assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
