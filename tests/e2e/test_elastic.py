@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,43 @@ def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_pat
     assert starts[:2] == [2, 1] and starts[-1] == 2, events(run_dir)
     for log in (log0, log2):
         assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
+
+
+def etcd_endpoint() -> str:
+    """host:port of the etcd scripts/etcd-up started (the test skips, saying why, without one
+    or without torchrun's etcd client)."""
+    try:
+        import etcd  # noqa: F401  (PyPI's python-etcd: torchrun's etcd rendezvous imports it)
+    except ImportError:
+        pytest.skip("python-etcd is not installed (pip install python-etcd)")
+    folder = Path(os.environ.get("IRONLOOP_ETCD_DIR", "/tmp/ironloop-etcd"))
+    try:
+        endpoint = (folder / "endpoint").read_text().strip()
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=5) as r:
+            assert json.load(r)["health"] == "true"
+    except (OSError, AssertionError, ValueError, KeyError) as e:
+        pytest.skip(f"no etcd answers ({e}): start one with scripts/etcd-up (Debian's "
+                    f"etcd-server; needs root and apt-get)")
+    return endpoint
+
+
+def test_with_etcd_losing_the_first_node_lets_the_other_finish_exact(uninterrupted, tmp_path):
+    # c10d's store lives in one agent, and losing that agent ends the job; etcd holds the
+    # rendezvous outside every node, so the FIRST agent (rank 0's) SIGKILLed mid-epoch leaves
+    # the other to restart at world size 1 and finish the same run.
+    endpoint = etcd_endpoint()
+    run_dir = tmp_path / "run"
+    rdzv = ["--rdzv-backend=etcd-v2", f"--rdzv-id=t{uuid.uuid4().hex}",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-conf={RDZV_CONF}"]
+    first, log0 = agent(run_dir, "agent0", rdzv)
+    other, log1 = agent(run_dir, "agent1", rdzv)
+    try:
+        wait_for_step(run_dir, 12, first, log0)
+        kill_node(first)
+        finish(other, log1, ranks=2)
+    finally:
+        for p in (first, other):
+            p.kill()
+    resumes = assert_finished_exact(run_dir, uninterrupted, log1)
+    assert resumes[-1]["steps_redone"] >= 1, resumes
+    assert "lost rank 0" in log1.read_text(), log1.read_text()[-6000:]
