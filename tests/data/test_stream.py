@@ -379,7 +379,8 @@ def test_a_streams_position_round_trips_through_its_state_dict():
     order = StreamOrder(Stream(Reader()), 16, 7)  # read in this process by default
     order.set_epoch(2, 32)
     state = order.state_dict()
-    assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "loader": None,
+    assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "world_size": 1,
+                     "loader": None,
                      "stream": True}
     again = StreamOrder(Stream(Reader()), 16, 0)
     again.load_state_dict({**state, "loader": {"a": 1}})
