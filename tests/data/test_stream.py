@@ -274,6 +274,24 @@ def test_a_mid_epoch_resume_with_other_workers_is_refused_naming_the_value(tmp_p
         fit(tmp_path, Reader(), train__max_steps=6, data__num_workers=2)
 
 
+def test_a_mid_epoch_resume_on_another_number_of_ranks_is_refused_naming_the_boundary():
+    from ironloop.data.stream import Stream, StreamOrder
+
+    two = StreamOrder(Stream(Reader()), 4, 0, world_size=2)
+    two.set_epoch(1, offset=8)  # mid-epoch 2, as a checkpoint of 2 ranks holds it
+    state = two.state_dict()
+    with pytest.raises(CheckpointError, match=r"mid-epoch 2 in a stream read by 2 rank\(s\), "
+                                              r"and this run has 1; .* resume with 2 rank\(s\) "
+                                              r"\(the number of ranks may change at an epoch "
+                                              r"boundary"):
+        StreamOrder(Stream(Reader()), 4, 0, world_size=1).load_state_dict(state)
+    again = StreamOrder(Stream(Reader()), 4, 0, world_size=2)  # the same ranks: accepted
+    again.load_state_dict(state)
+    assert (again.epoch, again.offset) == (1, 8)
+    two.set_epoch(2)  # at the boundary: any number of ranks
+    StreamOrder(Stream(Reader()), 4, 0, world_size=1).load_state_dict(two.state_dict())
+
+
 def test_a_hugging_face_shuffle_buffer_is_resumed_by_replay():
     """HF's state_dict leaves the shuffle buffer out, so resuming from it is not exact; the
     detection reads HF's private iterable chain, and this test notices if that changes."""
@@ -361,7 +379,8 @@ def test_a_streams_position_round_trips_through_its_state_dict():
     order = StreamOrder(Stream(Reader()), 16, 7)  # read in this process by default
     order.set_epoch(2, 32)
     state = order.state_dict()
-    assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "loader": None,
+    assert state == {"seed": 7, "epoch": 2, "offset": 32, "num_workers": 0, "world_size": 1,
+                     "loader": None,
                      "stream": True}
     again = StreamOrder(Stream(Reader()), 16, 0)
     again.load_state_dict({**state, "loader": {"a": 1}})

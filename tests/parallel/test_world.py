@@ -431,3 +431,26 @@ def test_rank_zero_runs_the_function_and_its_user_error_stops_every_rank():
     with pytest.raises(ZeroDivisionError):  # not a user's mistake: a traceback
         w.rank_zero_first(lambda: 1 / 0, World())
     assert issubclass(w.CollectiveTimeout, UserError)
+
+
+def test_a_lost_peer_becomes_one_line_naming_the_rank_and_the_restart(one_rank, monkeypatch):
+    # gloo's two ways of saying the peer's process is gone (a broken collective mid-step)
+    said = {"closed": "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                      "closed by peer [127.0.0.1]:34191. This is typically caused by a remote "
+                      "worker crashing.\nmore",
+            "reset": "[../gloo/transport/tcp/pair.cc:537] Read error [10.0.0.7]:5512: "
+                     "Connection reset by peer"}
+
+    @w.name_timeouts()
+    def step(how):
+        raise RuntimeError(said[how])
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)  # one_rank's group, seen as two
+    with pytest.raises(w.RankLost) as e:
+        step("closed")
+    assert str(e.value).startswith("rank 0: lost rank 1 (at 127.0.0.1:34191) mid-collective")
+    assert "torchrun restarts the group" in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, UserError) and e.value.exit_code == 1
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)  # gloo names an address, no rank
+    with pytest.raises(w.RankLost, match=r"^rank 0: lost a rank \(at 10\.0\.0\.7:5512\) "):
+        step("reset")

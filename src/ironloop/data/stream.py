@@ -260,7 +260,8 @@ class StreamOrder:
     def state_dict(self) -> dict:
         loader = self.loader.state_dict() if self.loader is not None else self.pending
         return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset,
-                "num_workers": self.num_workers, "loader": loader, "stream": True}
+                "num_workers": self.num_workers, "world_size": self.world_size,
+                "loader": loader, "stream": True}
 
     def load_state_dict(self, state: dict) -> None:
         if not state.get("stream"):
@@ -273,6 +274,16 @@ class StreamOrder:
                 f"{state['num_workers']}; a stream's order and state depend on its workers, so "
                 f"resume with data.num_workers={state['num_workers']} (it may change at an "
                 f"epoch boundary)")
+        ranks = state.get("world_size", self.world_size)  # older checkpoints: not recorded
+        if state["offset"] and ranks != self.world_size:
+            # each rank reads its own share of the stream: another number of ranks splits the
+            # rest of the epoch differently, and no rank's loader state says where it stands
+            raise CheckpointError(
+                f"the checkpoint stopped mid-epoch {state['epoch'] + 1} in a stream read by "
+                f"{ranks} rank(s), and this run has {self.world_size}; a stream's position is "
+                f"per rank, so resume with {ranks} rank(s) (the number of ranks may change at "
+                f"an epoch boundary: a checkpoint of an epoch's last step, e.g. "
+                f"checkpoint.every_steps=0)")
         self.seed, self.epoch, self.offset = state["seed"], state["epoch"], state["offset"]
         self.pending, self.loader, self.end = state["loader"], None, None
 

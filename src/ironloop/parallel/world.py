@@ -6,6 +6,7 @@ import contextlib
 import gc
 import itertools
 import os
+import re
 import socket
 import time
 import uuid
@@ -30,6 +31,17 @@ MEET_TRY_S = 5.0  # seconds one try to reach rank 0's store may take (a dead add
 
 class CollectiveTimeout(UserError):
     """Another rank did not answer within dist.timeout_s."""
+
+
+class RankLost(UserError):
+    """Another rank's process (or its node) is gone mid-collective: not the user's mistake, but
+    one line and no traceback; exit 1, which torchrun answers with a restart of the group."""
+
+    exit_code = 1
+
+
+#: what gloo says when the peer of a collective is gone (its process killed, its node down)
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,8 @@ def name_timeouts() -> Iterator[None]:
         yield
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or [""])[0]
+        if dist.is_initialized() and any(g in first.lower() for g in PEER_GONE):
+            raise RankLost(lost_rank_line(dist.get_rank(), dist.get_world_size(), first)) from e
         if not dist.is_initialized() or "timed out" not in first.lower():
             raise
         rank = dist.get_rank()
@@ -145,6 +159,18 @@ def name_timeouts() -> Iterator[None]:
             f"which stopped responding (hung, stopped, or its node is gone); this rank gives "
             f"up. Check the other ranks' logs; if a step or a checkpoint legitimately takes "
             f"that long, raise dist.timeout_s. ({first[-160:]})") from e
+
+
+def lost_rank_line(rank: int, size: int, said: str) -> str:
+    """The one line for a collective whose peer is gone: which rank (in a group of two, the
+    other; gloo names only the peer's address), and what happens next."""
+    peer = re.search(r"\[([^\]]+)\]:(\d+)", said.split("]", 1)[-1])  # past gloo's [file:line]
+    who = f"rank {1 - rank}" if size == 2 else "a rank"
+    at = f" (at {peer[1]}:{peer[2]})" if peer else ""
+    return (f"rank {rank}: lost {who}{at} mid-collective (its process or node is gone); this "
+            f"rank stops and torchrun restarts the group with the ranks that are left (or "
+            f"come back), from the newest checkpoint with --resume, while --max-restarts "
+            f"remain. Without torchrun, restart the job with --resume")
 
 
 def _fresh_store(agent_store, rank: int, size: int, timeout: timedelta, meet_s: float,
