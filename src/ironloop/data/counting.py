@@ -61,6 +61,22 @@ def first_rows(batch: Any) -> int | None:
     return None
 
 
+def first_leaf(batch: Any) -> Any:
+    """What the default step would hand the model: the first item, all the way down."""
+    if isinstance(batch, dict) and batch:
+        return first_leaf(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return first_leaf(batch[0])
+    return batch
+
+
+def no_tensor(leaf: Any) -> DataError:
+    """The one line for a batch with no tensor where its samples should be (text, say)."""
+    return DataError(f"a batch is a {type(leaf).__name__}, which holds no tensor to count its "
+                     f"samples by; make the dataset return tensors (tokenize text in it or in a "
+                     f"collate_fn), or pass a step_fn with a collate_fn that does")
+
+
 def structure(batch: Any, depth: int = 0) -> str:
     """A batch's structure for a message: ``tuple(Tensor[642, 16], Tensor[2, 1284], ...)``."""
     if isinstance(batch, torch.Tensor):
@@ -80,6 +96,8 @@ def check_rows(batch: Any, drawn: int) -> None:
     if declared_count(batch) is not None or isinstance(batch, dict):
         return  # a dict goes to model(**batch): counted by the samples drawn
     rows = first_rows(batch)
+    if rows is None and not isinstance(first_leaf(batch), torch.Tensor):
+        raise no_tensor(first_leaf(batch))  # a str batch would reach the model as its inputs
     if rows is None or rows == drawn:
         return
     raise DataError(f"a batch {structure(batch)} has {rows} rows in its first tensor, but the "

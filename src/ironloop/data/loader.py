@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ironloop.data.counting import declared_count, rank_share
+from ironloop.data.counting import declared_count, no_tensor, rank_share
 from ironloop.data.order import KeyedOrder
 from ironloop.data.seeding import SeededDataset, derive_seed  # derive_seed: re-exported
 from ironloop.data.workers import shielded, stop_workers
@@ -348,9 +348,7 @@ def batch_size_of(batch) -> int:
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
-    raise DataError(f"a batch is a {type(batch).__name__}, which holds no tensor to count "
-                    f"its samples by; make the dataset return tensors (tokenize text in it or "
-                    f"in a collate_fn), or pass a step_fn with a collate_fn that does")
+    raise no_tensor(batch)
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):
