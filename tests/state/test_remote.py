@@ -552,6 +552,9 @@ def s3(s3_server, monkeypatch, tmp_path):
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    # A module that imports these fixtures gets its own server: a cached S3FileSystem from an
+    # earlier module in this process would still point at that one's port, now closed.
+    type(fs).clear_instance_cache()
     bucket = f"b-{tmp_path.name.lower().replace('_', '-')}"[:60].rstrip("-")
     fs.mkdir(bucket)
     return f"s3://{bucket}/run", fs
