@@ -438,6 +438,30 @@ def test_a_stopped_rank_makes_the_others_fail_naming_the_timeout(tmp_path):
     assert "dist.timeout_s" in out and "Timed out" in out, out[-3000:]
 
 
+class _LiveLease:
+    """Another node's live lease: refreshed every second, as its run would, so that neither a
+    slow start nor the clock-skew bound (a lease from the future is stale) makes it look gone."""
+
+    def __init__(self, path: Path):
+        import threading
+
+        self.path, self.done = path, threading.Event()
+        self.thread = threading.Thread(target=self._refresh, daemon=True)
+        self.thread.start()
+
+    def _refresh(self) -> None:
+        while not self.done.is_set():
+            lease = {**json.loads(self.path.read_text()), "refreshed": time.time()}
+            tmp = self.path.with_name(".lease.json.tmp")
+            tmp.write_text(json.dumps(lease))
+            os.replace(tmp, self.path)
+            self.done.wait(1.0)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
 def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_path):
     """A fresh two-rank run onto a checkpoint.remote another node holds (a live lease): rank 0
     refuses before anything is written; rank 1, waiting at the next collective, stopped with
@@ -446,13 +470,15 @@ def test_rank_zeros_refusal_stops_every_rank_with_one_line_and_no_traceback(tmp_
     remote.mkdir()
     (remote / "lease.json").write_text(json.dumps({
         "lineage": "l" * 32, "run": "r" * 32, "host": "node-b", "pid": 77,
-        "refreshed": time.time() + 600, "released": False}))  # live for the test's length
+        "refreshed": time.time(), "released": False}))
     procs, logs = _two_ranks_by_hand(tmp_path, [
         f"run.dir={tmp_path / 'run'}", f"checkpoint.remote=file://{remote}",
         "doctor.preflight=false"])
+    holder = _LiveLease(remote / "lease.json")  # node-b refreshes its lease while it lives
     try:
         codes = [p.wait(timeout=TIMEOUT) for p in procs]
     finally:
+        holder.stop()
         for p in procs:
             p.kill()
     text = [log.read_text() for log in logs]

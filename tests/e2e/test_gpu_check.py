@@ -60,7 +60,8 @@ def test_the_dry_run_reports_every_part_and_row_naming_the_device(tmp_path):
         for loop in ("hand", "ironloop", "Lightning", "Accelerate"):
             row = by_row[("peers", f"{model}: {loop}")]
             assert isinstance(row["figures"]["ms_per_step"], float), row
-        verdict = next(r for r in rows if r["row"].startswith(f"{model}: verdict"))
+        verdict = next(r for r in rows if r["part"] == "peers"
+                       and r["row"].startswith(f"{model}: verdict"))
         assert {"ironloop / hand", "ironloop / Lightning", "ironloop / Accelerate"} <= \
             set(verdict["figures"])
     # the kill -9 landed mid-epoch, after a checkpoint, and the resume matched (CPU: exact)
