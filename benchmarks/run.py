@@ -26,10 +26,11 @@ sys.path.insert(0, str(HERE))
 from _common import TINY, machine  # noqa: E402
 
 #: In the order they run. guard_overhead and step_timing_overhead come with issues 7 and 8.
-#: Scripts run by hand, not by run.py: tune_speedup.py tunes and trains for minutes, and
-#: chaos_remote.py kills, damages and cuts off ~30 runs (#42's campaign). The GPU
-#: check is scripts/gpu-check (benchmarks/gpu_check/).
-STANDALONE = ["tune_speedup", "chaos_remote"]
+#: Scripts run by hand, not by run.py: tune_speedup.py tunes and trains for minutes,
+#: chaos_remote.py kills, damages and cuts off ~30 runs (#42's campaign), and tune_interacting.py
+#: runs a grid of trials and a tune against it (#58). The GPU check is scripts/gpu-check
+#: (benchmarks/gpu_check/).
+STANDALONE = ["tune_speedup", "chaos_remote", "tune_interacting"]
 REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
             "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
             "lab_time", "remote_stall", "resume_check_time", "one_tensor_step"]

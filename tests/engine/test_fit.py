@@ -36,6 +36,10 @@ class Threads(Callback):
         self.seen.append(torch.get_num_threads())
 
 
+#: a run without training data, for the time table's settings (not sliced in-memory tensors)
+NO_DATA = SimpleNamespace(train=None, collate_fn=None)
+
+
 def test_run_threads_is_applied_for_the_run_recorded_and_given_back(tmp_path):
     before = torch.get_num_threads()
     want = 2 if before == 1 else 1
@@ -78,7 +82,7 @@ def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypat
     # The CUDA path without a GPU: settings_of reads the device and torch's bf16 support.
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
-    run = SimpleNamespace(cfg=ironloop.Config(), module=SimpleNamespace(
+    run = SimpleNamespace(data=NO_DATA, cfg=ironloop.Config(), module=SimpleNamespace(
         device=torch.device("cuda"), optimizer=opt, precision="fp32", takes_closure=False))
     compute_bound = {"data": 0.0, "copy": 0.0, "forward": 4.0, "backward": 5.0,
                      "optimizer": 1.0, "checkpoint": 0.0, "validation": 0.0, "other": 0.0}
@@ -90,7 +94,8 @@ def test_an_fp32_run_on_a_cuda_device_with_bf16_is_advised_to_try_bf16(monkeypat
 @pytest.mark.parametrize("pinned", [False, True])
 def test_a_copy_bound_cuda_run_is_advised_to_pin_memory_only_when_it_is_off(pinned):
     opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
-    run = SimpleNamespace(cfg=ironloop.Config().with_overrides({"data.pin_memory": pinned}),
+    run = SimpleNamespace(data=NO_DATA,
+                          cfg=ironloop.Config().with_overrides({"data.pin_memory": pinned}),
                           module=SimpleNamespace(device=torch.device("cuda"), optimizer=opt,
                                                  precision="bf16", takes_closure=False))
     copy_bound = {"data": 0.0, "copy": 5.0, "forward": 2.0, "backward": 2.0,
@@ -196,7 +201,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named_in_the_error(tmp_path
 
 def test_the_time_table_s_settings_are_the_run_s():
     opt = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
-    run = SimpleNamespace(cfg=ironloop.Config(), module=SimpleNamespace(
+    run = SimpleNamespace(data=NO_DATA, cfg=ironloop.Config(), module=SimpleNamespace(
         device=torch.device("cpu"), optimizer=opt, precision="fp32", takes_closure=False))
     got = settings_of(run)
     assert (got.device, got.threads, got.optimizer, got.precision, got.bf16_open) == \
@@ -245,7 +250,7 @@ def test_every_time_table_setting_is_read_from_the_run_s_config_and_module(monke
     config = ironloop.Config().with_overrides({
         "data.num_workers": 3, "data.pin_memory": True, "checkpoint.every_steps": 7,
         "checkpoint.async": True, "optim.name": "sgd"})
-    run = SimpleNamespace(cfg=config, module=SimpleNamespace(
+    run = SimpleNamespace(data=NO_DATA, cfg=config, module=SimpleNamespace(
         device=torch.device("cuda"), optimizer=sgd, precision="bf16", takes_closure=True))
     got = settings_of(run)
     assert (got.device, got.num_workers, got.cores, got.pin_memory) == ("cuda", 3, 3, True)

@@ -73,19 +73,19 @@ def test_fit_with_the_preflight_holds_and_checks_run_dir_before_the_doctor(calls
     model, train, val, test = tiny_mlp(), blobs(8), blobs(4), blobs(2)
     step, loss = object(), object()
     config = {"run.dir": str(tmp_path), "doctor.preflight": True}
+    # (resume and overwrite together are refused: tests/e2e/test_bad_inputs_round3.py)
     assert recipe.fit(model, train, val, config, test_data=test, num_classes=3, resume=True,
-                      overwrite=True, step_fn=step, loss_fn=loss) == "result"
+                      step_fn=step, loss_fn=loss) == "result"
     assert [c[0] for c in calls] == ["hold", "check", "preflight", "fit"]
     assert calls[0][1:] == (Path(tmp_path), True)
-    assert calls[1][1:] == (Path(tmp_path), True, True)
+    assert calls[1][1:] == (Path(tmp_path), True, False)
     _, cfg, m, bundle, kwargs = calls[2]
     assert (cfg.doctor.preflight, m) == (True, model)
     assert (bundle.train, bundle.val, bundle.test, bundle.num_classes, bundle.input_shape) == \
         (train, val, test, 3, ())
     assert kwargs == {"resume": True, "step_fn": step, "loss_fn": loss}
     assert calls[3][1:4] == (model, bundle, cfg)  # the preflight's data and config, the same
-    assert calls[3][4] == Given(num_classes=3, resume=True, overwrite=True, step_fn=step,
-                                loss_fn=loss)
+    assert calls[3][4] == Given(num_classes=3, resume=True, step_fn=step, loss_fn=loss)
 
 
 def test_fit_with_the_preflight_and_no_flags_checks_run_dir_as_a_fresh_run_never_overwriting(
@@ -109,18 +109,17 @@ def test_train_builds_the_configs_data_and_model_and_asks_for_the_preflight(call
     cfg = load_config(None, ["data.name=tests.resume_cases:clean_data", "model.name=mlp",
                              "model.kwargs={hidden: [4]}", f"run.dir={tmp_path}"])
     assert cfg.doctor.preflight is None
-    assert recipe.train_config(cfg, resume="last", overwrite=True,
-                               allow_config_change=True) == "result"
+    assert recipe.train_config(cfg, resume="last", allow_config_change=True) == "result"
     assert [c[0] for c in calls] == ["hold", "check", "preflight", "fit"]
-    assert calls[1][1:] == (Path(tmp_path), "last", True)
+    assert calls[1][1:] == (Path(tmp_path), "last", False)
     _, checked, model, bundle, kwargs = calls[2]
     # null is ironloop train's default (the preflight runs): the config is not rewritten
     assert checked == cfg and kwargs["resume"] == "last"
     assert bundle.num_classes == 3 and model(bundle.train[0][0][None]).shape == (1, 3)
     _, m, data, fit_cfg, given = calls[3]
     assert (m, data, fit_cfg) == (model, bundle, checked)
-    assert given == Given(num_classes=3, resume="last", overwrite=True,
-                          allow_config_change=True, from_config=True)
+    assert given == Given(num_classes=3, resume="last", allow_config_change=True,
+                          from_config=True)
     calls.clear()
     recipe.train_config(cfg.with_overrides({"doctor.preflight": False}))
     assert calls[2][1].doctor.preflight is False  # the doctor itself skips its checks

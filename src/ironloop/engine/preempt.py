@@ -72,7 +72,13 @@ class Preemption:
             signal.signal(sig, signal.SIG_DFL if isinstance(handler, SetupSignals) else handler)
         self._previous = {}
         if self._pending is not None:  # every rank sent it: it completes without waiting
-            self._pending[0].wait()
+            try:
+                self._pending[0].wait()
+            except RuntimeError:
+                # A rank that already stopped (preempted at the agreed step, its part of the
+                # save done) may have closed its end first; the flag is not needed any more.
+                if exc[0] is None:
+                    raise
             self._pending = None
 
     def _on_signal(self, signum: int, frame) -> None:
