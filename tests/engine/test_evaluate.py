@@ -19,13 +19,13 @@ def test_every_steps_evaluates_on_the_step_path_and_plateau_follows(tmp_path):
 
     Plateau = plateau_recorder(calls)
 
-    # 7 steps an epoch, 2 epochs: evaluations at steps 3, 6, 9, 12
+    # 7 steps an epoch, 2 epochs: evaluations at steps 3, 6, 9, 12 and the final weights at 14
     ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1),
                  cfg(tmp_path, train__epochs=2, eval__every_steps=3),
                  scheduler=lambda o: Plateau(o))
     run = tmp_path / "run"
     evals = read_jsonl(run / "evals.jsonl")
-    assert [e["step"] for e in evals] == [3, 6, 9, 12]
+    assert [e["step"] for e in evals] == [3, 6, 9, 12, 14]
     assert calls == [e["val_loss"] for e in evals]
     epochs = read_jsonl(run / "epochs.jsonl")
     ref = tmp_path / "ref"
@@ -67,8 +67,9 @@ def test_max_batches_evaluates_the_same_fixed_subset_every_time(tmp_path):
                  cfg(tmp_path, train__epochs=1, eval__every_steps=2, eval__max_batches=1))
     n = 32  # one batch of train.batch_size
     firsts = [sorted(val.seen[i:i + n]) for i in range(0, len(val.seen), n)]
-    assert len(val.seen) == 3 * n  # evaluations at steps 2, 4, 6
-    assert firsts[0] == firsts[1] == firsts[2] != list(range(n))  # fixed, and not just a prefix
+    assert len(val.seen) == 4 * n  # evaluations at steps 2, 4, 6 and the final weights at 7
+    # fixed, and not just a prefix
+    assert firsts[0] == firsts[1] == firsts[2] == firsts[3] != list(range(n))
     # the in-memory path caps too, and reports a loss over its subset
     ironloop.fit(tiny_mlp(), blobs(), blobs(n=100, seed=1), {**cfg(
         tmp_path, train__epochs=1, eval__max_batches=1), "run.dir": str(tmp_path / "b")})

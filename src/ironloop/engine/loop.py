@@ -29,7 +29,8 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     -> [evaluate, every eval.every_steps] -> [checkpoint] -> on_checkpoint
     -> [preempted? checkpoint, events.jsonl line, raise Preempted] -> [finished?]
 
-and at the end of each epoch: [evaluate, when eval.every_steps is 0] -> epoch line ->
+and at the end of each epoch: [evaluate, when eval.every_steps is 0 or, at the run's last epoch
+end, when the last step was not evaluated] -> epoch line ->
 on_epoch_end -> checkpoint -> on_checkpoint. A run that max_steps ends inside an epoch instead:
 [evaluate the final weights, unless this step just was] -> checkpoint (``end_mid_epoch``).
 
@@ -262,6 +263,11 @@ def end_mid_epoch(run: Run) -> None:
         run.save(False)
 
 
+def _last_epoch(run: Run) -> bool:
+    """This epoch end ends the run (train.epochs, max_steps or a callback's stop)."""
+    return run.progress.epoch + 1 >= run.cfg.train.epochs or run.finished
+
+
 def end_epoch(run: Run) -> None:
     """Evaluate (unless evaluations follow eval.every_steps), log the epoch, checkpoint."""
     p, meter, timer = run.progress, run.meter, run.outputs.timer
@@ -274,6 +280,11 @@ def end_epoch(run: Run) -> None:
     started = time.perf_counter()
     if run.cadence.validates and not run.cadence.eval_every:
         val, improved = run_evaluation(run)
+    elif run.cadence.validates and _last_epoch(run) and run.last_eval.get("step") != p.step:
+        # eval.every_steps did not land on the last step: evaluate the final weights once
+        val, improved = run_evaluation(run)
+        console.say(run.world.is_main, console.eval_line(
+            run.last_eval, run.cadence.total_steps, "final evaluation"))
     else:  # step-path evaluations: the epoch line repeats the latest one
         val = {k: v for k, v in run.last_eval.items() if k.startswith("val_")}
     val_seconds = time.perf_counter() - started
