@@ -52,6 +52,7 @@ from ironloop.state.run_dir import RunDir
 from . import lease as remote_lease
 from .manifest import LOGS, checked_files
 from .store import (
+    LOCAL_DISK_ERRNOS,
     LOGS_DIR,
     MANIFESTS,
     Remote,
@@ -66,6 +67,9 @@ __all__ = ["LOGS", "Remote", "StoreUnavailable", "open_remote"]  # the store, as
 FORMAT = 1  # "logs" is an optional key: older manifests (and older readers) still work
 STAGING = ".remote-staging"  # hard links to what waits for upload, in run.dir/checkpoints
 _BACKOFF_S, _BACKOFF_MAX_S, _POLL_S = 0.5, 30.0, 0.5
+#: what a fetch leaves free on run.dir's disk beyond the manifest's sizes (the filesystem's
+#: blocks, the run's next log rows): a checkpoint that does not fit with it is not fetched
+FETCH_MARGIN = 1 << 20
 
 
 def is_remote(location: str | Path) -> bool:
@@ -391,20 +395,52 @@ def fetch_newest(remote: Remote, directory: Path, above: int,
     anything is fetched), an object is missing or does not match its digest, or the copy fails
     ``check``, the checkpoint's own load check (a CheckpointError). Returns its local path, or
     None when there is none. ``verified`` gets its manifest once it passed and before the
-    checkpoint takes its place (a kill in between leaves no checkpoint). A store that cannot
-    be reached raises StoreUnavailable: that is not damage to fall back past."""
+    checkpoint takes its place (a kill in between leaves no checkpoint). One whose manifest's
+    sizes (logs included) do not fit in run.dir's free space is skipped the same way, before
+    a byte is fetched. A store that cannot be reached raises StoreUnavailable: that is not
+    damage to fall back past; nor is run.dir's disk failing a write (full, over quota,
+    read-only), a UserError naming run.dir."""
     steps = [s for s in reversed(remote.manifests()) if s > above]
     for step in steps:
         try:
             manifest = remote.manifest(step)
             if best and not manifest.get("best"):
                 continue
+            short = _shortfall(manifest, directory)
+            if short is not None:
+                warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} does not "
+                     f"fit: {short}; falling back to an older one (free space there to "
+                     f"resume from it)")
+                continue
             return _download(remote, manifest, directory, verified, check)
         except (CheckpointError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in LOCAL_DISK_ERRNOS:  # not the store's
+                raise _local_disk(e, directory, remote.show(f"step-{step:08d}")) from None
             reason = str(e) if isinstance(e, CheckpointError) else short_error(e)
             warn(f"remote checkpoint {remote.show(f'step-{step:08d}')} is damaged "
                  f"({reason}); falling back to an older one")
     return None
+
+
+def _shortfall(manifest: dict, directory: Path) -> str | None:
+    """Why ``manifest``'s checkpoint and logs (their declared sizes) do not fit on the disk of
+    ``directory`` (run.dir/checkpoints, or its nearest folder that exists), or None."""
+    need = sum(int(want["size"]) for part in ("files", "logs")
+               for want in (manifest.get(part) or {}).values())
+    disk = next(p for p in (directory, *directory.parents) if p.exists())
+    free = shutil.disk_usage(disk).free
+    if need + FETCH_MARGIN <= free:
+        return None
+    return (f"step-{manifest['step']} needs {need / 2**20:.1f} MB, run.dir has "
+            f"{free / 2**20:.1f} MB free ({directory.parent})")  # one line, said once
+
+
+def _local_disk(e: OSError, directory: Path, what: str) -> UserError:
+    """A local write that failed during a fetch (run.dir's disk full, over quota, read-only):
+    run.dir's problem, not the store's, and no older checkpoint would land either."""
+    return UserError(f"run.dir {directory.parent} could not take {what} "
+                     f"({os.strerror(e.errno or 0)}); its disk failed, not the store: free "
+                     f"space in {directory.parent} (or make it writable), then resume again")
 
 
 def _download(remote: Remote, manifest: dict, directory: Path,

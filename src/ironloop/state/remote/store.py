@@ -5,6 +5,7 @@ into one StoreUnavailable naming the URL. fsspec (and s3fs, gcsfs) are imported 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -29,6 +30,9 @@ _LOG_STEP_RE = re.compile(r"^step-([0-9]+)$")
 #: so an object that is huge (or a file:// link to /dev/zero) is damage, not a MemoryError
 MANIFEST_CAP = 16 << 20
 LEASE_CAP = 64 << 10
+#: errors a write to the local disk raises: a ``get`` that meets one failed on run.dir's side
+#: (reading a store never raises them), so it is passed on as it is, not as a store outage
+LOCAL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 # ----------------------------------------------------------------------------------- store --
@@ -59,15 +63,24 @@ class Remote:
         self.in_place = bool({"file", "local"} & set(protocols))  # writes truncate, then write
 
     @contextlib.contextmanager
-    def _reaching(self):
+    def _reaching(self, local: Path | None = None):
+        """Any error of the store as a StoreUnavailable; with ``local`` (a download's
+        target), a local disk error (LOCAL_DISK_ERRNOS) on that path is passed on as it is:
+        the disk the download writes to failed, not the store."""
         try:
             yield
         except (FileNotFoundError, UserError):
             raise
+        except OSError as e:
+            if local is None or e.errno not in LOCAL_DISK_ERRNOS or not _names_local(e, local):
+                raise StoreUnavailable(self._unusable(e)) from e
+            raise
         except Exception as e:  # botocore, aiohttp, gcsfs: any error type of theirs
-            raise StoreUnavailable(f"checkpoint.remote {self.url} cannot be used "
-                                   f"({type(e).__name__}: {short_error(e)}); check its endpoint, "
-                                   f"credentials and network") from e
+            raise StoreUnavailable(self._unusable(e)) from e
+
+    def _unusable(self, e: BaseException) -> str:
+        return (f"checkpoint.remote {self.url} cannot be used ({type(e).__name__}: "
+                f"{short_error(e)}); check its endpoint, credentials and network")
 
     def require_bucket(self) -> None:
         """A bucket that does not exist is an error naming it: it is never created."""
@@ -171,7 +184,7 @@ class Remote:
     def get(self, rel: str, local: Path, size: int | None = None) -> None:
         """The object ``rel`` into ``local``; with ``size`` (its manifest's), one of any other
         size is a CheckpointError before a byte is copied."""
-        with self._reaching():
+        with self._reaching(local):
             if self.in_place:
                 self._unlinked(rel, last=True)
             if size is not None and self.fs.size(self.path(rel)) != size:
@@ -276,6 +289,13 @@ def _refuse_unknown_options(fs, url: str, options: dict) -> None:
         raise UserError(f"checkpoint.remote_options: {', '.join(unknown)} not a keyword of "
                         f"{type(fs).__name__} (checkpoint.remote={url}); it takes "
                         f"{', '.join(sorted(known)) or 'none'}: remove the key or fix its name")
+
+
+def _names_local(e: OSError, local: Path) -> bool:
+    """Whether an OSError is the local target's: it names ``local`` (shutil names the source
+    and the target of a copy) or no path at all (a write into an open file)."""
+    paths = [os.fsdecode(p) for p in (e.filename, e.filename2) if isinstance(p, (str, bytes))]
+    return not paths or os.path.abspath(local) in map(os.path.abspath, paths)
 
 
 def short_error(e: BaseException) -> str:
