@@ -89,3 +89,19 @@ def test_a_local_disk_error_during_the_download_is_one_line_naming_run_dir_not_t
                            f"({os.strerror(code)})"), line
     assert "free space in" in line and "cannot be used" not in line and "network" not in line
     assert not list((tmp_path / "run" / "checkpoints").glob(".remote-step-*"))  # cleaned
+
+
+def test_a_new_node_with_room_for_no_remote_checkpoint_is_refused_naming_the_space(
+        tmp_path, monkeypatch):
+    from ironloop.errors import CheckpointError
+
+    config, url = _stopped_at_12(tmp_path)
+    shutil.rmtree(tmp_path / "run")  # a new node, and a disk with room for none of them
+    _free(monkeypatch, FETCH_MARGIN)
+    with pytest.raises(CheckpointError) as caught:
+        _fit(config, resume=True, callbacks=[StopAt(13)])
+    line = str(caught.value)
+    assert line.startswith(f"every checkpoint in checkpoint.remote {url} is damaged or too "
+                           f"large for run.dir's free space"), line
+    assert "Free space in run.dir" in line
+    assert sorted(open_remote(url).manifests())[-2:] == [10, 12]  # nothing was deleted

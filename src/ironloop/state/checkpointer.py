@@ -269,9 +269,11 @@ class Checkpointer:
             return None
         if held:  # nothing local and nothing remote passed: refused as a local resume is
             raise CheckpointError(f"every checkpoint in checkpoint.remote {store.url} is "
-                                  f"damaged (steps {held[0]}..{held[-1]}, see the warnings "
-                                  f"above) and run.dir has none; nothing was deleted. Repair or "
-                                  f"remove them yourself, or choose another checkpoint.remote")
+                                  f"damaged or too large for run.dir's free space (steps "
+                                  f"{held[0]}..{held[-1]}, the warnings above say which) and "
+                                  f"run.dir has none; nothing was deleted. Free space in run.dir, "
+                                  f"repair or remove them yourself, or choose another "
+                                  f"checkpoint.remote")
         if fetched is not None:
             print(f"notice: fetched {store.show(fetched.name)} into {fetched}: it is newer "
                   f"than anything in run.dir")
