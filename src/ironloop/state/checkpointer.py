@@ -115,30 +115,27 @@ class Checkpointer:
             raise error
         return local
 
-    def find(self, resume: bool | str | Path) -> Found | None:
+    def find(self, resume: bool | str | Path, fetch: bool = True,
+             warn: Warn | None = None) -> Found | None:
         """What ``--resume`` names: True, the newest in run.dir (``latest``); a checkpoint file
         or a ``.dcp`` directory, that one; another run.dir or checkpoints folder, the newest
         there (never the remote: it mirrors this run's own checkpoints)."""
         path = Path(resume) if isinstance(resume, (str, Path)) else None
         if path is None:
-            return self.latest()
+            return self.latest(fetch, warn)
         if dcp.is_sharded(path):
             return Found(path, dcp.load_extras(path))
         if not path.is_dir():
             return Found(path, load_verified(path))
         folder = RunDir(path).checkpoints
-        return _newest(folder if folder.is_dir() else path, self._warn())
+        return _newest(folder if folder.is_dir() else path, warn or self._warn())
 
     def peek(self, resume: bool | str | Path) -> Found | None:
         """What ``find`` would resume from, read before the run is built (the global batch a
         resume keeps, state/global_batch.py): local checkpoints only, nothing fetched, nothing
         said. None when there is none or it cannot be read: ``find`` says why, later."""
-        path = Path(resume) if isinstance(resume, (str, Path)) else None
         try:
-            if path is not None and (dcp.is_sharded(path) or not path.is_dir()):
-                return self.find(path)
-            folder = self.directory if path is None else RunDir(path).checkpoints
-            return _newest(folder if path is None or folder.is_dir() else path, lambda m: None)
+            return self.find(resume, fetch=False, warn=lambda msg: None)
         except (CheckpointError, OSError):
             return None
 
