@@ -50,17 +50,6 @@ def counted(batch: Any, drawn: int) -> int:
     return drawn if declared is None else declared
 
 
-def first_rows(batch: Any) -> int | None:
-    """Rows of a tuple, list or dict batch's first tensor (a tensor batch's own), or None."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else None  # a shape read: no device sync
-    if isinstance(batch, dict) and batch:
-        return first_rows(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)) and batch:
-        return first_rows(batch[0])
-    return None
-
-
 def first_leaf(batch: Any) -> Any:
     """What the default step would hand the model: the first item, all the way down."""
     if isinstance(batch, dict) and batch:
@@ -95,9 +84,10 @@ def check_rows(batch: Any, drawn: int) -> None:
     refuse a batch whose first tensor's length is not the number of samples drawn for it."""
     if declared_count(batch) is not None or isinstance(batch, dict):
         return  # a dict goes to model(**batch): counted by the samples drawn
-    rows = first_rows(batch)
-    if rows is None and not isinstance(first_leaf(batch), torch.Tensor):
-        raise no_tensor(first_leaf(batch))  # a str batch would reach the model as its inputs
+    leaf = first_leaf(batch)
+    if not isinstance(leaf, torch.Tensor):
+        raise no_tensor(leaf)  # a str batch would reach the model as its inputs
+    rows = leaf.shape[0] if leaf.ndim else None  # a shape read: no device sync
     if rows is None or rows == drawn:
         return
     raise DataError(f"a batch {structure(batch)} has {rows} rows in its first tensor, but the "
