@@ -40,7 +40,7 @@ from ironloop.parallel.world import World, all_reduce_sum
 from ironloop.parallel.wrap import checkpoint_activations, compile_model
 from ironloop.state import drift, prepare
 from ironloop.state.checkpointer import Checkpointer, Found
-from ironloop.state.run_dir import RunDir
+from ironloop.state.run_dir import TRACE, RunDir
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def _open_outputs(run: Run, resume, resumed: Found | None) -> None:
 
 def _timer(cfg: Config, run_dir: RunDir, device: torch.device, world: World) -> StepTimer:
     return StepTimer(device, cfg.profile.breakdown, cfg.profile.sync,
-                     run_dir / "trace" if cfg.profile.trace and world.is_main else None,
+                     run_dir / TRACE if cfg.profile.trace and world.is_main else None,
                      cfg.profile.trace_steps)
 
 

@@ -53,7 +53,7 @@ from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.rng import seed_everything
-from ironloop.state.run_dir import RunDir
+from ironloop.state.run_dir import FINAL, FINAL_AVG, RunDir
 
 
 @dataclass
@@ -185,7 +185,7 @@ def _env_local_rank() -> int:
 
 def _finish(run: Run, started: float) -> FitResult:
     """Restore the best weights, evaluate on test, write final.safetensors and results.json."""
-    module, run_dir = run.module, Path(run.cfg.run.dir)
+    module, run_dir = run.module, run.outputs.dir
     train_seconds = run.meter.train_seconds()
     best = run.tracker.best_weights
     restored = best is not None and run.cfg.early_stop.patience > 0
@@ -199,15 +199,15 @@ def _finish(run: Run, started: float) -> FitResult:
     weights = data_parallel.full_model_state(module.raw_model)  # a collective under FSDP2
     averaged = _final_average(run)
     if run.world.is_main:
-        save_safetensors(weights, run_dir / "final.safetensors")
+        save_safetensors(weights, run_dir / FINAL)
         if averaged is not None:
-            save_safetensors(averaged, run_dir / "final_avg.safetensors")
-        write_atomic(run_dir / "results.json", json.dumps(results, indent=2) + "\n")
+            save_safetensors(averaged, run_dir / FINAL_AVG)
+        write_atomic(run_dir.results, json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
             timer = run.outputs.timer
             print(table(results["time_split"], timer.steps, module.device, timer.sync,
                         settings_of(run), results.get("tokens_per_s")))
-    return FitResult(model=module.raw_model, results=results, run_dir=run_dir)
+    return FitResult(model=module.raw_model, results=results, run_dir=run_dir.path)
 
 
 def _final_average(run: Run) -> dict | None:
@@ -248,7 +248,7 @@ def _results(run: Run, test: dict, train_seconds: float, restored: bool,
     mid_epoch = p.offset > 0
     last = last_eval if mid_epoch and last_eval.get("step") == p.step else {}
     final_val = {k.removeprefix("val_"): v for k, v in last.items() if k.startswith("val_")}
-    epochs = read_jsonl(Path(cfg.run.dir) / "epochs.jsonl") if run.world.is_main else []
+    epochs = read_jsonl(run.outputs.dir.log("epochs")) if run.world.is_main else []
     accs = [r["val_acc"] for r in epochs if r.get("val_acc") is not None]
     # the open epoch's training so far and its final evaluation (loop.end_mid_epoch)
     open_seconds = train_seconds - meter.epoch_mark.get("train_seconds", 0.0) + \

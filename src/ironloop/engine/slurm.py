@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ironloop.errors import Preempted, StoppedInSetup
+from ironloop.state.run_dir import RunDir  # no torch: the CLI imports this module before it
 
 #: a signal this close to the time limit is the limit's warning (SLURM sends it up to 60 s
 #: before the ``--signal`` lead asked for, and leads of a few minutes are the common choice)
@@ -201,7 +202,7 @@ def _requeue(job: str) -> str | None:
 def _event(run_dir: Path, row: dict) -> None:
     """One line in events.jsonl; the run's log is closed by now, so it is appended here."""
     try:
-        with open(run_dir / "events.jsonl", "a") as f:
+        with open(RunDir(run_dir).log("events"), "a") as f:
             f.write(json.dumps({**row, "time": time.time()}) + "\n")
     except OSError as e:  # the stop is saved: a log line must not turn it into a crash
         print(f"ironloop: warning: could not write events.jsonl ({e})", flush=True)

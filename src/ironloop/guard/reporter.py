@@ -62,6 +62,7 @@ from ironloop.outputs.runlog import RunLog, truncate_jsonl
 from ironloop.parallel.world import World, all_reduce_sum, barrier
 from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.resume import Stateful
+from ironloop.state.run_dir import RunDir
 from ironloop.state.snapshot import copies_done, snapshot
 
 EXIT_CODE = 3  # the CLI's exit code when the guard stops a run (2 is a user error)
@@ -138,7 +139,7 @@ class GuardReporter:
         self.log, self.is_main = log, world.is_main
         self.verdicts.rebase(meter, offset)
         if world.is_main:
-            path = self.run_dir / "guard.jsonl"
+            path = RunDir(self.run_dir).guard_log
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.policy.logged)
             self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()

@@ -25,6 +25,7 @@ from ironloop.errors import UserError
 from ironloop.extras import require
 from ironloop.outputs import durable
 from ironloop.state.drift import flatten
+from ironloop.state.run_dir import TENSORBOARD
 
 SKIP = ("step", "epoch", "time")  # the x axis and bookkeeping, not metrics
 
@@ -117,7 +118,7 @@ class TensorBoard(Logger):
         # On resume, purge_step makes TensorBoard's reader drop the events past what the killed
         # process confirmed: those it may have half-written are sent again (durable.catch_up).
         purge = None if confirmed is None else confirmed + 1
-        self.writer = tb.SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+        self.writer = tb.SummaryWriter(str(run_dir / TENSORBOARD), purge_step=purge)
 
     def write(self, kind: str, row: dict) -> None:
         for k, v in row.items():

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ironloop.state.run_dir import RUN_JSON
 from ironloop.version import __version__
 
 
@@ -95,7 +96,7 @@ def write_run_json(run_dir: Path, env: dict, resumed: bool) -> None:
     """run.json: the first process's environment, then one entry per resume."""
     from ironloop.state.io import write_atomic
 
-    path = run_dir / "run.json"
+    path = run_dir / RUN_JSON
     record: dict = {}
     if resumed and path.is_file():
         try:
