@@ -4,31 +4,13 @@ checks the rendered PNGs of a whole fake run."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import yaml
 from matplotlib.colors import to_hex
 
 from ironloop.tools import report
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _run(tmp_path: Path, name: str = "run", cfg: dict | None = None,
-         results: dict | None = None, **logs: list[dict]) -> Path:
-    run = tmp_path / name
-    run.mkdir()
-    if cfg is not None:
-        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    if results is not None:
-        (run / "results.json").write_text(json.dumps(results))
-    for log, rows in logs.items():
-        _write_jsonl(run / f"{log}.jsonl", rows)
-    return run
+from tests.tools.test_report_summary import _run  # a fake run's files
 
 
 def _line(ln) -> dict:
