@@ -55,7 +55,8 @@ def _train_run(args, slurm) -> int:
                                   allow_config_change=args.allow_config_change,
                                   run_dir_held=True)
     except Preempted as stop:  # under SLURM: requeue the job, or not (engine/slurm.py)
-        slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue)
+        slurm.after_stop(Path(cfg.run.dir), stop, cfg.checkpoint.slurm_requeue,
+                         cfg.checkpoint.slurm_min_steps)
         raise
     if os.environ.get("RANK", "0") != "0":
         return 0  # under torchrun, rank 0 speaks for the run

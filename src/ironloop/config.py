@@ -349,9 +349,14 @@ class CheckpointConfig(Section):
                                "uploads may still take")
     slurm_requeue: bool = fld(True, "under SLURM, requeue the job (scontrol requeue) after the "
                               "checkpoint of a time limit or a preemption; never on scancel")
+    slurm_min_steps: int = fld(5, "under SLURM, a time limit's stop is requeued only if its "
+                                  "attempt trained at least this many steps: fewer means the "
+                                  "warning came during start-up, as it would in every attempt "
+                                  "(exit 75, saying so; 0 = always requeue)")
 
     def validate(self) -> None:
-        self._non_negative("every_steps", "keep_last", "remote_retries", "remote_wait_s")
+        self._non_negative("every_steps", "keep_last", "remote_retries", "remote_wait_s",
+                           "slurm_min_steps")
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 The decision is tested first as the pure function it is. Then the shipped template meets a real
 one-node cluster (scripts/slurm-up; tests/slurm_cluster.py): a time limit in each of the three
-signal forms, a preemption, a scancel, two DDP ranks through srun, a crash, a bad key and a
-requeue that resumes from S3 run side by side (``scenarios``, one pass). The runs read slowly
+signal forms, a preemption, a scancel, two DDP ranks through srun, a crash, a bad key, a
+requeue that resumes from S3, a warning during start-up and a requeue by hand run side by side
+(``scenarios``, one pass). The runs read slowly
 (examples/slow_reads.py: a sleep per sample), so they take wall time without taking the 2
 cores, and each attempt under ``--time=1`` is cut by its warning signal. Asserted: job states,
 requeue counts, events.jsonl and torch.equal weights and optimizer state; the timings are
@@ -275,6 +276,10 @@ ARGS = ["examples/slow_reads.yaml", "data.kwargs={n: 512, delay: 0.004}", "log.p
 # asks (``cuts``), and its last attempt runs to the end.
 LONG = "train.epochs=30"
 SHORT = "train.epochs=10"
+# the time-limit jobs' 60 s attempts are often cut while they start on a loaded machine (the 2
+# DDP ranks' nearly always), which checkpoint.slurm_min_steps' default rightly does not requeue
+# (the no-progress job below): here the requeue itself is under test
+ANY_PROGRESS = "checkpoint.slurm_min_steps=0"
 FORMS = ("B:TERM@20", "B:USR1@20", "USR1@20")
 TIMEOUT = 600.0  # seconds for a pass of side-by-side jobs; about 3 minutes on 2 idle cores
 LOW_CPUS = 4  # the preempted job's: the high job asks for what is free plus these
@@ -471,22 +476,38 @@ def scenarios(cluster, s3_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     high = ["--partition=high"]
     jobs = {form: Job(f"limit-{form.replace(':', '').replace('@', '-')}", tmp,
-                      [*high, "--time=1", f"--signal={form}"], [LONG], cuts=2)
+                      [*high, "--time=1", f"--signal={form}"], [LONG, ANY_PROGRESS], cuts=2)
             for form in FORMS}
     jobs["ddp-ref"] = Job("ddp-ref", tmp, [*high, "--ntasks=2"], [LONG])
-    jobs["ddp"] = Job("ddp", tmp, [*high, "--ntasks=2", "--time=1", "--signal=USR1@20"], [LONG],
-                      cuts=1)
+    jobs["ddp"] = Job("ddp", tmp, [*high, "--ntasks=2", "--time=1", "--signal=USR1@20"],
+                      [LONG, ANY_PROGRESS], cuts=1)
     jobs["cancel"] = Job("cancel", tmp, high, [SHORT])
     jobs["crash"] = Job("crash", tmp, high, [SHORT, "fault.crash_at_step=5"])
     jobs["bad-key"] = Job("bad-key", tmp, high, [SHORT, "train.epochz=3"])
     remote = "s3://slurm/run"
     jobs["remote"] = Job("remote", tmp, [*high, "--time=1", "--signal=USR1@20"],
-                         [LONG, f"checkpoint.remote={remote}"], env=job_env(**s3_env), cuts=1)
+                         [LONG, f"checkpoint.remote={remote}", ANY_PROGRESS],
+                         env=job_env(**s3_env), cuts=1)
     jobs["low"] = Job("low", tmp, ["--partition=low", f"--cpus-per-task={LOW_CPUS}"], [SHORT])
+    # its warnings sent by hand, as SLURM sends --signal=USR1@T's (to the step's tasks): one
+    # after a few steps, one during the next attempt's start-up; SLURM's own comes 2 min in
+    jobs["no-progress"] = Job("no-progress", tmp, [*high, "--time=3", "--signal=USR1@1"],
+                              [SHORT])
+    jobs["by-hand"] = Job("by-hand", tmp, high, [SHORT])  # a user's scontrol requeue
     cancel, low = jobs["cancel"], jobs["low"]
     cancelled, later, preemptor = [], [], []
+    warned, requeued = [], []
 
     def on_poll(q):
+        slow, by_hand = jobs["no-progress"], jobs["by-hand"]
+        if q[slow.id][0] == "RUNNING" and len(warned) < 2 and (
+                slow.text().count("loading torch") == 2 if warned else logged(slow.run_dir) >= 8):
+            sc.cancel(slow.id, "--signal=USR1")
+            warned.append(True)
+        if not requeued and logged(by_hand.run_dir) >= 20:
+            subprocess.run(["scontrol", "requeue", by_hand.id], check=True, capture_output=True,
+                           timeout=60)
+            requeued.append(True)
         if not cancelled and logged(cancel.run_dir) >= 20:
             sc.cancel(cancel.id)  # a user's scancel, plain: no --signal, no --batch
             cancelled.append(True)
@@ -617,6 +638,39 @@ def test_a_requeued_job_on_an_empty_run_dir_resumes_from_the_remote_copy(scenari
     assert out.count(f"fetched {scenarios['remote']}/step-") == requeued, out[-3000:]
     assert out.count("time limit") >= requeued and out.count("): requeued;") == requeued
     assert same_training(state(job.run_dir), state(scenarios["refs"]["long"]))
+
+
+@pytest.mark.slow
+def test_a_warning_during_start_up_is_not_requeued_again_after_an_attempt_without_progress(
+        scenarios):
+    job = scenarios["jobs"]["no-progress"]
+    out = job.text()
+    # the first attempt trained its steps and was requeued; the second stopped at its first
+    # step, exit 75, and the job ended there instead of starting again
+    assert (job.fields["JobState"], job.fields["Restarts"], job.fields["ExitCode"]) == \
+        ("FAILED", "1", "75:0"), out[-3000:]
+    ev = events(job.run_dir)
+    stops = [e for e in ev if e["event"] == "slurm_stop"]
+    assert [(e["cause"], e["requeue"]) for e in stops] == \
+        [("time limit", True), ("time limit", False)], stops
+    assert stops[0]["trained"] >= 8 and stops[1]["trained"] == 1, stops
+    assert len([e for e in ev if e["event"] == "slurm_requeue"]) == 1
+    held = [line for line in out.splitlines() if "not requeued" in line]
+    assert len(held) == 1 and "no progress: this attempt trained 1 step, fewer than " \
+        "checkpoint.slurm_min_steps=5): not requeued; the warning came during start-up (" \
+        in held[0] and "--signal=USR1@T" in held[0], out[-3000:]
+    assert resumes(job.run_dir)[-1]["step"] == stops[0]["step"]
+
+
+@pytest.mark.slow
+def test_a_requeue_by_hand_is_reported_as_a_requeue_and_completes_exactly(scenarios):
+    job = scenarios["jobs"]["by-hand"]
+    assert_requeued_and_exact(job, scenarios["refs"]["short"], at_least=1)
+    stops = [e for e in events(job.run_dir) if e["event"] == "slurm_stop"]
+    assert [(e["cause"], e["requeue"]) for e in stops] == [("requeue", True)]
+    assert "slurm_requeue" not in {e["event"] for e in events(job.run_dir)}  # SLURM's own
+    assert "requeue (the job is COMPLETING, requeued by SLURM: Restarts 0 -> 1): requeued; it " \
+        f"resumes from step {stops[0]['step']}" in job.text()
 
 
 @pytest.mark.slow

@@ -9,14 +9,20 @@ job that signal has one of three causes, and the scheduler says which (``scontro
 * a **preemption** by a job of a higher PriorityTier: RUNNING, with a PreemptTime;
 * a user's **scancel**: the job is already COMPLETING or CANCELLED (any other state: the job is
   ending on its own, e.g. killed at its time limit without a warning signal, too late to
-  requeue).
+  requeue);
+* a **requeue** SLURM did itself (a user's ``scontrol requeue``, PreemptMode=REQUEUE at the end
+  of a GraceTime): COMPLETING as after a scancel, but its ``Restarts`` count is past the one
+  this attempt started with (``SLURM_RESTART_COUNT``).
 
 For the first two the run must go on later, and SLURM would not requeue it: a job that exits by
 itself ends FAILED whatever ``--requeue`` says, and one that exits within a preemption's
 GraceTime is not requeued either. So rank 0 runs ``scontrol requeue`` (``checkpoint.
-slurm_requeue``); the requeued attempt resumes with ``--resume``. A scancel, or a signal the
-scheduler does not explain (a ``kill`` by hand, ``scancel --signal``), stops the run without a
-requeue. A crash or a user error never gets here: only a checkpointed stop does.
+slurm_requeue``); the requeued attempt resumes with ``--resume``. Not for a time limit whose
+attempt trained fewer than ``checkpoint.slurm_min_steps`` steps: a warning that lands while the
+run starts (a time limit too close to the signal's lead) would land there again in every
+attempt, each one a start-up for a step or two, forever. A scancel, or a signal the scheduler
+does not explain (a ``kill`` by hand, ``scancel --signal``), stops the run without a requeue. A
+crash or a user error never gets here: only a checkpointed stop does.
 
 ``adopt_step_env`` lets ``srun --ntasks=N ironloop train`` run DDP without torchrun: it sets the
 variables torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) from SLURM's.
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ironloop.errors import Preempted, StoppedInSetup
+from ironloop.outputs.readers import read_jsonl
 from ironloop.state.run_dir import RunDir  # no torch: the CLI imports this module before it
 
 #: a signal this close to the time limit is the limit's warning (SLURM sends it up to 60 s
@@ -49,9 +56,10 @@ PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % 10000: two jobs on a nod
 class Decision:
     """What a checkpointed stop under SLURM means, and whether the job goes back in the queue."""
 
-    cause: str  # "time limit", "preemption", "scancel", "ending" or "unexplained"
-    requeue: bool
+    cause: str  # "time limit", "preemption", "requeue", "scancel", "ending" or "unexplained"
+    requeue: bool  # the job goes back in the queue (for "requeue": SLURM put it there)
     why: str  # what the scheduler said, for the console and events.jsonl
+    fix: str = ""  # for a job not requeued: what to do instead of --resume, where it differs
 
 
 class EarlySignals:
@@ -129,13 +137,20 @@ def _epoch(stamp: str) -> float | None:
         return None
 
 
-def decide(fields: dict[str, str], now: float, requeue: bool) -> Decision:
-    """The cause of a stop from ``scontrol show job``'s fields at the moment of the stop.
+def decide(fields: dict[str, str], now: float, requeue: bool, restarts: int = 0) -> Decision:
+    """The cause of a stop from ``scontrol show job``'s fields at the moment of the stop;
+    ``restarts``: the job's requeue count when this attempt started (SLURM_RESTART_COUNT).
 
     Pure: the caller reads the scheduler and the clock."""
     state = fields.get("JobState", "")
     if not fields:
         return Decision("unexplained", False, "scontrol show job did not answer")
+    seen = _count(fields.get("Restarts"))
+    if state not in RUNNING and seen > restarts:
+        # requeued during this attempt: COMPLETING (Reason=None) as after a scancel, but
+        # SLURM counted the requeue at once (seen on the test cluster: Restarts 0 -> 1)
+        return Decision("requeue", True, f"the job is {state}, requeued by SLURM: Restarts "
+                                         f"{restarts} -> {seen}")
     if state not in RUNNING:
         # scancel turns a job COMPLETING at once, CANCELLED soon after; a job killed at its
         # time limit (no warning signal came) is COMPLETING for its TimeLimit reason
@@ -158,21 +173,49 @@ def decide(fields: dict[str, str], now: float, requeue: bool) -> Decision:
     return Decision(cause, True, why)
 
 
-def after_stop(run_dir: Path, stop: Preempted, requeue: bool) -> None:
+def held_back(decision: Decision, trained: int | None, min_steps: int,
+              warned: str = "") -> Decision:
+    """A time limit's requeue, held back when this attempt trained fewer than ``min_steps``
+    steps (``checkpoint.slurm_min_steps``; 0: never held back; ``trained`` None: not known).
+    The warning then came while the run started, and it would again in every attempt: the
+    time limit is too close to the signal's lead. ``warned``: when it came, for the fix. Pure."""
+    if decision.cause != "time limit" or not decision.requeue or trained is None or \
+            trained >= min_steps:
+        return decision
+    steps = f"{trained} step{'' if trained == 1 else 's'}"
+    return Decision(decision.cause, False,
+                    f"{decision.why}; no progress: this attempt trained {steps}, fewer than "
+                    f"checkpoint.slurm_min_steps={min_steps}",
+                    f"the warning came during start-up{warned}: ask for a time limit (--time) "
+                    f"longer than the signal's lead (--signal=USR1@T; it comes up to 60 s "
+                    f"before T) plus the start-up and some steps, or a shorter T; then "
+                    f"resubmit the job, which continues with --resume")
+
+
+def after_stop(run_dir: Path, stop: Preempted, requeue: bool, min_steps: int = 0) -> None:
     """Rank 0, after a checkpointed stop under a SLURM job: decide, say it in one console line
     and in events.jsonl, and requeue the job where the decision says so."""
     job = job_id()
     if job is None or os.environ.get("RANK", "0") != "0":
         return
     fields = show_job(job)
-    decision = decide(fields, time.time(), requeue and stop.saved)
+    now = time.time()
+    decision = decide(fields, now, requeue and stop.saved,
+                      _count(os.environ.get("SLURM_RESTART_COUNT")))
+    trained = None if (start := _started_at(run_dir)) is None else stop.step - start
+    decision = held_back(decision, trained, min_steps, _warned(fields, stop.signalled_at))
     _event(run_dir, {"event": "slurm_stop", "job": job, "signal": stop.signal_name,
                      "signalled_at": stop.signalled_at, "step": stop.step,
                      "cause": decision.cause, "why": decision.why,
-                     "requeue": decision.requeue, "restarts": int(fields.get("Restarts", 0))})
+                     "requeue": decision.requeue, "restarts": _count(fields.get("Restarts")),
+                     "trained": trained})
+    head = f"ironloop: SLURM job {job}: {decision.cause} ({decision.why})"
+    if decision.cause == "requeue":  # SLURM requeued it already: nothing to run
+        print(f"{head}: requeued; it resumes from step {stop.step}", flush=True)
+        return
     if not decision.requeue:
-        print(f"ironloop: SLURM job {job}: {decision.cause} ({decision.why}): not requeued; "
-              f"continue it with --resume", flush=True)
+        print(f"{head}: not requeued; {decision.fix or 'continue it with --resume'}",
+              flush=True)
         return
     # The requeue ends this job at once, SIGTERM to every process: this one has its checkpoint
     # and only the record of the requeue left to write, so it lets the signal pass.
@@ -182,11 +225,34 @@ def after_stop(run_dir: Path, stop: Preempted, requeue: bool) -> None:
     _event(run_dir, {"event": "slurm_requeue", "job": job, "ok": error is None,
                      **({"error": error} if error else {})})
     if error is None:
-        print(f"ironloop: SLURM job {job}: {decision.cause} ({decision.why}): requeued; it "
-              f"resumes from step {stop.step}", flush=True)
+        print(f"{head}: requeued; it resumes from step {stop.step}", flush=True)
     else:
-        print(f"ironloop: SLURM job {job}: {decision.cause} ({decision.why}): scontrol requeue "
-              f"failed ({error}); resubmit the job to continue from step {stop.step}", flush=True)
+        print(f"{head}: scontrol requeue failed ({error}); resubmit the job to continue from "
+              f"step {stop.step}", flush=True)
+
+
+def _count(text: str | None) -> int:
+    """A count SLURM wrote (Restarts, SLURM_RESTART_COUNT); 0 when missing or not a number."""
+    return int(text) if text and text.isascii() and text.isdigit() else 0
+
+
+def _started_at(run_dir: Path) -> int | None:
+    """The step this attempt started from: events.jsonl's last ``start`` line (every start
+    writes one, after the resume found its step); None when there is none."""
+    starts = [e.get("step") for e in read_jsonl(RunDir(run_dir).log("events"))
+              if e.get("event") == "start"]
+    return starts[-1] if starts and isinstance(starts[-1], int) else None
+
+
+def _warned(fields: dict[str, str], signalled_at: float | None) -> str:
+    """When the warning came, as the fix names it: ``" (12 s after this attempt started, 48 s
+    before its 60 s time limit)"``, or "" where the scheduler or the signal did not say."""
+    start, end = _epoch(fields.get("StartTime", "")), _epoch(fields.get("EndTime", ""))
+    if start is None or end is None or signalled_at is None:
+        return ""
+    return (f" ({max(0, round(signalled_at - start))} s after this attempt started, "
+            f"{max(0, round(end - signalled_at))} s before its {round(end - start)} s time "
+            f"limit)")
 
 
 def _requeue(job: str) -> str | None:
