@@ -9,6 +9,8 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import pytest
+
 from ironloop.callbacks import Callback
 from ironloop.state.remote import lease as remote_lease
 from ironloop.state.remote.mirror import open_remote
@@ -80,17 +82,22 @@ def test_a_manifest_linked_to_dev_zero_is_damage_the_resume_falls_back_past(tmp_
     assert f"fetched {url}/step-{before:08d}.pt" in out
 
 
+@pytest.mark.parametrize("to", ["/dev/zero", "a file"])
 def test_a_lease_linked_to_dev_zero_names_nobody_and_is_replaced_not_written_through(
-        tmp_path, capsys):
+        tmp_path, capsys, to):
     url, store = f"file://{tmp_path}/remote", tmp_path / "remote"
     config = _config(tmp_path, checkpoint__remote=url)
     _fit(config, callbacks=[StopAt(7)])
-    target = tmp_path / "victim.json"
-    target.write_text("keep me\n")
+    target = Path(to) if to.startswith("/") else tmp_path / "victim.json"
+    if to == "a file":  # a file the training user can write: a write through it would show
+        target.write_text("keep me\n")
     (store / "lease.json").unlink()
     (store / "lease.json").symlink_to(target)
     _fit(config, resume=True, callbacks=[StopAt(9)])
-    assert target.read_text() == "keep me\n"
-    assert "lease.json names no run" in capsys.readouterr().out
+    if to == "a file":
+        assert target.read_text() == "keep me\n"
+    out = capsys.readouterr().out
+    named = [line for line in out.splitlines() if "lease.json names no run" in line]
+    assert len(named) == 1 and "is a symbolic link" in named[0], out
     assert remote_lease.read(open_remote(url)).released and \
         not (store / "lease.json").is_symlink()
