@@ -15,6 +15,7 @@ from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.source import eval_split
 from ironloop.data.stream import is_stream
+from ironloop.engine import several
 from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
@@ -222,6 +223,11 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     out = Path(cfg.run.dir) / "doctor.json"
     if cfg.doctor.preflight is False or os.environ.get("RANK", "0") != "0" or \
             (resume and out.exists()):
+        return []
+    if several.takes_optimizers(step_fn or (named_step(cfg.train.step_fn)
+                                            if cfg.train.step_fn else None)):
+        print("notice: the preflight doctor checks a step that one optimizer steps; skipped "
+              "for a step that updates several (engine/several.py)")
         return []
     if is_stream(bundle.train):
         print("notice: the preflight doctor reads samples by index; skipped for a stream "
