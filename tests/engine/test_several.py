@@ -162,7 +162,7 @@ def test_gan_from_the_cli_sigkilled_resumes_torch_equal_optimizers_included(tmp_
     whole = subprocess.run(_cli(tmp_path / "whole"), cwd=REPO, capture_output=True, text=True,
                            timeout=300)
     assert whole.returncode == 0, whole.stderr
-    assert "skipped for a step that updates several" in whole.stdout  # the preflight's notice
+    assert "skipped: model (the step updates several optimizers itself" in whole.stdout
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(_cli(run_dir), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

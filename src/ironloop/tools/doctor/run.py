@@ -89,6 +89,10 @@ def _check(s: DoctorSubject, quick: bool, raise_step: bool = False) -> list[Find
                 *_guard("threads", env_checks.check_threads, s.cfg)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
+    if several.takes_optimizers(s.step_fn):
+        return [*findings, Finding("model", "skipped", "the step updates several optimizers "
+                                   "itself and these checks train with one; doctor "
+                                   "--resume-check runs it", "", "")]
     try:
         batch = s.batch()
     except Exception as e:  # noqa: BLE001 - reported, never raised: the run says it properly
@@ -223,11 +227,6 @@ def preflight(cfg: Config, model: nn.Module, bundle, resume=False,
     out = Path(cfg.run.dir) / "doctor.json"
     if cfg.doctor.preflight is False or os.environ.get("RANK", "0") != "0" or \
             (resume and out.exists()):
-        return []
-    if several.takes_optimizers(step_fn or (named_step(cfg.train.step_fn)
-                                            if cfg.train.step_fn else None)):
-        print("notice: the preflight doctor checks a step that one optimizer steps; skipped "
-              "for a step that updates several (engine/several.py)")
         return []
     if is_stream(bundle.train):
         print("notice: the preflight doctor reads samples by index; skipped for a stream "
