@@ -205,6 +205,20 @@ def test_what_several_optimizers_cannot_run_with_is_refused_in_one_line(tmp_path
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(("override", "ranks", "names"), [
+    ({"train.precision": "fp16"}, 1, "train.precision=fp16"),  # fp16 needs CUDA to get here
+    ({}, 2, "2 processes"),                                    # and this, torchrun
+])
+def test_fp16_and_several_processes_are_refused_in_one_line(override, ranks, names):
+    from ironloop.config import Config
+    from ironloop.engine.several import refuse
+
+    cfg = Config().with_overrides(override)
+    with pytest.raises(ConfigError, match=f"several optimizers cannot run with {names}"):
+        refuse(cfg, ranks, scheduler_given=False)
+    refuse(Config(), 1, scheduler_given=False)  # the defaults run
+
+
 def test_a_scheduler_with_several_optimizers_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="several optimizers cannot run with a scheduler="):
         ironloop.fit(fresh(), images(), None, config(tmp_path / "run"), step_fn=gan.step,

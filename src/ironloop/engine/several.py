@@ -226,7 +226,7 @@ def refuse(cfg, world_size: int, scheduler_given: bool) -> None:
     line each."""
     t, g, defaults = cfg.train, cfg.guard, type(cfg.guard)()
     why = ("train.accumulation_steps > 1: each update steps on the batch the step gets; set "
-           "train.accumulation_steps=1" if t.accumulation_steps > 1 or t.global_batch_size else
+           "train.accumulation_steps=1" if t.accumulation_steps > 1 else
            "train.cuda_graph: the graph captures one optimizer's step; set "
            "train.cuda_graph=false" if t.cuda_graph else
            f"average.kind={cfg.average.kind}: the average follows one optimizer's steps; set "
