@@ -85,6 +85,10 @@ class Optimizers(torch.optim.Optimizer):
     def __len__(self) -> int:
         return len(self.named)
 
+    def items(self):
+        """(name, torch optimizer) pairs, in the order they were given."""
+        return self.named.items()
+
     def _known(self, name: str) -> str:
         if name not in self.named:
             raise UserError(f"optimizers.update({name!r}, ...): no optimizer is named {name!r}; "
