@@ -160,7 +160,8 @@ class OptimConfig(Section):
     _name = "optim"
     name: str = fld("adamw", "optimizer: adamw | adam | sgd, or a torch.optim class by name "
                     "(LBFGS, RMSprop, ...: lr, weight_decay and optim.args reach it, torch's "
-                    "defaults the rest)")
+                    "defaults the rest), or 'module:factory' returning {name: optimizer} for a "
+                    "step that updates several (engine/several.py)")
     lr: float = fld(1e-3, "learning rate (the peak for onecycle is schedule.max_lr); 0 "
                     "freezes the weights, also on a resume")
     weight_decay: float = fld(0.01, "decoupled (adamw) or L2 (adam, sgd) weight decay")
@@ -174,14 +175,15 @@ class OptimConfig(Section):
                      "LBFGS's history_size and max_iter)")
 
     def validate(self) -> None:
-        if self.name not in BUILT_IN_OPTIMIZERS and not torch_optimizer(self.name):
+        if self.name not in BUILT_IN_OPTIMIZERS and not torch_optimizer(self.name) and \
+                ":" not in self.name:
             import torch.optim
 
             near = [n for n in dir(torch.optim) if n.lower() == self.name.lower()
                     and torch_optimizer(n)]
             self._bad("name", f"must be one of {', '.join(BUILT_IN_OPTIMIZERS)}, or the name of "
                       f"a torch.optim class ({near[0] if near else 'LBFGS, RMSprop, ...'}: the "
-                      f"case matters)")
+                      f"case matters), or 'module:factory' for several optimizers")
         if any(k in self.args for k in ("params", "lr")):
             self._bad("args", "params and lr are set by ironloop (lr: optim.lr); remove them")
         self._positive("eps")

@@ -192,7 +192,8 @@ def test_a_given_optimizer_must_be_one_and_hold_the_model_s_parameters():
     made = resolve_optimizer(lambda p: torch.optim.Adam(p, lr=0.1), model, cfg)
     assert isinstance(made, torch.optim.Adam)
     with pytest.raises(UserError, match=r"^optimizer= must be a torch.optim.Optimizer or a "
-                                        r"factory factory\(params\) returning one; got list$"):
+                                        r"factory factory\(params\) returning one; its factory "
+                                        r"returned list$"):
         resolve_optimizer(lambda p: list(p), model, cfg)
     other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
     with pytest.raises(UserError, match=r"^optimizer= holds none of the model's parameters; "

@@ -15,13 +15,13 @@ from torch import nn
 from ironloop.callbacks import HOOKS, Callback, from_specs
 from ironloop.config import Config
 from ironloop.data.source import RunData
-from ironloop.engine import carry, cuda_graph, schedule_notes, step_fns
+from ironloop.engine import carry, cuda_graph, schedule_notes, several, step_fns
 from ironloop.engine.average import build_average
 from ironloop.engine.cadence import Cadence
 from ironloop.engine.divergence import LossGrowth
 from ironloop.engine.early_stop import BestTracker, check_monitor
 from ironloop.engine.metrics import build_metrics
-from ironloop.engine.optim import resolve_optimizer, resolve_scheduler
+from ironloop.engine.optim import check_given, resolve_optimizer, resolve_scheduler
 from ironloop.engine.precision import grad_scaler
 from ironloop.engine.preempt import Preemption
 from ironloop.engine.progress import Meter, Progress
@@ -72,8 +72,9 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     callbacks = check_callbacks([*_as_list(given.callbacks), *from_specs(cfg.train.callbacks)])
     progress = Progress()
     meter = Meter(device, reduce=lambda t: all_reduce_sum(t, world))
+    # Several optimizers: each update is guarded on its own (engine/several.py), not the step
     verdicts = device_verdicts(cfg.guard, meter.loss_sum.device, meter.loss_sum.dtype) \
-        if cfg.guard.enabled else None
+        if cfg.guard.enabled and not several.wanted(given.optimizer, cfg.optim.name) else None
     module, strategy = _train_module(cfg, model, data, device, world, precision, given,
                                      progress, faults, verdicts)
     validates = data.val is not None and len(data.val) > 0
@@ -152,9 +153,17 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
                   faults: Faults, verdicts: DeviceVerdicts | None) -> tuple[TrainModule, str]:
     """The step function, the wrapped model, the optimizer and schedule, the scaler."""
     raw_model, check_labels, step_fn = model, None, given.step_fn
+    check_given(given.optimizer)  # a list of optimizers: the message, not 'not callable'
     metrics = build_metrics(cfg.eval.metrics, given.metrics, device)
     if step_fn is None and cfg.train.step_fn:
         step_fn = step_fns.named_step(cfg.train.step_fn)  # 'lm' or the user's 'module:function'
+    optimizers = _several(cfg, raw_model, world, given)
+    if optimizers is not None:  # the step updates each of them: step(model, batch, optimizers)
+        step_fn = several.bound(step_fn, optimizers, given.optimizer is not None, cfg.optim.name)
+    elif step_fn is not None and several.takes_optimizers(step_fn):
+        raise UserError(f"step_fn {getattr(step_fn, '__name__', step_fn)!r} takes "
+                        f"'optimizers', and the run has one optimizer; pass optimizer={{name: "
+                        f"optimizer, ...}} (optim.name=module:factory), or drop the parameter")
     if step_fn is None:
         step_fn, check_labels, classes = step_fns.classification(
             cfg, model, device, given.loss_fn, given.num_classes, data, metrics is not None)
@@ -174,7 +183,8 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
     if cfg.train.compile:
         wrapped = compile_model(wrapped, cfg.train.compile_mode)  # raw_model stays uncompiled
     _warn_batchnorm(raw_model, cfg, world)
-    optimizer = resolve_optimizer(given.optimizer, raw_model, cfg.optim)
+    optimizer = optimizers if optimizers is not None else \
+        resolve_optimizer(given.optimizer, raw_model, cfg.optim)
     check_closure(optimizer, cfg.train.accumulation_steps, precision, world,
                   stateful is not None)  # LBFGS: what its closure can honour
     steps = total_steps(cfg, data)
@@ -187,10 +197,21 @@ def _train_module(cfg: Config, model: nn.Module, data: RunData, device: torch.de
         carry=stateful, device=device, precision=precision, clip=cfg.clip, total_steps=steps,
         schedule_steps=steps if finite else 0, verdicts=verdicts, check_labels=check_labels,
         average=average, metrics=metrics,
-        frozen=given.optimizer is None and cfg.optim.lr == 0)
+        frozen=given.optimizer is None and optimizers is None and cfg.optim.lr == 0,
+        several=optimizers)
     # train.cuda_graph: refused here, before training, if the step cannot be captured
     module.graph = cuda_graph.build(cfg, module, world, module.takes_closure)
     return module, strategy
+
+
+def _several(cfg: Config, model: nn.Module, world: World,
+             given: Given) -> several.Optimizers | None:
+    """The run's several optimizers (engine/several.py), or None for one. Built before the
+    parallel wrap, which they refuse (one process): the parameters are the model's own."""
+    if not several.wanted(given.optimizer, cfg.optim.name):
+        return None
+    several.refuse(cfg, world.size, given.scheduler is not None)
+    return several.resolve(given.optimizer, model, cfg.optim, cfg.clip, cfg.guard.enabled)
 
 
 def _restore(run: Run, resumed: Found) -> None:

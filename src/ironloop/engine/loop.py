@@ -23,6 +23,8 @@ window of ``accumulation_steps`` micro-batches (fewer for the ragged last window
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     [average.update(), when due]              # engine/average.py: EMA/SWA, on the device
     [run.settle(), when due]                  # engine/settle.py: the guard's lagged read
+    (several optimizers: the step function does zero_grad to the step itself, once per
+     optimizer on its own parameters, and there is no accumulation; engine/several.py)
     (train.cuda_graph: after 3 eager windows, the window's micro-batches, unscale to
      scheduler, are one CUDA graph replay; the host's bookkeeping follows it, engine/cuda_graph.py)
     [fault knobs] -> [log line] -> on_step_end
@@ -135,18 +137,16 @@ def train_epoch(run: Run) -> None:
         p.offset += taken
         last = micro == accum - 1 or p.offset >= n
         timer.mark("copy")  # near 0: the copy ran while the previous step computed
-        loss = micro_step(run, batch, n_micro, window, last, weights) if module.graph is None \
-            else module.graph.collect(batch, n_micro)  # train.cuda_graph: run at the window's end
-        micro += 1
-        if not last:
-            continue
-        micro = 0
-        if module.graph is not None:  # the window as one graph replay (engine/cuda_graph.py)
-            module.graph.step(p, run.meter, run.world, window)
+        if module.several is not None:  # the step updates each optimizer itself (several.py)
+            module.several_step(batch, n_micro, p, run.meter)  # no accumulation: one batch
         else:
-            weights.normalise(module.params, run.world)  # no-op unless the step weights its loss
-            # LBFGS's closure recomputes this batch; None for any other optimizer
-            module.optimizer_step(p, run.meter, run.world, module.closure(batch, loss))
+            loss = micro_step(run, batch, n_micro, window, last, weights) \
+                if module.graph is None else module.graph.collect(batch, n_micro)  # cuda_graph
+            micro += 1
+            if not last:
+                continue
+            micro = 0
+            window_step(run, batch, loss, window, weights)
         timer.mark("optimizer")
         if module.average is not None and module.average.due(p.step):
             module.average.update()  # on the device, no host read (engine/average.py)
@@ -160,6 +160,18 @@ def train_epoch(run: Run) -> None:
             break
     run.settle()  # the epoch's last verdicts, before its line and its checkpoint
     bar.close()
+
+
+def window_step(run: Run, batch, loss, window: int, weights: WindowWeight) -> None:
+    """The optimizer step at a window's end: the train module's, or the window as one graph
+    replay (train.cuda_graph, engine/cuda_graph.py)."""
+    module, p = run.module, run.progress
+    if module.graph is not None:
+        module.graph.step(p, run.meter, run.world, window)
+    else:
+        weights.normalise(module.params, run.world)  # no-op unless the step weights its loss
+        # LBFGS's closure recomputes this batch; None for any other optimizer
+        module.optimizer_step(p, run.meter, run.world, module.closure(batch, loss))
 
 
 def micro_step(run: Run, batch, n_micro: int, window: int, last: bool,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -99,6 +100,8 @@ def takes(opt: torch.optim.Optimizer, argument: str) -> bool:
 def foreign(opt: torch.optim.Optimizer, cfg) -> str:
     """The optimizer's class name when it is not the class ``optim.name`` builds (the user
     passed their own), else ''."""
+    if ":" in cfg.name:  # a 'module:factory' of several optimizers (engine/several.py)
+        return type(opt).__name__
     return "" if type(opt) is _class_of(cfg.name) else type(opt).__name__
 
 
@@ -123,15 +126,28 @@ def fused_open(opt: torch.optim.Optimizer) -> bool:
                                 and p.device.type in devices for p in params)
 
 
+def check_given(given) -> None:
+    """fit()'s ``optimizer=``: an Optimizer, a factory, a mapping of them (several, see
+    engine/several.py) or None; anything else is refused before it is called."""
+    if given is None or isinstance(given, (torch.optim.Optimizer, Mapping)) or callable(given):
+        return
+    several = " (several optimizers: a dict {name: optimizer}, and a step_fn(model, batch, " \
+        "optimizers) that updates each)" if isinstance(given, (list, tuple)) else ""
+    raise UserError(f"optimizer= must be a torch.optim.Optimizer or a factory "
+                    f"factory(params) returning one{several}; got {type(given).__name__}")
+
+
 def resolve_optimizer(given, model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The user's optimizer (an object, or a factory called with the model's parameters), or
     the one ``optim.*`` describes."""
     if given is None:
         return build_optimizer(model, cfg)
+    check_given(given)
     opt = given if isinstance(given, torch.optim.Optimizer) else given(model.parameters())
     if not isinstance(opt, torch.optim.Optimizer):
         raise UserError(f"optimizer= must be a torch.optim.Optimizer or a factory "
-                        f"factory(params) returning one; got {type(opt).__name__}")
+                        f"factory(params) returning one; its factory returned "
+                        f"{type(opt).__name__}")
     ours = {id(p) for p in model.parameters()}
     if not any(id(p) in ours for g in opt.param_groups for p in g["params"]):
         raise UserError("optimizer= holds none of the model's parameters; build it from "

@@ -224,6 +224,7 @@ class RunView:
     - ``cfg``: the run's Config;
     - ``model``: the user's module (not the DDP/FSDP/compile wrapper);
     - ``optimizer``, ``scheduler``: the live torch objects (a callback may change the LR);
+      with several optimizers, ``optimizer[name]`` is each one (engine/several.py);
     - ``step``, ``epoch``: optimizer steps taken, epochs completed;
     - ``world``: ``rank``, ``size``, ``is_main`` (callbacks run on every rank);
     - ``device``, ``precision``, ``run_dir``;

@@ -12,6 +12,9 @@ The optimizer step, in order::
     optimizer.step(); scaler.update()         # a bad step is skipped inside the fused kernel
     scheduler.step()                          # per-step schedules, AFTER optimizer.step
     average.update()                          # when due (average.*): the loop calls it
+
+With several optimizers (``several_step``) the step function runs that order once per
+optimizer, on each one's own parameters, inside its call (engine/several.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.engine.metrics import SplitMetrics
 from ironloop.engine.precision import autocast
 from ironloop.engine.progress import Meter, Progress
+from ironloop.engine.several import Optimizers
 from ironloop.engine.step_fns import StepFn, describe, unpack
 from ironloop.errors import ConfigError, UserError
 from ironloop.guard.reporter import lr_scaled
@@ -113,6 +117,7 @@ class TrainModule:
     average: WeightAverage | None = None  # the averaged weights (average.kind), or None
     metrics: SplitMetrics | None = None   # whole-split metrics for evaluation (eval.metrics)
     graph: Any = None                # train.cuda_graph: the StepGraph (engine/cuda_graph.py)
+    several: Optimizers | None = None  # several optimizers the step updates (the optimizer too)
     # After parallel.wrap: FSDP2 has replaced them with their sharded DTensors by then. All of
     # them, not only those requiring grad: a callback may unfreeze a layer later.
     params: list[nn.Parameter] = field(default_factory=list)
@@ -210,6 +215,20 @@ class TrainModule:
         self.step_schedule(progress.step)  # after optimizer.step, once per optimizer step
         progress.step += 1
         meter.add_step(grad_norm, clipped, skipped, ok)
+
+    def several_step(self, batch, n_micro: int, progress: Progress, meter: Meter) -> None:
+        """Several optimizers (engine/several.py): the step updates each one itself, inside its
+        call (backward, norm, guard, clip and step per optimizer, on its own parameters); what
+        is left is the step's count, its logged loss and the norms, as one optimizer step's."""
+        several = self.several
+        assert several is not None  # the loop calls this only with several optimizers
+        with self.autocast():
+            loss, _, _ = self.forward(self.model, batch, "training", progress)
+        meter.add_micro(loss, n_micro)
+        grad_norm, clipped, skipped = several.end_step()
+        self.lr = float(several.param_groups[0]["lr"])  # the first optimizer's, for the logs
+        progress.step += 1
+        meter.add_step(grad_norm, clipped, skipped)
 
     @property
     def lr_factor(self) -> float:

@@ -43,11 +43,15 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
         step_fn: ``step_fn(model, batch) -> (loss, {name: scalar tensor}[, weight])`` for
             anything that is not ``(inputs, targets)`` classification. Loss and metrics are
             means over the batch's weight (its samples, or the tokens a third value gives:
-            see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py).
+            see engine/tokens.py). A third parameter ``state`` makes it stateful (carry.py);
+            one named ``optimizers`` makes it update several optimizers itself (several.py).
             Default: ``train.step_fn`` ('module:function' or 'lm'), else classification.
         num_classes: checks that labels lie in [0, C); inferred from the model when omitted.
         optimizer: a torch optimizer over the model's parameters, or ``factory(params)``
-            returning one. Default: the ``optim.*`` config.
+            returning one. Several (a GAN's): ``{name: optimizer or factory(params)}``, a
+            factory getting the parameters of the submodule ``name``, with a
+            ``step_fn(model, batch, optimizers)`` that calls ``optimizers.update(name,
+            loss)`` for each (engine/several.py). Default: the ``optim.*`` config.
         scheduler: a torch LR scheduler, or ``factory(optimizer)`` returning one. It steps after
             every optimizer step; a ReduceLROnPlateau steps after every evaluation with the
             monitored metric. Default: the ``schedule.*`` config.

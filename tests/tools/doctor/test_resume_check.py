@@ -21,6 +21,7 @@ from ironloop.tools.doctor.resume_compare import (
     without_unread,
 )
 from ironloop.tools.doctor.resume_diagnose import findings_for
+from tests.conftest import REPO
 
 CASES = "tests.resume_cases"
 #: 6 steps an epoch: 9 steps cross an epoch end; checkpoints at 3, 6, 9, the kill at 4.
@@ -299,6 +300,16 @@ def test_clean_pipeline_is_exact(tmp_path):
 def test_lbfgs_by_name_is_exact(tmp_path):
     # optim.name takes any torch.optim class: the check reaches a closure optimizer (issue 44)
     cfg = config(tmp_path, "clean_data", "optim.name=LBFGS", "optim.args={max_iter: 3}")
+    result = check(tmp_path, cfg, steps=STEPS)
+    assert result.exact, [f.render() for f in result.findings]
+
+
+@pytest.mark.slow
+def test_a_two_optimizer_gan_from_its_config_is_exact(tmp_path):
+    # configs/gan.yaml: the step updates both optimizers itself (engine/several.py); the check's
+    # recorder wraps that step too, and the resume is exact with both optimizers' states
+    cfg = load_config(str(REPO / "configs" / "gan.yaml"),
+                      [f"run.dir={tmp_path / 'run'}", "train.batch_size=16"])
     result = check(tmp_path, cfg, steps=STEPS)
     assert result.exact, [f.render() for f in result.findings]
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from ironloop.callbacks import Callback
 from ironloop.engine.carry import takes_state
+from ironloop.engine.several import takes_optimizers
 
 #: Scalar types whose values are compared as they are.
 PLAIN = (int, float, bool, str, type(None))
@@ -144,6 +145,12 @@ class Recorder(Callback):
                 record(model, batch, out[0])
                 return out
             return stateful
+        if takes_optimizers(step_fn):  # several optimizers: it updates them itself
+            def updating(model, batch, optimizers):
+                out = step_fn(model, batch, optimizers)
+                record(model, batch, out[0])
+                return out
+            return updating
 
         def plain(model, batch):
             out = step_fn(model, batch)

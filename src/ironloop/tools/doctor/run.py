@@ -15,6 +15,7 @@ from ironloop.config import Config
 from ironloop.data.inputs import map_style
 from ironloop.data.source import eval_split
 from ironloop.data.stream import is_stream
+from ironloop.engine import several
 from ironloop.engine.metrics import build_metrics
 from ironloop.engine.optim import Loss
 from ironloop.engine.precision import resolve_device
@@ -88,6 +89,10 @@ def _check(s: DoctorSubject, quick: bool, raise_step: bool = False) -> list[Find
                 *_guard("threads", env_checks.check_threads, s.cfg)]
     if any(f.severity == "error" and f.check == "labels" for f in findings):
         return findings  # the model checks would only crash on these labels
+    if several.takes_optimizers(s.step_fn):
+        return [*findings, Finding("model", "skipped", "the step updates several optimizers "
+                                   "itself and these checks train with one; doctor "
+                                   "--resume-check runs it", "", "")]
     try:
         batch = s.batch()
     except Exception as e:  # noqa: BLE001 - reported, never raised: the run says it properly
