@@ -138,7 +138,7 @@ def _start_guard(run: Run, reporter: GuardReporter, resumed: bool, requested: bo
                             hooks.faults.poisons_steps or _watches_steps(hooks.callbacks))
     reporter.checkpoints = run.outputs.checkpoints  # a rollback loads through it
     reporter.start(run, run.meter, run.progress.offset, run.outputs.log, run.world,
-                   (resumed, requested), run.module.raw_model)
+                   (resumed, requested))
 
 
 def _prefixes(data: RunData, step: TrainModule) -> tuple[str, ...]:
