@@ -283,7 +283,7 @@ def test_the_shape_checks_can_fail(tmp_path, monkeypatch):
 #: The writers and finders of checkpoints that only the checkpointer may reach (besides the
 #: modules that define them): a resume, a rollback, export and the doctor go through it.
 CHECKPOINT_INTERNALS = {"FileWriter", "ShardedWriter", "latest_file", "latest_sharded",
-                        "load_sharded", "load_extras", "consolidate_model"}
+                        "load_sharded", "load_extras", "read_extras", "consolidate_model"}
 CHECKPOINTER = {"ironloop.state.checkpointer", "ironloop.state.file_writer", "ironloop.state.dcp"}
 
 

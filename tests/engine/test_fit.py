@@ -369,6 +369,22 @@ def test_a_passed_dataloader_s_batch_size_is_the_run_s():
     assert fit_module.resolved(ironloop.Config(), loader, None).train.batch_size == 5
 
 
+def test_a_resume_on_more_ranks_keeps_the_global_batch_of_the_checkpoint_it_peeked(tmp_path,
+                                                                                   monkeypatch):
+    conf = ironloop.Config().with_overrides(cfg(tmp_path, train__batch_size=8,
+                                                train__accumulation_steps=2, train__max_steps=2))
+    ironloop.fit(tiny_mlp(), blobs(64), None, conf)  # 1 rank x 8 x 2: a global batch of 16
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun sets them; nothing here joins a group
+    peeked = fit_module.peek(conf, True)
+    assert peeked is not None and peeked.found is not None and peeked.found.step == 2
+    assert fit_module.resolved(conf, blobs(64), None, None, peeked) \
+        .train.accumulation_steps == 1  # 2 ranks x 8 x 1 keeps the 16
+    assert fit_module.resolved(conf, blobs(64), None).train.accumulation_steps == 2  # fresh
+    assert fit_module.peek(conf, False) is None
+
+
 def test_the_local_rank_comes_from_torchrun_s_environment(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert fit_module._env_local_rank() == 0

@@ -542,10 +542,12 @@ def test_a_rollback_keeps_the_spike_statistics_the_guard_had_learnt(tmp_path):
 def test_a_sharded_models_rollback_before_any_checkpoint_stops_at_that_step_and_says_why(
         tmp_path, monkeypatch):
     # FSDP2 keeps no in-memory snapshot: with no checkpoint yet there is nothing to roll back
-    # to (e2e/test_guard_fsdp.py rolls back to a .dcp on two real ranks)
+    # to (e2e/test_guard_fsdp.py rolls back to a .dcp on two real ranks). The checkpointer
+    # says whether the model is sharded, for the guard too.
     from ironloop.guard import reporter
+    from ironloop.state import checkpointer
 
-    monkeypatch.setattr(reporter, "_sharded", lambda model: True)
+    monkeypatch.setattr(checkpointer, "is_fsdp", lambda model: True)
     with pytest.raises(reporter.GuardStop, match=r"^the guard stopped the run at step 3: no "
                                                  r"checkpoint to roll back to \(under "
                                                  r"dist.strategy=fsdp the guard rolls back only "

@@ -75,7 +75,7 @@ def meter(loss_sum: float = 0.0, samples: int = 0):
 
 def started(tmp_path, *overrides: str, world: World | None = None, **kw) -> GuardReporter:
     guard = reporter(tmp_path, *overrides, **kw)
-    guard.start(Run(), meter(), 0, None, world or World(), (False, False), torch.nn.Linear(1, 1))
+    guard.start(Run(), meter(), 0, None, world or World(), (False, False))
     return guard
 
 
@@ -102,8 +102,7 @@ def lines(tmp_path) -> list[dict]:
 def test_start_baselines_the_verdicts_opens_guard_jsonl_and_snapshots_the_run(tmp_path):
     guard, run, log = reporter(tmp_path), Run(), object()
     guard.verdicts.pending = ["stale"]
-    guard.start(run, meter(3.0, samples=40), 16, log, World(), (False, False),
-                torch.nn.Linear(1, 1))
+    guard.start(run, meter(3.0, samples=40), 16, log, World(), (False, False))
     d = guard.verdicts
     assert (d.pending, d.offsets, d.samples, float(d._before)) == ([], [16], [40], 3.0)
     assert guard.log is log and guard.is_main and guard.file is not None
@@ -159,7 +158,7 @@ def test_the_rollback_point_of_a_gpu_run_is_pinned_queued_without_a_sync_and_exa
     run = Run()
     run.w = torch.randn(64 * 2**20, device="cuda")  # 256 MB: a copy that takes milliseconds
     guard = reporter(tmp_path)
-    guard.start(run, meter(), 0, None, World(), (False, False), torch.nn.Linear(1, 1))
+    guard.start(run, meter(), 0, None, World(), (False, False))
     kept = guard.snapshot["w"]
     assert kept.is_pinned() and torch.equal(kept.cuda(), run.w)
     before = run.w.clone()
@@ -178,10 +177,11 @@ def test_the_rollback_point_of_a_gpu_run_is_pinned_queued_without_a_sync_and_exa
     (False, False, False, True), (False, True, False, True), (True, False, False, True),
     (True, True, False, False), (False, False, True, False)])
 def test_the_memory_snapshot_is_taken_unless_a_checkpoint_file_or_sharding_replaces_it(
-        tmp_path, monkeypatch, from_files, resumed, sharded, snapshots):
-    monkeypatch.setattr(rep, "_sharded", lambda model: sharded)
+        tmp_path, from_files, resumed, sharded, snapshots):
     guard = reporter(tmp_path, from_files=from_files)
-    guard.start(Run(), meter(), 0, None, World(), (resumed, False), torch.nn.Linear(1, 1))
+    guard.checkpoints = Checkpointer(RunDir(tmp_path))
+    guard.checkpoints.sharded = sharded  # as for an FSDP2 model: the checkpointer's fact
+    guard.start(Run(), meter(), 0, None, World(), (resumed, False))
     assert (guard.snapshot is not None) == snapshots
     guard.snapshot = None
     guard.saved(Run())  # FSDP2's rollbacks go to its checkpoints' shards: never a snapshot
@@ -192,10 +192,10 @@ def test_a_resume_drops_only_the_guard_lines_past_the_checkpoints_count(tmp_path
     (tmp_path / "guard.jsonl").write_text("".join(f'{{"n": {n}}}\n' for n in (1, 2, 3)))
     guard = reporter(tmp_path)
     guard.policy.logged = 2
-    guard.start(Run(), meter(), 0, None, World(), (True, False), torch.nn.Linear(1, 1))
+    guard.start(Run(), meter(), 0, None, World(), (True, False))
     guard.close()
     assert [r["n"] for r in lines(tmp_path)] == [1, 2, 3]  # not asked to resume: appended to
-    guard.start(Run(), meter(), 0, None, World(), (True, True), torch.nn.Linear(1, 1))
+    guard.start(Run(), meter(), 0, None, World(), (True, True))
     guard._write({"event": "bad_step"})
     assert [r["n"] for r in lines(tmp_path)] == [1, 2, 3]  # the third is the new line
 
@@ -229,7 +229,7 @@ def test_bad_steps_settled_late_get_their_own_numbers_lines_and_leave_the_meters
     so the bad ones are both step 12 (a bad attempt is no step); windows of 2 x 4 samples."""
     guard = started(tmp_path, accumulation=2)
     capsys.readouterr()
-    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))  # [1]: no grads
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1))  # [1]: no grads
     model[0].weight.grad, model[0].bias.grad = torch.full((1, 1), math.nan), torch.zeros(1)
     m = meter()
     pend(guard.verdicts, [(8.0, 1.0, 8, 4), (math.nan, 2.0, 16, 8), (4.0, math.inf, 24, 12)])
@@ -278,7 +278,7 @@ def test_a_due_rollback_restores_the_run_skips_the_windows_and_rewinds_the_logs(
     progress = SimpleNamespace(step=5, epoch=1, offset=20)
     run, rewound, waited = Run(progress), [], []
     log = SimpleNamespace(rewind=lambda step, epoch: rewound.append((step, epoch)))
-    guard.start(run, meter(), 0, log, World(), (False, False), torch.nn.Linear(1, 1))
+    guard.start(run, meter(), 0, log, World(), (False, False))
     guard.checkpoints = SimpleNamespace(wait=lambda: waited.append(1))  # the run's checkpointer
     guard.policy.good = 7  # the guard's own knowledge outlives the rollback
     run.w = torch.tensor([9.0, 9.0])

@@ -25,7 +25,7 @@ def calls(monkeypatch):
     """Every call to the loop, the preflight, the run.dir check and the lock, in order."""
     seen: list[tuple] = []
 
-    def train_run(cfg, model, data, given):
+    def train_run(cfg, model, data, given, peeked=None):
         seen.append(("fit", model, data, cfg, given))
         return "result"
 

@@ -39,7 +39,7 @@ from ironloop.parallel import data_parallel
 from ironloop.parallel.world import World, all_reduce_sum
 from ironloop.parallel.wrap import checkpoint_activations, compile_model
 from ironloop.state import drift, prepare
-from ironloop.state.checkpointer import Checkpointer, Found
+from ironloop.state.checkpointer import Checkpointer, Found, Peeked
 from ironloop.state.run_dir import TRACE, RunDir
 
 
@@ -66,8 +66,10 @@ class Given:
 
 
 def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device,
-              world: World, precision: str, given: Given, faults: Faults) -> tuple[Run, str]:
-    """The finished run, and its parallel strategy ("ddp", "fsdp" or "none")."""
+              world: World, precision: str, given: Given, faults: Faults,
+              peeked: Peeked | None = None) -> tuple[Run, str]:
+    """The finished run, and its parallel strategy ("ddp", "fsdp" or "none"). ``peeked``: the
+    resume's read of its checkpoint (``engine.fit.peek``), resumed from without a second."""
     # fit()'s own callbacks, then train.callbacks: positions key their checkpointed state
     callbacks = check_callbacks([*_as_list(given.callbacks), *from_specs(cfg.train.callbacks)])
     progress = Progress()
@@ -99,7 +101,7 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
                       growth=LossGrowth(cfg.log.loss_growth))  # the log opens after a restore
     run = Run(cfg=cfg, world=world, data=data, module=module, progress=progress, meter=meter,
               tracker=tracker, outputs=outputs, guard=guard, cadence=cadence, hooks=hooks)
-    resumed = _prepare_run_dir(run, given)
+    resumed = _prepare_run_dir(run, given, peeked)
     if resumed is not None:
         _restore(run, resumed)
         _warn_past_schedule(run)
@@ -118,7 +120,7 @@ def total_steps(cfg: Config, data: RunData) -> int:
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
-def _prepare_run_dir(run: Run, given: Given) -> Found | None:
+def _prepare_run_dir(run: Run, given: Given, peeked: Peeked | None) -> Found | None:
     """run.dir refused, overwritten or resumed (state/prepare.py), with config.yaml's record."""
     m = run.module
     used = records.used(m.raw_model, m.optimizer, m.scheduler, given.from_config,
@@ -126,7 +128,7 @@ def _prepare_run_dir(run: Run, given: Given) -> Found | None:
     return prepare.prepare_run_dir(run.outputs.checkpoints, run.cfg, given.resume,
                                    given.overwrite, run.world,
                                    records.config_record(run.cfg.to_dict(), used),
-                                   given.allow_config_change)
+                                   given.allow_config_change, peeked)
 
 
 def _start_guard(run: Run, reporter: GuardReporter, resumed: bool, requested: bool) -> None:
@@ -137,7 +139,7 @@ def _start_guard(run: Run, reporter: GuardReporter, resumed: bool, requested: bo
                             hooks.faults.poisons_steps or _watches_steps(hooks.callbacks))
     reporter.checkpoints = run.outputs.checkpoints  # a rollback loads through it
     reporter.start(run, run.meter, run.progress.offset, run.outputs.log, run.world,
-                   (resumed, requested), run.module.raw_model)
+                   (resumed, requested))
 
 
 def _prefixes(data: RunData, step: TrainModule) -> tuple[str, ...]:

@@ -49,7 +49,7 @@ from ironloop.parallel.world import (
     shutdown,
 )
 from ironloop.state import global_batch
-from ironloop.state.checkpointer import Checkpointer
+from ironloop.state.checkpointer import Checkpointer, Peeked
 from ironloop.state.export import save_safetensors
 from ironloop.state.io import write_atomic
 from ironloop.state.rng import seed_everything
@@ -105,10 +105,12 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def train_run(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given) -> FitResult:
+def train_run(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
+              peeked: Peeked | None = None) -> FitResult:
     """Build the run and train it: ``cfg`` is the run's config, already resolved (``resolved``),
     and the caller holds run.dir's lock, run.threads and the named collective timeouts (the
-    front door, ``ironloop.tools.recipe.fit``). Nothing here parses or rewrites the config."""
+    front door, ``ironloop.tools.recipe.fit``). Nothing here parses or rewrites the config.
+    ``peeked``: the resume's read of its checkpoint (``peek``), which the run resumes from."""
     started = time.time()
     device = resolve_device(cfg.run.device, _env_local_rank())
     world = init_from_env(device.type, cfg.dist.timeout_s)
@@ -118,7 +120,7 @@ def train_run(cfg: Config, model: nn.Module, data: DataBundle, given: build.Give
     opened = open_data(cfg, data.train, data.val, data.test, world.rank, world.size, device,
                        poison=faults.poison)
     run, _ = build.build_run(cfg, model.to(device), opened, device, world, precision, given,
-                             faults)
+                             faults, peeked)
     collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
     with run.hooks.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
         _train(run)
@@ -140,15 +142,23 @@ def check_arguments(model, train_data) -> None:
                         "pair")
 
 
-def resolved(cfg: Config, train_data, step_fn, val_data=None, resume=False) -> Config:
+def peek(cfg: Config, resume) -> Peeked | None:
+    """The checkpoint a resume (``resume``: what --resume names) starts from, read once before
+    the run is built: ``resolved`` keeps the global batch from it, and the run resumes from
+    the same read (``train_run``). The caller holds run.dir's lock: nothing writes the folder
+    meanwhile."""
+    return Checkpointer(RunDir(cfg.run.dir)).peek(resume) if resume else None
+
+
+def resolved(cfg: Config, train_data, step_fn, val_data=None,
+             peeked: Peeked | None = None) -> Config:
     """The run's config, complete before anything reads it: a passed DataLoader keeps its
-    batch size, a resume on another number of ranks (``resume``: what --resume names) keeps
-    the run's global batch (state/global_batch.py), the LM step reports perplexity, and with
-    several validation sets the default early_stop.metric (val_loss) is the first set's loss.
-    Written once, to config.yaml and into every checkpoint."""
+    batch size, a resume on another number of ranks (``peeked``: the checkpoint it starts
+    from, ``peek``) keeps the run's global batch (state/global_batch.py), the LM step reports
+    perplexity, and with several validation sets the default early_stop.metric (val_loss) is
+    the first set's loss. Written once, to config.yaml and into every checkpoint."""
     check_env()  # WORLD_SIZE=two, or set without MASTER_ADDR: one line before anything
     cfg = resolve_batch_size(cfg, train_data)
-    peeked = Checkpointer(RunDir(cfg.run.dir)).peek(resume) if resume else None
     cfg = global_batch.keep(cfg, env_world_size(), peeked.state if peeked else None)
     if isinstance(val_data, dict) and val_data and cfg.early_stop.metric == "val_loss":
         first = next(iter(val_data))  # no val_loss without an unnamed set

@@ -128,13 +128,19 @@ class GuardReporter:
         self.checkpoints: Checkpointer | None = None  # the run's: what a rollback restores
         self.file: TextIO | None = None
         self.log: RunLog | None = None
-        self.is_main, self.sharded = True, False
+        self.is_main = True
 
     # ---------------------------------------------------------------- set-up, state ---------
+    @property
+    def sharded(self) -> bool:
+        """FSDP2, as the run's checkpointer found it (``Checkpointer.sharded``): no in-memory
+        snapshot of the shards; a rollback goes to the checkpoints'."""
+        return self.checkpoints is not None and self.checkpoints.sharded
+
     def start(self, owner: Stateful, meter, offset: int, log: RunLog | None, world: World,
-              resume: tuple[bool, bool], model: nn.Module) -> None:
-        """After any restore: baseline the totals, open guard.jsonl, take the snapshot.
-        ``resume``: (a checkpoint was restored, --resume was asked for)."""
+              resume: tuple[bool, bool]) -> None:
+        """After any restore, with ``checkpoints`` set: baseline the totals, open guard.jsonl,
+        take the snapshot. ``resume``: (a checkpoint was restored, --resume was asked for)."""
         resumed, resume_requested = resume
         self.log, self.is_main = log, world.is_main
         self.verdicts.rebase(meter, offset)
@@ -143,7 +149,6 @@ class GuardReporter:
             if resume_requested:  # like metrics.jsonl: drop lines past the checkpoint
                 truncate_jsonl(path, "n", self.policy.logged)
             self.file = open(path, "a")  # noqa: SIM115 - open for the run, closed by close()
-        self.sharded = _sharded(model)  # FSDP2: no in-memory snapshot of the shards
         if not self.from_files or not resumed:
             self._take(owner)
 
@@ -353,13 +358,6 @@ class GuardReporter:
     def _say(self, text: str) -> None:
         if self.is_main:
             tqdm.write(f"warning: guard: {text}")
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether the model is sharded by FSDP2 (its parameters are DTensors)."""
-    from ironloop.parallel.data_parallel import is_sharded
-
-    return any(is_sharded(p) for p in model.parameters())
 
 
 def _num(x: float):

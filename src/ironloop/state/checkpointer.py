@@ -22,9 +22,12 @@ skipped with a warning; when every one is damaged, CheckpointError says what to 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -58,6 +61,64 @@ class Found(NamedTuple):
     @property
     def source(self) -> str:
         return str(self.path)
+
+
+@dataclass
+class Peeked:
+    """One local read of what ``--resume`` names (``Checkpointer.peek``), kept so that a resume
+    reads its checkpoint once: a ``.pt`` of several GB is loaded and its digest checked before
+    the run is built, under run.dir's lock, and ``find`` resumes from the same read."""
+
+    resume: bool | str | Path
+    found: Found | None  # None: no checkpoint, or none readable (``error`` says why)
+    said: tuple[str, ...]  # the damaged ones skipped, for ``find`` to say
+    error: Exception | None  # the read's refusal, for ``find`` to raise
+    listing: tuple  # the folder it read, before the read (``listing``)
+    reader: tuple[int, int]  # (rank, world size) a sharded one's extras were read as
+    spent: bool = False  # ``find`` took it (``spend``)
+
+    @property
+    def state(self) -> dict | None:
+        return self.found.state if self.found is not None else None
+
+    def spend(self) -> Peeked:
+        """This read, for ``find``, once, leaving an empty one behind: the caller's reference
+        lasts as long as the run trains, and must not keep the checkpoint's whole state (GBs
+        of host memory) alive after the restore."""
+        taken = dataclasses.replace(self)
+        self.found, self.said, self.error, self.spent = None, (), None, True
+        return taken
+
+    def replay(self, warn: Warn) -> Found | None:
+        """The read's outcome, as ``find`` would have given it: its warnings, then its
+        refusal or its checkpoint."""
+        for line in self.said:
+            warn(line)
+        if self.error is not None:
+            raise self.error
+        return self.found
+
+
+def listing(path: Path) -> tuple:
+    """A file's (inode, size, mtime), or a folder's entries with theirs (a link's target's),
+    temp names (starting with '.') left out: a save, a fetch, a re-link or a replacement
+    changes it; a read does not. () when it is not there."""
+    try:
+        own = os.stat(path)
+        if not stat.S_ISDIR(own.st_mode):
+            return ((own.st_ino, own.st_size, own.st_mtime_ns),)
+        with os.scandir(path) as entries:
+            return tuple(sorted(_entry(e) for e in entries if not e.name.startswith(".")))
+    except OSError:
+        return ()
+
+
+def _entry(entry: os.DirEntry) -> tuple:
+    try:
+        st = entry.stat()
+    except OSError:  # a dangling link
+        return (entry.name,)
+    return entry.name, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def holds_any(path: Path) -> bool:
@@ -100,44 +161,79 @@ class Checkpointer:
         when run.dir has none of its own. Rank 0 fetches; a refusal there (the store
         unreachable with nothing local, every remote checkpoint damaged) stops every rank with
         the same line. ``warn``: where a damaged one is reported (rank 0 prints)."""
-        warn = warn or self._warn()
-        if not (fetch and self.cfg.remote):
-            return _newest(self.directory, warn)
-        local, error = None, None
-        try:
-            local = _newest(self.directory, warn)
-        except CheckpointError as e:  # every local one is damaged: the remote may hold one
-            error = e
-        fetched = rank_zero_first(functools.partial(self._fetch, local, warn), self.world)
-        if fetched is not None or self.world.distributed:  # the fetched one is the newest
-            return _newest(self.directory, lambda msg: None)
-        if error is not None:
-            raise error
-        return local
+        return self.find(True, fetch, warn)
 
-    def find(self, resume: bool | str | Path, fetch: bool = True,
-             warn: Warn | None = None) -> Found | None:
+    def find(self, resume: bool | str | Path, fetch: bool = True, warn: Warn | None = None,
+             peeked: Peeked | None = None) -> Found | None:
         """What ``--resume`` names: True, the newest in run.dir (``latest``); a checkpoint file
         or a ``.dcp`` directory, that one; another run.dir or checkpoints folder, the newest
-        there (never the remote: it mirrors this run's own checkpoints)."""
+        there (never the remote: it mirrors this run's own checkpoints). ``peeked``: what
+        ``peek`` read for the same ``resume``, used instead of reading again while the folder
+        it read is as it was (its warnings said and its refusal raised here)."""
+        warn = warn or self._warn()
+        local = self._reuse(peeked, resume) or self.peek(resume)
+        if isinstance(resume, (str, Path)) or not (fetch and self.cfg.remote):
+            return local.replay(warn)
+        for line in local.said:
+            warn(line)
+        if isinstance(local.error, OSError):  # every local one damaged: the remote may hold one
+            raise local.error
+        fetched = rank_zero_first(functools.partial(self._fetch, local.found, warn),
+                                  self.world)
+        # rank 0 knows whether it fetched; the others see it in the folder's listing
+        if fetched is not None or local.listing != self._listing(resume):
+            return _newest(self.directory, lambda msg: None)
+        if local.error is not None:
+            raise local.error
+        return local.found
+
+    def peek(self, resume: bool | str | Path) -> Peeked:
+        """What ``find`` would resume from, read once, without fetching and without a word:
+        ``resolved`` keeps the global batch from its config and world size
+        (state/global_batch.py) before the run is built, and ``find`` resumes from it later.
+        The warnings and the refusal of the read are kept for ``find`` to say."""
+        said: list[str] = []
+        listing = self._listing(resume)  # before the read: a write during it shows
+        try:
+            found, error = self._read(resume, said.append), None
+        except (CheckpointError, OSError) as e:
+            found, error = None, e
+        return Peeked(resume, found, tuple(said), error, listing, dcp.reader())
+
+    def _read(self, resume: bool | str | Path, warn: Warn) -> Found | None:
         path = Path(resume) if isinstance(resume, (str, Path)) else None
         if path is None:
-            return self.latest(fetch, warn)
+            return _newest(self.directory, warn)
         if dcp.is_sharded(path):
             return Found(path, dcp.load_extras(path))
         if not path.is_dir():
             return Found(path, load_verified(path))
         folder = RunDir(path).checkpoints
-        return _newest(folder if folder.is_dir() else path, warn or self._warn())
+        return _newest(folder if folder.is_dir() else path, warn)
 
-    def peek(self, resume: bool | str | Path) -> Found | None:
-        """What ``find`` would resume from, read before the run is built (the global batch a
-        resume keeps, state/global_batch.py): local checkpoints only, nothing fetched, nothing
-        said. None when there is none or it cannot be read: ``find`` says why, later."""
-        try:
-            return self.find(resume, fetch=False, warn=lambda msg: None)
-        except (CheckpointError, OSError):
+    def _reuse(self, peeked: Peeked | None, resume: bool | str | Path) -> Peeked | None:
+        """``peeked`` when it read ``resume`` in a folder unchanged since (a rank that read
+        before rank 0 held run.dir reads again if a writer came between), with a sharded
+        one's extras read again when this process is now another rank of a group."""
+        if peeked is None or peeked.spent:
             return None
+        taken = peeked.spend()  # stale or not, the caller holds it no longer
+        if taken.resume != resume or taken.listing != self._listing(resume):
+            return None
+        found = taken.found
+        if found is not None and dcp.is_sharded(found.path) and taken.reader != dcp.reader():
+            taken.found, taken.reader = Found(found.path, dcp.read_extras(found.path)), \
+                dcp.reader()
+        return taken
+
+    def _listing(self, resume: bool | str | Path) -> tuple:
+        """What a find reads, as the file system lists it (``listing``): run.dir's checkpoints
+        folder, or what --resume names."""
+        path = Path(resume) if isinstance(resume, (str, Path)) else None
+        if path is not None and path.is_dir() and not dcp.is_sharded(path):
+            folder = RunDir(path).checkpoints
+            path = folder if folder.is_dir() else path
+        return listing(self.directory if path is None else path)
 
     def holds_newer(self, step: int) -> int | None:
         """The newest step of run.dir's own checkpoints past ``step``, or None."""

@@ -79,6 +79,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def reader() -> tuple[int, int]:
+    """(rank, world size) as this process reads a directory's extras now (``read_extras``):
+    (0, 1) before the process group is joined."""
+    return _rank(), dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -307,9 +313,20 @@ def load_extras(path: Path) -> dict:
     rank gets rank 0's (the counters and the data position are the same on every rank), with
     its own RNG where that rank existed."""
     path = Path(path)
-    world = dist.get_world_size() if dist.is_initialized() else 1
     try:
         verify(path)
+    except LoadFailure as e:
+        raise CheckpointError(str(e)) from None
+    return read_extras(path)
+
+
+def read_extras(path: Path) -> dict:
+    """``load_extras`` of a directory already verified (its shards' digests are not read
+    again): a resume found it before the process group was joined, when every rank read rank
+    0's, and reads its own once the group is there (``Checkpointer.find``)."""
+    path = Path(path)
+    world = reader()[1]
+    try:
         written_by = json.loads((path / MANIFEST).read_text()).get("world_size")
         own = path / f"extras-rank{_rank()}.pt"
         if written_by == world and own.exists():

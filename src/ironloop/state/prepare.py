@@ -20,7 +20,7 @@ from ironloop.config import Config
 from ironloop.errors import CheckpointError, UserError, option
 from ironloop.parallel.world import World, rank_zero_first
 from ironloop.state import dcp, drift, remote
-from ironloop.state.checkpointer import Checkpointer, Found, holds_any
+from ironloop.state.checkpointer import Checkpointer, Found, Peeked, holds_any
 from ironloop.state.file_writer import has_checkpoints
 from ironloop.state.io import write_atomic
 from ironloop.state.lock import LOCK_NAME, claim, written_by_ironloop
@@ -48,8 +48,10 @@ def refuse_foreign(run_dir: Path) -> None:
 
 
 def prepare_run_dir(checkpoints: Checkpointer, cfg: Config, resume, overwrite: bool,
-                    world: World, record: dict, allow_config_change: bool) -> Found | None:
-    """The checkpoint to resume from, or None for a fresh run.
+                    world: World, record: dict, allow_config_change: bool,
+                    peeked: Peeked | None = None) -> Found | None:
+    """The checkpoint to resume from, or None for a fresh run (``peeked``: the read of it that
+    resolved the run's config, ``Checkpointer.peek``, not read again).
 
     Every check that can refuse run.dir runs before anything in it is written: the refusals of
     ``check_run_dir``, then a resume whose config drifted from the checkpoint's (see
@@ -59,7 +61,7 @@ def prepare_run_dir(checkpoints: Checkpointer, cfg: Config, resume, overwrite: b
     rank_zero_first(functools.partial(_refuse, run_dir, cfg, resume, overwrite), world)
     if resume:
         # the newest in run.dir (or the remote's), or the checkpoint or folder --resume names
-        found = checkpoints.find(resume)
+        found = checkpoints.find(resume, peeked=peeked)
         if found is not None:
             drift.check(found.state.get("config") or {}, cfg.to_dict(), allow_config_change,
                         say=print if world.is_main else (lambda msg: None),

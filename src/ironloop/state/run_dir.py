@@ -31,12 +31,13 @@ GUARD = "guard.jsonl"
 DOCTOR = "doctor.json"
 TRACKERS = "trackers.json"
 TENSORBOARD, TRACE = "tb", "trace"
+REPORT = "report"  # ``ironloop report``'s default folder
 #: the JSONL logs RunLog appends to (``<kind>.jsonl``); the first four go to the trackers
 LOGS = ("metrics", "epochs", "evals", "scalars", "events")
 TRACKED = LOGS[:4]
 #: Files a run writes; --overwrite removes these and nothing else (every LOGS kind among them).
 OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "epochs.jsonl", "events.jsonl", RESULTS, FINAL,
-           FINAL_AVG, CONFIG, TENSORBOARD, "report", "evals.jsonl", "scalars.jsonl", RUN_JSON,
+           FINAL_AVG, CONFIG, TENSORBOARD, REPORT, "evals.jsonl", "scalars.jsonl", RUN_JSON,
            "wandb", "mlflow.db", GUARD, TRACE, TRACKERS)
 #: The run's append-only logs, mirrored with each checkpoint. Not trackers.json: a new node has
 #: no tb/ files, so TensorBoard must get every row again from the restored JSONL.

@@ -79,19 +79,23 @@ def fit(model: nn.Module, train_data, val_data=None, config: Config | dict | Non
 
 def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given, *,
             doctor: bool, run_dir_held: bool = False) -> FitResult:
-    """What every fit does around the engine's ``train_run``, in order: refuse bad arguments
-    and resolve the config (once: nothing after this rewrites it), hold run.dir (rank 0), run
-    the preflight doctor when ``doctor`` asks, set run.threads, name collective timeouts.
+    """What every fit does around the engine's ``train_run``, in order: refuse bad arguments,
+    hold run.dir (rank 0), read the resume's checkpoint and resolve the config (once: nothing
+    after this rewrites it), run the preflight doctor when ``doctor`` asks, set run.threads,
+    name collective timeouts.
     ``run_dir_held``: the caller holds run.dir's lock already (``ironloop train`` takes it
     before torch's import, cli.py), so it is not taken again here."""
     engine.check_arguments(model, data.train)
     refuse_resume_args(given.resume, given.overwrite)
-    cfg = engine.resolved(cfg, data.train, given.step_fn, data.val,  # the one config from here
-                          given.resume)
-    main, run_dir = engine.is_rank0(), Path(cfg.run.dir)
-    for warning in ignored_settings(cfg) if main and given.scheduler is None else ():
-        print(warning)  # before anything runs: a key the schedule overrides changes nothing
+    main, run_dir = engine.is_rank0(), Path(cfg.run.dir)  # resolving never moves run.dir
     with contextlib.nullcontext() if run_dir_held else lock.hold(run_dir, main):
+        # The resume's checkpoint, read once and under the lock: its config and world size
+        # keep the global batch here, and the engine resumes from this read.
+        peeked = engine.peek(cfg, given.resume)
+        cfg = engine.resolved(cfg, data.train, given.step_fn, data.val,  # the one config
+                              peeked)
+        for warning in ignored_settings(cfg) if main and given.scheduler is None else ():
+            print(warning)  # before anything runs: a key the schedule overrides changes nothing
         if doctor:
             # The checks that can refuse run.dir come before the preflight writes doctor.json
             # there: a refused run leaves run.dir as it was (the engine checks again).
@@ -100,7 +104,7 @@ def run_fit(cfg: Config, model: nn.Module, data: DataBundle, given: build.Given,
             preflight(cfg, model, data, resume=given.resume, step_fn=given.step_fn,
                       loss_fn=given.loss_fn)  # the doctor's quick checks; strict stops here
         with engine.cpu_threads(cfg.run.threads), name_timeouts():
-            return engine.train_run(cfg, model, data, given)
+            return engine.train_run(cfg, model, data, given, peeked)
 
 
 def fit_without_preflight(model: nn.Module, train_data, val_data=None,

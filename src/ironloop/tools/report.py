@@ -19,6 +19,7 @@ from ironloop.errors import UserError
 from ironloop.outputs.averaged import last_compared
 from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+from ironloop.state.run_dir import REPORT, RunDir
 
 DPI = 120
 SIZE = (7.0, 4.0)
@@ -347,7 +348,7 @@ def _span(times: list[float]) -> float | None:
 
 
 def _resumes(run_dir: Path) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "resume"]
+    return [e for e in read_jsonl(RunDir(run_dir).log("events")) if e.get("event") == "resume"]
 
 
 def _used_rows(cfg: dict) -> list[tuple[str, Any]]:
@@ -409,11 +410,12 @@ def summary(run_dir: Path | str) -> tuple[list[tuple[str, Any]], list[str]]:
     """(rows, notes): names, epochs, steps, accuracies, speed, clipping, resumes, time; and
     what could not be read."""
     run_dir = Path(run_dir)
-    cfg, cfg_note = load_mapping(run_dir / "config.yaml")
-    res, res_note = load_mapping(run_dir / "results.json")
-    metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
-    epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
-    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
+    rd = RunDir(run_dir)
+    cfg, cfg_note = load_mapping(rd.config)
+    res, res_note = load_mapping(rd.results)
+    metrics = continuous(read_jsonl(rd.log("metrics")))
+    epochs = continuous(read_jsonl(rd.log("epochs")), "epoch")
+    evals = continuous(read_jsonl(rd.log("evals")))
     accs, speeds = _vals(epochs, "val_acc"), _vals(metrics, "samples_per_s")
     if not accs:  # a step-based run: its evaluations are in evals.jsonl only
         accs = _vals(evals, "val_acc")
@@ -464,14 +466,15 @@ def summarize(run_dir: Path | str) -> str:
 def render_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Path]:
     """Write the PNGs and report.md for one run directory; return the written paths."""
     run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
-    raw = read_jsonl(run_dir / "metrics.jsonl")
+    rd = RunDir(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else rd / REPORT
+    raw = read_jsonl(rd.log("metrics"))
     if not raw:
         raise UserError(f"{run_dir} has no metrics.jsonl: is it an ironloop run directory? "
                         "Pass the run.dir of a training run")
-    epochs, resumes = read_jsonl(run_dir / "epochs.jsonl"), _resumes(run_dir)
-    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
-    cfg = load_mapping(run_dir / "config.yaml")[0]
+    epochs, resumes = read_jsonl(rd.log("epochs")), _resumes(run_dir)
+    evals = continuous(read_jsonl(rd.log("evals")))
+    cfg = load_mapping(rd.config)[0]
     max_norm = get_dotted(cfg, "clip.max_norm")
     metrics, name = continuous(raw), run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)

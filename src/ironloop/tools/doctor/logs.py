@@ -9,6 +9,7 @@ from pathlib import Path
 from ironloop.outputs.averaged import last_compared
 from ironloop.outputs.numbers import number
 from ironloop.outputs.readers import continuous, get_dotted, load_mapping, num, read_jsonl
+from ironloop.state.run_dir import RunDir
 from ironloop.tools.doctor.findings import Finding, info
 
 #: Thresholds, named so the docs (docs/how-to/doctor.md) and the findings quote the same numbers.
@@ -29,12 +30,12 @@ AVERAGE_WORSE = 0.05   # the averaged weights' val loss 5% above the raw weights
 
 def diagnose_logs(run_dir: Path | str) -> list[Finding]:
     """Every diagnosis that the run's metrics.jsonl, epochs.jsonl and evals.jsonl support."""
-    run_dir = Path(run_dir)
-    metrics = continuous(read_jsonl(run_dir / "metrics.jsonl"))
-    epochs = continuous(read_jsonl(run_dir / "epochs.jsonl"), "epoch")
-    evals = continuous(read_jsonl(run_dir / "evals.jsonl"))
-    cfg = load_mapping(run_dir / "config.yaml")[0]
-    results = load_mapping(run_dir / "results.json")[0]
+    rd = RunDir(run_dir)
+    metrics = continuous(read_jsonl(rd.log("metrics")))
+    epochs = continuous(read_jsonl(rd.log("epochs")), "epoch")
+    evals = continuous(read_jsonl(rd.log("evals")))
+    cfg = load_mapping(rd.config)[0]
+    results = load_mapping(rd.results)[0]
     return [*non_finite_loss(metrics), *(zero_lr(metrics) or flat_loss(epochs, metrics)),
             *overfitting(epochs),
             *high_first_val_acc(epochs),
