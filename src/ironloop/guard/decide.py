@@ -33,7 +33,10 @@ class GuardPolicy:
         self.lr_factor = 1.0      # applied on top of the schedule at every optimizer step
         self.skip: list[int] = []           # sample indices the sampler leaves out, sorted
         self.pending: list[list[int]] = []  # the windows of the current run of bad steps
-        self.events: list[list] = []        # [step, reason] of the last MAX_EVENTS bad steps
+        # [step, reason] of the last MAX_EVENTS bad steps, with a third item, the cause, when
+        # one is known: "inputs" (NaN/inf input samples) or "injected" (fault.nan_at_step)
+        self.events: list[list] = []
+        self.bad_inputs: list[int] = []     # the samples found with NaN/inf inputs, sorted
         self.good = 0             # good steps seen
         self.losses: list[float] = []  # the spike window (good steps after warm-up only)
         self.norms: list[float] = []
@@ -73,11 +76,19 @@ class GuardPolicy:
             self.losses = [*self.losses, loss][-self.spike_window:]
             self.norms = [*self.norms, grad_norm][-self.spike_window:]
 
-    def record_bad(self, step: int, reason: str, window: list[int]) -> None:
+    def record_bad(self, step: int, reason: str, window: list[int], cause: str = "") -> None:
+        """``cause``: what explains the step, when something does ("inputs", "injected")."""
         self.consecutive += 1
         self.bad_steps += 1
         self.pending.append(list(window))
-        self.events = [*self.events, [step, reason]][-MAX_EVENTS:]
+        event = [step, reason, cause] if cause else [step, reason]
+        self.events = [*self.events, event][-MAX_EVENTS:]
+
+    def causes(self) -> set[str]:
+        """The causes of the latest run of bad steps ("" for one nothing explains: the model's
+        own NaN, a gradient or loss spike)."""
+        latest = self.events[-max(self.consecutive, 1):]
+        return {e[2] if len(e) > 2 else "" for e in latest} or {""}
 
     @property
     def must_roll_back(self) -> bool:
@@ -101,6 +112,7 @@ class GuardPolicy:
         if inputs:
             added = sorted(set(inputs) - set(self.skip))
             self.input_rollbacks += 1
+            self.bad_inputs = sorted(set(self.bad_inputs).union(inputs))
         else:
             added = sorted({i for w in self.pending for i in w} - set(self.skip))
             self.lr_factor *= self.lr_backoff
@@ -113,7 +125,7 @@ class GuardPolicy:
                 "skipped_samples": len(self.skip)}
 
     _STATE = ("consecutive", "bad_steps", "rollbacks", "input_rollbacks", "lr_factor", "skip",
-              "pending", "events", "good", "losses", "norms", "logged")
+              "pending", "events", "good", "losses", "norms", "logged", "bad_inputs")
 
     def state_dict(self) -> dict:
         return {k: _copy(getattr(self, k)) for k in self._STATE}
