@@ -125,6 +125,18 @@ def test_stream_without_len_trains_by_max_steps_and_sets_each_epoch(tmp_path):
     assert data.epochs_seen == [0, 1, 2]
 
 
+def test_a_stream_without_len_prints_no_epoch_count_or_length_it_does_not_know(tmp_path,
+                                                                                capsys):
+    """6 full batches an epoch, which the run learns only when the stream ends: max_steps=15
+    ends it in epoch 3. No 'epoch 2/1', and no max_steps posing as the epoch's length."""
+    stop_and_go(tmp_path, Plain, [4, 15])
+    out = capsys.readouterr().out
+    ends = [line.split("  ")[:2] for line in out.splitlines() if line.startswith("epoch ")]
+    assert ends == [["epoch 1", "step 6"], ["epoch 2", "step 12"]], out
+    (resumed,) = [line for line in out.splitlines() if line.startswith("resumed from")]
+    assert "at step 4/15 (epoch 1, 4 steps into it)" in resumed, resumed
+
+
 def test_stream_without_len_or_max_steps_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps"):
         fit(tmp_path, Plain())

@@ -128,7 +128,7 @@ class Run:
         """The run's length, as the console counts it."""
         t, source = self.cfg.train, self.data.source
         return console.RunPlan(self.cadence.total_steps, source.steps_per_epoch, t.epochs,
-                               source.global_batch * t.accumulation_steps)
+                               source.global_batch * t.accumulation_steps, source.epoch_known)
 
     # ---------------------------------------------------------------- the state ------------
     def state_dict(self) -> dict:
