@@ -132,6 +132,7 @@ class GuardReporter:
         self.file: TextIO | None = None
         self.log: RunLog | None = None
         self.is_main, self.sharded = True, False
+        self.taken_back = 0  # bad steps settled in this process (not state: a count of work)
 
     # ---------------------------------------------------------------- set-up, state ---------
     def start(self, owner: Stateful, meter, offset: int, log: RunLog | None, world: World,
@@ -210,6 +211,7 @@ class GuardReporter:
     def _settle_bad(self, bad: list[int], meter, progress, data: BatchSource, model: nn.Module,
                     world: World, owner: Stateful) -> None:
         """Record, report and act on the bad steps among the pending ones, in order."""
+        self.taken_back += len(bad)
         d = self.verdicts
         attempts = len(d.pending)
         rows = torch.stack([torch.stack([d.pending[j].total - d.pending[j].before,
