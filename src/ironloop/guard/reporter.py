@@ -116,12 +116,13 @@ class GuardReporter:
     ``state_dict``/``load_state_dict``) is what a snapshot takes and a rollback puts back."""
 
     def __init__(self, cfg, run_dir: Path, verdicts: DeviceVerdicts, from_files: bool,
-                 accumulation: int, advice: str,
-                 injected: Callable[[int], bool] = lambda listed: False):
+                 accumulation: int, advice: str):
         self.cfg, self.verdicts, self.run_dir = cfg, verdicts, Path(run_dir)
         # what a stop suggests for bad steps nothing else explains (``advice``)
         self.advice = advice or "Try a lower optim.lr"
-        self.injected = injected  # fault.nan_at_step's listed step fired (guard/faults.py)
+        # whether fault.nan_at_step's listed step fired (the run's Faults.injected, set where
+        # the run is built; guard/faults.py)
+        self.injected: Callable[[int], bool] = lambda listed: False
         self.policy: GuardPolicy = verdicts.policy
         # Roll back to the newest checkpoint file (checkpoints on, guard.rollback_to=checkpoint);
         # else to the in-memory snapshot.
