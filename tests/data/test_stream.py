@@ -232,9 +232,11 @@ def test_a_guard_rollback_on_a_stream_restores_the_loader_and_reads_the_same_sam
     """A sample that is bad in itself: each rollback restores the loader state from the newest
     checkpoint, so the stream serves that sample again (a stream has no skip list), until
     guard.max_rollbacks stops the run with every checkpoint intact."""
-    with pytest.raises(GuardStop, match="after 2 rollback"):
+    with pytest.raises(GuardStop, match="after 2 rollback") as stop:
         fit(tmp_path, Poisoned(), train__max_steps=12, checkpoint__every_steps=2,
             guard__max_bad_steps=1, guard__max_rollbacks=2)
+    # the stop names what it found, the same step failing on every replay, before the LR
+    assert "Step 5 failed again after every rollback: a bad sample there" in str(stop.value)
     text = capsys.readouterr().out
     assert text.count("rolled back from step 5 to step 4") == 2
     assert "0 samples added to the skip list" in text

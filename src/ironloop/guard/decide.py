@@ -37,6 +37,7 @@ class GuardPolicy:
         # one is known: "inputs" (NaN/inf input samples) or "injected" (fault.nan_at_step)
         self.events: list[list] = []
         self.bad_inputs: list[int] = []     # the samples found with NaN/inf inputs, sorted
+        self.rolled_from: list[int] = []    # the steps of the last MAX_EVENTS rollbacks
         self.good = 0             # good steps seen
         self.losses: list[float] = []  # the spike window (good steps after warm-up only)
         self.norms: list[float] = []
@@ -101,7 +102,7 @@ class GuardPolicy:
         return self.must_roll_back and \
             self.rollbacks - self.input_rollbacks >= self.max_rollbacks
 
-    def roll_back(self, inputs: list[int] | None = None) -> list[int]:
+    def roll_back(self, inputs: list[int] | None = None, step: int = 0) -> list[int]:
         """Count a rollback, back the LR off, skip the pending windows; returns the new skips.
 
         ``inputs``: the samples whose inputs are non-finite, found in the bad window. They
@@ -109,6 +110,7 @@ class GuardPolicy:
         not one of ``max_rollbacks`` (each bad sample causes at most one: it is never read
         again). The LR backs off only for bad steps the inputs do not explain."""
         self.rollbacks += 1
+        self.rolled_from = [*self.rolled_from, step][-MAX_EVENTS:]
         if inputs:
             added = sorted(set(inputs) - set(self.skip))
             self.input_rollbacks += 1
@@ -125,7 +127,7 @@ class GuardPolicy:
                 "skipped_samples": len(self.skip)}
 
     _STATE = ("consecutive", "bad_steps", "rollbacks", "input_rollbacks", "lr_factor", "skip",
-              "pending", "events", "good", "losses", "norms", "logged", "bad_inputs")
+              "pending", "events", "good", "losses", "norms", "logged", "bad_inputs", "rolled_from")
 
     def state_dict(self) -> dict:
         return {k: _copy(getattr(self, k)) for k in self._STATE}

@@ -294,7 +294,7 @@ class GuardReporter:
         keep = self.state_dict()  # the guard's knowledge outlives the rollback
         owner.load_state_dict(state)
         self.load_state_dict(keep)
-        added = self.policy.roll_back(inputs)
+        added = self.policy.roll_back(inputs, step)
         data.set_skip(self.policy.skip)
         if data.usable < data.global_batch:  # nothing left to train on
             self.stop(step, world, f"{len(self.policy.skip)} training samples are on the skip "
@@ -347,15 +347,15 @@ class GuardReporter:
         why = why or (f"{g.max_bad_steps} bad step(s) in a row again after {g.rollbacks} "
                       f"rollback(s) (guard.max_rollbacks={g.max_rollbacks})")
         msg = (f"the guard stopped the run at step {step}: {why}"
-               f"; recent bad steps: {recent}. {self.stop_advice(data_bad)}, and inspect the "
-               f"samples listed in {self.run_dir / 'guard.jsonl'}; every checkpoint in "
+               f"; recent bad steps: {recent}. {self.stop_advice(step, data_bad)}, and "
+               f"inspect the samples listed in {self.run_dir / 'guard.jsonl'}; every checkpoint in "
                f"{self.run_dir / 'checkpoints'} is intact")
         self._write({"event": "stop", "step": step, "rollbacks": g.rollbacks,
                      "bad_steps": g.bad_steps, "message": msg})
         self._wait()
         raise GuardStop(msg)
 
-    def stop_advice(self, data_bad: bool = False) -> str:
+    def stop_advice(self, step: int, data_bad: bool = False) -> str:
         """What a stop suggests, from what the guard found in the latest bad steps: a data fix
         for samples with NaN/inf inputs, the fault knob for steps it injected, and the run's
         LR and clipping advice only for bad steps neither explains."""
@@ -369,8 +369,15 @@ class GuardReporter:
         if data_bad and not tips:
             tips.append("Check the training data for NaN or inf inputs or targets")
         if "" in causes and not data_bad:
+            rolled = self.policy.rolled_from
+            if rolled and set(rolled) == {step}:
+                # each rollback replayed the same step and it failed again: a stream reads
+                # the same samples again (it has no skip list), so the data is the suspect
+                tips.append(f"Step {step} failed again after every rollback: a bad "
+                            f"sample there (NaN or inf inputs or targets, which a stream "
+                            f"serves again) is the likely cause; check the data read at it")
             tips.append(self.advice)
-        return "; ".join(tips)
+        return ". ".join(tips)
 
     def _wait(self) -> None:
         """Every rank: the in-flight checkpoint write on disk (under FSDP2 a collective)."""
