@@ -70,6 +70,26 @@ def test_a_callback_logs_its_own_scalars(tmp_path):
     assert all(isinstance(r["time"], float) for r in rows)
 
 
+def test_scalars_logged_at_an_epoch_end_carry_the_epoch_that_ended(tmp_path):
+    class AtEnds(Callback):
+        def on_epoch_end(self, run, metrics):
+            run.log_scalars({"hook": "epoch_end", "of": metrics["epoch"]})
+
+        def on_checkpoint(self, run, metrics):
+            run.log_scalars({"hook": "checkpoint", "of": metrics["epoch"]})
+
+        def on_train_end(self, run, metrics):
+            run.log_scalars({"hook": "train_end", "of": metrics["epoch"]})
+
+    ironloop.fit(tiny_mlp(), blobs(), blobs(n=64, seed=1), cfg(tmp_path, train__epochs=2),
+                 callbacks=[AtEnds()])
+    rows = read_jsonl(tmp_path / "run" / "scalars.jsonl")
+    assert [r["hook"] for r in rows] == ["epoch_end", "checkpoint"] * 2 + ["train_end"]
+    # the epochs.jsonl row's epoch, not the next one (3 in a 2-epoch run)
+    assert [r["epoch"] for r in rows] == [1, 1, 2, 2, 2]
+    assert [r["epoch"] for r in rows[:4]] == [r["of"] for r in rows[:4]]
+
+
 class StepCounter(Callback):
     """Stateful: counts the optimizer steps it saw, across a resume."""
 

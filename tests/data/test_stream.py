@@ -125,6 +125,18 @@ def test_stream_without_len_trains_by_max_steps_and_sets_each_epoch(tmp_path):
     assert data.epochs_seen == [0, 1, 2]
 
 
+def test_a_stream_without_len_prints_no_epoch_count_or_length_it_does_not_know(tmp_path,
+                                                                                capsys):
+    """6 full batches an epoch, which the run learns only when the stream ends: max_steps=15
+    ends it in epoch 3. No 'epoch 2/1', and no max_steps posing as the epoch's length."""
+    stop_and_go(tmp_path, Plain, [4, 15])
+    out = capsys.readouterr().out
+    ends = [line.split("  ")[:2] for line in out.splitlines() if line.startswith("epoch ")]
+    assert ends == [["epoch 1", "step 6"], ["epoch 2", "step 12"]], out
+    (resumed,) = [line for line in out.splitlines() if line.startswith("resumed from")]
+    assert "at step 4/15 (epoch 1, 4 steps into it)" in resumed, resumed
+
+
 def test_stream_without_len_or_max_steps_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps"):
         fit(tmp_path, Plain())
@@ -220,9 +232,11 @@ def test_a_guard_rollback_on_a_stream_restores_the_loader_and_reads_the_same_sam
     """A sample that is bad in itself: each rollback restores the loader state from the newest
     checkpoint, so the stream serves that sample again (a stream has no skip list), until
     guard.max_rollbacks stops the run with every checkpoint intact."""
-    with pytest.raises(GuardStop, match="after 2 rollback"):
+    with pytest.raises(GuardStop, match="after 2 rollback") as stop:
         fit(tmp_path, Poisoned(), train__max_steps=12, checkpoint__every_steps=2,
             guard__max_bad_steps=1, guard__max_rollbacks=2)
+    # the stop names what it found, the same step failing on every replay, before the LR
+    assert "Step 5 failed again after every rollback: a bad sample there" in str(stop.value)
     text = capsys.readouterr().out
     assert text.count("rolled back from step 5 to step 4") == 2
     assert "0 samples added to the skip list" in text

@@ -350,6 +350,6 @@ def test_a_run_is_finished_at_its_last_step_or_when_early_stopping_says(tmp_path
         run.progress.step = 0
         run.tracker.bad_epochs = 1
         assert run.finished
-        assert tuple(run.plan()) == (3, 1, 3, 64)
+        assert tuple(run.plan()) == (3, 1, 3, 64, True)  # epoch_known: map-style
     finally:
         run.outputs.close()

@@ -18,7 +18,7 @@ from ironloop.data.loader import TensorData
 from ironloop.engine import timing
 from ironloop.engine.timing import StepTimer
 from ironloop.outputs import time_split
-from ironloop.outputs.time_split import PARTS, RunSettings, advice
+from ironloop.outputs.time_split import EPOCH_PARTS, PARTS, RunSettings, advice
 from tests.conftest import blobs, cfg, tiny_mlp
 
 
@@ -331,8 +331,8 @@ def test_epoch_split_adds_up_to_epoch_seconds(tmp_path, capsys, clock, monkeypat
     assert len(epochs) == 2
     # 7 batches of 32; checkpoints at steps 3 and 6 (then 9 and 12), each a file fsync and a
     # directory fsync; 2 validation batches. The epoch-end checkpoint comes after the line.
-    expected = dict.fromkeys(PARTS, 0.0) | {"data": 7, "forward": 7, "checkpoint": 2,
-                                            "validation": 2}
+    expected = dict.fromkeys(EPOCH_PARTS, 0.0) | {"data": 7, "forward": 7, "checkpoint": 2,
+                                                  "validation": 2}
     for row in epochs:
         assert row["time_split"] == expected
         assert row["seconds"] == sum(row["time_split"].values()) == 18
@@ -341,11 +341,54 @@ def test_epoch_split_adds_up_to_epoch_seconds(tmp_path, capsys, clock, monkeypat
     # The run's totals add what lies between epochs: two epoch-end checkpoints, each 1 s plus
     # 0.5 s for the directory fsync after linking best.pt (the val loss improved both times).
     assert epochs[1]["val_loss"] < epochs[0]["val_loss"]
-    assert results["time_split"] == {k: 2 * v for k, v in expected.items()} | {"checkpoint": 7}
+    assert results["time_split"] == {k: 2 * v for k, v in expected.items()} | {
+        "checkpoint": 7, "startup": 0.0, "closing": 0.0}
     out = capsys.readouterr().out
     assert "time split (wall time" in out and "14 optimizer steps" in out
-    for part in PARTS:  # averaging is off: no row for it
-        assert (f"  {part} " in out) == (part != "average")
+    for part in PARTS:  # averaging is off, and no one-off cost here: no row for them
+        assert (f"  {part} " in out) == (part not in ("average", "startup", "closing"))
+
+
+def test_one_off_start_up_and_closing_costs_stay_out_of_the_per_step_split(tmp_path, capsys,
+                                                                             clock):
+    """On the fake clock, 100 s pass before the first step (a logger such as MLflow starting,
+    a remote's first upload) and 50 s after the last: neither is a step's "other"."""
+    from ironloop.callbacks import Callback
+
+    class OneOff(Callback):
+        def on_train_start(self, run, metrics):
+            clock.now += 100.0
+
+        def on_train_end(self, run, metrics):
+            clock.now += 50.0
+
+    ironloop.fit(tiny_mlp(), blobs(200), blobs(60, seed=1), cfg(tmp_path, train__epochs=1),
+                 callbacks=[OneOff()])
+    results = json.loads((tmp_path / "run/results.json").read_text())
+    split = results["time_split"]
+    assert (split["startup"], split["closing"], split["other"]) == (100.0, 50.0, 0.0)
+    (epoch,) = [json.loads(x) for x in (tmp_path / "run/epochs.jsonl").read_text().splitlines()]
+    assert "startup" not in epoch["time_split"] and "closing" not in epoch["time_split"]
+    out = capsys.readouterr().out
+    table = out[out.index("time split"):].splitlines()
+    assert [r.split() for r in table if r.split()[0] in ("startup", "closing", "other")] == [
+        ["startup", "100.000", "66.7%"], ["other", "0.000", "0.0%", "0.00"],
+        ["closing", "50.000", "33.3%"]]  # no ms/step for a one-off cost
+
+
+def test_the_time_tables_step_count_agrees_with_results_and_names_skipped_steps(tmp_path,
+                                                                              capsys):
+    result = ironloop.fit(tiny_mlp(), blobs(256), blobs(64, seed=1),
+                          cfg(tmp_path, fault__nan_at_step=3, train__epochs=3))
+    assert result.results["steps"] == 23  # 3 epochs of 8 steps, one skipped
+    out = capsys.readouterr().out
+    assert "23 optimizer steps + 1 skipped by the guard = 24 timed):" in out, out
+
+
+def test_the_time_tables_count_names_steps_redone_after_a_rollback():
+    assert time_split.steps_timed(24, 24, 0) == ""  # every timed step counts: the plain words
+    assert time_split.steps_timed(30, 20, 3) == \
+        "20 optimizer steps + 3 skipped by the guard + 7 redone after a rollback = 30 timed"
 
 
 @pytest.mark.parametrize("breakdown", [True, False])

@@ -106,7 +106,8 @@ def test_the_policys_defaults_are_the_guard_configs():
     assert g.state_dict() == {"consecutive": 0, "bad_steps": 0, "rollbacks": 0,
                               "input_rollbacks": 0, "lr_factor": 1.0, "skip": [],
                               "pending": [], "events": [],
-                              "good": 0, "losses": [], "norms": [], "logged": 0}
+                              "good": 0, "losses": [], "norms": [], "logged": 0,
+                              "bad_inputs": [], "rolled_from": []}
 
 
 def test_the_stop_message_remembers_the_last_20_bad_steps():

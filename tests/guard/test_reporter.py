@@ -316,7 +316,8 @@ def test_a_rollback_that_leaves_less_than_one_batch_stops_the_run(tmp_path, usab
         assert str(e.value).startswith(
             "the guard stopped the run at step 1: 4 training samples are on the skip list and "
             "fewer than one batch is left (the data itself is bad: NaN or inf inputs or "
-            "targets?); recent bad steps: step 1 (nonfinite_loss). Try a lower optim.lr, ")
+            "targets?); recent bad steps: step 1 (nonfinite_loss). Check the training data for "
+            "NaN or inf inputs or targets, and inspect the samples")
 
 
 def test_the_stop_names_the_step_the_limits_the_last_8_bad_steps_and_the_advice(tmp_path):

@@ -52,6 +52,26 @@ def test_resume_line_names_checkpoint_step_redone_steps_and_changes():
     assert "logged no step past it" in quiet and quiet.endswith("config unchanged")
 
 
+def test_resuming_a_finished_run_says_its_last_epoch_finished_not_one_past_it(tmp_path,
+                                                                             capsys):
+    import ironloop
+    from tests.conftest import blobs, cfg, tiny_mlp
+
+    conf = cfg(tmp_path, train__epochs=2)  # 200 samples in batches of 32: 7 steps an epoch
+    ironloop.fit(tiny_mlp(), blobs(), config=conf)
+    capsys.readouterr()
+    ironloop.fit(tiny_mlp(), blobs(), config=conf, resume=True)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("resumed")]
+    assert "at step 14/14 (epoch 2 finished, the run's last)" in line, line  # not epoch 3
+    assert "Nothing to train: the run is already complete at step 14 of 14" in line
+
+
+def test_a_resume_at_an_epochs_end_names_the_finished_epoch_and_the_next():
+    at = SimpleNamespace(step=46, epoch=2, offset=0)
+    line = console.resume_line({"from": "last.pt", "step": 46}, at, plan(), [])
+    assert "at step 46/160 (epoch 2 finished; epoch 3 next)" in line
+
+
 @pytest.mark.parametrize("flag", ["--version", "--help"])
 def test_version_and_help_do_not_import_torch(flag):
     code = ("import sys; from ironloop import cli\n"

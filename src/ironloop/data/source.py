@@ -52,6 +52,7 @@ class BatchSource(Protocol):
 
     steps_per_epoch: int   # optimizer steps in a full epoch
     prefetch_ahead: bool   # whether a batch may be read before the step that trains on it
+    epoch_known: bool      # steps_per_epoch is the epoch's length (a stream may not have one)
 
     @property
     def dataset(self) -> Any:
@@ -93,6 +94,7 @@ class MapSource:
     """A map-style training split: a keyed order and one DataLoader for the run."""
 
     prefetch_ahead = True
+    epoch_known = True
 
     def __init__(self, dataset, sampler: EpochSampler, steps_per_epoch: int, **loader_options):
         self.dataset, self.sampler, self.steps_per_epoch = dataset, sampler, steps_per_epoch

@@ -133,6 +133,13 @@ def stream_steps(stream: Stream, batch_size: int, accumulation: int, max_steps: 
     return max(1, -(-batches // accumulation))
 
 
+def length_known(stream: Stream) -> bool:
+    """Whether the stream's epoch has a length before it is read (its ``__len__``, or a
+    map-style StatefulDataLoader's sampler)."""
+    map_style = stream.loader is not None and not isinstance(stream.dataset, IterableDataset)
+    return map_style or stream.samples is not None
+
+
 def set_epoch(obj, epoch: int) -> None:
     """``obj.set_epoch(epoch)`` when it has one (HF IterableDataset, a sampler, a user's)."""
     if callable(getattr(obj, "set_epoch", None)):
@@ -199,6 +206,7 @@ class StreamOrder:
 
     prefetch_ahead = False
     steps_per_epoch = 0  # set by build_order
+    epoch_known = True   # False without a length: steps_per_epoch is then train.max_steps
 
     def __init__(self, stream: Stream, batch_size: int, seed: int, *, accumulation: int = 1,
                  num_workers: int = 0, pin_memory: bool = False, resume: str = "auto",
@@ -440,6 +448,7 @@ def build_order(cfg, stream: Stream, rank: int, world_size: int,
         print(replay_warning(stream))
     order.steps_per_epoch = stream_steps(stream, t.batch_size, t.accumulation_steps,
                                          t.max_steps)
+    order.epoch_known = length_known(stream)
     return order
 
 

@@ -89,6 +89,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
         from_files=cfg.checkpoint.enabled and cfg.guard.rollback_to == "checkpoint",
         accumulation=cfg.train.accumulation_steps,
         advice=guard_advice(cfg.clip.max_norm, module.precision)))
+    if guard is not None:
+        guard.reporter.injected = faults.injected  # names the knob as a bad step's cause
     tracker = BestTracker(cfg.early_stop.resolved_mode, cfg.early_stop.patience,
                           cfg.early_stop.min_delta)
     cadence = Cadence(cfg.log.every_steps, cfg.eval.every_steps if validates else 0,

@@ -37,7 +37,7 @@ from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.console import say, test_line
 from ironloop.outputs.readers import read_jsonl
-from ironloop.outputs.time_split import RunSettings, table
+from ironloop.outputs.time_split import RunSettings, steps_timed, table
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import (
     all_reduce_sum,
@@ -122,9 +122,10 @@ def train_run(cfg: Config, model: nn.Module, data: DataBundle, given: build.Give
     run, _ = build.build_run(cfg, model.to(device), opened, device, world, precision, given,
                              faults, peeked)
     collective_timeout(world, cfg.dist.timeout_s)  # setup had the generous joining timeout
+    first_step = run.progress.step  # after any resume: this process's steps start here
     with run.hooks.preempt:  # SIGTERM/SIGINT/SIGUSR1 end the run at a step, saved (preempt.py)
         _train(run)
-    result = _finish(run, started)
+    result = _finish(run, started, first_step)
     del run  # the DDP wrapper goes before its process group (see parallel.world.shutdown)
     shutdown(world)
     return result
@@ -193,8 +194,9 @@ def _env_local_rank() -> int:
     return env_int("LOCAL_RANK", 0)
 
 
-def _finish(run: Run, started: float) -> FitResult:
-    """Restore the best weights, evaluate on test, write final.safetensors and results.json."""
+def _finish(run: Run, started: float, first_step: int = 0) -> FitResult:
+    """Restore the best weights, evaluate on test, write final.safetensors and results.json.
+    ``first_step``: the step this process started at (the time table counts its steps)."""
     module, run_dir = run.module, run.outputs.dir
     train_seconds = run.meter.train_seconds()
     best = run.tracker.best_weights
@@ -215,8 +217,10 @@ def _finish(run: Run, started: float) -> FitResult:
         write_atomic(run_dir.results, json.dumps(results, indent=2) + "\n")
         if results.get("time_split"):
             timer = run.outputs.timer
+            skipped = run.guard.taken_back if run.guard is not None else 0
+            counted = steps_timed(timer.steps, run.progress.step - first_step, skipped)
             print(table(results["time_split"], timer.steps, module.device, timer.sync,
-                        settings_of(run), results.get("tokens_per_s")))
+                        settings_of(run), results.get("tokens_per_s"), counted))
     return FitResult(model=module.raw_model, results=results, run_dir=run_dir.path)
 
 

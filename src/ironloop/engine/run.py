@@ -128,7 +128,7 @@ class Run:
         """The run's length, as the console counts it."""
         t, source = self.cfg.train, self.data.source
         return console.RunPlan(self.cadence.total_steps, source.steps_per_epoch, t.epochs,
-                               source.global_batch * t.accumulation_steps)
+                               source.global_batch * t.accumulation_steps, source.epoch_known)
 
     # ---------------------------------------------------------------- the state ------------
     def state_dict(self) -> dict:
@@ -211,9 +211,14 @@ class Run:
 
     def log_scalars(self, scalars: dict[str, Any]) -> None:
         """For callbacks: one scalars.jsonl line with the current step and epoch (numbers also
-        go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes."""
+        go to TensorBoard). Values must be JSON: numbers, strings, lists. Rank 0 writes.
+
+        The epoch is the 1-based epoch the step belongs to: at an epoch's end (on_epoch_end,
+        its checkpoint, on_train_end after it) the counter already names the next epoch, which
+        has not started, so the row carries the one that ended."""
         p = self.progress
-        self.outputs.write("scalars", {"step": p.step, "epoch": p.epoch + 1, **scalars,
+        epoch = p.epoch if p.offset == 0 and p.epoch > 0 else p.epoch + 1
+        self.outputs.write("scalars", {"step": p.step, "epoch": epoch, **scalars,
                                        "time": time.time()})
 
 

@@ -93,6 +93,11 @@ class LateSettle:
         self.mark = _mark(module, progress)
         return bool(bad) and bad[-1] == attempts - 1
 
+    @property
+    def taken_back(self) -> int:
+        """Bad steps taken back in this process (the time table counts them apart)."""
+        return self.reporter.taken_back
+
     def load_state_dict(self, state: dict | None) -> None:
         """The guard's state from a checkpoint (None: from before the guard)."""
         self.reporter.load_state_dict(state)

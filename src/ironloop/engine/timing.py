@@ -13,6 +13,10 @@ of an epoch add up to the epoch's time by construction, and nothing is measured 
     log / progress bar     mark("other")      # bookkeeping; checkpoint writes are wrapped
     validation             mark("validation")
 
+Two one-off parts stay out of every epoch's split and out of the per-step figures: "startup",
+from building the run to its first epoch (loggers such as MLflow starting, a remote's first
+uploads), and "closing", after the last epoch (the test split, waiting for uploads).
+
 How a mark reads the clock:
 
 - **CPU**: wall time (``time.perf_counter``).
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ironloop.outputs.time_split import PARTS
+from ironloop.outputs.time_split import EPOCH_PARTS, ONE_OFF, PARTS
 
 
 class StepTimer:
@@ -54,10 +58,11 @@ class StepTimer:
         cuda = enabled and device.type == "cuda"
         self.sync = cuda and sync            # textbook: synchronize around forward/backward
         self.events = cuda and not sync      # CUDA events, read at log steps
-        self.epoch = dict.fromkeys(PARTS, 0.0)
+        self.epoch = dict.fromkeys(EPOCH_PARTS, 0.0)
         self.total = dict.fromkeys(PARTS, 0.0)
         self.steps = 0                       # optimizer steps timed, this process
-        self._last = time.perf_counter()
+        self._last = self._built = time.perf_counter()
+        self._begun = False                  # the first epoch has started
         self._pending: list[tuple[str, torch.cuda.Event]] = []
         self._prev_event: torch.cuda.Event | None = None
         self._pool: list[torch.cuda.Event] = []
@@ -66,13 +71,22 @@ class StepTimer:
     # -- marks ---------------------------------------------------------------------------------
 
     def start_epoch(self) -> None:
-        """The epoch's clock starts here; time since the previous mark belongs to the run."""
+        """The epoch's clock starts here; time since the previous mark belongs to the run.
+        The first time, that is the run's set-up since the timer was built: "startup", a
+        one-off cost (wall time on every device), kept out of the per-step parts."""
         if not self.enabled:
             return
+        if not self._begun:
+            self._begun = True
+            now = time.perf_counter()
+            self.total["startup"] += now - (self._built if self.events else self._last)
+            self._last = now
+            if self.events:  # the first event: later intervals are measured from it
+                self.mark("startup")
         self.mark("other")
         self.flush()
         _add(self.total, self.epoch)
-        self.epoch = dict.fromkeys(PARTS, 0.0)
+        self.epoch = dict.fromkeys(EPOCH_PARTS, 0.0)
 
     def mark(self, part: str) -> None:
         """Charge the time since the previous mark to ``part``."""
@@ -88,12 +102,16 @@ class StepTimer:
                 # ("copy" ends right before the forward). A host sync, on purpose.
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            self.epoch[part] += now - self._last
+            self._charge(part, now - self._last)
             self._last = now
         if part == "optimizer":
             self.steps += 1
             if self.trace is not None:
                 self.trace.step()
+
+    def _charge(self, part: str, seconds: float) -> None:
+        """One-off parts go to the run's totals only, never into an epoch's split."""
+        (self.total if part in ONE_OFF else self.epoch)[part] += seconds
 
     @contextlib.contextmanager
     def part(self, part: str) -> Iterator[None]:
@@ -119,7 +137,7 @@ class StepTimer:
         self._pending[-1][1].synchronize()  # host sync (the log step syncs anyway)
         for part, event in self._pending:
             if self._prev_event is not None:
-                self.epoch[part] += self._prev_event.elapsed_time(event) / 1000.0
+                self._charge(part, self._prev_event.elapsed_time(event) / 1000.0)
                 self._pool.append(self._prev_event)
             self._prev_event = event
         self._pending.clear()
@@ -133,7 +151,7 @@ class StepTimer:
         self.flush()
         row = {k: round(v, 6) for k, v in self.epoch.items()}
         _add(self.total, self.epoch)
-        self.epoch = dict.fromkeys(PARTS, 0.0)
+        self.epoch = dict.fromkeys(EPOCH_PARTS, 0.0)
         return row
 
     def finish(self) -> dict[str, float]:
@@ -142,10 +160,10 @@ class StepTimer:
             self.trace.stop()
         if not self.enabled:
             return {}
-        self.mark("other")
+        self.mark("closing")  # since the last epoch's end: one-off, like the start-up
         self.flush()
         _add(self.total, self.epoch)
-        self.epoch = dict.fromkeys(PARTS, 0.0)
+        self.epoch = dict.fromkeys(EPOCH_PARTS, 0.0)
         return {k: round(v, 6) for k, v in self.total.items()}
 
 

@@ -33,7 +33,11 @@ class GuardPolicy:
         self.lr_factor = 1.0      # applied on top of the schedule at every optimizer step
         self.skip: list[int] = []           # sample indices the sampler leaves out, sorted
         self.pending: list[list[int]] = []  # the windows of the current run of bad steps
-        self.events: list[list] = []        # [step, reason] of the last MAX_EVENTS bad steps
+        # [step, reason] of the last MAX_EVENTS bad steps, with a third item, the cause, when
+        # one is known: "inputs" (NaN/inf input samples) or "injected" (fault.nan_at_step)
+        self.events: list[list] = []
+        self.bad_inputs: list[int] = []     # the samples found with NaN/inf inputs, sorted
+        self.rolled_from: list[int] = []    # the steps of the last MAX_EVENTS rollbacks
         self.good = 0             # good steps seen
         self.losses: list[float] = []  # the spike window (good steps after warm-up only)
         self.norms: list[float] = []
@@ -73,11 +77,19 @@ class GuardPolicy:
             self.losses = [*self.losses, loss][-self.spike_window:]
             self.norms = [*self.norms, grad_norm][-self.spike_window:]
 
-    def record_bad(self, step: int, reason: str, window: list[int]) -> None:
+    def record_bad(self, step: int, reason: str, window: list[int], cause: str = "") -> None:
+        """``cause``: what explains the step, when something does ("inputs", "injected")."""
         self.consecutive += 1
         self.bad_steps += 1
         self.pending.append(list(window))
-        self.events = [*self.events, [step, reason]][-MAX_EVENTS:]
+        event = [step, reason, cause] if cause else [step, reason]
+        self.events = [*self.events, event][-MAX_EVENTS:]
+
+    def causes(self) -> set[str]:
+        """The causes of the latest run of bad steps ("" for one nothing explains: the model's
+        own NaN, a gradient or loss spike)."""
+        latest = self.events[-max(self.consecutive, 1):]
+        return {e[2] if len(e) > 2 else "" for e in latest} or {""}
 
     @property
     def must_roll_back(self) -> bool:
@@ -90,7 +102,7 @@ class GuardPolicy:
         return self.must_roll_back and \
             self.rollbacks - self.input_rollbacks >= self.max_rollbacks
 
-    def roll_back(self, inputs: list[int] | None = None) -> list[int]:
+    def roll_back(self, inputs: list[int] | None = None, step: int = 0) -> list[int]:
         """Count a rollback, back the LR off, skip the pending windows; returns the new skips.
 
         ``inputs``: the samples whose inputs are non-finite, found in the bad window. They
@@ -98,9 +110,11 @@ class GuardPolicy:
         not one of ``max_rollbacks`` (each bad sample causes at most one: it is never read
         again). The LR backs off only for bad steps the inputs do not explain."""
         self.rollbacks += 1
+        self.rolled_from = [*self.rolled_from, step][-MAX_EVENTS:]
         if inputs:
             added = sorted(set(inputs) - set(self.skip))
             self.input_rollbacks += 1
+            self.bad_inputs = sorted(set(self.bad_inputs).union(inputs))
         else:
             added = sorted({i for w in self.pending for i in w} - set(self.skip))
             self.lr_factor *= self.lr_backoff
@@ -113,7 +127,7 @@ class GuardPolicy:
                 "skipped_samples": len(self.skip)}
 
     _STATE = ("consecutive", "bad_steps", "rollbacks", "input_rollbacks", "lr_factor", "skip",
-              "pending", "events", "good", "losses", "norms", "logged")
+              "pending", "events", "good", "losses", "norms", "logged", "bad_inputs", "rolled_from")
 
     def state_dict(self) -> dict:
         return {k: _copy(getattr(self, k)) for k in self._STATE}

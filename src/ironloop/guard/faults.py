@@ -5,7 +5,8 @@ The loop calls ``Faults`` at named points and otherwise reads as production code
 - ``poison``: the training split with ``fault.nan_sample``'s input set to NaN every time it is
   read (a bad sample, for the guard's skip list);
 - ``wrap_step``: the training step whose loss is NaN at ``fault.nan_at_step``'s steps (a
-  transient fault, for the guard's skip);
+  transient fault, for the guard's skip), each listed step once per run; ``injected`` tells
+  the guard which of its bad steps the knob made;
 - ``at_step``: ``fault.crash_at_step`` dies like a preempted job, writing nothing more (the
   lab's crash); ``fault.oom_at_step`` raises an out-of-memory error;
 - ``steps``: the steps where the injector acts, which the loop must reach with settled numbers.
@@ -41,6 +42,7 @@ class Faults:
         self.crash_at, self.oom_at = cfg.crash_at_step, cfg.oom_at_step
         self.nan_steps, self.nan_sample = set(cfg.nan_at_step or ()), cfg.nan_sample
         self.steps = frozenset(s for s in (self.crash_at, self.oom_at) if s)
+        self.poisoned: PoisonLoss | None = None  # the wrapped step, once wrap_step made it
 
     @property
     def poisons_steps(self) -> bool:
@@ -55,7 +57,13 @@ class Faults:
         """The training step as the loop calls it: poisoned at ``fault.nan_at_step``."""
         if not self.nan_steps:
             return step_fn
-        return PoisonLoss(step_fn, self.nan_steps, progress, streak)
+        self.poisoned = PoisonLoss(step_fn, self.nan_steps, progress, streak)
+        return self.poisoned
+
+    def injected(self, listed: int) -> bool:
+        """Whether ``fault.nan_at_step``'s step ``listed`` has fired: the guard names the
+        knob, not the model, as the cause of that bad step."""
+        return self.poisoned is not None and listed in self.poisoned.fired
 
     def at_step(self, step: int) -> None:
         """After the optimizer step ``step`` is counted (and settled)."""
@@ -68,8 +76,9 @@ class Faults:
 class PoisonLoss:
     """Wraps a step function: the training loss of the FIRST attempt at each listed optimizer
     step is NaN (a transient fault). The guard skips that attempt; the retry of the same step
-    number, on the next window, is clean. A rollback to before the step makes it a first
-    attempt again, so it fires again.
+    number, on the next window, is clean. Each listed step fires once per run: a rollback's
+    replay of the steps before it is clean (``fired`` lives here, outside the run's state that
+    the rollback puts back), so one listed incident costs at most one rollback.
 
     A bad attempt is not a step, so the k-th bad attempt in a row at step n stands for step
     n + k: a run of consecutive numbers ([20, 21, 22]) gives that many bad steps in a row (the
@@ -77,16 +86,12 @@ class PoisonLoss:
 
     def __init__(self, step_fn, steps: set[int], progress: _Position, streak: _Streak | None):
         self.step_fn, self.steps, self.progress, self.streak = step_fn, steps, progress, streak
-        self.fired: set[int] = set()  # listed numbers spent since the last rollback
-        self._last = progress.step
+        self.fired: set[int] = set()  # listed numbers spent in this process
 
     def __call__(self, model, batch):
         loss, *rest = self.step_fn(model, batch)  # (loss, metrics[, weight])
         if not model.training:
             return loss, *rest
-        if self.progress.step < self._last:  # a rollback: the listed steps are first again
-            self.fired.clear()
-        self._last = self.progress.step
         streak = 0 if self.streak is None else self.streak.consecutive
         at = self.progress.step + 1 + streak
         if at in self.steps and at not in self.fired:

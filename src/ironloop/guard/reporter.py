@@ -118,7 +118,11 @@ class GuardReporter:
     def __init__(self, cfg, run_dir: Path, verdicts: DeviceVerdicts, from_files: bool,
                  accumulation: int, advice: str):
         self.cfg, self.verdicts, self.run_dir = cfg, verdicts, Path(run_dir)
-        self.advice = advice or "Try a lower optim.lr"  # what a stop suggests (``advice``)
+        # what a stop suggests for bad steps nothing else explains (``advice``)
+        self.advice = advice or "Try a lower optim.lr"
+        # whether fault.nan_at_step's listed step fired (the run's Faults.injected, set where
+        # the run is built; guard/faults.py)
+        self.injected: Callable[[int], bool] = lambda listed: False
         self.policy: GuardPolicy = verdicts.policy
         # Roll back to the newest checkpoint file (checkpoints on, guard.rollback_to=checkpoint);
         # else to the in-memory snapshot.
@@ -129,6 +133,7 @@ class GuardReporter:
         self.file: TextIO | None = None
         self.log: RunLog | None = None
         self.is_main = True
+        self.taken_back = 0  # bad steps settled in this process (not state: a count of work)
 
     # ---------------------------------------------------------------- set-up, state ---------
     @property
@@ -212,6 +217,7 @@ class GuardReporter:
     def _settle_bad(self, bad: list[int], meter, progress, data: BatchSource, model: nn.Module,
                     world: World, owner: Stateful) -> None:
         """Record, report and act on the bad steps among the pending ones, in order."""
+        self.taken_back += len(bad)
         d = self.verdicts
         attempts = len(d.pending)
         rows = torch.stack([torch.stack([d.pending[j].total - d.pending[j].before,
@@ -230,11 +236,16 @@ class GuardReporter:
             (loss_sum, norm), size = values[j], d.offsets[j + 1] - d.offsets[j]
             loss = loss_sum / max(size, 1)  # the window's mean loss over all ranks
             reason = self.policy.classify(loss, norm) or "spike"  # finite and bad: a spike
-            self.policy.record_bad(step + 1, reason, self.window(data, d.offsets[j + 1]))
-            bad_step = BadStep(step + 1, progress.epoch + 1, reason, loss, norm)
+            window = self.window(data, d.offsets[j + 1])
             # every rank reads the same global indices, so every rank takes the same decision
-            inputs = data.nonfinite_inputs(self.policy.pending[-1])  # bad path only
-            self._report_bad(bad_step, inputs, model if j == attempts - 1 else None, world)
+            inputs = data.nonfinite_inputs(window)  # bad path only
+            # fault.nan_at_step's k-th listed step in a row is the k-th bad attempt here
+            listed = step + 1 + self.policy.consecutive
+            cause = "inputs" if inputs else "injected" if self.injected(listed) else ""
+            self.policy.record_bad(step + 1, reason, window, cause)
+            bad_step = BadStep(step + 1, progress.epoch + 1, reason, loss, norm)
+            self._report_bad(bad_step, inputs, model if j == attempts - 1 else None, world,
+                             listed if cause == "injected" else None)
             if inputs:  # the inputs explain the step: leave them out, keep the LR
                 self._roll_back(step + 1, meter, progress, data, world, owner, inputs)
             if self.policy.must_stop:
@@ -250,13 +261,16 @@ class GuardReporter:
 
     # ---------------------------------------------------------------- the bad path ----------
     def _report_bad(self, bad: BadStep, bad_inputs: list[int], model: nn.Module | None,
-                    world: World) -> None:
+                    world: World, listed: int | None = None) -> None:
         """One guard.jsonl line and a warning. ``model``: given when the step is the latest
-        one, whose gradients are still those of the bad step (a verdict settled late: None)."""
+        one, whose gradients are still those of the bad step (a verdict settled late: None).
+        ``listed``: the step of fault.nan_at_step that made this bad attempt, if it did."""
         samples = self.policy.pending[-1]
         row = {"event": "bad_step", "step": bad.step, "epoch": bad.epoch,
                "reason": bad.reason, "loss": _num(bad.loss), "grad_norm": _num(bad.norm),
                "consecutive": self.policy.consecutive}
+        if listed is not None:
+            row["injected_at_step"] = listed  # fault.nan_at_step's own number for it
         if world.is_main:
             grads = [n for n, p in model.named_parameters()
                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())] \
@@ -268,7 +282,9 @@ class GuardReporter:
         # bad ones is told apart by its attempt, not by a step that never happened.
         n = self.policy.consecutive
         attempt = f"step {bad.step}" if n == 1 else f"step {bad.step}, attempt {n},"
-        self._say(f"{attempt} skipped ({bad.reason}: loss {_num(bad.loss)}, grad_norm "
+        why = bad.reason if listed is None else \
+            f"{bad.reason} injected by fault.nan_at_step's step {listed}"
+        self._say(f"{attempt} skipped ({why}: loss {_num(bad.loss)}, grad_norm "
                   f"{_num(bad.norm)}); {n} bad in a row, {len(samples)} samples listed in "
                   f"guard.jsonl")
 
@@ -283,12 +299,12 @@ class GuardReporter:
         keep = self.state_dict()  # the guard's knowledge outlives the rollback
         owner.load_state_dict(state)
         self.load_state_dict(keep)
-        added = self.policy.roll_back(inputs)
+        added = self.policy.roll_back(inputs, step)
         data.set_skip(self.policy.skip)
         if data.usable < data.global_batch:  # nothing left to train on
             self.stop(step, world, f"{len(self.policy.skip)} training samples are on the skip "
                                    f"list and fewer than one batch is left (the data itself is "
-                                   f"bad: NaN or inf inputs or targets?)")
+                                   f"bad: NaN or inf inputs or targets?)", data_bad=True)
         self.verdicts.rebase(meter, progress.offset)
         p = progress
         if self.log is not None:  # one timeline in the logs, as after a resume
@@ -328,20 +344,45 @@ class GuardReporter:
         self.copied()
         return snapshot(self.snapshot), "memory snapshot"
 
-    def stop(self, step: int, world: World, why: str = "") -> None:
-        """End the run with GuardStop: too many rollbacks, or no way to roll back."""
+    def stop(self, step: int, world: World, why: str = "", data_bad: bool = False) -> None:
+        """End the run with GuardStop: too many rollbacks, or no way to roll back.
+        ``data_bad``: the training data itself is the trouble (too much of it skipped)."""
         g = self.policy
-        recent = ", ".join(f"step {s} ({r})" for s, r in g.events[-8:])
+        recent = ", ".join(f"step {e[0]} ({e[1]})" for e in g.events[-8:])
         why = why or (f"{g.max_bad_steps} bad step(s) in a row again after {g.rollbacks} "
                       f"rollback(s) (guard.max_rollbacks={g.max_rollbacks})")
         msg = (f"the guard stopped the run at step {step}: {why}"
-               f"; recent bad steps: {recent}. {self.advice}, and inspect the samples "
-               f"listed in {self.run_dir / 'guard.jsonl'}; every checkpoint in "
+               f"; recent bad steps: {recent}. {self.stop_advice(step, data_bad)}, and "
+               f"inspect the samples listed in {self.run_dir / 'guard.jsonl'}; every checkpoint in "
                f"{self.run_dir / 'checkpoints'} is intact")
         self._write({"event": "stop", "step": step, "rollbacks": g.rollbacks,
                      "bad_steps": g.bad_steps, "message": msg})
         self._wait()
         raise GuardStop(msg)
+
+    def stop_advice(self, step: int, data_bad: bool = False) -> str:
+        """What a stop suggests, from what the guard found in the latest bad steps: a data fix
+        for samples with NaN/inf inputs, the fault knob for steps it injected, and the run's
+        LR and clipping advice only for bad steps neither explains."""
+        causes, tips = self.policy.causes(), []
+        if "inputs" in causes or (data_bad and self.policy.bad_inputs):
+            tips.append(f"Fix or filter training sample(s) {_few(self.policy.bad_inputs)}, whose "
+                        f"inputs are NaN or inf (guard.jsonl's nonfinite_input_samples)")
+        if "injected" in causes:
+            tips.append("The bad steps were injected by fault.nan_at_step (a test knob): drop it "
+                        "to train without them, or raise guard.max_rollbacks")
+        if data_bad and not tips:
+            tips.append("Check the training data for NaN or inf inputs or targets")
+        if "" in causes and not data_bad:
+            rolled = self.policy.rolled_from
+            if rolled and set(rolled) == {step}:
+                # each rollback replayed the same step and it failed again: a stream reads
+                # the same samples again (it has no skip list), so the data is the suspect
+                tips.append(f"Step {step} failed again after every rollback: a bad "
+                            f"sample there (NaN or inf inputs or targets, which a stream "
+                            f"serves again) is the likely cause; check the data read at it")
+            tips.append(self.advice)
+        return ". ".join(tips)
 
     def _wait(self) -> None:
         """Every rank: the in-flight checkpoint write on disk (under FSDP2 a collective)."""
@@ -358,6 +399,12 @@ class GuardReporter:
     def _say(self, text: str) -> None:
         if self.is_main:
             tqdm.write(f"warning: guard: {text}")
+
+
+def _few(samples: list[int], most: int = 10) -> str:
+    """A list of sample indices, cut after ``most`` (guard.jsonl holds them all)."""
+    shown = ", ".join(map(str, samples[:most]))
+    return f"[{shown}, ... {len(samples)} in all]" if len(samples) > most else f"[{shown}]"
 
 
 def _num(x: float):

@@ -36,12 +36,22 @@ class RunPlan(NamedTuple):
     steps_per_epoch: int
     epochs: int  # train.epochs
     window: int  # samples per optimizer step over all ranks (global batch x accumulation)
+    # False for a stream without a length: steps_per_epoch is then only train.max_steps, and
+    # an epoch ends when the stream does (data/stream.py)
+    epoch_known: bool = True
 
     @property
-    def planned_epochs(self) -> int:
+    def planned_epochs(self) -> int | None:
         """The epoch the run ends in: train.epochs, or fewer when train.max_steps ends it
-        sooner."""
+        sooner; None when that is unknown (a stream without a length, over several epochs)."""
+        if not self.epoch_known:
+            return 1 if self.epochs == 1 else None
         return max(1, min(self.epochs, math.ceil(self.total_steps / self.steps_per_epoch)))
+
+    def epoch_of(self, epoch: int) -> str:
+        """``epoch 3/7``, or ``epoch 3`` when the run's epoch count is unknown (1-based)."""
+        planned = self.planned_epochs
+        return f"epoch {epoch}" if planned is None else f"epoch {epoch}/{planned}"
 
     def steps_into(self, p: Position) -> int:
         """Optimizer steps taken in the epoch in progress; an epoch's ragged last window (a
@@ -60,7 +70,7 @@ class EpochProgress:
         left = max(0, min(plan.steps_per_epoch - done, plan.total_steps - p.step))
         self.progress, self.plan, self.main = p, plan, main
         self.postfix: dict[str, str] = {}
-        self.desc = f"epoch {p.epoch + 1}/{plan.planned_epochs}"
+        self.desc = plan.epoch_of(p.epoch + 1)
         show = main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
         self.bar = tqdm(total=done + left, initial=done, disable=not show, leave=False,
                         desc=self.desc, unit="step", dynamic_ncols=True)
@@ -144,7 +154,7 @@ _PLAIN_VAL = ("val_loss", "val_acc", "val_ppl", "val_seconds")
 def epoch_line(row: dict, plan: RunPlan, last_eval: dict) -> str:
     """The plain line each epoch ends with. Validation figures from an evaluation at an earlier
     step (eval.every_steps) say which step they come from: they are not this epoch's."""
-    parts = [f"epoch {row['epoch']}/{plan.planned_epochs}", f"step {row['step']}",
+    parts = [plan.epoch_of(row["epoch"]), f"step {row['step']}",
              f"train_loss {number(row['train_loss'])}"]
     dated = last_eval.get("step")
     dated = f" (step {dated})" if dated is not None and dated != row["step"] else ""
@@ -184,8 +194,14 @@ def world_change(event: dict) -> str:
 
 def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -> str:
     """The one line a resume prints: from where, what is redone, what changed."""
-    line = (f"resumed from {event['from']} at step {event['step']}/{plan.total_steps} "
-            f"(epoch {p.epoch + 1}, {plan.steps_into(p)}/{plan.steps_per_epoch} steps into it)")
+    complete = event["step"] >= plan.total_steps
+    if p.offset == 0 and p.epoch > 0:  # at an epoch's end: the next one has not started
+        where = f"epoch {p.epoch} finished" + \
+            (", the run's last" if complete else f"; epoch {p.epoch + 1} next")
+    else:  # a stream without a length: its epoch's steps are unknown until it ends
+        of = f"/{plan.steps_per_epoch}" if plan.epoch_known else ""
+        where = f"epoch {p.epoch + 1}, {plan.steps_into(p)}{of} steps into it"
+    line = f"resumed from {event['from']} at step {event['step']}/{plan.total_steps} ({where})"
     if event.get("steps_redone"):
         a, b = event["step"] + 1, event["last_logged_step"]
         line += (f"; redoing step{f's {a}-{b}' if b > a else f' {a}'}, which the previous "
@@ -195,8 +211,8 @@ def resume_line(event: dict, p: Position, plan: RunPlan, changed: list[tuple]) -
     line += world_change(event)
     line += "; config unchanged" if not changed else "; config changed: " + ", ".join(
         f"{k} {a!r} -> {b!r}" for k, a, b in changed)
-    if event["step"] >= plan.total_steps:  # a finished run, or a shorter max_steps
-        line += (f". Nothing to train: step {event['step']} is already at or past the run's "
-                 f"{plan.total_steps} steps; raise train.max_steps or train.epochs to train "
+    if complete:  # a finished run, or a shorter max_steps
+        line += (f". Nothing to train: the run is already complete at step {event['step']} "
+                 f"of {plan.total_steps}; raise train.max_steps or train.epochs to train "
                  f"further")
     return line

@@ -9,29 +9,38 @@ from dataclasses import dataclass
 
 import torch
 
-#: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping.
-PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "checkpoint", "validation",
-         "other")
-#: Parts that make up a training step (the rest is checkpoints and validation).
+#: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping;
+#: "startup" (from building the run to its first step: loggers such as MLflow starting, the
+#: remote's first uploads, the guard's snapshot) and "closing" (after the last epoch: the test
+#: split, waiting for uploads, the final weights) are one-off costs, in the run's totals only.
+PARTS = ("startup", "data", "copy", "forward", "backward", "optimizer", "average", "checkpoint",
+         "validation", "other", "closing")
+#: The one-off parts: outside every epoch's split and outside the per-step figures.
+ONE_OFF = ("startup", "closing")
+#: The parts of an epoch's split (epochs.jsonl): they add up to the epoch's seconds.
+EPOCH_PARTS = tuple(p for p in PARTS if p not in ONE_OFF)
+#: Parts that make up a training step (the rest is checkpoints, validation and one-off costs).
 STEP_PARTS = ("data", "copy", "forward", "backward", "optimizer", "average", "other")
 
 
 
 def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
-          run: RunSettings, tokens_per_s: float | None = None) -> str:
+          run: RunSettings, tokens_per_s: float | None = None, counted: str = "") -> str:
     """The run's time split as a text table, plus the advice its numbers call for; and the
-    training throughput in tokens/s when the step reports its tokens."""
+    training throughput in tokens/s when the step reports its tokens. ``steps``: the optimizer
+    steps timed (ms/step divides by them); ``counted``: what they were, when not all of them
+    count as the run's steps (``steps_timed``)."""
     if not total:
         return ""
     whole = sum(total.values()) or 1e-12
     how = ("wall time" if device.type != "cuda" else
            "wall time, synchronized around forward/backward" if sync else "CUDA events")
-    lines = [f"time split ({how}; {whole:.2f} s, {steps} optimizer steps):",
+    lines = [f"time split ({how}; {whole:.2f} s, {counted or f'{steps} optimizer steps'}):",
              f"  {'part':<11}{'seconds':>9}{'share':>8}{'ms/step':>10}"]
     for part in PARTS:
         sec = total.get(part, 0.0)
-        if part == "average" and not sec:
-            continue  # a run without weight averaging (average.kind=none)
+        if part in ("average", *ONE_OFF) and not sec:
+            continue  # a run without weight averaging (average.kind=none), or no such cost
         per = f"{1000 * sec / steps:.2f}" if steps and part in STEP_PARTS else ""
         lines.append(f"  {part:<11}{sec:9.3f}{100 * sec / whole:7.1f}%{per:>10}")
     step_time = sum(total.get(p, 0.0) for p in STEP_PARTS)
@@ -43,6 +52,18 @@ def table(total: dict[str, float], steps: int, device: torch.device, sync: bool,
         lines.append(f"  tokens/s (training, every process): {tokens_per_s:,.0f}")
     lines += [f"  advice: {a}" for a in advice(total, run)]
     return "\n".join(lines)
+
+
+def steps_timed(timed: int, steps: int, skipped: int) -> str:
+    """The table's step count in words, adding up to what the timer timed: ``steps`` optimizer
+    steps the run counts (this process's), ``skipped`` bad ones the guard took back, and the
+    rest redone after a rollback; "" when every timed step counts."""
+    redone = timed - steps - skipped
+    if not skipped and not redone:
+        return ""
+    extra = [f"{skipped} skipped by the guard"] if skipped else []
+    extra += [f"{redone} redone after a rollback"] if redone else []
+    return f"{steps} optimizer steps + {' + '.join(extra)} = {timed} timed"
 
 
 @dataclass(frozen=True)
