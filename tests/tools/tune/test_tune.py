@@ -50,9 +50,9 @@ def test_tune_arguments_mix_like_train_s():
         ("c.yaml", ["train.epochs=3", "data.num_workers=1"], 30.0, True)
 
 
-def test_a_budget_of_zero_is_refused(tmp_path):
+def test_a_budget_of_zero_is_refused_naming_tunes_argument(tmp_path):
     with pytest.raises(ironloop.errors.ConfigError,
-                       match="--budget=0: must be a finite number of seconds > 0"):
+                       match="^budget=0: must be a finite number of seconds > 0"):
         ironloop.tune(nn.Linear(4, 2), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)),
                       {"run.dir": str(tmp_path / "run")}, budget=0)
     assert not (tmp_path / "run").exists()
@@ -538,7 +538,8 @@ def test_tune_trains_each_trial_with_the_users_scheduler_factory(tmp_path, one_t
     assert built  # the trial's own optimizer, given to the user's factory
 
 
-def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_trial_tune):
+def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes_and_says_so_in_python(
+        tmp_path, one_trial_tune, capsys):
     data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
     result = ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(tmp_path / "run"),
                                                    "train.batch_size": 8, "train.epochs": 3})
@@ -547,6 +548,13 @@ def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_tri
     assert json.loads((run / "tune.json").read_text())["baseline"]["status"] == "ok"
     tuned = ironloop.load_config(run / "tuned.yaml")
     assert tuned.to_dict() == result.config.to_dict() and tuned.train.epochs == 3
+    text = (run / "tuned.yaml").read_text()
+    assert text.startswith("# from ironloop.tune() of a Linear on 64 training samples: ")
+    assert "digits" not in text and "mlp" not in text  # the defaults the objects replaced
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith("train with: ironloop.fit(model, train_data, config=result.config), "
+                         f"or config=ironloop.load_config('{run}/tuned.yaml')")
+    assert "ironloop train" not in last
 
 
 def test_a_probe_that_overruns_the_budget_says_to_raise_budget(tmp_path, monkeypatch):
@@ -722,8 +730,8 @@ def test_a_compile_reserve_is_held_only_beyond_a_trials_share(fabricated, trial_
 def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeypatch):
     seen = {}
 
-    def finish(subj, budget, apply, path, overrides):
-        seen.update(subject=subj, args=(budget, apply, path, overrides))
+    def finish(subj, budget, apply, path, overrides, tuned):
+        seen.update(subject=subj, args=(budget, apply, path, overrides), tuned=tuned)
         return "result"
 
     monkeypatch.setattr(tune_mod, "_finish", finish)
@@ -736,6 +744,7 @@ def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeyp
                          apply_trajectory_changes=True) == "result"
     subj = seen["subject"]
     assert seen["args"] == (30.0, True, None, [])
+    assert seen["tuned"] == "a Linear on 32 training samples"  # tuned.yaml's header names it
     assert subj.cfg.train.batch_size == 16 and subj.cfg.train.epochs == 2  # as fit() does
     assert subj.train is loader
     assert subj.fit_kwargs == {"loss_fn": loss, "step_fn": step, "num_classes": 2,
