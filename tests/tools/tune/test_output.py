@@ -424,7 +424,7 @@ def test_a_run_dir_that_cannot_be_written_is_a_one_line_error(tmp_path, no_cuda)
 def test_a_tune_that_chose_nothing_is_named_by_the_advice_instead_of_running_it_again(
         tmp_path, capsys, no_cuda, monkeypatch):
     from ironloop.outputs.time_split import RunSettings, advice, tuned_none
-    from ironloop.tools.doctor import data_checks
+    from ironloop.tools.doctor import data_checks, env_checks
 
     monkeypatch.setattr(sys, "argv", ["ironloop", "train", "c.yaml"])
     slow_data = {"data": 4.0, "forward": 3.0, "backward": 3.0}
@@ -446,5 +446,11 @@ def test_a_tune_that_chose_nothing_is_named_by_the_advice_instead_of_running_it_
                                  2.0, 1.0)  # the preflight's input_bound fix says the same
     assert fix.endswith(f"; the tune in {found} measured this run.dir's config and found no "
                         f"trajectory-free setting faster beyond the noise")
+    monkeypatch.setattr(env_checks, "cores", lambda: 4)
+    threads = cfg.with_overrides({"run.threads": 4, "data.num_workers": 1, "run.device": "cpu"})
+    (f,) = env_checks.check_threads(threads)  # and so does its threads finding
+    assert f.fix == (f"if the loader is the bottleneck, set run.threads=3 (the tune in {found} "
+                     f"measured this run.dir's config and found no trajectory-free setting "
+                     f"faster beyond the noise)")
     (tmp_path / "tune.json").write_text("not json")
     assert tuned_none(tmp_path) == ""
