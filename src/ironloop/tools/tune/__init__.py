@@ -455,8 +455,9 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
 
     Each trial trains a fresh copy of ``model`` for a short measured run (never ``model``
     itself) with checkpoints off, in a temporary directory. Writes ``run.dir/tune.json`` and
-    ``run.dir/tuned.yaml``; ``result.config`` is the tuned Config, for ``fit(...,
-    config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
+    ``run.dir/tuned.yaml`` (the config's keys that differ from the defaults, with the chosen
+    ones: ``ironloop.load_config(path)`` reads it back); ``result.config`` is the tuned Config,
+    for ``fit(..., config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
     (``f(params)``, ``f(optimizer)``): each trial builds its own.
     """
     for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
@@ -471,7 +472,11 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
     subject = Subject(cfg, lambda: copy.deepcopy(pristine), train_data,
                       {"loss_fn": loss_fn, "step_fn": step_fn, "num_classes": num_classes,
                        "optimizer": optimizer, "scheduler": scheduler})
-    tuned = f"a {type(model).__name__} on {subject.samples:,} training samples"
+    try:
+        size = f" on {subject.samples:,} training samples"
+    except TypeError:  # a dataset without len(): tuned.yaml's header names the model only
+        size = ""
+    tuned = f"a {type(model).__name__}{size}"
     with speaking_python():  # its notices and errors name tune()'s and fit()'s arguments
         return _finish(subject, budget, apply_trajectory_changes, None, [], tuned)
 
