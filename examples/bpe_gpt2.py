@@ -51,13 +51,20 @@ def data(root: str, file: str = "input.txt", vocab_size: int = 512, seq_len: int
     cut = int(len(ids) * (1 - val_fraction))
     return {"train": PackedSequences(ids[:cut], seq_len),
             "val": PackedSequences(ids[cut:], seq_len),
-            "vocab_size": tok.get_vocab_size(), "seq_len": seq_len}
+            "vocab_size": tok.get_vocab_size(), "seq_len": seq_len,
+            "eos_token_id": tok.token_to_id("<|endoftext|>")}
 
 
-def model(vocab_size: int, seq_len: int, layers: int = 2, heads: int = 2, dim: int = 64):
-    """A GPT-2 from a config, sized by the data factory's vocab_size and seq_len."""
+def model(vocab_size: int, seq_len: int, layers: int = 2, heads: int = 2, dim: int = 64,
+          eos_token_id: int | None = None):
+    """A GPT-2 from a config, sized by the data factory's vocab_size and seq_len.
+
+    Its begin and end token is this tokenizer's ``<|endoftext|>`` (the data factory's
+    ``eos_token_id``), as GPT-2's is its own: GPT2Config's default, 50256, is GPT-2's
+    vocabulary, outside this one (transformers warns of it on every build)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=dim, n_layer=layers,
-                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     return GPT2LMHeadModel(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -148,3 +149,24 @@ def test_version_and_train_help_name_the_same_command(capsys):
     src = Path(cli.__file__).parent
     for path in src.rglob("*.py"):  # every docstring and help text names `ironloop train help`
         assert "--help-config" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("command", ["train", "doctor", "tune"])
+def test_help_in_place_of_the_config_lists_the_keys_for_every_command_that_takes_one(
+        command, capsys):
+    # `ironloop doctor help` read "help" as a config file and failed (issue 57)
+    assert cli.main([command, "help"]) == 0
+    out = capsys.readouterr().out
+    assert "train.max_steps = 0" in out and "optim.fused = null" in out
+
+
+def test_every_command_has_a_help_description_and_no_override_list_is_required():
+    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        # `ironloop report --help` printed only its usage: no line on what the command does
+        assert p.description and len(p.description) > 40, f"ironloop {name}: no description"
+        for action in p._actions:
+            if action.dest == "overrides":  # the CLI page marked them "required"
+                assert not action.required and action.help, f"ironloop {name}: {action}"
+    args = cli.parser().parse_args(["doctor", "c.yaml"])
+    assert args.overrides == []

@@ -10,11 +10,18 @@ from pathlib import Path
 from ironloop.errors import Preempted, RankZeroError, StoppedInSetup, UserError
 
 
-def _train(args) -> int:
+def _keys_help(args) -> bool:
+    """``ironloop train|doctor|tune help``: every config key with its default, printed."""
+    if args.config != "help":
+        return False
     from ironloop.config import describe
 
-    if args.config == "help":
-        print(describe())
+    print(describe())
+    return True
+
+
+def _train(args) -> int:
+    if _keys_help(args):
         return 0
     from ironloop.engine import slurm
 
@@ -75,6 +82,8 @@ def done_line(r: dict, run_dir) -> str:
 
 
 def _doctor(args) -> int:
+    if _keys_help(args):
+        return 0
     from ironloop.config import load_config
 
     cfg = load_config(*_config_and_overrides(args.config, args.overrides))
@@ -111,6 +120,8 @@ def _report(args) -> int:
 
 
 def _tune(args) -> int:
+    if _keys_help(args):
+        return 0
     from ironloop.tools.tune import tune_config
     from ironloop.tools.tune.stop import Stopped
 
@@ -195,7 +206,9 @@ def _add_train(sub) -> None:
     t.add_argument("config", nargs="?", default=None,
                    help="YAML config file (or `help` to list the keys); without one, the "
                    "defaults plus the overrides")
-    t.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+    # default=[]: argparse marks a "*" positional without a default as required (the CLI
+    # page then said so), though none is needed
+    t.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",
                    help="override config values, e.g. optim.lr=3e-4 train.epochs=5")
     t.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="continue from the newest valid checkpoint in run.dir (fresh start "
@@ -216,8 +229,10 @@ def _add_doctor(sub) -> None:
                        "initial loss, probabilities fed to a logits loss, overfit one batch, "
                        "dead parameters, labels, train/val/test leakage, input-bound, memory.")
     d.add_argument("config", nargs="?", default=None,
-                   help="YAML config file (without one: the defaults plus the overrides)")
-    d.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+                   help="YAML config file (or `help` to list the keys); without one, the "
+                   "defaults plus the overrides")
+    d.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",
+                   help="override config values, as for train")
     d.add_argument("--lr-find", action="store_true",
                    help="also run the LR range test and write run.dir/lr_find.png")
     d.add_argument("--strict", action="store_true", help="exit 2 when a check finds an error")
@@ -239,7 +254,10 @@ def _add_doctor(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    e = sub.add_parser("export", help="write a run's weights as safetensors")
+    e = sub.add_parser("export", help="write a run's weights as safetensors",
+                       description="Write a run's weights (its best, last or averaged "
+                       "checkpoint) as one safetensors file that loads with "
+                       "safetensors.torch.load_file, without ironloop.")
     e.add_argument("run_dir", help="a run.dir, or a checkpoint.remote URL (s3://...)")
     e.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
     e.add_argument("--which", choices=("best", "last", "avg"), default="best",
@@ -249,8 +267,12 @@ def _add_export(sub) -> None:
 
 
 def _add_report(sub) -> None:
-    r = sub.add_parser("report", help="plots and a summary for a run directory")
-    r.add_argument("run_dir")
+    r = sub.add_parser("report", help="plots and a summary for a run directory",
+                       description="Read a run directory's logs and write report.md, "
+                       "report.html and their plots (loss, accuracy or validation, LR, gradient "
+                       "norms, a resume's curve) to RUN_DIR/report, then print the diagnosis of "
+                       "the logs (a flat loss, overfitting, NaN, clipping).")
+    r.add_argument("run_dir", help="a run.dir, finished or not")
     r.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     r.set_defaults(func=_report)
 
@@ -262,8 +284,9 @@ def _add_tune(sub) -> None:
                        "workers, pinned memory, compile) and those that do (precision, "
                        "micro-batch), each as a short measured run within --budget, and write "
                        "run.dir/tune.json and run.dir/tuned.yaml.")
-    u.add_argument("config", help="YAML config file")
-    u.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    u.add_argument("config", help="YAML config file (or `help` to list the keys)")
+    u.add_argument("overrides", nargs="*", default=[], metavar="dotted.key=value",
+                   help="override config values, as for train")
     u.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
                    help="wall time for all trials together (default 120)")
     u.add_argument("--apply-trajectory-changes", action="store_true",
@@ -272,7 +295,11 @@ def _add_tune(sub) -> None:
 
 
 def _add_lab(sub) -> None:
-    lab = sub.add_parser("lab", help="the seven-step production-loop lab, with a report")
+    lab = sub.add_parser("lab", help="the seven-step production-loop lab, with a report",
+                         description="Run the production-loop lab: seven cumulative short "
+                         "runs on one dataset (baseline, OneCycle, clipping, accumulation, AMP, "
+                         "checkpointing, a crash and its resume), each adding one piece to the "
+                         "one before, and write report.md, report.html and the plots to --out.")
     lab.add_argument("--data", default="digits", help="digits, mnist1d or fashion-mnist")
     lab.add_argument("--out", default="lab-out", help="output directory")
     lab.add_argument("--root", default="data", help="data.root for fashion-mnist")

@@ -28,6 +28,12 @@ def option(name: str, value: object = None) -> str:
     return flag if value is None else f"{flag} {value}"
 
 
+def speaks_python() -> bool:
+    """Inside ``speaking_python``: a message names fit()'s arguments (for what ``option``
+    cannot spell, such as tune's ``budget=``)."""
+    return _SPOKEN.get() == "python"
+
+
 @contextlib.contextmanager
 def speaking_python() -> Iterator[None]:
     """Messages raised or printed inside name fit()'s arguments, not the CLI's flags."""

@@ -18,7 +18,6 @@ from tests.conftest import REPO, logged_step, piped_stderr, wait_running
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
 
 TEXT = "".join(f"{w} {v} the {o} near the {p}.\n" for w in ("A fox", "The dog", "My cat", "One owl")
                for v in ("watched", "chased", "found") for o in ("ball", "stick", "bird")
@@ -33,6 +32,33 @@ def command(run_dir, root, *extra):
             "log.every_steps=1", "log.progress=off", "schedule.warmup_steps=5", *extra]
 
 
+def test_the_gpt2_begins_and_ends_with_this_tokenizers_token_and_transformers_says_nothing(
+        tmp_path):
+    """GPT2Config's default bos/eos id, 50256, is outside a 300-token vocabulary: transformers
+    logged 'bos_token_id must be None or an integer within the vocabulary' on every run."""
+    import logging
+
+    from examples import bpe_gpt2
+
+    (tmp_path / "input.txt").write_text(TEXT)
+    data = bpe_gpt2.data(str(tmp_path), vocab_size=300, seq_len=16)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        model = bpe_gpt2.model(data["vocab_size"], data["seq_len"], layers=1, heads=2, dim=32,
+                               eos_token_id=data["eos_token_id"])
+    finally:
+        logger.removeHandler(handler)
+    end = bpe_gpt2.tokenizer(tmp_path / "input.txt", 300).token_to_id("<|endoftext|>")
+    assert model.config.bos_token_id == model.config.eos_token_id == end
+    assert 0 <= end < data["vocab_size"]
+    assert not [m for m in said if "token_id" in m], said
+
+
+@pytest.mark.slow
 def test_bpe_gpt2_trains_from_the_cli_and_resumes_exactly_after_kill_9(tmp_path):
     (tmp_path / "input.txt").write_text(TEXT)
     whole = subprocess.run(command(tmp_path / "whole", tmp_path), cwd=REPO, capture_output=True,

@@ -20,7 +20,7 @@ import pytest
 
 from ironloop import cli
 from ironloop.state.run_dir import OUTPUTS as RUN_OUTPUTS
-from tests.conftest import REPO, open_all_in_browser
+from tests.conftest import REPO, chromium, open_all_in_browser
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,8 @@ def test_the_readme_is_a_short_front_page_linking_the_site():
 
 @pytest.fixture(scope="module")
 def served(site):
-    """The built site over HTTP, as a reader's browser gets it (Material's search index is
-    fetched by a script, which a file:// page may not do)."""
+    """The built site over HTTP, as a reader's browser gets it from a server (the file:// case
+    has its own test below)."""
     handler = functools.partial(_QuietHandler, directory=str(site[0]))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -177,3 +177,41 @@ def test_every_relative_link_in_the_markdown_names_a_file_in_the_repo():
               for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text())
               if "://" not in target and not (md.parent / target).exists()]
     assert not broken, broken
+
+
+def test_a_page_with_a_table_of_contents_has_its_first_heading_near_the_top():
+    """The site's table of contents lists a page's ## headings: resume.md had one, 200 lines
+    down (Under SLURM), so its contents named only the page's tail."""
+    late = {}
+    for md in (REPO / "docs").rglob("*.md"):
+        lines = md.read_text().splitlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith("## ")), None)
+        if first is not None and first > 50:
+            late[str(md.relative_to(REPO))] = first + 1
+    assert not late, f"first ## heading (line) far below the title: {late}"
+
+
+def test_search_finds_pages_in_the_site_opened_from_the_file_system(site):
+    """The README opens site/index.html from disk (file://), where a page may not fetch the
+    search index nor start a Web Worker: mkdocs-material's offline plugin inlines the index as a
+    script, and the worker shim it needs is ours (docs/javascripts), not fetched from unpkg."""
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed (pip install playwright)")
+    exe = chromium()
+    if exe is None:
+        pytest.skip("no Chromium: apt-get install chromium, or set IRONLOOP_CHROMIUM")
+    index = site[0] / "index.html"
+    assert "unpkg.com" not in index.read_text()  # no script from the network
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(index.as_uri(), wait_until="load")
+            page.locator("input.md-search__input").click(timeout=20_000)
+            page.keyboard.type("preemption")
+            page.wait_for_selector(".md-search-result__item", timeout=30_000)
+            hrefs = [a.get_attribute("href") for a in
+                     page.locator(".md-search-result__item a").all()]
+        finally:
+            browser.close()
+    assert any("how-to/resume.html" in (h or "") for h in hrefs), hrefs

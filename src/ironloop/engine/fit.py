@@ -37,7 +37,7 @@ from ironloop.errors import ConfigError, DataError, UserError
 from ironloop.guard.faults import Faults
 from ironloop.outputs.console import say, test_line
 from ironloop.outputs.readers import read_jsonl
-from ironloop.outputs.time_split import RunSettings, steps_timed, table
+from ironloop.outputs.time_split import RunSettings, steps_timed, table, tuned_none
 from ironloop.parallel import data_parallel
 from ironloop.parallel.world import (
     all_reduce_sum,
@@ -249,7 +249,8 @@ def settings_of(run: Run) -> RunSettings:
         checkpoint_async=cfg.checkpoint.async_write,
         checkpoint_every_steps=cfg.checkpoint.every_steps, precision=module.precision,
         bf16_open=device.type == "cuda" and torch.cuda.is_bf16_supported(),
-        sliced=is_sliced(run.data.train, run.data.collate_fn))
+        sliced=is_sliced(run.data.train, run.data.collate_fn),
+        tuned_none=tuned_none(cfg.run.dir))
 
 
 def _results(run: Run, test: dict, train_seconds: float, restored: bool,

@@ -3,9 +3,11 @@ the step-time breakdown that ``engine/timing.py`` measures (``profile.breakdown`
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,6 +87,7 @@ class RunSettings:
     precision: str = "fp32"
     bf16_open: bool = False       # this device runs bf16 natively (CUDA with bf16 support)
     sliced: bool = False          # batches are index slices of in-memory tensors (loader.py)
+    tuned_none: str = ""          # run.dir/tune.json, when that tune found nothing faster
 
 
 def advice(total: dict[str, float], run: RunSettings) -> list[str]:
@@ -122,8 +125,9 @@ def _data_advice(data: float, run: RunSettings) -> str:
     if not steps:
         steps.append(f"the {run.num_workers} workers already have every core: make "
                      f"__getitem__ cheaper (decode once and cache, lighter augmentation)")
-    return (f"data wait is {100 * data:.0f}% of step time: {'; '.join(steps)}; "
+    then = (found_nothing(run.tuned_none) if run.tuned_none else
             f"`{tune_command()}` measures the options on this run and writes a faster config")
+    return f"data wait is {100 * data:.0f}% of step time: {'; '.join(steps)}; {then}"
 
 
 def _copy_advice(copy: float, run: RunSettings) -> str:
@@ -176,6 +180,24 @@ def _checkpoint_advice(stall: float, run: RunSettings) -> str:
     else:
         return ""  # async, at epoch ends only: nothing left but fewer epochs
     return f"checkpoint writes stall the run {100 * stall:.0f}% of the time: {step}"
+
+
+def tuned_none(run_dir: str | Path) -> str:
+    """run.dir/tune.json's path when the tune that wrote it chose no trajectory-free setting
+    (nothing was faster beyond the noise), else "": advice then names that finding instead of
+    sending the user to run the same tune again."""
+    path = Path(run_dir) / "tune.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):  # no tune here, or a file that is not a tune's
+        return ""
+    return str(path) if isinstance(doc, dict) and doc.get("chosen") == {} else ""
+
+
+def found_nothing(tune_json: str) -> str:
+    """What the advice says in place of "run tune" when a tune of this run.dir chose nothing."""
+    return (f"the tune in {tune_json} measured this run.dir's config and found no "
+            f"trajectory-free setting faster beyond the noise")
 
 
 def tune_command(argv: list[str] | None = None) -> str:

@@ -4,6 +4,7 @@ where they are written."""
 from __future__ import annotations
 
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -309,18 +310,33 @@ def test_set_makes_the_sections_it_needs():
     assert output._get(Config(), "data.num_workers") == 0
 
 
-def test_tuned_yaml_from_python_objects_is_the_whole_config(tmp_path):
-    cfg = Config().with_overrides({"train.epochs": 3})
+def test_tuned_yaml_from_python_objects_holds_what_differs_and_says_how_to_pass_it_to_fit(
+        tmp_path):
+    cfg = Config().with_overrides({"train.epochs": 3, "run.dir": str(tmp_path)})
     applied = {"data.num_workers": 2, "run.threads": 1}
-    text = tuned_yaml_lines = output.tuned_yaml(cfg, None, [], applied)
-    expected = cfg.with_overrides(applied).to_dict()
-    assert text == ("# from ironloop.tune(): the model and data were Python objects; pass this "
-                    "config to ironloop.fit()\n#   data.num_workers: 2\n#   run.threads: 1\n"
-                    + yaml.safe_dump(expected, sort_keys=False))
-    assert list(yaml.safe_load(tuned_yaml_lines)) == list(cfg.to_dict())  # the config's order
-    unchanged = output.tuned_yaml(cfg, None, [], {})
-    assert unchanged.splitlines()[1] == "#   (no change)"
-    assert yaml.safe_load(unchanged) == cfg.to_dict()
+    text = output.tuned_yaml(cfg, None, [], applied, "a Net on 1,437 training samples")
+    assert text == ("# from ironloop.tune() of a Net on 1,437 training samples: the config's "
+                    "keys that differ from the defaults, with the chosen ones\n"
+                    "#   data.num_workers: 2\n#   run.threads: 1\n"
+                    "# use it: ironloop.fit(model, train_data, config=ironloop.load_config("
+                    f"{str(tmp_path / 'tuned.yaml')!r}))\n"
+                    + yaml.safe_dump({"run": {"dir": str(tmp_path), "threads": 1},
+                                      "train": {"epochs": 3}, "data": {"num_workers": 2}},
+                                     sort_keys=False))
+    # no data or model section the Python objects replaced (data.name: digits, model.name: mlp)
+    assert "digits" not in text and "mlp" not in text
+    assert ironloop.load_config(_written(tmp_path, text)) == cfg.with_overrides(applied)
+    unchanged = output.tuned_yaml(Config(), None, [], {})
+    assert unchanged.splitlines()[1:] == ["#   (no change)", "# use it: ironloop.fit(model, "
+                                          "train_data, config=ironloop.load_config("
+                                          "'runs/run/tuned.yaml'))"]
+    assert ironloop.load_config(_written(tmp_path, unchanged)) == Config()
+
+
+def _written(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tuned.yaml"
+    path.write_text(text)
+    return path
 
 
 def test_tuned_yaml_from_a_file_keeps_its_keys_and_the_command_lines(tmp_path):
@@ -346,7 +362,7 @@ def test_tuned_yaml_from_a_file_keeps_its_keys_and_the_command_lines(tmp_path):
         == {"run": {"threads": 1}}
 
 
-def test_write_puts_tune_json_and_tuned_yaml_in_run_dir_and_says_what_to_run(
+def test_write_puts_tune_json_and_tuned_yaml_in_run_dir_and_says_how_to_fit_it(
         tmp_path, capsys, no_cuda):
     run = tmp_path / "a" / "run"
     cfg = Config().with_overrides({"run.dir": str(run)})
@@ -364,8 +380,15 @@ def test_write_puts_tune_json_and_tuned_yaml_in_run_dir_and_says_what_to_run(
     assert out == (output.table(result) + "\n"
                    "the second table's winners change the trajectory and were not applied: "
                    "train.precision=bf16 (--apply-trajectory-changes applies them)\n"
-                   f"wrote {run}/tune.json and {run}/tuned.yaml; train with: ironloop train "
-                   f"{run}/tuned.yaml\n")
+                   f"wrote {run}/tune.json and {run}/tuned.yaml; train with: ironloop.fit("
+                   f"model, train_data, config=result.config), or config=ironloop.load_config("
+                   f"'{run}/tuned.yaml')\n")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"run:\n  dir: {run}\n")
+    output.write(result, ironloop.load_config(path), path, [], {"data.num_workers": 2})
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"wrote {run}/tune.json and {run}/tuned.yaml; train with: ironloop train "
+        f"{run}/tuned.yaml")
 
 
 def test_write_notes_each_applied_trajectory_change(tmp_path, capsys, no_cuda):
@@ -396,3 +419,38 @@ def test_a_run_dir_that_cannot_be_written_is_a_one_line_error(tmp_path, no_cuda)
     assert str(raised.value) == (f"run.dir {blocker / 'run'} cannot be created or written (Not a "
                                  f"directory); choose a writable run.dir")
     assert isinstance(raised.value.__cause__, OSError) and result.paths == {}
+
+
+def test_a_tune_that_chose_nothing_is_named_by_the_advice_instead_of_running_it_again(
+        tmp_path, capsys, no_cuda, monkeypatch):
+    from ironloop.outputs.time_split import RunSettings, advice, tuned_none
+    from ironloop.tools.doctor import data_checks, env_checks
+
+    monkeypatch.setattr(sys, "argv", ["ironloop", "train", "c.yaml"])
+    slow_data = {"data": 4.0, "forward": 3.0, "backward": 3.0}
+    cfg = Config().with_overrides({"run.dir": str(tmp_path)})
+    assert tuned_none(tmp_path) == ""  # no tune here: the advice sends the user to one
+    (line,) = advice(slow_data, RunSettings(cores=4))
+    assert line.endswith("`ironloop tune c.yaml` measures the options on this run and writes a "
+                         "faster config")
+    output.write(_result(), cfg, None, [], {"data.num_workers": 2})  # this tune chose one
+    assert tuned_none(tmp_path) == ""
+    output.write(_result(chosen={}), cfg, None, [], {})  # and this one found nothing faster
+    found = tuned_none(tmp_path)
+    assert found == str(tmp_path / "tune.json")
+    (line,) = advice(slow_data, RunSettings(cores=4, tuned_none=found))
+    assert line.endswith(f"the tune in {found} measured this run.dir's config and found no "
+                         f"trajectory-free setting faster beyond the noise")
+    assert "ironloop tune" not in line
+    fix = data_checks.loader_fix(types.SimpleNamespace(cfg=cfg, device=torch.device("cpu")),
+                                 2.0, 1.0)  # the preflight's input_bound fix says the same
+    assert fix.endswith(f"; the tune in {found} measured this run.dir's config and found no "
+                        f"trajectory-free setting faster beyond the noise")
+    monkeypatch.setattr(env_checks, "cores", lambda: 4)
+    threads = cfg.with_overrides({"run.threads": 4, "data.num_workers": 1, "run.device": "cpu"})
+    (f,) = env_checks.check_threads(threads)  # and so does its threads finding
+    assert f.fix == (f"if the loader is the bottleneck, set run.threads=3 (the tune in {found} "
+                     f"measured this run.dir's config and found no trajectory-free setting "
+                     f"faster beyond the noise)")
+    (tmp_path / "tune.json").write_text("not json")
+    assert tuned_none(tmp_path) == ""

@@ -50,9 +50,9 @@ def test_tune_arguments_mix_like_train_s():
         ("c.yaml", ["train.epochs=3", "data.num_workers=1"], 30.0, True)
 
 
-def test_a_budget_of_zero_is_refused(tmp_path):
+def test_a_budget_of_zero_is_refused_naming_tunes_argument(tmp_path):
     with pytest.raises(ironloop.errors.ConfigError,
-                       match="--budget=0: must be a finite number of seconds > 0"):
+                       match="^budget=0: must be a finite number of seconds > 0"):
         ironloop.tune(nn.Linear(4, 2), (torch.randn(8, 4), torch.zeros(8, dtype=torch.long)),
                       {"run.dir": str(tmp_path / "run")}, budget=0)
     assert not (tmp_path / "run").exists()
@@ -299,7 +299,8 @@ def test_apply_trajectory_changes_puts_the_larger_micro_batch_in(tmp_path, capsy
     assert batch > 1 and batch * accum == 32, out
     tuned = Config.from_dict(yaml.safe_load((tmp_path / "run/tuned.yaml").read_text()))
     assert (tuned.train.batch_size, tuned.train.accumulation_steps) == (batch, accum)
-    assert "notice: --apply-trajectory-changes: train.batch_size: 1 -> " in out
+    # from Python, the notice names tune()'s argument, not the CLI's flag
+    assert "notice: apply_trajectory_changes=True: train.batch_size: 1 -> " in out
     assert "same trajectory up to float rounding" in out
 
 
@@ -538,7 +539,8 @@ def test_tune_trains_each_trial_with_the_users_scheduler_factory(tmp_path, one_t
     assert built  # the trial's own optimizer, given to the user's factory
 
 
-def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_trial_tune):
+def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes_and_says_so_in_python(
+        tmp_path, one_trial_tune, capsys):
     data = (torch.randn(64, 4), torch.randint(0, 2, (64,)))
     result = ironloop.tune(nn.Linear(4, 2), data, {"run.dir": str(tmp_path / "run"),
                                                    "train.batch_size": 8, "train.epochs": 3})
@@ -547,6 +549,13 @@ def test_tune_writes_tune_json_and_a_tuned_yaml_that_fit_takes(tmp_path, one_tri
     assert json.loads((run / "tune.json").read_text())["baseline"]["status"] == "ok"
     tuned = ironloop.load_config(run / "tuned.yaml")
     assert tuned.to_dict() == result.config.to_dict() and tuned.train.epochs == 3
+    text = (run / "tuned.yaml").read_text()
+    assert text.startswith("# from ironloop.tune() of a Linear on 64 training samples: ")
+    assert "digits" not in text and "mlp" not in text  # the defaults the objects replaced
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith("train with: ironloop.fit(model, train_data, config=result.config), "
+                         f"or config=ironloop.load_config('{run}/tuned.yaml')")
+    assert "ironloop train" not in last
 
 
 def test_a_probe_that_overruns_the_budget_says_to_raise_budget(tmp_path, monkeypatch):
@@ -670,7 +679,7 @@ def test_a_tune_applies_the_free_winners_and_reports_the_trajectory_ones(fabrica
     assert doc["chosen"] == result.chosen and doc["trajectory_winners"] == result.trajectory
     assert doc["info"]["budget_s"] == 101.0 and doc["info"]["plan"]["pairs"] == 4
     assert doc["info"]["planned_samples"] == 12800 and doc["info"]["used_s"] == 30.0
-    assert yaml.safe_load((run / "tuned.yaml").read_text()) == result.config.to_dict()
+    assert ironloop.load_config(run / "tuned.yaml").to_dict() == result.config.to_dict()
     out = capsys.readouterr().out
     assert out.startswith(f"tune: removed 1 trial directory left in {tempfile.gettempdir()} by "
                           f"tunes that were killed\nironloop tune: cpu, ")
@@ -722,8 +731,8 @@ def test_a_compile_reserve_is_held_only_beyond_a_trials_share(fabricated, trial_
 def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeypatch):
     seen = {}
 
-    def finish(subj, budget, apply, path, overrides):
-        seen.update(subject=subj, args=(budget, apply, path, overrides))
+    def finish(subj, budget, apply, path, overrides, tuned):
+        seen.update(subject=subj, args=(budget, apply, path, overrides), tuned=tuned)
         return "result"
 
     monkeypatch.setattr(tune_mod, "_finish", finish)
@@ -736,6 +745,7 @@ def test_tune_hands_its_objects_to_the_trials_and_never_trains_the_model(monkeyp
                          apply_trajectory_changes=True) == "result"
     subj = seen["subject"]
     assert seen["args"] == (30.0, True, None, [])
+    assert seen["tuned"] == "a Linear on 32 training samples"  # tuned.yaml's header names it
     assert subj.cfg.train.batch_size == 16 and subj.cfg.train.epochs == 2  # as fit() does
     assert subj.train is loader
     assert subj.fit_kwargs == {"loss_fn": loss, "step_fn": step, "num_classes": 2,

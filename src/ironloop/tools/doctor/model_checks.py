@@ -145,8 +145,13 @@ def check_probabilities(s: DoctorSubject, batch) -> list[Finding]:
 
 
 def check_overfit_batch(s: DoctorSubject, batch, steps: int) -> list[Finding]:
-    """3. Overfit one batch: the loss on one fixed batch must fall by 10x within ``steps``
-    optimizer steps, on a copy of the model and optimizer (the real run is untouched)."""
+    """3. Overfit one batch: on a copy of the model and optimizer (the real run is untouched),
+    the loss on one fixed batch passes once it comes 10x closer to its floor, or once it is
+    more than halfway there after ``steps`` optimizer steps. A model that learns at
+    ``optim.lr`` gets halfway even where 10x needs more steps (the mnist1d CNN at AdamW's
+    1e-3: 2.30 -> 1.08 of a 0.50 floor in 30 steps; 10x closer took 39); a model that cannot
+    fit one batch (outputs blind to the inputs, a frozen network, labels it cannot reach)
+    stays near its first loss."""
     tokens = token_targets(batch)
     if tokens is not None:
         return _overfit_tokens(s, batch, steps, tokens)
@@ -174,9 +179,15 @@ def check_overfit_batch(s: DoctorSubject, batch, steps: int) -> list[Finding]:
         loss.backward()
         clip_gradients(model.parameters(), s.cfg.clip.max_norm, s.cfg.clip.mode)
         opt.step()
+    assert first is not None and last is not None  # steps >= 1 (doctor.overfit_steps)
+    if last - floor <= 0.5 * (first - floor):
+        return [info("overfit_batch", f"loss on one batch of {batch_size_of(batch)} fell "
+                     f"{first:.4f} -> {last:.4f} in {steps} steps, more than halfway to its "
+                     f"floor {floor:.3f}: pass")]
     return [Finding("overfit_batch", "warning",
                     f"the loss on one batch of {batch_size_of(batch)} fell only {first:.4f} -> "
-                    f"{last:.4f} in {steps} steps (target: 10x closer to {floor:.3f})",
+                    f"{last:.4f} in {steps} steps (target: halfway to {floor:.3f} in "
+                    f"{steps} steps, or 10x closer)",
                     "the model cannot fit even one batch: the LR is too low, outputs and "
                     "labels do not match, or part of the network does not learn",
                     "raise optim.lr, check the output layer against the labels, and look at "

@@ -39,7 +39,7 @@ from ironloop.config import Config, load_config
 from ironloop.data import build_data
 from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
-from ironloop.errors import ConfigError, UserError
+from ironloop.errors import ConfigError, UserError, speaking_python, speaks_python
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.models import model_for
 from ironloop.tools.tune import output, spend
@@ -169,10 +169,12 @@ class Tuner:
             probe = run_trial(self.subject, {}, Plan(1, 1, 2), self.deadline)
         except TrialFailed as e:
             if e.overrun:
-                raise UserError(f"--budget={self.deadline - self.started:.0f} s does not fit "
-                                f"even a 3-step probe of this run; raise --budget") from None
+                flag = "budget" if speaks_python() else "--budget"
+                raise UserError(f"{flag}={self.deadline - self.started:.0f} s does not fit "
+                                f"even a 3-step probe of this run; raise {flag}") from None
+            same = "fit()" if speaks_python() else "ironloop train"
             raise UserError(f"the config does not train as it stands ({e}); fix that first "
-                            f"(ironloop train fails the same way)") from None
+                            f"({same} fails the same way)") from None
         step_s = probe.step_ms / 1000
         # The probe also paid the process's first-fit costs (lazy imports, first allocations):
         # a trial's own set-up is timed on the baseline instead.
@@ -407,7 +409,8 @@ def run_tune(subject: Subject, budget: float,
     """Measure; return the tuner (its rows), the chosen free overrides and the trajectory
     winners."""
     if not 0 < budget < math.inf:  # nan fails every comparison; inf never ends
-        raise ConfigError(f"--budget={budget}: must be a finite number of seconds > 0 (default "
+        flag = "budget" if speaks_python() else "--budget"
+        raise ConfigError(f"{flag}={budget}: must be a finite number of seconds > 0 (default "
                           f"{DEFAULT_BUDGET:.0f})")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("ironloop tune runs in one process: start it without torchrun")
@@ -452,8 +455,9 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
 
     Each trial trains a fresh copy of ``model`` for a short measured run (never ``model``
     itself) with checkpoints off, in a temporary directory. Writes ``run.dir/tune.json`` and
-    ``run.dir/tuned.yaml``; ``result.config`` is the tuned Config, for ``fit(...,
-    config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
+    ``run.dir/tuned.yaml`` (the config's keys that differ from the defaults, with the chosen
+    ones: ``ironloop.load_config(path)`` reads it back); ``result.config`` is the tuned Config,
+    for ``fit(..., config=result.config)``. ``optimizer`` and ``scheduler`` must be factories here
     (``f(params)``, ``f(optimizer)``): each trial builds its own.
     """
     for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
@@ -468,7 +472,13 @@ def tune(model: torch.nn.Module, train_data, config: Config | dict | None = None
     subject = Subject(cfg, lambda: copy.deepcopy(pristine), train_data,
                       {"loss_fn": loss_fn, "step_fn": step_fn, "num_classes": num_classes,
                        "optimizer": optimizer, "scheduler": scheduler})
-    return _finish(subject, budget, apply_trajectory_changes, None, [])
+    try:
+        size = f" on {subject.samples:,} training samples"
+    except TypeError:  # a dataset without len(): tuned.yaml's header names the model only
+        size = ""
+    tuned = f"a {type(model).__name__}{size}"
+    with speaking_python():  # its notices and errors name tune()'s and fit()'s arguments
+        return _finish(subject, budget, apply_trajectory_changes, None, [], tuned)
 
 
 def tune_config(path: str, overrides: list[str], budget: float = DEFAULT_BUDGET,
@@ -488,7 +498,7 @@ def config_subject(cfg: Config) -> Subject:
 
 
 def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
-            overrides: list[str]) -> TuneResult:
+            overrides: list[str], tuned: str = "") -> TuneResult:
     stale = clean_stale()
     if stale:
         print(f"tune: removed {stale} trial director{'y' if stale == 1 else 'ies'} left in "
@@ -504,5 +514,5 @@ def _finish(subject: Subject, budget: float, apply: bool, path: Path | None,
         speedup=math.prod(r.gain for r in tuner.rows if r.won and r.kind == "free"),
         config=subject.cfg.with_overrides(applied),
         info=output.context(subject, tuner, budget, path, overrides))
-    output.write(result, subject.cfg, path, overrides, applied)
+    output.write(result, subject.cfg, path, overrides, applied, tuned)
     return result

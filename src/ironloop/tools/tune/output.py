@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ironloop.config import Config
 from ironloop.engine.precision import resolve_device
+from ironloop.errors import option, speaks_python
 from ironloop.state.io import write_atomic
 from ironloop.state.prepare import unwritable
 
@@ -132,8 +133,9 @@ def table(result) -> str:
             f"   verdict")
     for kind, title in (("free", "settings that cannot change the trajectory (tune applies "
                                  "the chosen ones):"),
-                        ("trajectory", "settings that change the trajectory (reported; "
-                                       "--apply-trajectory-changes applies the winners):")):
+                        ("trajectory", f"settings that change the trajectory (reported; "
+                                       f"{option('apply_trajectory_changes')} applies the "
+                                       f"winners):")):
         rows = [r for r in result.rows if r.kind == kind]
         if rows or kind == "free":
             lines += ["", title, head, *([_row_line(base)] if kind == "free" else []),
@@ -150,7 +152,8 @@ def table(result) -> str:
     if not result.chosen and unconfirmed:
         lines.append(f"the budget ran out during the paired runs of {', '.join(unconfirmed)} "
                      f"(faster in every pair measured): tuned.yaml is the input config; rerun "
-                     f"with a larger --budget to confirm them")
+                     f"with a larger {'budget=' if speaks_python() else '--budget'} to confirm "
+                     f"them")
     elif not result.chosen:
         lines.append("no trajectory-free setting was faster beyond the noise (faster in "
                      "every paired run, median more than 5%): tuned.yaml is the input config")
@@ -170,32 +173,53 @@ def _set(raw: dict, dotted: str, value) -> None:
     node[last] = value
 
 
-def tuned_yaml(cfg: Config, path: Path | None, overrides: list[str], applied: dict) -> str:
+def _differs(raw: dict, default: dict) -> dict:
+    """The keys of ``raw`` (a Config's to_dict) whose value is not the default's, by section."""
+    out = {}
+    for section, keys in raw.items():
+        changed = {k: v for k, v in keys.items() if v != default[section][k]}
+        if changed:
+            out[section] = changed
+    return out
+
+
+def tuned_yaml(cfg: Config, path: Path | None, overrides: list[str], applied: dict,
+               tuned: str = "model on train_data") -> str:
     """The user's config with the chosen overrides: the input file verbatim when nothing
-    changes, else its keys (plus the command line's overrides) with the chosen ones set."""
+    changes, else its keys (plus the command line's overrides) with the chosen ones set.
+
+    From ``ironloop.tune()`` (``path`` None) the config was a Python object: the file holds
+    the keys that differ from the defaults (so no data or model section the run never used),
+    and its header names what was tuned (``tuned``: the model's class and the training data's
+    size) and how to pass the file to ``fit()``."""
     if path is not None and not overrides and not applied:
         return path.read_text()
     if path is None:
-        raw = cfg.to_dict()
-        header = ["# from ironloop.tune(): the model and data were Python objects; pass this "
-                  "config to ironloop.fit()"]
+        raw = _differs(cfg.to_dict(), Config().to_dict())
+        header = [f"# from ironloop.tune() of {tuned}: the config's keys that differ from "
+                  f"the defaults, with the chosen ones"]
+        use = [f"# use it: ironloop.fit(model, train_data, config=ironloop.load_config("
+               f"{str(Path(cfg.run.dir) / 'tuned.yaml')!r}))"]
     else:
         raw = yaml.safe_load(path.read_text()) or {}
         for item in overrides:
             key, text = item.split("=", 1)
             _set(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
         header = [f"# ironloop tune {path} {' '.join(overrides)}".rstrip()]
+        use = []
     for key, value in applied.items():
         _set(raw, key, value)
     header += [f"#   {k}: {v!r}" for k, v in applied.items()] or ["#   (no change)"]
-    text = "\n".join(header) + "\n" + yaml.safe_dump(raw, sort_keys=False)
+    text = "\n".join(header + use) + "\n" + (yaml.safe_dump(raw, sort_keys=False) if raw else "")
     expected = cfg.with_overrides(applied).to_dict()
     assert Config.from_dict(yaml.safe_load(text)).to_dict() == expected, "tuned.yaml round trip"
     return text
 
 
-def write(result, cfg: Config, path: Path | None, overrides: list[str], applied: dict) -> None:
-    """tune.json and tuned.yaml in run.dir, then the table and what to run next."""
+def write(result, cfg: Config, path: Path | None, overrides: list[str], applied: dict,
+          tuned: str = "model on train_data") -> None:
+    """tune.json and tuned.yaml in run.dir, then the table and what to run next: from Python
+    (``path`` None), how to pass the tuned config to fit()."""
     run_dir = Path(cfg.run.dir)
     doc = {"info": result.info, "baseline": result.baseline.to_dict(),
            "trials": [r.to_dict() for r in result.rows], "chosen": result.chosen,
@@ -205,21 +229,23 @@ def write(result, cfg: Config, path: Path | None, overrides: list[str], applied:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "tune.json", json.dumps(doc, indent=2) + "\n")
-        write_atomic(run_dir / "tuned.yaml", tuned_yaml(cfg, path, overrides, applied))
+        write_atomic(run_dir / "tuned.yaml", tuned_yaml(cfg, path, overrides, applied, tuned))
     except OSError as e:
         raise unwritable(run_dir, e) from e
     result.paths = {"tune.json": run_dir / "tune.json", "tuned.yaml": run_dir / "tuned.yaml"}
     print(table(result))
     if result.applied_trajectory:
         for key, value in result.trajectory.items():
-            print(f"notice: --apply-trajectory-changes: {key}: "
+            print(f"notice: {option('apply_trajectory_changes')}: {key}: "
                   f"{_get(cfg, key)!r} -> {value!r} changes the training trajectory")
     elif result.trajectory:
         flat = " ".join(f"{k}={v}" for k, v in result.trajectory.items())
         print(f"the second table's winners change the trajectory and were not applied: "
-              f"{flat} (--apply-trajectory-changes applies them)")
-    print(f"wrote {run_dir / 'tune.json'} and {run_dir / 'tuned.yaml'}; "
-          f"train with: ironloop train {run_dir / 'tuned.yaml'}")
+              f"{flat} ({option('apply_trajectory_changes')} applies them)")
+    use = (f"ironloop.fit(model, train_data, config=result.config), or config="
+           f"ironloop.load_config({str(run_dir / 'tuned.yaml')!r})" if path is None else
+           f"ironloop train {run_dir / 'tuned.yaml'}")
+    print(f"wrote {run_dir / 'tune.json'} and {run_dir / 'tuned.yaml'}; train with: {use}")
 
 
 def _get(cfg: Config, dotted: str):
