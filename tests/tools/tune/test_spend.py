@@ -79,7 +79,11 @@ def test_the_next_screen_runs_on_top_of_a_kept_setting(clock, trial_log, monkeyp
     monkeypatch.setattr(tune_mod.Tuner, "largest_fit", lambda self, cur, dev: None)
     monkeypatch.setattr(rows, "cpus", lambda: 2)
     trial_log.answer = lambda o: mk(_speed(o))
-    subj = Subject(Config.from_dict({"train": {"batch_size": 8}, "log": {"progress": "off"}}),
+    # run.threads pinned: torch's own count depends on the machine and on what an earlier test
+    # set, and a workers row with fewer threads would tie with the workers alone (_speed ignores
+    # threads)
+    subj = Subject(Config.from_dict({"train": {"batch_size": 8}, "log": {"progress": "off"},
+                                     "run": {"threads": 1}}),
                    lambda: torch.nn.Linear(4, 2), Reads(), {})
     tuner, chosen, _ = tune_mod.run_tune(subj, 200.0, "off")
     pin = next(r for r in tuner.rows if r.setting == "data.pin_memory=true")
