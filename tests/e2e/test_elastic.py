@@ -38,10 +38,13 @@ from tests.e2e.test_distributed import (
 pytestmark = pytest.mark.slow
 
 #: a lost node is seen after keep_alive_interval x keep_alive_max_attempt s (default 5 x 3), and
-#: a round with fewer than --nnodes' maximum waits last_call_timeout (default 30 s) for more
-RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+#: a round with fewer than --nnodes' maximum waits last_call_timeout (default 30 s) for more.
+#: (Whole seconds only. 1 x 2 marks a live agent dead at load 6, its heartbeat late while its
+#: worker loads torch: a newcomer then forms a group of its own beside it.)
+RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
+#: (the doctor's preflight checks nothing these tests look at: off, a second less per run)
 RUN = ["train.batch_size=32", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
-       "log.every_steps=1", "dist.timeout_s=30"]
+       "log.every_steps=1", "dist.timeout_s=30", "doctor.preflight=false"]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +62,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str
-          ) -> tuple[subprocess.Popen, Path]:
+#: torchrun's main, run once ``gate`` exists: a replacement node whose interpreter and torch
+#: are loaded ahead, so that it joins as soon as the test opens the gate, not seconds later
+GATED = ("import sys, time; from pathlib import Path; from torch.distributed.run import main\n"
+         "gate = Path(sys.argv.pop(1))\n"
+         "while not gate.exists():\n    time.sleep(0.01)\n"
+         "main(sys.argv[1:])")
+
+
+def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str,
+          gate: Path | None = None) -> tuple[subprocess.Popen, Path]:
     """One torchrun agent (a "node": one rank) of the elastic job into ``run_dir``, writing to
-    run_dir.{name}.log; ``rdzv`` its --rdzv-* arguments."""
+    run_dir.{name}.log; ``rdzv`` its --rdzv-* arguments; with ``gate``, it joins once that file
+    exists."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            # torchrun's agents share one TCPStore across rendezvous rounds by default, and a
            # round with a newcomer then never completes (the replacement waits for MASTER_ADDR,
@@ -72,7 +84,8 @@ def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str
     log = run_dir.parent / f"{run_dir.name}.{name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+            [sys.executable, *(["-c", GATED, str(gate)] if gate else
+                               ["-m", "torch.distributed.run"]), "--nnodes=1:2",
              "--nproc-per-node=1", *rdzv, "--max-restarts=3",
              "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}", *RUN, *overrides,
              "--resume"],
@@ -151,32 +164,35 @@ def wait_for_start(run_dir: Path, world_size: int, nth: int, proc: subprocess.Po
 
 
 def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_path):
-    # As above, then a new agent started once the survivor trains alone: the survivor's agent
-    # sees it waiting, restarts its worker, and the two resume at world size 2 (accumulation
-    # 2 -> 1). A longer run (30 epochs) leaves the new agent time to join. (Every agent runs
-    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the group never
-    # re-forms, torchrun's own limit.)
-    longer = ("train.epochs=30",)
+    # As above, then a new agent joins once the survivor trains alone: the survivor's agent
+    # sees it waiting, stops its worker (which checkpoints on torchrun's SIGTERM), and the two
+    # resume at world size 2 (accumulation 2 -> 1). The new agent is started with the others,
+    # gated (GATED), so it joins at once: 10 epochs leave the survivor ~200 steps alone to see
+    # it in. (Every agent runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without
+    # it the group never re-forms, torchrun's own limit.)
+    longer = ("train.epochs=10",)
     reference = read(train_here(tmp_path / "one", "train.batch_size=64",
                                 "checkpoint.enabled=false", "log.every_steps=1", *longer))
     run_dir = tmp_path / "run"
-    port = free_port()
+    port, gate = free_port(), tmp_path / "join"
     host, log0 = agent(run_dir, "agent0", c10d(port, True), *longer)
     other, _ = agent(run_dir, "agent1", c10d(port, False), *longer)
-    new = other
+    new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer, gate=gate)
     try:
         wait_for_step(run_dir, 12, host, log0)
         kill_node(other)
         wait_for_start(run_dir, 1, 1, host, log0)
-        new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer)
+        gate.touch()
         for proc, log in ((host, log0), (new, log2)):
             finish(proc, log, ranks=2)
     finally:
         for p in (host, other, new):
             p.kill()
     assert_same_weights(reference, read(run_dir))
-    starts = [e["world_size"] for e in events(run_dir) if e["event"] == "start"]
-    assert starts[:2] == [2, 1] and starts[-1] == 2, events(run_dir)
+    starts = [(e["world_size"], e["step"]) for e in events(run_dir) if e["event"] == "start"]
+    # grown back mid-run: the 2-rank group trained steps of its own after the 1-rank one
+    assert [w for w, _ in starts[:2]] == [2, 1] and starts[-1][0] == 2, events(run_dir)
+    assert starts[-1][1] < 230, events(run_dir)
     for log in (log0, log2):
         assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
 
