@@ -30,9 +30,11 @@ from tests.e2e.test_distributed import (
     assert_same_run,
     assert_same_weights,
     finish,
+    rank_pids,
     read,
     train_here,
     wait_for_step,
+    wait_signalled,
 )
 
 pytestmark = pytest.mark.slow
@@ -175,13 +177,15 @@ def wait_for_start(run_dir: Path, world_size: int, nth: int, proc: subprocess.Po
 
 
 def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_path):
-    # As above, then a new agent joins once the survivor trains alone: the survivor's agent
-    # sees it waiting, stops its worker (which checkpoints on torchrun's SIGTERM), and the two
-    # resume at world size 2 (accumulation 2 -> 1). The new agent is started with the others,
-    # gated (GATED), so it joins at once: 10 epochs leave the survivor ~200 steps alone to see
-    # it in. (Every agent runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without
-    # it the group never re-forms, torchrun's own limit.)
-    longer = ("train.epochs=10",)
+    # As above, then a new agent joins once the survivor has trained alone to step 20: the
+    # survivor's agent sees it waiting, stops its worker (which checkpoints on torchrun's
+    # SIGTERM), and the two resume at world size 2 (accumulation 2 -> 1). The new agent is
+    # started with the others, gated (GATED), and the survivor's worker is paused (SIGSTOP)
+    # from step 20 until its agent's SIGTERM for the newcomer is pending: the group grows back
+    # mid-run whatever the machine's load, with no long run to leave the newcomer time.
+    # (Every agent runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the
+    # group never re-forms, torchrun's own limit.)
+    longer = ("train.epochs=5",)  # 115 steps
     reference = read(train_here(tmp_path / "one", "train.batch_size=64",
                                 "checkpoint.enabled=false", "log.every_steps=1", *longer))
     run_dir = tmp_path / "run"
@@ -193,7 +197,14 @@ def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_pat
         wait_for_step(run_dir, 12, host, log0)
         kill_node(other)
         wait_for_start(run_dir, 1, 1, host, log0)
-        gate.touch()
+        wait_for_step(run_dir, 20, host, log0)  # the survivor trains alone
+        worker = rank_pids(host)[0]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            gate.touch()
+            wait_signalled(worker, signal.SIGTERM)  # its agent restarts for the newcomer
+        finally:
+            os.kill(worker, signal.SIGCONT)
         for proc, log in ((host, log0), (new, log2)):
             finish(proc, log, ranks=2)
     finally:
@@ -201,9 +212,8 @@ def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_pat
             p.kill()
     assert_same_weights(reference, read(run_dir))
     starts = [(e["world_size"], e["step"]) for e in events(run_dir) if e["event"] == "start"]
-    # grown back mid-run: the 2-rank group trained steps of its own after the 1-rank one
-    assert [w for w, _ in starts[:2]] == [2, 1] and starts[-1][0] == 2, events(run_dir)
-    assert starts[-1][1] < 230, events(run_dir)
+    assert [w for w, _ in starts] == [2, 1, 2], events(run_dir)
+    assert 20 <= starts[-1][1] < 115, events(run_dir)  # grown back mid-run
     for log in (log0, log2):
         assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
 
