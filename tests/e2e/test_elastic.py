@@ -126,12 +126,31 @@ def assert_finished_exact(run_dir: Path, reference: dict, survivor: Path) -> lis
     return resumes
 
 
-def assert_redone_said(resume: dict, survivor: Path) -> None:
-    """The work the loss cost: the steps logged past the checkpoint (SIGKILL leaves some) are
-    counted in the resume event and named in the survivor's resume line."""
-    a, b = resume["step"] + 1, resume["last_logged_step"]
-    assert resume["steps_redone"] == b - a + 1 >= 1, resume
-    said = f"redoing steps {a}-{b}" if b > a else f"redoing step {a}"
+def logged_at_loss(run_dir: Path, rank0: int) -> int:
+    """The last step rank 0 (pid ``rank0``) logged before the group broke: read once that
+    process is gone (SIGKILLed, or its one-line exit after the broken collective)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            return max(json.loads(x)["step"] for x in lines if x.endswith("}"))
+        time.sleep(0.02)
+    pytest.fail(f"rank 0 (pid {rank0}) still running {TIMEOUT}s after the loss")
+
+
+def assert_redone_said(resume: dict, survivor: Path, logged: int) -> None:
+    """The work the loss cost: the steps rank 0 had logged past the resumed checkpoint are
+    counted in the resume event and named in the survivor's resume line (or none, when the
+    loss came right after a checkpoint)."""
+    a, b = resume["step"] + 1, logged
+    assert resume["last_logged_step"] == logged and resume["steps_redone"] == b - a + 1, \
+        (resume, logged)
+    said = "the previous process logged no step past it" if b < a else \
+        f"redoing steps {a}-{b}" if b > a else f"redoing step {a}"
     assert any(line.startswith("resumed from") and said in line
                for line in survivor.read_text().splitlines()), survivor.read_text()[-6000:]
 
@@ -147,14 +166,16 @@ def test_a_lost_node_continues_at_one_rank_with_the_global_batch_kept(uninterrup
     other, _ = agent(run_dir, "agent1", c10d(port, False))
     try:
         wait_for_step(run_dir, 12, host, log0)
+        rank0 = rank_pids(host)[0]
         kill_node(other)
+        logged = logged_at_loss(run_dir, rank0)
         finish(host, log0, ranks=2)
     finally:
         for p in (host, other):
             p.kill()
     resumes = assert_finished_exact(run_dir, uninterrupted, log0)
     assert resumes[-1]["step"] in (10, 15), resumes
-    assert_redone_said(resumes[-1], log0)
+    assert_redone_said(resumes[-1], log0, logged)
     lost = [line for line in log0.read_text().splitlines() if "lost" in line]
     assert any("rank 1" in line and "torchrun restarts" in line for line in lost), \
         log0.read_text()[-6000:]
@@ -248,11 +269,13 @@ def test_with_etcd_losing_the_first_node_lets_the_other_finish_exact(uninterrupt
     other, log1 = agent(run_dir, "agent1", rdzv)
     try:
         wait_for_step(run_dir, 12, first, log0)
+        rank0 = rank_pids(first)[0]
         kill_node(first)
+        logged = logged_at_loss(run_dir, rank0)
         finish(other, log1, ranks=2)
     finally:
         for p in (first, other):
             p.kill()
     resumes = assert_finished_exact(run_dir, uninterrupted, log1)
-    assert_redone_said(resumes[-1], log1)
+    assert_redone_said(resumes[-1], log1, logged)
     assert "lost rank 0" in log1.read_text(), log1.read_text()[-6000:]
