@@ -201,7 +201,7 @@ def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_pat
     # As above, then a new agent joins once the survivor has trained alone to step 20: the
     # survivor's agent sees it waiting, stops its worker (which checkpoints on torchrun's
     # SIGTERM), and the two resume at world size 2 (accumulation 2 -> 1). The new agent is
-    # started with the others, gated (GATED), and the survivor's worker is paused (SIGSTOP)
+    # started at the loss, gated (GATED), and the survivor's worker is paused (SIGSTOP)
     # from step 20 until its agent's SIGTERM for the newcomer is pending: the group grows back
     # mid-run whatever the machine's load, with no long run to leave the newcomer time.
     # (Every agent runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the
@@ -213,10 +213,12 @@ def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_pat
     port, gate = free_port(), tmp_path / "join"
     host, log0 = agent(run_dir, "agent0", c10d(port, True), *longer)
     other, _ = agent(run_dir, "agent1", c10d(port, False), *longer)
-    new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer, gate=gate)
+    new = other
     try:
         wait_for_step(run_dir, 12, host, log0)
         kill_node(other)
+        # the newcomer loads torch while the survivor waits out the dead node's keep-alive
+        new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer, gate=gate)
         wait_for_start(run_dir, 1, 1, host, log0)
         wait_for_step(run_dir, 20, host, log0)  # the survivor trains alone
         worker = rank_pids(host)[0]
