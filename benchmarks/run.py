@@ -31,9 +31,9 @@ from _common import TINY, machine  # noqa: E402
 #: runs a grid of trials and a tune against it (#58). The GPU check is scripts/gpu-check
 #: (benchmarks/gpu_check/).
 STANDALONE = ["tune_speedup", "chaos_remote", "tune_interacting"]
-REGISTRY = ["peers", "checkpoint_stall", "resume_cost", "overhead", "guard_overhead",
-            "step_timing_overhead", "data_scale", "data_loading", "tracker_overhead",
-            "lab_time", "remote_stall", "resume_check_time", "one_tensor_step"]
+REGISTRY = ["peers", "checkpoint_stall", "async_checkpoint_stall", "resume_cost", "overhead",
+            "guard_overhead", "step_timing_overhead", "data_scale", "data_loading",
+            "tracker_overhead", "lab_time", "remote_stall", "resume_check_time", "one_tensor_step"]
 BEGIN = "<!-- benchmarks/run.py writes from here: edits below this line are overwritten -->"
 END = "<!-- benchmarks/run.py writes up to here -->"
 

@@ -539,21 +539,89 @@ def two_agents(run_dir: Path, *overrides: str) -> list[tuple[subprocess.Popen, P
     return agents
 
 
+def worker_env(agent: subprocess.Popen) -> tuple[int, dict[str, str]] | None:
+    """(pid, environment) of the worker ``agent`` runs now, or None between two of them."""
+    for pid in map(int, Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text()
+                   .split()):
+        try:
+            env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text()
+                       .split("\0") if "=" in e)
+        except OSError:
+            continue
+        if "TORCHELASTIC_RESTART_COUNT" in env:
+            return pid, env
+    return None
+
+
+def next_group(run_dir: Path, starts: int, before: list[int], agents: list) -> list[dict]:
+    """Once the group after ``starts`` start events has formed (rank 0 wrote its start event)
+    of workers other than ``before``: each agent's worker's environment. Bounded by TIMEOUT."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        live = [w for w in (worker_env(proc) for proc, _ in agents) if w is not None]
+        if sum(e["event"] == "start" for e in events) > starts and len(live) == len(agents) \
+                and not {pid for pid, _ in live} & set(before):
+            return [env for _, env in live]
+        for proc, log in agents:
+            if proc.poll() is not None:
+                pytest.fail(f"an agent ended before the group re-formed:\n"
+                            f"{log.read_text()[-5000:]}")
+        time.sleep(0.02)
+    for proc, _ in agents:
+        _stop(proc)
+    pytest.fail(f"no group re-formed after {TIMEOUT}s (a hang)")
+
+
+def wait_signalled(pid: int, sig: int) -> None:
+    """Until ``sig`` is pending on the stopped process ``pid`` (its agent is stopping it)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        if any(line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (sig - 1)
+               & 1 for line in status):
+            return
+        time.sleep(0.02)
+    pytest.fail(f"no signal {sig} reached the stopped worker {pid} after {TIMEOUT}s")
+
+
 def test_a_crashed_worker_restarts_both_agents_groups_though_their_restart_counts_differ(
         ddp_2x32, tmp_path):
-    # One worker SIGKILLed, both agents alive: its agent restarts with TORCHELASTIC_RESTART_COUNT
-    # 1, the other (restarting for the membership change) with 0. The attempt's store is named
-    # by what both agree on, so the group meets again (it hung 15 minutes when each rank looked
-    # for the store under its own agent's count) and finishes as the uninterrupted run.
+    # One worker SIGKILLed, both agents alive: its agent restarts it with a higher
+    # TORCHELASTIC_RESTART_COUNT; the other agent's count rises only when its own worker failed
+    # first (its collective broke), not when it restarts for the membership change. Which comes
+    # first is a race, which the failure wins on a loaded machine (3 kills of 3 at load 18). So
+    # agent 0's worker is paused (SIGSTOP, a slow node) while agent 1's is killed, until agent 0
+    # stops it for the membership change; repeated after each new group (at most
+    # --max-restarts=3 times) until the two workers of one group hold different counts, read
+    # from their environment. The attempt's store is named by what both agree on, so the group
+    # meets again (it hung 15 minutes when each rank looked for the store under its own agent's
+    # count) and finishes as the uninterrupted run.
     run_dir = tmp_path / "run"
     agents = two_agents(run_dir, "train.batch_size=32", "checkpoint.every_steps=5",
                         "checkpoint.keep_last=20", "log.every_steps=1")
-    (proc0, log0), (proc1, _) = agents
+    (proc0, log0), _ = agents
     wait_for_step(run_dir, 12, proc0, log0)
-    worker = Path(f"/proc/{proc1.pid}/task/{proc1.pid}/children").read_text().split()
-    os.kill(int(worker[0]), signal.SIGKILL)
+    seen = []  # per group after a kill: each agent's worker's (RANK, TORCHELASTIC_RESTART_COUNT)
+    for kill in range(3):
+        live = [w for w in (worker_env(proc) for proc, _ in agents) if w is not None]
+        assert len(live) == 2, f"a worker is missing before kill {kill + 1}"
+        os.kill(live[0][0], signal.SIGSTOP)
+        try:
+            os.kill(live[1][0], signal.SIGKILL)
+            wait_signalled(live[0][0], signal.SIGTERM)
+        finally:
+            os.kill(live[0][0], signal.SIGCONT)
+        envs = next_group(run_dir, kill + 1, [pid for pid, _ in live], agents)
+        seen.append([(e["RANK"], int(e["TORCHELASTIC_RESTART_COUNT"])) for e in envs])
+        if seen[-1][0][1] != seen[-1][1][1]:
+            break
+    else:
+        for proc, _ in agents:
+            _stop(proc)
+        pytest.fail(f"the agents' restart counts never differed in 3 kills: {seen}")
     for proc, log in agents:
         finish(proc, log, ranks=2)  # a bounded wait: TIMEOUT, then the test fails
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["world_size"] for e in events if e["event"] == "start"] == [2, 2], events
+    assert [e["world_size"] for e in events if e["event"] == "start"] == [2] * (kill + 2), events
     assert_same_run({**ddp_2x32, "metric_steps": list(range(1, 47))}, read(run_dir))

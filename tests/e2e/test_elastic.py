@@ -30,18 +30,23 @@ from tests.e2e.test_distributed import (
     assert_same_run,
     assert_same_weights,
     finish,
+    rank_pids,
     read,
     train_here,
     wait_for_step,
+    wait_signalled,
 )
 
 pytestmark = pytest.mark.slow
 
 #: a lost node is seen after keep_alive_interval x keep_alive_max_attempt s (default 5 x 3), and
-#: a round with fewer than --nnodes' maximum waits last_call_timeout (default 30 s) for more
-RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+#: a round with fewer than --nnodes' maximum waits last_call_timeout (default 30 s) for more.
+#: (Whole seconds only. 1 x 2 marks a live agent dead at load 6, its heartbeat late while its
+#: worker loads torch: a newcomer then forms a group of its own beside it.)
+RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1"
+#: (the doctor's preflight checks nothing these tests look at: off, a second less per run)
 RUN = ["train.batch_size=32", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
-       "log.every_steps=1", "dist.timeout_s=30"]
+       "log.every_steps=1", "dist.timeout_s=30", "doctor.preflight=false"]
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +64,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str
-          ) -> tuple[subprocess.Popen, Path]:
+#: torchrun's main, run once ``gate`` exists: a replacement node whose interpreter and torch
+#: are loaded ahead, so that it joins as soon as the test opens the gate, not seconds later
+GATED = ("import sys, time; from pathlib import Path; from torch.distributed.run import main\n"
+         "gate = Path(sys.argv.pop(1))\n"
+         "while not gate.exists():\n    time.sleep(0.01)\n"
+         "main(sys.argv[1:])")
+
+
+def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str,
+          gate: Path | None = None) -> tuple[subprocess.Popen, Path]:
     """One torchrun agent (a "node": one rank) of the elastic job into ``run_dir``, writing to
-    run_dir.{name}.log; ``rdzv`` its --rdzv-* arguments."""
+    run_dir.{name}.log; ``rdzv`` its --rdzv-* arguments; with ``gate``, it joins once that file
+    exists."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            # torchrun's agents share one TCPStore across rendezvous rounds by default, and a
            # round with a newcomer then never completes (the replacement waits for MASTER_ADDR,
@@ -72,7 +86,8 @@ def agent(run_dir: Path, name: str, rdzv: list[str], *overrides: str
     log = run_dir.parent / f"{run_dir.name}.{name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+            [sys.executable, *(["-c", GATED, str(gate)] if gate else
+                               ["-m", "torch.distributed.run"]), "--nnodes=1:2",
              "--nproc-per-node=1", *rdzv, "--max-restarts=3",
              "-m", "ironloop", "train", *ARGS, f"run.dir={run_dir}", *RUN, *overrides,
              "--resume"],
@@ -111,6 +126,35 @@ def assert_finished_exact(run_dir: Path, reference: dict, survivor: Path) -> lis
     return resumes
 
 
+def logged_at_loss(run_dir: Path, rank0: int) -> int:
+    """The last step rank 0 (pid ``rank0``) logged before the group broke: read once that
+    process is gone (SIGKILLed, or its one-line exit after the broken collective)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            return max(json.loads(x)["step"] for x in lines if x.endswith("}"))
+        time.sleep(0.02)
+    pytest.fail(f"rank 0 (pid {rank0}) still running {TIMEOUT}s after the loss")
+
+
+def assert_redone_said(resume: dict, survivor: Path, logged: int) -> None:
+    """The work the loss cost: the steps rank 0 had logged past the resumed checkpoint are
+    counted in the resume event and named in the survivor's resume line (or none, when the
+    loss came right after a checkpoint)."""
+    a, b = resume["step"] + 1, logged
+    assert resume["last_logged_step"] == logged and resume["steps_redone"] == b - a + 1, \
+        (resume, logged)
+    said = "the previous process logged no step past it" if b < a else \
+        f"redoing steps {a}-{b}" if b > a else f"redoing step {a}"
+    assert any(line.startswith("resumed from") and said in line
+               for line in survivor.read_text().splitlines()), survivor.read_text()[-6000:]
+
+
 def test_a_lost_node_continues_at_one_rank_with_the_global_batch_kept(uninterrupted, tmp_path):
     # The non-host agent (agent 1) and its worker SIGKILLed mid-epoch 1: the survivor's
     # collective breaks ("Connection reset by peer"), it says so on one line, torchrun restarts
@@ -122,13 +166,16 @@ def test_a_lost_node_continues_at_one_rank_with_the_global_batch_kept(uninterrup
     other, _ = agent(run_dir, "agent1", c10d(port, False))
     try:
         wait_for_step(run_dir, 12, host, log0)
+        rank0 = rank_pids(host)[0]
         kill_node(other)
+        logged = logged_at_loss(run_dir, rank0)
         finish(host, log0, ranks=2)
     finally:
         for p in (host, other):
             p.kill()
     resumes = assert_finished_exact(run_dir, uninterrupted, log0)
-    assert resumes[-1]["steps_redone"] >= 1 and resumes[-1]["step"] in (10, 15), resumes
+    assert resumes[-1]["step"] in (10, 15), resumes
+    assert_redone_said(resumes[-1], log0, logged)
     lost = [line for line in log0.read_text().splitlines() if "lost" in line]
     assert any("rank 1" in line and "torchrun restarts" in line for line in lost), \
         log0.read_text()[-6000:]
@@ -151,32 +198,45 @@ def wait_for_start(run_dir: Path, world_size: int, nth: int, proc: subprocess.Po
 
 
 def test_a_replacement_node_grows_the_group_back_and_the_run_stays_exact(tmp_path):
-    # As above, then a new agent started once the survivor trains alone: the survivor's agent
-    # sees it waiting, restarts its worker, and the two resume at world size 2 (accumulation
-    # 2 -> 1). A longer run (30 epochs) leaves the new agent time to join. (Every agent runs
-    # with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the group never
-    # re-forms, torchrun's own limit.)
-    longer = ("train.epochs=30",)
+    # As above, then a new agent joins once the survivor has trained alone to step 20: the
+    # survivor's agent sees it waiting, stops its worker (which checkpoints on torchrun's
+    # SIGTERM), and the two resume at world size 2 (accumulation 2 -> 1). The new agent is
+    # started at the loss, gated (GATED), and the survivor's worker is paused (SIGSTOP)
+    # from step 20 until its agent's SIGTERM for the newcomer is pending: the group grows back
+    # mid-run whatever the machine's load, with no long run to leave the newcomer time.
+    # (Every agent runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see agent(): without it the
+    # group never re-forms, torchrun's own limit.)
+    longer = ("train.epochs=5",)  # 115 steps
     reference = read(train_here(tmp_path / "one", "train.batch_size=64",
                                 "checkpoint.enabled=false", "log.every_steps=1", *longer))
     run_dir = tmp_path / "run"
-    port = free_port()
+    port, gate = free_port(), tmp_path / "join"
     host, log0 = agent(run_dir, "agent0", c10d(port, True), *longer)
     other, _ = agent(run_dir, "agent1", c10d(port, False), *longer)
     new = other
     try:
         wait_for_step(run_dir, 12, host, log0)
         kill_node(other)
+        # the newcomer loads torch while the survivor waits out the dead node's keep-alive
+        new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer, gate=gate)
         wait_for_start(run_dir, 1, 1, host, log0)
-        new, log2 = agent(run_dir, "agent2", c10d(port, False), *longer)
+        wait_for_step(run_dir, 20, host, log0)  # the survivor trains alone
+        worker = rank_pids(host)[0]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            gate.touch()
+            wait_signalled(worker, signal.SIGTERM)  # its agent restarts for the newcomer
+        finally:
+            os.kill(worker, signal.SIGCONT)
         for proc, log in ((host, log0), (new, log2)):
             finish(proc, log, ranks=2)
     finally:
         for p in (host, other, new):
             p.kill()
     assert_same_weights(reference, read(run_dir))
-    starts = [e["world_size"] for e in events(run_dir) if e["event"] == "start"]
-    assert starts[:2] == [2, 1] and starts[-1] == 2, events(run_dir)
+    starts = [(e["world_size"], e["step"]) for e in events(run_dir) if e["event"] == "start"]
+    assert [w for w, _ in starts] == [2, 1, 2], events(run_dir)
+    assert 20 <= starts[-1][1] < 115, events(run_dir)  # grown back mid-run
     for log in (log0, log2):
         assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
 
@@ -211,11 +271,13 @@ def test_with_etcd_losing_the_first_node_lets_the_other_finish_exact(uninterrupt
     other, log1 = agent(run_dir, "agent1", rdzv)
     try:
         wait_for_step(run_dir, 12, first, log0)
+        rank0 = rank_pids(first)[0]
         kill_node(first)
+        logged = logged_at_loss(run_dir, rank0)
         finish(other, log1, ranks=2)
     finally:
         for p in (first, other):
             p.kill()
     resumes = assert_finished_exact(run_dir, uninterrupted, log1)
-    assert resumes[-1]["steps_redone"] >= 1, resumes
+    assert_redone_said(resumes[-1], log1, logged)
     assert "lost rank 0" in log1.read_text(), log1.read_text()[-6000:]
