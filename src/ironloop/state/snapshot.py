@@ -23,6 +23,8 @@ def snapshot(obj: Any, reuse: Any = None, pinned: bool = False) -> Any:
     the current stream, ahead of any later update of the tensors, so they read the values of
     now; but the host must not read the result before ``copies_done()``'s wait has returned.
     """
+    if type(obj) in _ATOMS:  # most leaves (the config's values): one check, not three
+        return obj
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         fits = isinstance(reuse, torch.Tensor) and reuse.shape == obj.shape \
@@ -53,6 +55,8 @@ def copies_done(obj: Any) -> Callable[[], None]:
     ``synchronize`` is the host sync, paid only when the wait is called. Without CUDA tensors
     nothing was queued, and the wait returns at once."""
     events = []
+    if not torch.cuda.is_initialized():  # no CUDA tensor can exist: skip the walk (CPU runs)
+        return lambda: None
     for device in {t.device for t in _tensors(obj) if t.is_cuda}:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -62,6 +66,10 @@ def copies_done(obj: Any) -> Callable[[], None]:
         for event in events:
             event.synchronize()
     return wait
+
+
+#: Leaves that are returned as they are, told apart by their exact type.
+_ATOMS = frozenset({int, float, str, bool, type(None)})
 
 
 def _tensors(obj: Any):
