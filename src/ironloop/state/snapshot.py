@@ -40,11 +40,13 @@ def snapshot(obj: Any, reuse: Any = None, pinned: bool = False) -> Any:
         return src.to("cpu", copy=True)
     if isinstance(obj, dict):
         prev = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, prev.get(k), pinned) for k, v in obj.items()}
+        # an atom (most of the config's values) stays as it is, without a call of its own
+        return {k: v if type(v) in _ATOMS else snapshot(v, prev.get(k), pinned)
+                for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) \
             else [None] * len(obj)
-        items = [snapshot(v, r, pinned) for v, r in zip(obj, old)]
+        items = [v if type(v) in _ATOMS else snapshot(v, r, pinned) for v, r in zip(obj, old)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
