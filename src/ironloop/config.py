@@ -320,8 +320,8 @@ class LogConfig(Section):
     mlflow_tracking_uri: str = fld("", "MLflow tracking URI (empty = sqlite:///<run.dir>/mlflow.db)")
     mlflow_experiment: str = fld("ironloop", "MLflow experiment name")
     loss_growth: float = fld(10.0, "warn once when a logged loss exceeds this many times the "
-                             "first one the process logged (a finite divergence; no extra "
-                             "device sync); 0 = off")
+                             "run's first logged loss (kept in the checkpoint, so a resume "
+                             "keeps it; a finite divergence; no extra device sync); 0 = off")
 
     def validate(self) -> None:
         self._positive("every_steps")

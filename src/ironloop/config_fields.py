@@ -59,7 +59,9 @@ class Section:
 
 
 def yaml_key(obj: Any, name: str) -> str:
-    fl = {f.name: f for f in dataclasses.fields(obj)}[name]
+    # The field by name, not a dict of them all per call: Config.to_dict asks for every field
+    # (every checkpoint and the guard's rollback point), which that made quadratic
+    fl = obj.__dataclass_fields__[name]
     return fl.metadata.get("key") or name
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ironloop.engine.gradients import clip_gradients
+from ironloop.engine.gradients import clip_gradients, grad_norm_of
 
 
 def test_clip_returns_pre_clip_norm_and_flags():
@@ -23,6 +23,30 @@ def test_clip_returns_pre_clip_norm_and_flags():
     norm, clipped = clip_gradients([p], 0.0, "norm")  # disabled: measured, untouched
     assert float(norm) == pytest.approx(5.0) and not bool(clipped)
     assert p.grad.tolist() == [3.0, 4.0, 0.0, 0.0]
+
+
+def test_the_norm_is_get_total_norms_bits_on_the_short_path_and_where_it_steps_aside():
+    """One device and dtype takes a direct foreach norm (the small-model path); mixed dtypes and
+    a gradient that carries a graph go through get_total_norm. Both give its bits."""
+    g = torch.Generator().manual_seed(0)
+
+    def params(*dtypes) -> list[nn.Parameter]:
+        out = []
+        for i, dtype in enumerate(dtypes):
+            p = nn.Parameter(torch.zeros(7 + i, dtype=dtype))
+            p.grad = torch.randn(7 + i, generator=g).to(dtype) * 10 ** i
+            out.append(p)
+        return out
+
+    for ps in (params(torch.float32, torch.float32, torch.float32),
+               params(torch.float32, torch.float64, torch.float32)):
+        want = nn.utils.get_total_norm([p.grad for p in ps])
+        assert torch.equal(grad_norm_of(ps), want)
+    graph = params(torch.float32, torch.float32)
+    w = torch.ones(8, requires_grad=True)
+    graph[1].grad = w * 2.0  # create_graph's kind of gradient: the norm carries no graph here
+    assert not grad_norm_of(graph).requires_grad
+    assert torch.equal(grad_norm_of(graph), nn.utils.get_total_norm([p.grad for p in graph]))
 
 
 def test_value_clipping_flags_only_a_gradient_past_the_bound_and_no_grad_is_no_norm():

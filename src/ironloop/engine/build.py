@@ -100,7 +100,9 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
     checkpoints = Checkpointer(run_dir, cfg.checkpoint, world, module.raw_model,
                                module.optimizer)
     outputs = Outputs(run_dir, checkpoints, _timer(cfg, run_dir, device, world),
-                      growth=LossGrowth(cfg.log.loss_growth))  # the log opens after a restore
+                      # the log opens after a restore; the advice names what is on
+                      growth=LossGrowth(cfg.log.loss_growth, cfg.clip.max_norm or 0.0,
+                                        cfg.guard.spike_factor if guard is not None else 0.0))
     run = Run(cfg=cfg, world=world, data=data, module=module, progress=progress, meter=meter,
               tracker=tracker, outputs=outputs, guard=guard, cadence=cadence, hooks=hooks)
     resumed = _prepare_run_dir(run, given, peeked)

@@ -148,7 +148,8 @@ class Run:
             average=m.average.state_dict() if m.average is not None else None,
             # the LR the last step used: an epoch line written right after a resume (preempted
             # at the epoch's last step) reports it, as the uninterrupted run's does
-            lr=m.lr, loggers=out.log.ids() if out.log is not None else {})  # W&B / MLflow
+            lr=m.lr, loggers=out.log.ids() if out.log is not None else {},  # W&B / MLflow
+            loss_growth=out.growth.state_dict())  # the divergence baseline: the run's own
 
     def load_state_dict(self, state: dict, source: str = "the checkpoint") -> None:
         """Load every part (a resume, a rollback); a checkpoint that does not fit gets a
@@ -166,6 +167,7 @@ class Run:
             m.average.load_state_dict(state.get("average"))
         self.last_eval = state.get("evaluation") or {}
         m.lr = state.get("lr", m.lr)  # absent in checkpoints from before it was kept
+        self.outputs.growth.load_state_dict(state.get("loss_growth"))  # None: kept since #59
         if m.carry is not None:
             m.carry.load_state_dict(state.get("carry"))
         m.resume_schedule(state.get("schedule_steps"))

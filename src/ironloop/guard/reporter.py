@@ -88,17 +88,19 @@ class BadStep(NamedTuple):
     norm: float    # the pre-clip grad norm
 
 
-@contextlib.contextmanager
-def lr_scaled(optimizer: torch.optim.Optimizer, factor: float):
+def lr_scaled(optimizer: torch.optim.Optimizer, factor: float) -> contextlib.AbstractContextManager:
     """Apply the guard's LR factor for the duration of ``optimizer.step`` only.
 
     The param groups hold the schedule's own LR before and after, so torch schedulers (several
     compute the next LR from the current one) never see the factor, it composes with any
-    schedule as schedule(t) * factor, and the checkpoint keeps the two apart.
+    schedule as schedule(t) * factor, and the checkpoint keeps the two apart. A factor of 1
+    (no rollback yet) is a plain null context: no generator to run at every step.
     """
-    if factor == 1.0:
-        yield
-        return
+    return contextlib.nullcontext() if factor == 1.0 else _scaled(optimizer, factor)
+
+
+@contextlib.contextmanager
+def _scaled(optimizer: torch.optim.Optimizer, factor: float):
     saved = [g["lr"] for g in optimizer.param_groups]
     for g, lr in zip(optimizer.param_groups, saved):
         g["lr"] = lr * factor

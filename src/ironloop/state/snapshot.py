@@ -23,6 +23,8 @@ def snapshot(obj: Any, reuse: Any = None, pinned: bool = False) -> Any:
     the current stream, ahead of any later update of the tensors, so they read the values of
     now; but the host must not read the result before ``copies_done()``'s wait has returned.
     """
+    if type(obj) in _ATOMS:  # most leaves (the config's values): one check, not three
+        return obj
     if isinstance(obj, torch.Tensor):
         src = obj.detach()
         fits = isinstance(reuse, torch.Tensor) and reuse.shape == obj.shape \
@@ -38,11 +40,13 @@ def snapshot(obj: Any, reuse: Any = None, pinned: bool = False) -> Any:
         return src.to("cpu", copy=True)
     if isinstance(obj, dict):
         prev = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, prev.get(k), pinned) for k, v in obj.items()}
+        # an atom (most of the config's values) stays as it is, without a call of its own
+        return {k: v if type(v) in _ATOMS else snapshot(v, prev.get(k), pinned)
+                for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) \
             else [None] * len(obj)
-        items = [snapshot(v, r, pinned) for v, r in zip(obj, old)]
+        items = [v if type(v) in _ATOMS else snapshot(v, r, pinned) for v, r in zip(obj, old)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -53,6 +57,8 @@ def copies_done(obj: Any) -> Callable[[], None]:
     ``synchronize`` is the host sync, paid only when the wait is called. Without CUDA tensors
     nothing was queued, and the wait returns at once."""
     events = []
+    if not torch.cuda.is_initialized():  # no CUDA tensor can exist: skip the walk (CPU runs)
+        return lambda: None
     for device in {t.device for t in _tensors(obj) if t.is_cuda}:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
@@ -62,6 +68,10 @@ def copies_done(obj: Any) -> Callable[[], None]:
         for event in events:
             event.synchronize()
     return wait
+
+
+#: Leaves that are returned as they are, told apart by their exact type.
+_ATOMS = frozenset({int, float, str, bool, type(None)})
 
 
 def _tensors(obj: Any):
