@@ -285,7 +285,7 @@ def test_fsdp_two_ranks_each_upload_their_shards_and_a_new_node_resumes_them(fsd
     # (checkpoint.remote's multi-rank case, with tests/state/test_remote.py's others until the two
     # runs here shared one launch with the FSDP equality test above; the new node's resume is the
     # next run of two_ranks' job, into a run.dir of its own that holds nothing)
-    from ironloop.state.remote.mirror import open_remote
+    from ironloop.state.remote.store import open_remote
 
     url, new_node = fsdp_2x32["url"], two_ranks["fsdp_new_node"]
     remote = open_remote(url)

@@ -137,7 +137,8 @@ def test_export_of_a_run_without_checkpoints_asks_whether_it_is_a_run_dir(tmp_pa
 def test_export_from_a_remote_fetches_its_newest_checkpoint_of_the_kind_asked(tmp_path):
     import uuid
 
-    from ironloop.state.remote.mirror import Mirror, open_remote
+    from ironloop.state.remote.mirror import Mirror
+    from ironloop.state.remote.store import open_remote
 
     url = f"memory://export-{uuid.uuid4().hex}/prefix"
     store = open_remote(url)

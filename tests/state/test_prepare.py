@@ -110,7 +110,8 @@ def test_a_new_node_resumes_from_the_remotes_newest_good_checkpoint_warning_once
         tmp_path, capsys):
     import uuid
 
-    from ironloop.state.remote.mirror import Mirror, open_remote
+    from ironloop.state.remote.mirror import Mirror
+    from ironloop.state.remote.store import open_remote
 
     url = f"memory://rundir-{uuid.uuid4().hex}/prefix"
     store = open_remote(url)

@@ -33,7 +33,10 @@ from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest, save_atomic
 from ironloop.state.remote import mirror as remote_module
-from ironloop.state.remote.mirror import LOGS, Mirror, fetch_newest, open_remote
+from ironloop.state.remote.fetch import fetch_newest
+from ironloop.state.remote.manifest import LOGS
+from ironloop.state.remote.mirror import Mirror
+from ironloop.state.remote.store import open_remote
 from ironloop.state.run_dir import OUTPUTS as RUN_OUTPUTS
 from tests.conftest import REPO, StopAt, blobs, cfg, logged_step, tiny_mlp
 

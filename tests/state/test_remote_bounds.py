@@ -18,8 +18,7 @@ import pytest
 from ironloop.errors import CheckpointError
 from ironloop.outputs.readers import read_jsonl
 from ironloop.state.remote import lease as remote_lease
-from ironloop.state.remote.mirror import open_remote
-from ironloop.state.remote.store import LEASE_CAP, MANIFEST_CAP
+from ironloop.state.remote.store import LEASE_CAP, MANIFEST_CAP, open_remote
 from tests.state.test_remote import StopAt, _config, _fit, s3, s3_server
 
 __all__ = ["s3", "s3_server"]  # fixtures shared with test_remote.py

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ironloop.errors import UserError
-from ironloop.state.remote.mirror import FETCH_MARGIN, fetch_newest, open_remote
+from ironloop.state.remote.fetch import FETCH_MARGIN, fetch_newest
+from ironloop.state.remote.store import open_remote
 from tests.state.test_remote import StopAt, _config, _fit
 
 Usage = namedtuple("Usage", "total used free")

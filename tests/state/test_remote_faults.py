@@ -31,8 +31,9 @@ from ironloop.state import dcp as sharded
 from ironloop.state.export import export_run
 from ironloop.state.io import file_digest
 from ironloop.state.remote import lease as remote_lease
-from ironloop.state.remote.mirror import Mirror, fetch_newest, open_remote
-from ironloop.state.remote.store import Remote, StoreUnavailable, short_error
+from ironloop.state.remote.fetch import fetch_newest
+from ironloop.state.remote.mirror import Mirror
+from ironloop.state.remote.store import Remote, StoreUnavailable, open_remote, short_error
 from tests.conftest import HANG_S, REPO, tiny_mlp
 from tests.state.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 

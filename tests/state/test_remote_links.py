@@ -13,7 +13,7 @@ import pytest
 
 from ironloop.callbacks import Callback
 from ironloop.state.remote import lease as remote_lease
-from ironloop.state.remote.mirror import open_remote
+from ironloop.state.remote.store import open_remote
 from tests.state.test_remote import StopAt, _config, _fit
 
 

@@ -1,5 +1,6 @@
-"""state.remote.mirror and store in-process, on memory:// (no training run): the store's names,
-the mirror's uploads, fetches, retries and retention. The end-to-end runs are in test_remote*.py."""
+"""state.remote.mirror, fetch and store in-process, on memory:// (no training run): the store's
+names, the mirror's uploads, fetches, retries and retention. The end-to-end runs are in
+test_remote*.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import pytest
 
 from ironloop.errors import UserError
 from ironloop.state.io import file_digest
-from ironloop.state.remote import lease as remote_lease, mirror as remote_module
-from ironloop.state.remote.mirror import Mirror, fetch_newest, restore_logs
+from ironloop.state.remote import (
+    fetch as fetch_module,
+    lease as remote_lease,
+    mirror as remote_module,
+)
+from ironloop.state.remote.fetch import fetch_newest, restore_logs
+from ironloop.state.remote.mirror import Mirror
 from ironloop.state.remote.store import StoreUnavailable, open_remote
 
 
@@ -336,13 +342,13 @@ def test_a_fetch_whose_temp_folder_is_already_gone_at_its_clean_up_still_succeed
     mirror.push(1, {path.name: path}, "file", False, mirror.snapshot_logs(1))
     _landed(mirror, 1)
     mirror.close()
-    real = remote_module.fsync_dir
+    real = fetch_module.fsync_dir
 
     def fsync_then_lose_the_temp_folders(directory):
         real(directory)
-        remote_module.remove_leftovers(new)
+        fetch_module.remove_leftovers(new)
 
-    monkeypatch.setattr(remote_module, "fsync_dir", fsync_then_lose_the_temp_folders)
+    monkeypatch.setattr(fetch_module, "fsync_dir", fsync_then_lose_the_temp_folders)
     new = tmp_path / "new"
     seen: list[dict] = []
     got = fetch_newest(remote, new / "checkpoints", -1, pytest.fail, verified=seen.append)

@@ -12,7 +12,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from ironloop.state.remote.mirror import open_remote
+from ironloop.state.remote.store import open_remote
 from tests.state.test_remote import StopAt, _config, _equal, _fit, s3, s3_server, uninterrupted
 
 __all__ = ["s3", "s3_server", "uninterrupted"]  # fixtures shared with test_remote.py

@@ -35,6 +35,10 @@ LEASE_CAP = 64 << 10
 LOCAL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
+def is_remote(location: str | Path) -> bool:
+    return isinstance(location, str) and "://" in location
+
+
 # ----------------------------------------------------------------------------------- store --
 #: Protocols whose top folder is a bucket: it must exist (a typo must not create a new one),
 #: and objects need no parent folders.
