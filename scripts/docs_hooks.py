@@ -154,8 +154,8 @@ def _type(hint: typing.Any) -> str:
 
 def config_page() -> str:
     out = ["# Config keys", "",
-           GENERATED.format(source="the config dataclasses in `ironloop/config.py`, the same "
-                            "fields `ironloop train help` prints"), "",
+           GENERATED.format(source="the config dataclasses (`ironloop.config.SECTIONS`), the "
+                            "same fields `ironloop train help` prints"), "",
            "A key is set in a YAML file (`section:` then `key: value`), on the command line as "
            "`section.key=value` (parsed as YAML), or in `fit(config={\"section.key\": value})`. "
            "**On resume** says whether `--resume` lets the key change: *free* keys cannot "

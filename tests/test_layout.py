@@ -17,7 +17,8 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "ironloop"
 
 #: The phases, lowest first. A module may import from its own phase or a lower one.
 LAYERS = ["leaf", "data", "parallel", "state", "outputs", "guard", "engine", "tools", "face"]
-LEAVES = {"errors", "version", "config_fields", "config", "specs", "extras", "callbacks"}
+LEAVES = {"errors", "version", "config_fields", "config_training", "config_running", "config",
+          "specs", "extras", "callbacks"}
 FACE = {"__init__", "__main__", "cli"}
 MAX_TOP_LEVEL = 12
 
