@@ -490,3 +490,37 @@ def test_only_rank_0s_mirror_takes_the_lease_its_process_claimed_and_refreshes_i
         assert holder.started is (rank == 0)
     finally:
         holder.release(wait_s=5)
+
+
+@pytest.mark.usefixtures("quick_lease")
+def test_an_upload_close_stopped_waiting_for_writes_no_manifest_after_it_and_its_thread_ends(
+        remote, tmp_path, monkeypatch):
+    """close() releases the prefix's lease after remote_wait_s: the upload still in flight must
+    not commit a manifest (nor run retention) into a prefix a new node may have claimed."""
+    entered, release = threading.Event(), threading.Event()
+    put = remote.put
+
+    def stalled_put(local, rel):
+        entered.set()
+        release.wait(timeout=60)  # a store that answers only after the run's end
+        put(local, rel)
+
+    monkeypatch.setattr(remote, "put", stalled_put)
+    mirror = Mirror(remote, tmp_path / "staging", keep_last=1, wait_s=0.05, warn=pytest.fail)
+    path = _checkpoint(tmp_path / "ck", 1, b"weights 1")
+    mirror.push(1, {path.name: path}, "file", False)
+    assert entered.wait(timeout=60)
+    line = mirror.close()
+    assert line is not None and "1 upload(s) unfinished after 0.05 s" in line
+    thread = mirror._thread
+    assert thread is not None
+    release.set()  # the stalled request returns: the upload must stop there
+    thread.join(timeout=60)
+    assert not thread.is_alive()  # nothing pending: the thread ended
+    assert remote.manifests() == [] and mirror.uploaded == []
+    # a push after close (a writer closed and used again) starts a thread and lands
+    path = _checkpoint(tmp_path / "ck", 2, b"weights 2")
+    mirror.wait_s = 60.0
+    mirror.push(2, {path.name: path}, "file", False)
+    assert mirror.close() == f"remote: 1 checkpoint(s) uploaded to {remote.url}, the newest step 2"
+    assert remote.manifests() == [2]

@@ -60,6 +60,11 @@ class _Job:
     world_size: int = 1
     files: dict[str, dict] = field(default_factory=dict)
     logs: dict[str, dict] = field(default_factory=dict)  # logs/step-N/<name>: digest, size
+    abandoned: bool = False  # close stopped waiting for it: its next request is not made
+
+
+class _Abandoned(Exception):
+    """An upload that ``close`` stopped waiting for: its next request is not made."""
 
 
 class Mirror:
@@ -83,6 +88,11 @@ class Mirror:
         self._warn = warn
         self._pending: list[_Job] = []
         self._busy = False
+        # close: the upload in flight stops at its next request (_Job.abandoned), so nothing
+        # lands in the store (no manifest, no retention) after close released the lease; an
+        # idle thread ends, and a later push starts another
+        self._closed = False
+        self._current: _Job | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.uploaded: list[int] = []  # steps whose manifest (or rank marker) landed
@@ -127,6 +137,7 @@ class Mirror:
         job = _Job(step, kind, best, staged, self.rank, self.world_size)
         with self._cond:
             self._pending.append(job)
+            self._closed = False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="ironloop-remote",
                                                 daemon=True)  # a bounded wait, then abandoned
@@ -140,9 +151,13 @@ class Mirror:
             while (self._pending or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             unfinished = [j.step for j in self._pending] + ([-1] if self._busy else [])
-            for job in self._pending:  # not started: dropped (the one in flight may finish)
+            for job in self._pending:  # not started: dropped (the one in flight is abandoned)
                 shutil.rmtree(job.staged, ignore_errors=True)
             self._pending.clear()
+            if self._current is not None:
+                self._current.abandoned = True
+            self._closed = True
+            self._cond.notify_all()
         if self.lease is not None:  # within the same bounded wait
             self.lease.release(deadline - time.monotonic())
         return self._summary(unfinished) if self.rank == 0 else None
@@ -166,14 +181,19 @@ class Mirror:
         while True:
             with self._cond:
                 while not self._pending:
+                    if self._closed:  # under the lock: a push after this starts a new thread
+                        self._thread = None
+                        return
                     self._cond.wait()
                 # superseded: a newer checkpoint waits behind it and it is not a best save
                 while len(self._pending) > 1 and not self._pending[0].best:
                     shutil.rmtree(self._pending.pop(0).staged, ignore_errors=True)
-                job = self._pending.pop(0)
+                job = self._current = self._pending.pop(0)
                 self._busy = True
             try:
                 self._upload(job)
+            except _Abandoned:  # close gave up on it
+                continue
             except Exception as e:  # noqa: BLE001 - an upload never stops training
                 self.failed.append(job.step)
                 if _refusal(e):
@@ -188,12 +208,14 @@ class Mirror:
             finally:
                 shutil.rmtree(job.staged, ignore_errors=True)
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._current = False, None
                     self._cond.notify_all()
 
     def _retry(self, what: str, fn: Callable[[], object]) -> Any:
         delay = _BACKOFF_S
         for attempt in range(self.retries + 1):
+            if self._current is not None and self._current.abandoned:
+                raise _Abandoned(what)
             try:
                 return fn()
             except Exception as e:  # any store or network error is retried
@@ -271,6 +293,8 @@ class Mirror:
                     files.update(_marker_files(self.remote.read(rel), job.step))
                     break
                 except FileNotFoundError:
+                    if job.abandoned:
+                        raise _Abandoned(rel) from None
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"rank {r} never uploaded its files") from None
                     if self._pending and not job.best:  # rank r may have dropped it too
