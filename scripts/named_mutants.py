@@ -59,7 +59,7 @@ MUTANTS = (
             "test_python_numpy_and_torch_generators_round_trip_through_a_checkpoint",),
            "python's random diverges after a resume"),
     Mutant("verdict_reads_only_the_norm", "guard/verdict.py",
-           (("return torch.isfinite(total + norm)", "return torch.isfinite(norm)"),),
+           (("return finite(total + norm)", "return finite(norm)"),),
            ("tests/guard/test_guard.py::"
             "test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_reported",),
            "a non-finite loss with finite gradients is neither skipped nor reported"),

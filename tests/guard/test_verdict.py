@@ -9,12 +9,26 @@ from types import SimpleNamespace
 import torch
 
 from ironloop.config import Config
-from ironloop.guard.verdict import device_verdicts
+from ironloop.guard.verdict import device_verdicts, finite
 
 F64 = torch.float64
 
 
 # --- the device verdict -----------------------------------------------------------------------
+
+
+def test_finite_agrees_with_isfinite_on_every_kind_of_float_value():
+    # the verdict's cheaper test: the extremes, subnormals, signed zeros, infinities and NaN
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, F64):
+        info = torch.finfo(dtype)
+        values = torch.tensor([0.0, -0.0, 1.0, -2.5, info.max, -info.max, info.tiny,
+                               info.tiny / 4, info.eps, math.inf, -math.inf, math.nan],
+                              dtype=dtype)
+        assert torch.equal(finite(values), torch.isfinite(values)), dtype
+        for v in values:  # 0-dim, as the verdict judges them
+            assert torch.equal(finite(v), torch.isfinite(v)), (dtype, v)
+        assert not bool(finite(values.new_tensor(info.max) * 2))  # an overflow is infinite
+
 
 def test_only_an_optimizer_whose_every_group_is_fused_takes_the_device_flag():
     from ironloop.guard.verdict import takes_found_inf

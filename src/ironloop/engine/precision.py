@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ironloop.errors import ConfigError
+from ironloop.parallel.data_parallel import NO_CONTEXT
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -84,7 +84,7 @@ def _warn_emulated(name: str) -> None:
 def autocast(precision: str, device: torch.device):
     """A context for the forward pass: autocast to fp16/bf16, or nothing for fp32."""
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return NO_CONTEXT  # one null context for every step (data_parallel.NO_CONTEXT)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from ironloop.engine.gradients import clip_to_norm, grad_norm_of
 from ironloop.errors import ConfigError, UserError
-from ironloop.guard.verdict import masked_step, takes_found_inf
+from ironloop.guard.verdict import finite, masked_step, takes_found_inf
 from ironloop.specs import import_spec
 
 #: The parameter name that makes a step a several-optimizer step.
@@ -106,7 +106,7 @@ class Optimizers(torch.optim.Optimizer):
         grads = [p for p in params if p.grad is not None]
         norm = grad_norm_of(grads)
         self._norms.append(norm.detach())
-        ok = torch.isfinite(loss.detach() + norm) if self.guarded else None
+        ok = finite(loss.detach() + norm) if self.guarded else None
         # The guard looks before the clip, and a bad update is not clipped (as with one
         # optimizer: a clip by a non-finite norm would make every gradient non-finite).
         clip_norm = norm if ok is None else torch.where(ok, norm, 0.0)

@@ -59,6 +59,7 @@ from ironloop.errors import UserError
 from ironloop.guard.decide import GuardPolicy
 from ironloop.guard.verdict import DeviceVerdicts
 from ironloop.outputs.runlog import RunLog, truncate_jsonl
+from ironloop.parallel.data_parallel import NO_CONTEXT
 from ironloop.parallel.world import World, all_reduce_sum, barrier
 from ironloop.state.checkpointer import Checkpointer
 from ironloop.state.resume import Stateful
@@ -96,7 +97,7 @@ def lr_scaled(optimizer: torch.optim.Optimizer, factor: float) -> contextlib.Abs
     schedule as schedule(t) * factor, and the checkpoint keeps the two apart. A factor of 1
     (no rollback yet) is a plain null context: no generator to run at every step.
     """
-    return contextlib.nullcontext() if factor == 1.0 else _scaled(optimizer, factor)
+    return NO_CONTEXT if factor == 1.0 else _scaled(optimizer, factor)
 
 
 @contextlib.contextmanager

@@ -85,17 +85,22 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+#: A context that does nothing, made once: a null context holds no state, so one serves every
+#: micro-batch (the loop enters up to three per step; a small model's step feels each call).
+NO_CONTEXT = contextlib.nullcontext()
+
+
 def micro_sync(model: nn.Module, last: bool):
     """The context for one micro-batch's backward: gradients are synced over ranks only in the
     last micro-batch of an accumulation window."""
     model = getattr(model, "_orig_mod", model)  # under train.compile, the wrapped DDP/FSDP module
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext() if last else model.no_sync()
+        return NO_CONTEXT if last else model.no_sync()
     if isinstance(model, FSDPModule):  # is_fsdp, spelled so that the type checker sees it
         # Both apply to every FSDP module below the root (recurse=True by default).
         model.set_requires_gradient_sync(last)
         model.set_reshard_after_backward(last)
-    return contextlib.nullcontext()
+    return NO_CONTEXT
 
 
 def is_sharded(t: torch.Tensor) -> bool:
