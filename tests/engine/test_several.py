@@ -250,3 +250,12 @@ def test_a_parameter_in_two_optimizers_is_refused(tmp_path):
         ironloop.fit(m, images(), None, config(tmp_path / "run"), step_fn=gan.step,
                      optimizer={"all": gan.adam(m.parameters()), "discriminator": gan.adam},
                      overwrite=True)
+
+
+def test_the_time_split_charges_each_updates_forward_backward_and_step_to_their_parts(
+        tmp_path):
+    """The step calls backward and step inside optimizers.update: without its marks, the whole
+    step was charged to 'optimizer' and forward and backward read 0."""
+    result = fit(tmp_path / "run")
+    split = result.results["time_split"]
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer"] > 0

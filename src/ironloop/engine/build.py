@@ -103,6 +103,8 @@ def build_run(cfg: Config, model: nn.Module, data: RunData, device: torch.device
                       # the log opens after a restore; the advice names what is on
                       growth=LossGrowth(cfg.log.loss_growth, cfg.clip.max_norm or 0.0,
                                         cfg.guard.spike_factor if guard is not None else 0.0))
+    if module.several is not None:  # each update marks its own forward, backward and step
+        module.several.mark = outputs.timer.mark
     run = Run(cfg=cfg, world=world, data=data, module=module, progress=progress, meter=meter,
               tracker=tracker, outputs=outputs, guard=guard, cadence=cadence, hooks=hooks)
     resumed = _prepare_run_dir(run, given, peeked)

@@ -75,6 +75,9 @@ class Optimizers(torch.optim.Optimizer):
         self._norms: list[torch.Tensor] = []
         self._clipped: list[torch.Tensor] = []
         self._skipped: list[torch.Tensor] = []
+        # the run's StepTimer.mark (engine/build.py): each update charges the forward that made
+        # its loss, its backward and its step, as the loop does for one optimizer
+        self.mark: Callable[[str], None] = lambda part: None
 
     def __getitem__(self, name: str) -> torch.optim.Optimizer:
         return self.named[self._known(name)]
@@ -100,9 +103,11 @@ class Optimizers(torch.optim.Optimizer):
         if not torch.is_grad_enabled():
             return  # evaluation (inference_mode): nothing to update
         opt, params = self.named[self._known(name)], self.own[name]
+        self.mark("forward")  # since the last mark: the step's forward that made this loss
         for p in params:
             p.grad = None  # a gradient another loss left on these parameters is not this one's
         loss.backward()
+        self.mark("backward")
         grads = [p for p in params if p.grad is not None]
         norm = grad_norm_of(grads)
         self._norms.append(norm.detach())
@@ -121,6 +126,7 @@ class Optimizers(torch.optim.Optimizer):
             opt.step()
         else:
             self._skipped.append(torch.ones((), device=norm.device))
+        self.mark("optimizer")
 
     def end_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After the step: the global pre-clip norm over every update's gradients, whether any
