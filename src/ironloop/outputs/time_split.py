@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ironloop.state.run_dir import TUNE
+
 #: The parts of the breakdown, in the order they happen. "other" is the loop's own bookkeeping;
 #: "startup" (from building the run to its first step: loggers such as MLflow starting, the
 #: remote's first uploads, the guard's snapshot) and "closing" (after the last epoch: the test
@@ -186,7 +188,7 @@ def tuned_none(run_dir: str | Path) -> str:
     """run.dir/tune.json's path when the tune that wrote it chose no trajectory-free setting
     (nothing was faster beyond the noise), else "": advice then names that finding instead of
     sending the user to run the same tune again."""
-    path = Path(run_dir) / "tune.json"
+    path = Path(run_dir) / TUNE
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):  # no tune here, or a file that is not a tune's

@@ -32,6 +32,7 @@ DOCTOR = "doctor.json"
 TRACKERS = "trackers.json"
 TENSORBOARD, TRACE = "tb", "trace"
 REPORT = "report"  # ``ironloop report``'s default folder
+TUNE, TUNED = "tune.json", "tuned.yaml"  # ``ironloop tune``'s record and its config
 #: the JSONL logs RunLog appends to (``<kind>.jsonl``); the first four go to the trackers
 LOGS = ("metrics", "epochs", "evals", "scalars", "events")
 TRACKED = LOGS[:4]

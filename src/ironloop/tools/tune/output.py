@@ -19,6 +19,7 @@ from ironloop.engine.precision import resolve_device
 from ironloop.errors import option, speaks_python
 from ironloop.state.io import write_atomic
 from ironloop.state.prepare import unwritable
+from ironloop.state.run_dir import TUNE, TUNED
 
 PART_ORDER = ("data", "copy", "forward", "backward", "optimizer", "checkpoint", "validation",
               "other")
@@ -199,7 +200,7 @@ def tuned_yaml(cfg: Config, path: Path | None, overrides: list[str], applied: di
         header = [f"# from ironloop.tune() of {tuned}: the config's keys that differ from "
                   f"the defaults, with the chosen ones"]
         use = [f"# use it: ironloop.fit(model, train_data, config=ironloop.load_config("
-               f"{str(Path(cfg.run.dir) / 'tuned.yaml')!r}))"]
+               f"{str(Path(cfg.run.dir) / TUNED)!r}))"]
     else:
         raw = yaml.safe_load(path.read_text()) or {}
         for item in overrides:
@@ -228,11 +229,11 @@ def write(result, cfg: Config, path: Path | None, overrides: list[str], applied:
            "speedup": round(result.speedup, 4)}
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "tune.json", json.dumps(doc, indent=2) + "\n")
-        write_atomic(run_dir / "tuned.yaml", tuned_yaml(cfg, path, overrides, applied, tuned))
+        write_atomic(run_dir / TUNE, json.dumps(doc, indent=2) + "\n")
+        write_atomic(run_dir / TUNED, tuned_yaml(cfg, path, overrides, applied, tuned))
     except OSError as e:
         raise unwritable(run_dir, e) from e
-    result.paths = {"tune.json": run_dir / "tune.json", "tuned.yaml": run_dir / "tuned.yaml"}
+    result.paths = {TUNE: run_dir / TUNE, TUNED: run_dir / TUNED}
     print(table(result))
     if result.applied_trajectory:
         for key, value in result.trajectory.items():
@@ -243,7 +244,7 @@ def write(result, cfg: Config, path: Path | None, overrides: list[str], applied:
         print(f"the second table's winners change the trajectory and were not applied: "
               f"{flat} ({option('apply_trajectory_changes')} applies them)")
     use = (f"ironloop.fit(model, train_data, config=result.config), or config="
-           f"ironloop.load_config({str(run_dir / 'tuned.yaml')!r})" if path is None else
+           f"ironloop.load_config({str(run_dir / TUNED)!r})" if path is None else
            f"ironloop train {run_dir / 'tuned.yaml'}")
     print(f"wrote {run_dir / 'tune.json'} and {run_dir / 'tuned.yaml'}; train with: {use}")
 
