@@ -22,10 +22,15 @@ def option(name: str, value: object = None) -> str:
     ``allow_config_change``): ``option("overwrite")`` is ``--overwrite`` from the CLI,
     ``overwrite=True`` from Python; ``option("resume", "best.pt")`` is ``--resume best.pt`` or
     ``resume='best.pt'``."""
-    if _SPOKEN.get() == "python":
+    if speaks_python():
         return f"{name}={True if value is None else str(value)!r}"
-    flag = "--" + name.replace("_", "-")
-    return flag if value is None else f"{flag} {value}"
+    return flag(name) if value is None else f"{flag(name)} {value}"
+
+
+def flag(name: str) -> str:
+    """An option's name alone, as the user spells it: ``budget`` to Python, ``--budget`` to the
+    CLI (for a message that writes its own value, ``--budget=5 s``)."""
+    return name if speaks_python() else "--" + name.replace("_", "-")
 
 
 def speaks_python() -> bool:

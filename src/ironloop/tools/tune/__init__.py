@@ -39,7 +39,7 @@ from ironloop.config import Config, load_config
 from ironloop.data import build_data
 from ironloop.engine.fit import as_config
 from ironloop.engine.precision import resolve_device
-from ironloop.errors import ConfigError, UserError, speaking_python, speaks_python
+from ironloop.errors import ConfigError, UserError, flag, speaking_python, speaks_python
 from ironloop.state.rng import preserved_rng
 from ironloop.tools.models import model_for
 from ironloop.tools.tune import output, spend
@@ -169,9 +169,9 @@ class Tuner:
             probe = run_trial(self.subject, {}, Plan(1, 1, 2), self.deadline)
         except TrialFailed as e:
             if e.overrun:
-                flag = "budget" if speaks_python() else "--budget"
-                raise UserError(f"{flag}={self.deadline - self.started:.0f} s does not fit "
-                                f"even a 3-step probe of this run; raise {flag}") from None
+                budget = flag("budget")
+                raise UserError(f"{budget}={self.deadline - self.started:.0f} s does not fit "
+                                f"even a 3-step probe of this run; raise {budget}") from None
             same = "fit()" if speaks_python() else "ironloop train"
             raise UserError(f"the config does not train as it stands ({e}); fix that first "
                             f"({same} fails the same way)") from None
@@ -409,9 +409,8 @@ def run_tune(subject: Subject, budget: float,
     """Measure; return the tuner (its rows), the chosen free overrides and the trajectory
     winners."""
     if not 0 < budget < math.inf:  # nan fails every comparison; inf never ends
-        flag = "budget" if speaks_python() else "--budget"
-        raise ConfigError(f"{flag}={budget}: must be a finite number of seconds > 0 (default "
-                          f"{DEFAULT_BUDGET:.0f})")
+        raise ConfigError(f"{flag('budget')}={budget}: must be a finite number of seconds > 0 "
+                          f"(default {DEFAULT_BUDGET:.0f})")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("ironloop tune runs in one process: start it without torchrun")
     device = resolve_device(subject.cfg.run.device)
