@@ -176,8 +176,9 @@ class Checkpointer:
             return local.replay(warn)
         for line in local.said:
             warn(line)
-        if isinstance(local.error, OSError):  # every local one damaged: the remote may hold one
+        if isinstance(local.error, OSError):  # unreadable here: no fetch can help
             raise local.error
+        # a CheckpointError (every local one damaged) waits: the remote may hold a good one
         fetched = rank_zero_first(functools.partial(self._fetch, local.found, warn),
                                   self.world)
         # rank 0 knows whether it fetched; the others see it in the folder's listing
