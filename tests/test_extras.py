@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 from ironloop.config import DataConfig
 from ironloop.data import build_data
 from ironloop.errors import UserError
-from ironloop.tools.report import plot_lr
+from ironloop.tools.plots import plot_lr
 from tests.conftest import REPO
 
 HEAVY = ("scikit-learn", "sklearn", "matplotlib", "mnist1d", "tensorboard", "wandb", "mlflow",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ironloop.errors import UserError
-from ironloop.tools import report
+from ironloop.tools import plots, report
 
 STEPS_PER_EPOCH, EPOCHS, LOG_EVERY = 40, 5, 4
 TOTAL = STEPS_PER_EPOCH * EPOCHS
@@ -162,27 +162,27 @@ def test_clipped_fraction_matches_fake_data(rendered):
     run, _ = rendered
     raw = report.read_jsonl(run / "metrics.jsonl")
     assert 0.1 < EXPECTED_FRAC < 0.6  # the fake data really has clipping to count
-    got = report.clipped_fraction(report.continuous(raw), MAX_NORM)
+    got = plots.clipped_fraction(report.continuous(raw), MAX_NORM)
     assert got == pytest.approx(EXPECTED_FRAC)
     # The replayed steps would be double-counted without the resume dedupe.
-    assert report.clipped_fraction(raw, MAX_NORM) != pytest.approx(EXPECTED_FRAC)
+    assert plots.clipped_fraction(raw, MAX_NORM) != pytest.approx(EXPECTED_FRAC)
 
 
 def test_clipped_fraction_rules():
     rows = [{"clipped": 1, "steps": 4}, {"clipped": 0, "steps": 4}, {"clipped": 3, "steps": 4}]
-    assert report.clipped_fraction(rows, 1.0) == pytest.approx(4 / 12)
+    assert plots.clipped_fraction(rows, 1.0) == pytest.approx(4 / 12)
     norms = [{"grad_norm": v} for v in (0.5, 1.5, 2.0, 0.9, None, float("nan"))]
-    assert report.clipped_fraction(norms, 1.0) == pytest.approx(2 / 4)
-    assert report.clipped_fraction(norms, 0) is None  # clipping disabled, no counts
-    assert report.clipped_fraction([], 1.0) is None
+    assert plots.clipped_fraction(norms, 1.0) == pytest.approx(2 / 4)
+    assert plots.clipped_fraction(norms, 0) is None  # clipping disabled, no counts
+    assert plots.clipped_fraction([], 1.0) is None
 
 
 def test_continuous_drops_superseded_steps():
     rows = [{"step": s, "a": 0} for s in (4, 8, 12, 16)] + [{"step": s, "a": 1} for s in (12, 20)]
     kept = report.continuous(rows)
     assert [(r["step"], r["a"]) for r in kept] == [(4, 0), (8, 0), (12, 1), (20, 1)]
-    assert report.crash_steps(rows) == [16]
-    assert report.crash_steps(kept) == []
+    assert plots.crash_steps(rows) == [16]
+    assert plots.crash_steps(kept) == []
 
 
 def test_read_jsonl_missing_partial_and_glued(tmp_path):
@@ -241,22 +241,22 @@ def test_sparse_rows_do_not_crash(tmp_path):
 def test_plot_functions_compare_variants_and_mark_events(tmp_path):
     a = [_metric(s, 0) for s in range(4, 201, 4)]
     b = [dict(r, loss=r["loss"] * 1.5, lr=r["lr"] / 2) for r in a]
-    out = report.plot_loss_curves({"sgd": a, "adamw": b}, tmp_path / "l.png", title="cmp")
+    out = plots.plot_loss_curves({"sgd": a, "adamw": b}, tmp_path / "l.png", title="cmp")
     assert out == tmp_path / "l.png"
     assert_real_plot(out)
-    assert_real_plot(report.plot_lr({"sgd": a, "adamw": b}, tmp_path / "lr.png"))
-    assert_real_plot(report.plot_resume_curve(a, [_epoch(e) for e in range(1, 6)],
+    assert_real_plot(plots.plot_lr({"sgd": a, "adamw": b}, tmp_path / "lr.png"))
+    assert_real_plot(plots.plot_resume_curve(a, [_epoch(e) for e in range(1, 6)],
                                               tmp_path / "r.png", [{"step": 120}], 132))
 
 
 def test_threshold_line_and_clipped_dots_are_drawn(tmp_path):
     rows = [_metric(s, 0) for s in range(4, 201, 4)]
     unclipped = [dict(r, clipped=0) for r in rows]
-    hist_on = report.plot_grad_norm_hist(rows, MAX_NORM, tmp_path / "h1.png")
-    hist_off = report.plot_grad_norm_hist(rows, None, tmp_path / "h0.png")
+    hist_on = plots.plot_grad_norm_hist(rows, MAX_NORM, tmp_path / "h1.png")
+    hist_off = plots.plot_grad_norm_hist(rows, None, tmp_path / "h0.png")
     assert colour_px(hist_on, "C3") > colour_px(hist_off, "C3") + 150  # the dashed clip line
-    dots = report.plot_grad_norm(rows, MAX_NORM, tmp_path / "g1.png")
-    no_dots = report.plot_grad_norm(unclipped, MAX_NORM, tmp_path / "g0.png")
+    dots = plots.plot_grad_norm(rows, MAX_NORM, tmp_path / "g1.png")
+    no_dots = plots.plot_grad_norm(unclipped, MAX_NORM, tmp_path / "g0.png")
     assert colour_px(dots, "C3") > colour_px(no_dots, "C3") + 500  # red dots where clipped > 0
 
 
@@ -264,7 +264,7 @@ def test_threshold_line_and_clipped_dots_are_drawn(tmp_path):
 def test_crash_line_from_fault_knob_when_logs_were_truncated(tmp_path, knob):
     """The loop truncates the logs on resume, so only fault.crash_at_step can place the crash."""
     run = make_run(tmp_path / "run", truncated=True, knob=knob)
-    assert report.crash_steps(report.read_jsonl(run / "metrics.jsonl")) == []
+    assert plots.crash_steps(report.read_jsonl(run / "metrics.jsonl")) == []
     paths = report.render_report(run)
     resume = run / "report" / "resume.png"
     assert resume in paths
@@ -377,10 +377,10 @@ def test_report_html_renders_in_chromium(rendered, width):
 def test_identical_curves_are_grouped_and_labelled_once(tmp_path):
     rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 20)]
     other = [{"step": s, "loss": 2.0 / s} for s in range(1, 20)]
-    groups = report.coinciding({"a": rows, "b": [dict(r) for r in rows], "c": other},
+    groups = plots.coinciding({"a": rows, "b": [dict(r) for r in rows], "c": other},
                                "step", "loss")
     assert [names for names, _ in groups] == [["a", "b"], ["c"]]
-    assert report.plot_loss_curves({"a": rows, "b": rows}, tmp_path / "l.png").is_file()
+    assert plots.plot_loss_curves({"a": rows, "b": rows}, tmp_path / "l.png").is_file()
 
 
 # --- every plot survives the values a real run logs (issue 44) ---------------------------------
@@ -537,23 +537,23 @@ def test_a_language_models_validation_plot_draws_perplexity_on_its_own_labelled_
     rows = [{"step": s, "epoch": 1, "val_loss": 4.0 - s / 100, "val_ppl": math.exp(4.0 - s / 100)}
             for s in (50, 100, 150, 200)]
     figures = []
-    save = report._save
-    monkeypatch.setattr(report, "_save", lambda fig, out: (figures.append(
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out: (figures.append(
         [(ax.get_ylabel(), ax.get_title(), len(ax.lines)) for ax in fig.axes]), save(fig, out))[1])
-    assert_real_plot(report.plot_validation(rows, tmp_path / "validation.png"))
+    assert_real_plot(plots.plot_validation(rows, tmp_path / "validation.png"))
     assert figures == [[("validation loss", "Validation loss per evaluation", 1),
                         ("validation perplexity", "Validation perplexity", 1)]]
-    report.plot_accuracy([{**r, "epoch": i + 1} for i, r in enumerate(rows)], tmp_path / "a.png")
+    plots.plot_accuracy([{**r, "epoch": i + 1} for i, r in enumerate(rows)], tmp_path / "a.png")
     assert figures[1][1][:2] == ("validation perplexity", "Validation perplexity")
 
 
 def test_a_validation_panel_without_a_val_loss_says_none_was_recorded(tmp_path, monkeypatch):
     rows = [{"step": s, "epoch": 1, "val_ppl": 20.0} for s in (50, 100)]  # no val_loss
     texts = []
-    save = report._save
-    monkeypatch.setattr(report, "_save", lambda fig, out: (texts.append(
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out: (texts.append(
         [t.get_text() for t in fig.axes[0].texts]), save(fig, out))[1])
-    report.plot_validation(rows, tmp_path / "validation.png")
+    plots.plot_validation(rows, tmp_path / "validation.png")
     assert texts == [["no evaluations recorded"]]
 
 
@@ -561,15 +561,15 @@ def test_a_single_evaluation_is_drawn_as_a_visible_point(tmp_path):
     """A line through one point draws nothing: each validation value needs its marker (a
     language model evaluated once has one perplexity)."""
     rows = [{"step": 50, "epoch": 1, "val_loss": 4.0, "val_ppl": math.exp(4.0)}]
-    out = report.plot_validation(rows, tmp_path / "validation.png")
+    out = plots.plot_validation(rows, tmp_path / "validation.png")
     assert colour_px(out, "C0", cols=slice(None, 540)) > 20  # the val loss point
     assert colour_px(out, "C1", cols=slice(540, None)) > 20  # the perplexity point
 
 
 def test_the_grad_norm_plot_draws_the_clip_threshold_in_the_clip_colour(tmp_path):
     rows = [dict(_metric(s, 0), clipped=0) for s in range(4, 201, 4)]  # no clipped dots
-    with_line = report.plot_grad_norm(rows, MAX_NORM, tmp_path / "on.png")
-    without = report.plot_grad_norm(rows, None, tmp_path / "off.png")
+    with_line = plots.plot_grad_norm(rows, MAX_NORM, tmp_path / "on.png")
+    without = plots.plot_grad_norm(rows, None, tmp_path / "off.png")
     assert colour_px(with_line, "C3") > colour_px(without, "C3") + 150
 
 
@@ -577,11 +577,11 @@ def test_the_resume_curve_panels_share_the_step_axis(tmp_path, monkeypatch):
     """The crash and resume lines stand at the same x in both panels, even where validation
     covers fewer steps than the loss."""
     limits = []
-    save = report._save
-    monkeypatch.setattr(report, "_save", lambda fig, out: (limits.append(
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out: (limits.append(
         [ax.get_xlim() for ax in fig.axes]), save(fig, out))[1])
     metrics = [_metric(s, 0) for s in range(4, 201, 4)]
-    report.plot_resume_curve(metrics, [_epoch(e) for e in (3, 4)], tmp_path / "r.png",
+    plots.plot_resume_curve(metrics, [_epoch(e) for e in (3, 4)], tmp_path / "r.png",
                              [{"step": 120}], 132)
     (top, bottom), = limits
     assert top == bottom and top[0] < 4 and top[1] > 200

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from matplotlib.colors import to_hex
 
-from ironloop.tools import report
+from ironloop.tools import plots, report
 from tests.tools.test_report_summary import _run  # a fake run's files
 
 
@@ -54,7 +54,7 @@ def figures(monkeypatch):
         out.write_bytes(b"png")
         return out
 
-    monkeypatch.setattr(report, "_save", save)
+    monkeypatch.setattr(plots, "_save", save)
     return seen
 
 
@@ -64,10 +64,10 @@ C = {f"C{i}": to_hex(f"C{i}") for i in range(10)}
 # --- the figures ----------------------------------------------------------------------------
 
 def test_a_figure_is_seven_by_four_inches_at_120_dpi():
-    fig, axes = report._figure()
+    fig, axes = plots._figure()
     assert tuple(fig.get_size_inches()) == (7.0, 4.0) and fig.dpi == 120
     assert len(axes) == 1
-    fig, axes = report._figure(2, 1, size=(3.0, 5.0), sharex=True)
+    fig, axes = plots._figure(2, 1, size=(3.0, 5.0), sharex=True)
     assert tuple(fig.get_size_inches()) == (3.0, 5.0) and len(axes) == 2
     assert axes[0].get_shared_x_axes().joined(axes[0], axes[1])
 
@@ -85,25 +85,25 @@ def test_save_lays_out_writes_at_the_dpi_and_clears(tmp_path):
         def clear(self):
             calls.append("clear")
 
-    out = report._save(Fig(), str(tmp_path / "a" / "b" / "x.png"))
+    out = plots._save(Fig(), str(tmp_path / "a" / "b" / "x.png"))
     assert out == tmp_path / "a" / "b" / "x.png" and out.parent.is_dir()
     assert calls == ["layout", ("save", out, 120), "clear"]
-    assert report._save(Fig(), out.with_name("y.png")) == out.with_name("y.png")  # dir exists
+    assert plots._save(Fig(), out.with_name("y.png")) == out.with_name("y.png")  # dir exists
 
 
 def test_save_writes_a_png_of_the_figures_pixel_size(tmp_path):
     import matplotlib.image as mpimg
 
-    fig, (ax,) = report._figure()
+    fig, (ax,) = plots._figure()
     ax.plot([0, 1], [0, 1])
-    out = report._save(fig, tmp_path / "new" / "f.png")
+    out = plots._save(fig, tmp_path / "new" / "f.png")
     assert mpimg.imread(out).shape[:2] == (480, 840)
     assert fig.axes == []
 
 
 def test_a_note_is_centred_grey_on_white_above_the_data():
-    _, (ax,) = report._figure()
-    report._note(ax, "nothing here")
+    _, (ax,) = plots._figure()
+    plots._note(ax, "nothing here")
     (t,) = ax.texts
     assert (t.get_text(), t.get_position(), t.get_ha(), t.get_va()) == \
         ("nothing here", (0.5, 0.5), "center", "center")
@@ -112,20 +112,20 @@ def test_a_note_is_centred_grey_on_white_above_the_data():
     box = t.get_bbox_patch()
     assert to_hex(box.get_facecolor()) == "#ffffff" and box.get_edgecolor()[3] == 0
     assert len(ax.get_xticks()) > 0  # ticks kept unless told
-    report._note(ax, "again", ticks=False)
+    plots._note(ax, "again", ticks=False)
     assert len(ax.get_xticks()) == 0 and len(ax.get_yticks()) == 0
 
 
 def test_finish_draws_a_small_legend_and_a_light_grid_behind_the_data():
-    _, (ax,) = report._figure()
+    _, (ax,) = plots._figure()
     ax.plot([1, 2], [1, 2], label="a")
-    report._finish(ax, True, "empty", xlabel="x", title="t")
+    plots._finish(ax, True, "empty", xlabel="x", title="t")
     s = _axes(ax)
     assert (s["legend"], s["legend_size"], s["grid"], s["grid_alpha"], s["below"]) == \
         (["a"], pytest.approx(8.33, abs=0.01), True, 0.3, True)
     assert (s["xlabel"], s["title"], s["notes"]) == ("x", "t", [])
-    _, (ax,) = report._figure()
-    report._finish(ax, False, "empty", ylabel="y")
+    _, (ax,) = plots._figure()
+    plots._finish(ax, False, "empty", ylabel="y")
     s = _axes(ax)
     assert (s["notes"], s["legend"], s["grid"], s["xticks"], s["ylabel"]) == \
         (["empty"], None, False, 0, "y")
@@ -134,7 +134,7 @@ def test_finish_draws_a_small_legend_and_a_light_grid_behind_the_data():
 def test_coinciding_curves_share_one_entry_in_first_seen_order():
     a = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
     resumed = [*a, {"step": 2, "loss": 9.0}, {"step": 3, "loss": 8.0}]  # replayed after a crash
-    got = report.coinciding({"a": a, "none": [{"step": 1}], "b": list(a), "r": resumed},
+    got = plots.coinciding({"a": a, "none": [{"step": 1}], "b": list(a), "r": resumed},
                             "step", "loss")
     assert got == [(["a", "b"], ((1.0, 2.0, 3.0), (1.0, 0.5, 1 / 3))),
                    (["r"], ((1.0, 2.0, 3.0), (1.0, 9.0, 8.0)))]
@@ -143,7 +143,7 @@ def test_coinciding_curves_share_one_entry_in_first_seen_order():
 def test_the_loss_plot_draws_one_labelled_line_per_distinct_curve(figures, tmp_path):
     a = [{"step": s, "loss": 2.0 / s} for s in (1, 2, 4)]
     b = [{"step": s, "loss": 3.0 / s} for s in (1, 2, 4)]
-    out = report.plot_loss_curves({"a": a, "b": b, "c": list(a)}, tmp_path / "l.png")
+    out = plots.plot_loss_curves({"a": a, "b": b, "c": list(a)}, tmp_path / "l.png")
     assert out == tmp_path / "l.png"
     ((_, fig, (s,)),) = figures
     assert tuple(fig.get_size_inches()) == (7.0, 4.0)
@@ -158,25 +158,25 @@ def test_the_loss_plot_draws_one_labelled_line_per_distinct_curve(figures, tmp_p
 
 def test_loss_curves_go_log_past_two_decades_and_take_another_x(figures, tmp_path):
     rows = [{"step": s, "epochs": s / 10, "loss": v} for s, v in ((1, 5.0), (2, 0.04))]
-    report.plot_loss_curves({"r": rows}, tmp_path / "l.png", title="T", x="epochs",
+    plots.plot_loss_curves({"r": rows}, tmp_path / "l.png", title="T", x="epochs",
                             xlabel="epochs")
     s = figures[0][2][0]
     assert (s["title"], s["xlabel"], s["yscale"]) == ("T", "epochs", "log")
     assert s["lines"][0]["x"] == [0.1, 0.2]
-    report.plot_loss_curves({"r": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 0.05}]},
+    plots.plot_loss_curves({"r": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 0.05}]},
                             tmp_path / "l2.png")
     assert figures[1][2][0]["yscale"] == "linear"  # exactly two decades
 
 
 def test_many_variants_cycle_the_line_style_every_ten(figures, tmp_path):
     runs = {f"v{i}": [{"step": 1, "loss": float(i + 1)}] for i in range(41)}
-    report.plot_loss_curves(runs, tmp_path / "l.png")
+    plots.plot_loss_curves(runs, tmp_path / "l.png")
     styles = [ln["ls"] for ln in figures[0][2][0]["lines"]]
     assert styles == ["-"] * 10 + ["--"] * 10 + [":"] * 10 + ["-."] * 10 + ["-"]
 
 
 def test_a_loss_plot_without_losses_says_so(figures, tmp_path):
-    report.plot_loss_curves({"a": [{"step": 1, "lr": 0.1}]}, tmp_path / "l.png")
+    plots.plot_loss_curves({"a": [{"step": 1, "lr": 0.1}]}, tmp_path / "l.png")
     s = figures[0][2][0]
     assert (s["notes"], s["lines"], s["legend"], s["title"], s["xlabel"]) == \
         (["no train loss recorded"], [], None, "Training loss", "optimizer step")
@@ -184,14 +184,14 @@ def test_a_loss_plot_without_losses_says_so(figures, tmp_path):
 
 def test_the_lr_plot_is_linear_with_scientific_ticks(figures, tmp_path):
     rows = [{"step": s, "lr": v} for s, v in ((1, 1e-5), (2, 1e-2))]
-    report.plot_lr({"a": rows}, tmp_path / "lr.png")
+    plots.plot_lr({"a": rows}, tmp_path / "lr.png")
     ((_, fig, (s,)),) = figures
     assert (s["title"], s["ylabel"], s["xlabel"], s["yscale"]) == \
         ("Learning rate", "learning rate", "optimizer step", "linear")
     assert s["lines"][0]["y"] == [1e-5, 1e-2] and s["lines"][0]["label"] == "a"
     assert fig.axes[0].yaxis.get_major_formatter()._powerlimits == (-3, 3)
     assert fig.axes[0].xaxis.get_major_formatter()._powerlimits != (-3, 3)
-    report.plot_lr({"a": [{"step": 1}]}, tmp_path / "lr2.png")
+    plots.plot_lr({"a": [{"step": 1}]}, tmp_path / "lr2.png")
     assert figures[1][2][0]["notes"] == ["no learning rate recorded"]
 
 
@@ -203,7 +203,7 @@ def _norm_rows(norms, clipped=None, steps=None):
 
 def test_the_norm_histogram_bins_linearly_with_the_threshold_and_share(figures, tmp_path):
     rows = _norm_rows([0.5, 1.0, 1.5, 2.0], clipped=[0, 0, 1, 3], steps=4)
-    report.plot_grad_norm_hist(rows, 1.0, tmp_path / "h.png")
+    plots.plot_grad_norm_hist(rows, 1.0, tmp_path / "h.png")
     ((_, fig, (s,)),) = figures
     ax = fig.axes[0]
     bars = ax.patches
@@ -221,19 +221,19 @@ def test_the_norm_histogram_bins_linearly_with_the_threshold_and_share(figures, 
 
 
 def test_the_norm_histogram_goes_log_past_a_decade_and_a_half(figures, tmp_path):
-    report.plot_grad_norm_hist(_norm_rows([0.1, 1.0, 3.2]), None, tmp_path / "h.png")
+    plots.plot_grad_norm_hist(_norm_rows([0.1, 1.0, 3.2]), None, tmp_path / "h.png")
     ((_, fig, (s,)),) = figures
     bars = fig.axes[0].patches
     assert s["xscale"] == "log" and len(bars) == 40 and s["lines"] == []
     assert bars[0].get_x() == pytest.approx(0.1) and \
         bars[-1].get_x() + bars[-1].get_width() == pytest.approx(3.2)
     assert s["title"] == "Gradient norm distribution (clipping disabled)"
-    report.plot_grad_norm_hist(_norm_rows([0.1, 1.0, 3.1]), None, tmp_path / "h2.png")
+    plots.plot_grad_norm_hist(_norm_rows([0.1, 1.0, 3.1]), None, tmp_path / "h2.png")
     assert figures[1][2][0]["xscale"] == "linear"
 
 
 def test_the_norm_histogram_without_norms_says_so(figures, tmp_path):
-    report.plot_grad_norm_hist([{"step": 1}], 1.0, tmp_path / "h.png")
+    plots.plot_grad_norm_hist([{"step": 1}], 1.0, tmp_path / "h.png")
     ((_, fig, (s,)),) = figures
     assert s["notes"] == ["no grad norm recorded"] and len(fig.axes[0].patches) == 0
     assert (s["lines"], s["xlabel"], s["title"]) == \
@@ -243,7 +243,7 @@ def test_the_norm_histogram_without_norms_says_so(figures, tmp_path):
 def test_the_norm_plot_marks_clipped_logs_by_their_share(figures, tmp_path):
     rows = _norm_rows([0.5, 2.0, 3.0], clipped=[0, 1, 4], steps=4)
     rows.insert(1, {"step": 15, "clipped": 2, "steps": 4})  # no norm: no dot
-    report.plot_grad_norm(rows, 1.0, tmp_path / "g.png")
+    plots.plot_grad_norm(rows, 1.0, tmp_path / "g.png")
     ((_, fig, (s,)),) = figures
     line, thr = s["lines"]
     assert (line["x"], line["y"], line["lw"], line["color"], line["label"]) == \
@@ -263,19 +263,19 @@ def test_the_norm_plot_marks_clipped_logs_by_their_share(figures, tmp_path):
 
 def test_the_norm_plot_reads_one_trajectory_and_goes_log_past_two_decades(figures, tmp_path):
     rows = [*_norm_rows([0.01, 5.0]), {"step": 10, "grad_norm": 0.02}]  # a resume at step 10
-    report.plot_grad_norm(rows, None, tmp_path / "g.png")
+    plots.plot_grad_norm(rows, None, tmp_path / "g.png")
     ((_, fig, (s,)),) = figures
     (line,) = s["lines"]
     assert line["x"] == [10.0] and s["yscale"] == "linear" and len(fig.axes[0].collections) == 0
-    report.plot_grad_norm(_norm_rows([0.01, 1.5]), None, tmp_path / "g2.png")
+    plots.plot_grad_norm(_norm_rows([0.01, 1.5]), None, tmp_path / "g2.png")
     assert figures[1][2][0]["yscale"] == "log"
     assert figures[1][2][0]["title"] == "Gradient norm (clipping disabled)"
-    report.plot_grad_norm(_norm_rows([0.01, 1.0]), None, tmp_path / "g3.png")
+    plots.plot_grad_norm(_norm_rows([0.01, 1.0]), None, tmp_path / "g3.png")
     assert figures[2][2][0]["yscale"] == "linear"
 
 
 def test_the_norm_plot_without_norms_says_so(figures, tmp_path):
-    report.plot_grad_norm([{"step": 1, "loss": 1.0}], 1.0, tmp_path / "g.png")
+    plots.plot_grad_norm([{"step": 1, "loss": 1.0}], 1.0, tmp_path / "g.png")
     s = figures[0][2][0]
     assert (s["notes"], s["lines"], s["xlabel"], s["ylabel"]) == \
         (["no grad norm recorded"], [], "optimizer step", "pre-clip global grad norm")
@@ -284,7 +284,7 @@ def test_the_norm_plot_without_norms_says_so(figures, tmp_path):
 def test_the_accuracy_plot_draws_losses_left_and_accuracy_right(figures, tmp_path):
     epochs = [{"epoch": e, "train_loss": 1.0 / e, "val_loss": 2.0 / e, "val_acc": 0.2 * e}
               for e in (1, 2, 3)]
-    report.plot_accuracy([*epochs, {"epoch": 2, "train_loss": 9.0}], tmp_path / "a.png")
+    plots.plot_accuracy([*epochs, {"epoch": 2, "train_loss": 9.0}], tmp_path / "a.png")
     ((_, fig, (left, right)),) = figures
     assert tuple(fig.get_size_inches()) == (9.0, 4.0)
     assert [(ln["label"], ln["x"], ln["marker"]) for ln in left["lines"]] == \
@@ -303,10 +303,10 @@ def test_the_accuracy_plot_draws_losses_left_and_accuracy_right(figures, tmp_pat
 
 
 def test_the_accuracy_plot_with_only_a_val_loss_or_nothing(figures, tmp_path):
-    report.plot_accuracy([{"epoch": 1, "val_loss": 2.0}], tmp_path / "a.png")
+    plots.plot_accuracy([{"epoch": 1, "val_loss": 2.0}], tmp_path / "a.png")
     left = figures[0][2][0]
     assert [ln["label"] for ln in left["lines"]] == ["val loss"] and left["notes"] == []
-    report.plot_accuracy([], tmp_path / "b.png")
+    plots.plot_accuracy([], tmp_path / "b.png")
     ((_, fig, (left, right)),) = figures[1:]
     assert left["notes"] == ["no epochs recorded"] and left["title"] == "Loss per epoch"
     assert right["notes"] == ["no validation accuracy or perplexity recorded"]
@@ -319,7 +319,7 @@ def test_the_accuracy_plot_with_only_a_val_loss_or_nothing(figures, tmp_path):
 def test_the_validation_plot_draws_val_loss_and_accuracy_per_step(figures, tmp_path):
     rows = [{"step": 50, "val_loss": 2.0, "val_acc": 0.5},
             {"step": 100, "val_loss": 1.0, "val_acc": 0.75, "val_ppl": 3.0}]
-    out = report.plot_validation(rows, tmp_path / "v.png")
+    out = plots.plot_validation(rows, tmp_path / "v.png")
     assert out == tmp_path / "v.png"
     ((_, fig, (left, right)),) = figures
     assert tuple(fig.get_size_inches()) == (9.0, 4.0)
@@ -335,7 +335,7 @@ def test_the_validation_plot_draws_val_loss_and_accuracy_per_step(figures, tmp_p
 
 def test_a_language_models_perplexity_goes_log_past_a_decade(figures, tmp_path):
     rows = [{"step": 1, "val_ppl": 200.0}, {"step": 2, "val_ppl": 19.0}]
-    report.plot_validation(rows, tmp_path / "v.png")
+    plots.plot_validation(rows, tmp_path / "v.png")
     left, right = figures[0][2]
     assert left["notes"] == ["no evaluations recorded"] and left["lines"] == []
     (ppl,) = right["lines"]
@@ -343,7 +343,7 @@ def test_a_language_models_perplexity_goes_log_past_a_decade(figures, tmp_path):
     assert (right["yscale"], right["grid"], right["title"], right["ylabel"]) == \
         ("log", True, "Validation perplexity", "validation perplexity")
     assert right["grid_alpha"] == 0.3
-    report.plot_validation([{"step": 1, "val_ppl": 200.0}, {"step": 2, "val_ppl": 20.0}],
+    plots.plot_validation([{"step": 1, "val_ppl": 200.0}, {"step": 2, "val_ppl": 20.0}],
                            tmp_path / "v2.png")
     assert figures[1][2][1]["yscale"] == "linear"
 
@@ -351,15 +351,15 @@ def test_a_language_models_perplexity_goes_log_past_a_decade(figures, tmp_path):
 def test_averaged_pairs_are_metrics_with_both_weights_in_first_seen_order():
     rows = [{"step": 1, "val_avg_acc": 0.5, "val_acc": 0.4},
             {"val_loss": 1.0, "val_avg_loss": 0.9, "val_avg_f1": 0.3, "avg_loss": 1}]
-    assert report.averaged_pairs(rows) == [("val_acc", "val_avg_acc"),
+    assert plots.averaged_pairs(rows) == [("val_acc", "val_avg_acc"),
                                            ("val_loss", "val_avg_loss")]
-    assert report.averaged_pairs([]) == []
+    assert plots.averaged_pairs([]) == []
 
 
 def test_the_averaged_plot_puts_losses_left_and_metrics_right(figures, tmp_path):
     rows = [{"step": 10, "val_loss": 1.0, "val_avg_loss": 0.9, "val_acc": 0.5,
              "val_avg_acc": 0.6}, {"step": 20, "val_loss": 0.8, "val_avg_loss": 0.7}]
-    report.plot_averaged(rows, tmp_path / "av.png")
+    plots.plot_averaged(rows, tmp_path / "av.png")
     ((_, fig, (left, right)),) = figures
     assert tuple(fig.get_size_inches()) == (9.0, 4.0)
     got = [[(ln["label"], ln["x"], ln["y"], ln["ls"], ln["color"], ln["marker"], ln["ms"])
@@ -376,11 +376,11 @@ def test_the_averaged_plot_puts_losses_left_and_metrics_right(figures, tmp_path)
 
 def test_the_averaged_plot_says_which_side_has_nothing(figures, tmp_path):
     rows = [{"step": 10, "val_f1": 0.5, "val_avg_f1": 0.6}]
-    report.plot_averaged(rows, tmp_path / "av.png")
+    plots.plot_averaged(rows, tmp_path / "av.png")
     left, right = figures[0][2]
     assert left["notes"] == ["no averaged loss recorded"] and left["lines"] == []
     assert right["notes"] == [] and [ln["color"] for ln in right["lines"]] == [C["C0"], C["C1"]]
-    report.plot_averaged([{"step": 1, "val_loss": 1.0}], tmp_path / "b.png")
+    plots.plot_averaged([{"step": 1, "val_loss": 1.0}], tmp_path / "b.png")
     left, right = figures[1][2]
     assert right["notes"] == ["no averaged metric recorded"]
 
@@ -389,7 +389,7 @@ def test_the_resume_curve_marks_each_crash_and_resume_in_both_panels(figures, tm
     metrics = [{"step": s, "loss": 10.0 / s} for s in (1, 2, 4)]
     metrics += [{"step": 2, "loss": 3.0}, {"step": 4, "loss": 0.01}]
     epochs = [{"epoch": 1, "step": 2, "val_acc": 0.5}, {"epoch": 2, "step": 4, "val_acc": 0.75}]
-    report.plot_resume_curve(metrics, epochs, tmp_path / "r.png",
+    plots.plot_resume_curve(metrics, epochs, tmp_path / "r.png",
                              [{"step": 2}, {"event": "no step"}], [4, 3.0])
     ((_, fig, (top, bottom)),) = figures
     assert tuple(fig.get_size_inches()) == (7.0, 5.5)
@@ -418,12 +418,12 @@ def test_the_resume_curve_marks_each_crash_and_resume_in_both_panels(figures, tm
 
 def test_the_resume_curve_takes_one_crash_step_or_none(figures, tmp_path):
     metrics = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
-    report.plot_resume_curve(metrics, [], tmp_path / "r.png", crash_step=7)
+    plots.plot_resume_curve(metrics, [], tmp_path / "r.png", crash_step=7)
     top, bottom = figures[0][2]
     assert [ln["label"] for ln in top["lines"]] == ["train loss", "crash (step 7)"]
     assert top["yscale"] == "linear"
     assert bottom["notes"] == ["no validation accuracy recorded"] and bottom["xticks"] > 0
-    report.plot_resume_curve(metrics, [], tmp_path / "r2.png")
+    plots.plot_resume_curve(metrics, [], tmp_path / "r2.png")
     top, _ = figures[1][2]
     assert [ln["label"] for ln in top["lines"]] == ["train loss"]
 

@@ -8,95 +8,95 @@ from pathlib import Path
 
 import yaml
 
-from ironloop.tools import report
+from ironloop.tools import plots, report
 
 # --- the small readers and numbers ----------------------------------------------------------
 
 def test_values_and_pairs_skip_missing_null_nan_and_bools():
     rows = [{"a": 1, "b": 2.5}, {"a": None, "b": 3}, {"a": float("nan"), "b": 1},
             {"a": True, "b": 4}, {"b": 5}, {"a": 7, "b": "x"}, {"a": 9.5, "b": 0}]
-    assert report._vals(rows, "a") == [1.0, 7.0, 9.5]
-    assert report._xy(rows, "a", "b") == ([1.0, 9.5], [2.5, 0.0])
+    assert plots.values_of(rows, "a") == [1.0, 7.0, 9.5]
+    assert plots._xy(rows, "a", "b") == ([1.0, 9.5], [2.5, 0.0])
 
 
 def test_a_crash_is_the_last_step_before_the_counter_goes_back_or_repeats():
     rows = [{"step": s} for s in (4, 8, 8, 12, 6, 10, 2)]
-    assert report.crash_steps(rows) == [8, 12, 10]
-    assert report.crash_steps([{"step": 1.0}, {"step": 3.0}]) == []
+    assert plots.crash_steps(rows) == [8, 12, 10]
+    assert plots.crash_steps([{"step": 1.0}, {"step": 3.0}]) == []
 
 
 def test_clipped_fraction_counts_clipped_steps_over_steps():
     rows = [{"clipped": 1, "steps": 4}, {"clipped": 3, "steps": 4, "grad_norm": 0.1},
             {"clipped": 2}]  # no steps: not counted
-    assert report.clipped_fraction(rows, None) == 0.5
+    assert plots.clipped_fraction(rows, None) == 0.5
 
 
 def test_clipped_fraction_falls_back_to_norms_above_the_threshold():
     # counts of zero steps say nothing: the norms decide; a norm equal to max_norm is not clipped
     rows = [{"clipped": 0, "steps": 0, "grad_norm": v} for v in (1.0, 2.0, 0.5, 3.0)]
-    assert report.clipped_fraction(rows, 1.0) == 0.5
-    assert report.clipped_fraction(rows, None) is None
-    assert report.clipped_fraction(rows, 0) is None
-    assert report.clipped_fraction([{"step": 1}], 1.0) is None
+    assert plots.clipped_fraction(rows, 1.0) == 0.5
+    assert plots.clipped_fraction(rows, None) is None
+    assert plots.clipped_fraction(rows, 0) is None
+    assert plots.clipped_fraction([{"step": 1}], 1.0) is None
 
 
 def test_a_threshold_is_a_positive_number_else_none():
-    assert report._threshold(0.5) == 0.5
-    assert report._threshold(2) == 2.0
+    assert plots._threshold(0.5) == 0.5
+    assert plots._threshold(2) == 2.0
     for off in (0, 0.0, -1.0, None, "1.0", float("nan"), True):
-        assert report._threshold(off) is None
+        assert plots._threshold(off) is None
 
 
 def test_a_series_spans_decades_only_when_positive_and_wider_than_asked():
-    assert report._spans([1.0, 100.5], 2) is True
-    assert report._spans([1.0, 100.0], 2) is False  # exactly two decades is not more
-    assert report._spans([2.0, 60.0], 1.5) is False and report._spans([2.0, 70.0], 1.5) is True
-    assert report._spans([0.0, 1e9], 1) is False
-    assert report._spans([-1.0, 1e9], 1) is False
-    assert report._spans([], 1) is False
+    assert plots._spans([1.0, 100.5], 2) is True
+    assert plots._spans([1.0, 100.0], 2) is False  # exactly two decades is not more
+    assert plots._spans([2.0, 60.0], 1.5) is False and plots._spans([2.0, 70.0], 1.5) is True
+    assert plots._spans([0.0, 1e9], 1) is False
+    assert plots._spans([-1.0, 1e9], 1) is False
+    assert plots._spans([], 1) is False
 
 
 def test_linear_bins_are_n_equal_bins_over_the_range():
-    assert report.linear_bins([0.0, 4.0, 1.0], n=4) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    bins = report.linear_bins([1.0, 3.0])
+    assert plots.linear_bins([0.0, 4.0, 1.0], n=4) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    bins = plots.linear_bins([1.0, 3.0])
     assert len(bins) == 41 and bins[0] == 1.0 and bins[-1] == 3.0 and bins[1] == 1.05
 
 
 def test_linear_bins_pad_a_range_too_narrow_for_distinct_edges():
-    assert report.linear_bins([4e14]) == [4e14 - 2e13, 4e14 + 2e13]
-    assert report.linear_bins([-2.0, -2.0]) == [-2.1, -1.9]
-    assert report.linear_bins([0.0, 0.0]) == [-0.5, 0.5]
+    assert plots.linear_bins([4e14]) == [4e14 - 2e13, 4e14 + 2e13]
+    assert plots.linear_bins([-2.0, -2.0]) == [-2.1, -1.9]
+    assert plots.linear_bins([0.0, 0.0]) == [-0.5, 0.5]
     # a range of exactly a millionth of the values' size is still too narrow
-    assert report.linear_bins([999999.0, 1000000.0]) == [999999.0 - 50000.0, 1050000.0]
-    assert len(report.linear_bins([999998.0, 1000000.0])) == 41
+    assert plots.linear_bins([999999.0, 1000000.0]) == [999999.0 - 50000.0, 1050000.0]
+    assert len(plots.linear_bins([999998.0, 1000000.0])) == 41
 
 
 def test_interval_clip_is_the_share_of_steps_a_row_covers_that_clipped():
-    assert report._interval_clip({"clipped": 1, "steps": 4}, None) == 0.25
-    assert report._interval_clip({"clipped": 6, "steps": 4}, None) == 1.0  # capped
-    assert report._interval_clip({"clipped": 2}, None) == 1.0  # uncounted steps: any clip
-    assert report._interval_clip({"clipped": 0, "steps": 0}, None) == 0.0
-    assert report._interval_clip({"clipped": 0.5, "steps": 0}, None) == 1.0
+    assert plots._interval_clip({"clipped": 1, "steps": 4}, None) == 0.25
+    assert plots._interval_clip({"clipped": 6, "steps": 4}, None) == 1.0  # capped
+    assert plots._interval_clip({"clipped": 2}, None) == 1.0  # uncounted steps: any clip
+    assert plots._interval_clip({"clipped": 0, "steps": 0}, None) == 0.0
+    assert plots._interval_clip({"clipped": 0.5, "steps": 0}, None) == 1.0
     # no counts: the row's own norm against the threshold (equal is not clipped)
-    assert report._interval_clip({"grad_norm": 1.5}, 1.0) == 1.0
-    assert report._interval_clip({"grad_norm": 1.0}, 1.0) == 0.0
-    assert report._interval_clip({"grad_norm": 1.5}, None) == 0.0
-    assert report._interval_clip({}, 0.5) == 0.0  # no norm counts as 0
+    assert plots._interval_clip({"grad_norm": 1.5}, 1.0) == 1.0
+    assert plots._interval_clip({"grad_norm": 1.0}, 1.0) == 0.0
+    assert plots._interval_clip({"grad_norm": 1.5}, None) == 0.0
+    assert plots._interval_clip({}, 0.5) == 0.0  # no norm counts as 0
 
 
 def test_accuracies_become_percent_unless_already_above_one():
-    assert report._pct([0.5, 1.0]) == [50.0, 100.0]
-    assert report._pct([50.0, 1.5]) == [50.0, 1.5]
-    assert report._pct([]) == []
+    assert plots.as_percent([0.5, 1.0]) == [50.0, 100.0]
+    assert plots.as_percent([50.0, 1.5]) == [50.0, 1.5]
+    assert plots.as_percent([]) == []
 
 
 def test_the_clip_title_says_disabled_unknown_or_the_share():
-    assert report._clip_title([{"grad_norm": 2.0}], None) == "clipping disabled"
-    assert report._clip_title([{"clipped": 0, "steps": 4}], None) == "clipping disabled"
-    assert report._clip_title([{"clipped": 1, "steps": 4}], None) == \
+    assert plots._clip_title([{"grad_norm": 2.0}], None) == "clipping disabled"
+    assert plots._clip_title([{"clipped": 0, "steps": 4}], None) == "clipping disabled"
+    assert plots._clip_title([{"clipped": 1, "steps": 4}], None) == \
         "clipped: 25.0% of optimizer steps"
-    assert report._clip_title([], 1.0) == "clipped: n/a"
-    assert report._clip_title([{"grad_norm": 2.0}, {"grad_norm": 0.5}], 1.0) == \
+    assert plots._clip_title([], 1.0) == "clipped: n/a"
+    assert plots._clip_title([{"grad_norm": 2.0}, {"grad_norm": 0.5}], 1.0) == \
         "clipped: 50.0% of optimizer steps"
 
 

@@ -28,8 +28,7 @@ from ironloop.state.run_dir import RunDir
 from ironloop.tools.html import Page
 from ironloop.tools.lab import reference as lab_reference, verdicts as judge
 from ironloop.tools.lab.clock import Clock
-from ironloop.tools.recipe import train_config
-from ironloop.tools.report import (
+from ironloop.tools.plots import (
     clipped_fraction,
     coinciding,
     plot_grad_norm_hist,
@@ -37,6 +36,7 @@ from ironloop.tools.report import (
     plot_lr,
     plot_resume_curve,
 )
+from ironloop.tools.recipe import train_config
 
 MODEL = {"digits": "small_cnn", "fashion-mnist": "small_cnn", "mnist1d": "cnn1d",
          "synthetic": "mlp"}
