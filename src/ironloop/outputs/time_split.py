@@ -202,6 +202,13 @@ def found_nothing(tune_json: str) -> str:
             f"trajectory-free setting faster beyond the noise")
 
 
+def tune_hint(run_dir: str | Path, run_tune: str) -> str:
+    """``run_tune`` (the advice to run tune), or what the tune of ``run_dir`` found when it
+    chose nothing (``tuned_none``): the advice never sends the user to run it again."""
+    tuned = tuned_none(run_dir)
+    return found_nothing(tuned) if tuned else run_tune
+
+
 def tune_command(argv: list[str] | None = None) -> str:
     """How to tune this run: ``ironloop tune`` with the config and overrides of an ``ironloop
     train`` (or ``doctor``) command line, else the Python call."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ironloop.data.loader import TensorData
-from ironloop.outputs.time_split import found_nothing, tune_command, tuned_none
+from ironloop.outputs.time_split import tune_command, tune_hint
 from ironloop.tools.doctor.env_checks import cores
 from ironloop.tools.doctor.findings import Finding, info
 from ironloop.tools.doctor.subject import DoctorSubject, labels_of
@@ -260,7 +260,5 @@ def loader_fix(s: DoctorSubject, load: float, step: float) -> str:
     fix = (f"{', '.join(steps)}, or make __getitem__ cheaper" if steps else
            f"the {workers} workers already have the {n} cores: make __getitem__ cheaper "
            f"or move decoding/augmentation off the critical path")
-    tuned = tuned_none(s.cfg.run.dir)
-    return f"{fix}; " + (found_nothing(tuned) if tuned else
-                         f"`{tune_command()}` measures which is fastest")
+    return f"{fix}; " + tune_hint(s.cfg.run.dir, f"`{tune_command()}` measures which is fastest")
 

@@ -8,7 +8,7 @@ import torch
 
 from ironloop.config import Config
 from ironloop.engine.precision import resolve_device
-from ironloop.outputs.time_split import found_nothing, tuned_none
+from ironloop.outputs.time_split import tune_hint
 from ironloop.tools.doctor.findings import Finding, info
 
 
@@ -42,12 +42,11 @@ def check_threads(cfg: Config | None = None) -> list[Finding]:
     leave = max(1, (n - workers) // procs)
     if workers and threads > leave and _cpu(cfg):
         assert cfg is not None  # _cpu(None) is False
-        tuned = tuned_none(cfg.run.dir)  # a tune of this run.dir that found nothing faster
+        how = tune_hint(cfg.run.dir, "ironloop tune measures it")
         return [Finding("threads", "info", f"{measured} and {workers} DataLoader worker(s) "
                         f"per process", "torch's threads spin-wait between ops on the cores "
                         "the workers need", f"if the loader is the bottleneck, set "
-                        f"run.threads={leave} (" + (found_nothing(tuned) if tuned else
-                                                    "ironloop tune measures it") + ")")]
+                        f"run.threads={leave} ({how})")]
     return [info("threads", measured)]
 
 
