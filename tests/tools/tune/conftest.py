@@ -9,15 +9,14 @@ import types
 import pytest
 import torch
 
-from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import output, stop, trials
+from ironloop.tools.tune import output, stop, trials, tuner as tuner_mod
 from tests.tools.tune.helpers import FakeClock, mk
 
 
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    for module in (tune_mod, trials, output):
+    for module in (tuner_mod, trials, output):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=fake))
     return fake
 
@@ -53,5 +52,5 @@ def trial_log(clock, monkeypatch):
             raise answer
         return answer
 
-    monkeypatch.setattr(tune_mod, "run_trial", run_trial)
+    monkeypatch.setattr(tuner_mod, "run_trial", run_trial)
     return log

@@ -9,17 +9,17 @@ import torch
 
 from ironloop.config import Config
 from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import rows, spend
+from ironloop.tools.tune import rows, spend, tuner as tuner_mod
 from ironloop.tools.tune.rows import Row
 from ironloop.tools.tune.trials import Subject
 from tests.tools.tune.helpers import Bar, Reads, mk
 
 
-def _tuner(clock, budget: float = 200.0, est_s: float = 1.0) -> tune_mod.Tuner:
+def _tuner(clock, budget: float = 200.0, est_s: float = 1.0) -> tuner_mod.Tuner:
     """A tuner whose baseline ran at 100 samples/s."""
     subj = Subject(Config.from_dict({"train": {"batch_size": 8}}), lambda: torch.nn.Linear(4, 2),
                    Reads(), {})
-    tuner = tune_mod.Tuner(subj, budget, Bar())
+    tuner = tuner_mod.Tuner(subj, budget, Bar())
     tuner.baseline = Row("baseline", {}, status="ok", measure=mk(100.0),
                          projected_s=tuner.samples / 100.0)
     tuner.est_s = est_s
@@ -42,11 +42,11 @@ def test_a_clearly_faster_screen_stays_on_for_the_next_screen_without_pairs(cloc
     assert kept is workers and workers.kept and not workers.won
     assert len(trial_log.calls) == 1  # the screen only: its pairs wait for the combination
     assert workers.verdict.startswith("kept on for the next screens (screened 3.00x")
-    assert tuner.reserved == spend.confirm_cost(1.0, tune_mod.PAIRS)
+    assert tuner.reserved == spend.confirm_cost(1.0, tuner_mod.PAIRS)
     # the same screen without keep goes to its pairs, as every trajectory group does
     again = Row("data.num_workers=2", {"data.num_workers": 2})
     assert tuner.group([again], {}, base) is again and again.won and not again.kept
-    assert len(trial_log.calls) == 2 + 2 * tune_mod.PAIRS
+    assert len(trial_log.calls) == 2 + 2 * tuner_mod.PAIRS
 
 
 def test_a_screen_only_just_faster_is_not_kept_but_paired(clock, trial_log):
@@ -54,7 +54,7 @@ def test_a_screen_only_just_faster_is_not_kept_but_paired(clock, trial_log):
     trial_log.answer = lambda o: mk(115.0 if o else 100.0)  # 15%: beyond NOISE, not CLEAR
     row = Row("run.threads=1", {"run.threads": 1})
     assert tuner.group([row], {}, tuner.baseline, keep=True) is row
-    assert row.won and not row.kept and len(trial_log.calls) == 1 + 2 * tune_mod.PAIRS
+    assert row.won and not row.kept and len(trial_log.calls) == 1 + 2 * tuner_mod.PAIRS
 
 
 def test_a_screen_whose_windows_overlap_the_best_is_not_clear():
@@ -76,7 +76,7 @@ def test_the_next_screen_runs_on_top_of_a_kept_setting(clock, trial_log, monkeyp
     monkeypatch.setattr(spend, "pin_rows", rows.pin_rows)
     for name in ("precision_rows", "cuda_graph_rows"):
         monkeypatch.setattr(spend, name, lambda s, d: [])
-    monkeypatch.setattr(tune_mod.Tuner, "largest_fit", lambda self, cur, dev: None)
+    monkeypatch.setattr(tuner_mod.Tuner, "largest_fit", lambda self, cur, dev: None)
     monkeypatch.setattr(rows, "cpus", lambda: 2)
     trial_log.answer = lambda o: mk(_speed(o))
     # run.threads pinned: torch's own count depends on the machine and on what an earlier test
@@ -92,7 +92,7 @@ def test_the_next_screen_runs_on_top_of_a_kept_setting(clock, trial_log, monkeyp
     both = {"data.num_workers": 2, "data.pin_memory": True}
     # the last trials: the combination against the config, A B, B A, A B, B A
     assert [c[0] for c in trial_log.calls[-8:]] == [{}, both, both, {}] * 2
-    assert tune_mod.math.prod(r.gain for r in tuner.rows if r.won) == pytest.approx(6.0)
+    assert tuner_mod.math.prod(r.gain for r in tuner.rows if r.won) == pytest.approx(6.0)
 
 
 def test_a_combination_is_applied_only_after_it_wins_its_pairs(clock, trial_log):

@@ -14,8 +14,7 @@ from torch import nn
 
 from ironloop.config import Config
 from ironloop.errors import Preempted
-from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import stop, trials
+from ironloop.tools.tune import stop, trials, tuner as tuner_mod
 from ironloop.tools.tune.trials import Measure, Plan, TrialFailed, samples_in_step, window_rates
 from tests.tools.tune.helpers import FakeClock, Reads, data, subject
 
@@ -23,7 +22,7 @@ from tests.tools.tune.helpers import FakeClock, Reads, data, subject
 def test_a_trial_is_measured_in_seconds_of_work_not_a_count_of_steps():
     from ironloop.tools.tune.trials import Plan, windows
 
-    plan = tune_mod.plan_for(step_s=0.1, seconds=2.0)  # the baseline: 20 steps of 0.1 s
+    plan = tuner_mod.plan_for(step_s=0.1, seconds=2.0)  # the baseline: 20 steps of 0.1 s
     assert plan.measure_s == pytest.approx(plan.window * plan.repeats * 0.1)
     assert plan.cap > 10 * plan.steps  # room for a setting many times faster
     # a setting 4x faster stamps 4x the steps in the same seconds: equal windows over them all
@@ -37,10 +36,10 @@ def test_windows_count_the_ragged_last_step_of_an_epoch():
     assert [samples_in_step(s, 100, 32) for s in range(1, 6)] == [32, 32, 32, 4, 32]
     stamps = [1.0, 2.0, 3.0, 4.0, 5.0]  # one step a second; 1 warm-up, windows of 2 steps
     assert window_rates(stamps, 1, 2, 100, 32) == [64 / 2, 36 / 2]
-    assert tune_mod.planned_samples(Config().with_overrides({"train.epochs": 3,
+    assert tuner_mod.planned_samples(Config().with_overrides({"train.epochs": 3,
                                                              "train.batch_size": 32}), 100) == 300
     capped = Config().with_overrides({"train.max_steps": 5, "train.batch_size": 32})
-    assert tune_mod.planned_samples(capped, 100) == 100 + 32
+    assert tuner_mod.planned_samples(capped, 100) == 100 + 32
 
 
 def test_a_slow_early_step_and_the_buffer_it_fills_are_warm_up():

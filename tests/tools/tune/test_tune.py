@@ -30,7 +30,7 @@ from ironloop.config import Config
 from ironloop.errors import UserError
 from ironloop.outputs.time_split import RunSettings, advice
 from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import output, rows, trials
+from ironloop.tools.tune import output, rows, trials, tuner as tuner_mod
 from ironloop.tools.tune.rows import Row
 from ironloop.tools.tune.trials import Measure, Plan, Subject, TrialFailed
 from tests.conftest import REPO
@@ -109,7 +109,7 @@ def test_loader_bound_tune_picks_two_workers_and_the_threads_that_go_with_them(t
     # the threads that go with them leave the workers their cores (on 2 cores: one, as now)
     assert result.chosen.get("run.threads", 1) <= max(1, rows.cpus() - workers), out
     (won,) = [r for r in result.rows if r.won and r.kind == "free"]
-    assert won.pairs and len(won.pairs["ratios"]) == tune_mod.PAIRS, won.pairs
+    assert won.pairs and len(won.pairs["ratios"]) == tuner_mod.PAIRS, won.pairs
     assert all(r > 1 for r in won.pairs["ratios"])
     assert result.speedup == pytest.approx(won.pairs["median"], rel=1e-3)
     assert "x base" in out and "run time at 2 epochs" in out and "chosen (" in out
@@ -271,7 +271,7 @@ def virtual_clock(monkeypatch):
     from ironloop.tools.tune import output
 
     _CLOCK.now = 0.0
-    for module in (tune_mod, trials, output):
+    for module in (tuner_mod, trials, output):
         monkeypatch.setattr(module, "time", _CLOCK)
     return _CLOCK
 
@@ -517,7 +517,7 @@ def one_trial_tune(monkeypatch):
     from ironloop.tools.tune.trials import Plan, run_trial
 
     def one_trial(subject, budget, progress):
-        tuner = tune_mod.Tuner(subject, budget, None)
+        tuner = tuner_mod.Tuner(subject, budget, None)
         m = run_trial(subject, {}, Plan(1, 1, 2), time.perf_counter() + 120)
         tuner.baseline = Row("baseline (the config as it is)", {}, status="ok", measure=m,
                              ratio=1.0, projected_s=m.seconds)
@@ -563,8 +563,8 @@ def test_a_probe_that_overruns_the_budget_says_to_raise_budget(tmp_path, monkeyp
     def overrun(*_args):
         raise TrialFailed("stopped at its deadline", overrun=True)
 
-    monkeypatch.setattr(tune_mod, "run_trial", overrun)
-    tuner = tune_mod.Tuner(_linear_subject(tmp_path), 30.0, None)
+    monkeypatch.setattr(tuner_mod, "run_trial", overrun)
+    tuner = tuner_mod.Tuner(_linear_subject(tmp_path), 30.0, None)
     with pytest.raises(ironloop.errors.UserError,
                        match=r"--budget=30 s does not fit even a 3-step probe.*raise --budget"):
         tuner.start(planned_rows=4)
@@ -574,7 +574,7 @@ def test_tune_json_says_how_much_of_the_budget_was_used(tmp_path):
     from ironloop.tools.tune import output
 
     subject = _linear_subject(tmp_path)
-    tuner = tune_mod.Tuner(subject, 600.0, None)
+    tuner = tuner_mod.Tuner(subject, 600.0, None)
     tuner.started -= 100.0  # as if the tune had been running for 100 s
     info = output.context(subject, tuner, 600.0, None, [])
     assert 100.0 <= info["used_s"] < 600.0

@@ -13,7 +13,7 @@ import torch
 from ironloop.config import Config
 from ironloop.errors import ConfigError, UserError
 from ironloop.tools import tune as tune_mod
-from ironloop.tools.tune import output, rows as tune_rows
+from ironloop.tools.tune import output, rows as tune_rows, tuner as tuner_mod
 from ironloop.tools.tune.rows import Row
 from ironloop.tools.tune.trials import Measure, Plan, TrialFailed
 from tests.tools.tune.helpers import Bar, data, mk, subject
@@ -28,24 +28,24 @@ def measure(median: float, lo: float, hi: float) -> Measure:
 
 
 def test_a_winner_is_faster_in_every_pair_beyond_the_noise():
-    assert tune_mod.paired([1.9, 1.4, 2.3, 1.7]).wins
-    verdict = tune_mod.paired([1.3, 1.25, 1.4, 1.35])
+    assert tuner_mod.paired([1.9, 1.4, 2.3, 1.7]).wins
+    verdict = tuner_mod.paired([1.3, 1.25, 1.4, 1.35])
     assert verdict.wins and verdict.median == pytest.approx(1.325)
     assert verdict.spread == (1.25, 1.4)
     # one pair that says slower: one recheck that happened to be low no longer decides,
     # but neither does one lucky pair
-    assert not tune_mod.paired([1.9, 0.97, 2.3, 1.7]).wins
-    assert "1 of 4 pairs not faster" in tune_mod.paired([1.9, 0.97, 2.3, 1.7]).why
-    assert not tune_mod.paired([3.0, 2.5]).wins  # the budget ran out: 2 of 4 pairs
-    assert not tune_mod.paired([1.03, 1.04, 1.02, 1.06]).wins  # agree, but within 5%
-    assert not tune_mod.paired([]).wins
+    assert not tuner_mod.paired([1.9, 0.97, 2.3, 1.7]).wins
+    assert "1 of 4 pairs not faster" in tuner_mod.paired([1.9, 0.97, 2.3, 1.7]).why
+    assert not tuner_mod.paired([3.0, 2.5]).wins  # the budget ran out: 2 of 4 pairs
+    assert not tuner_mod.paired([1.03, 1.04, 1.02, 1.06]).wins  # agree, but within 5%
+    assert not tuner_mod.paired([]).wins
 
 
 def test_pairs_are_interleaved_and_stop_at_the_first_that_disagrees():
     """The A/B order of the paired runs, and the ratio each pair gives (the config's projected
     time over the setting's), on measurements fed in."""
     order, rates = [], iter([100, 180, 190, 100, 100, 95, 100, 200])
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner = tuner_mod.Tuner.__new__(tuner_mod.Tuner)
     tuner.est_s, tuner.left = 0.0, lambda: 1e9
     tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
 
@@ -76,7 +76,7 @@ def test_a_setting_that_beats_the_first_winner_in_pairs_replaces_it():
         screened.add(key)
         return measure(120.0 if first and len(key) == 2 else speed[key], 0, 0)
 
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner = tuner_mod.Tuner.__new__(tuner_mod.Tuner)
     tuner.est_s, tuner.left, tuner.measure, tuner.rows = 0.0, lambda: 1e9, fake, []
     tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
     tuner.bar = types.SimpleNamespace(set_description=lambda text: None, update=lambda n: None)
@@ -108,7 +108,7 @@ def test_the_screen_leaves_a_contender_the_budget_of_its_pairs():
         clock["spent"] += 1.0
         return measure(speed[tuple(sorted(overrides.items()))], 0, 0)
 
-    tuner = tune_mod.Tuner.__new__(tune_mod.Tuner)
+    tuner = tuner_mod.Tuner.__new__(tuner_mod.Tuner)
     tuner.est_s, tuner.measure, tuner.rows = 1.0, fake, []
     tuner.left = lambda: 12.0 - clock["spent"]
     tuner.projected = lambda m, overrides: 1000 / m.samples_per_s
@@ -147,7 +147,7 @@ def test_when_the_budget_ends_the_pairs_the_last_line_says_so_not_no_faster_sett
     info = {"config": "c.yaml", "device": "cuda:0", "cpus": 16, "load_average": [1.0] * 3,
             "budget_s": 60, "used_s": 59, "tokens_per_sample": None, "max_steps": None,
             "planned_samples": 1000, "epochs": 1, "train_samples": 1000,
-            "plan": {"pairs": tune_mod.PAIRS}}
+            "plan": {"pairs": tuner_mod.PAIRS}}
     result = types.SimpleNamespace(info=info, baseline=base, rows=[cut, lost], chosen={},
                                    speedup=1.0)
     last = output.table(result).splitlines()[-1]
@@ -168,41 +168,41 @@ def test_a_row_after_a_winner_is_judged_against_the_winner_and_says_so():
                          measure=measure(188.0, 0, 0))
     for row, seconds in ((base, 19.0), (workers, 10.0), (bf16, 10.1)):
         row.projected_s = seconds
-    assert tune_mod._verdict(bf16, base) == "faster"
-    assert tune_mod._verdict(bf16, workers) == "within noise of data.num_workers=2"
-    assert tune_mod._verdict(base, workers) == "slower than data.num_workers=2"
-    assert tune_mod._verdict(workers, bf16) == "within noise of train.precision=bf16"
+    assert tuner_mod._verdict(bf16, base) == "faster"
+    assert tuner_mod._verdict(bf16, workers) == "within noise of data.num_workers=2"
+    assert tuner_mod._verdict(base, workers) == "slower than data.num_workers=2"
+    assert tuner_mod._verdict(workers, bf16) == "within noise of train.precision=bf16"
 
 
 # -- the decisions (__init__.py) ------------------------------------------------------------------
 
 
 def test_a_setting_wins_only_faster_in_every_pair_and_beyond_the_noise():
-    assert (tune_mod.NOISE, tune_mod.PAIRS, tune_mod.CONFIRMS) == (0.05, 4, 3)
-    won = tune_mod.paired([1.9, 1.4, 2.3, 1.7])
+    assert (tuner_mod.NOISE, tuner_mod.PAIRS, tuner_mod.CONFIRMS) == (0.05, 4, 3)
+    won = tuner_mod.paired([1.9, 1.4, 2.3, 1.7])
     assert (won.wins, won.spread, won.why) == (True, (1.4, 2.3), "4 of 4 pairs faster")
     assert won.median == pytest.approx(1.8)
     assert won.ratios == [1.9, 1.4, 2.3, 1.7]
-    tie = tune_mod.paired([1.0, 2.0, 2.0, 2.0])  # a pair that is no faster says slower
+    tie = tuner_mod.paired([1.0, 2.0, 2.0, 2.0])  # a pair that is no faster says slower
     assert (tie.wins, tie.why) == (False, "1 of 4 pairs not faster")
-    assert tune_mod.paired([0.5, 0.9, 2.0, 2.0]).why == "2 of 4 pairs not faster"
-    assert tune_mod.paired([2.0, 2.0, 2.0]).why == "3 of 4 pairs measured"
-    at = tune_mod.paired([1.05] * 4)  # the median must be more than 5% faster
+    assert tuner_mod.paired([0.5, 0.9, 2.0, 2.0]).why == "2 of 4 pairs not faster"
+    assert tuner_mod.paired([2.0, 2.0, 2.0]).why == "3 of 4 pairs measured"
+    at = tuner_mod.paired([1.05] * 4)  # the median must be more than 5% faster
     assert (at.wins, at.why) == (False, "median 1.05x is within 5%")
-    assert tune_mod.paired([1.06] * 4).wins
-    assert tune_mod.paired([1.06] * 5).why == "5 of 4 pairs faster"
-    none = tune_mod.paired([])
+    assert tuner_mod.paired([1.06] * 4).wins
+    assert tuner_mod.paired([1.06] * 5).why == "5 of 4 pairs faster"
+    none = tuner_mod.paired([])
     assert (none.wins, none.median, none.spread, none.why) == (False, 1.0, (1.0, 1.0),
                                                                "0 of 4 pairs measured")
-    assert tune_mod.paired([1.2, 1.2], pairs=2).why == "2 of 2 pairs faster"
-    assert tune_mod.paired([1.2] * 4, margin=0.25).why == "median 1.20x is within 25%"
-    assert tune_mod.Paired([1.234567], True, 1.234567, (1.00004, 1.3), "w").to_dict() == {
+    assert tuner_mod.paired([1.2, 1.2], pairs=2).why == "2 of 2 pairs faster"
+    assert tuner_mod.paired([1.2] * 4, margin=0.25).why == "median 1.20x is within 25%"
+    assert tuner_mod.Paired([1.234567], True, 1.234567, (1.00004, 1.3), "w").to_dict() == {
         "ratios": [1.2346], "median": 1.2346, "spread": [1.0, 1.3], "wins": True, "why": "w"}
 
 
 def test_planned_samples_are_the_runs_epochs_or_its_max_steps():
     def planned(n=100, **train):
-        return tune_mod.planned_samples(Config.from_dict({"train": train}), n)
+        return tuner_mod.planned_samples(Config.from_dict({"train": train}), n)
 
     assert planned(epochs=3, batch_size=32) == 300
     assert planned(epochs=3, batch_size=32, max_steps=5) == 100 + 32  # 4 steps an epoch
@@ -213,16 +213,16 @@ def test_planned_samples_are_the_runs_epochs_or_its_max_steps():
 
 
 def test_a_plan_fills_the_trials_seconds_at_the_probes_speed():
-    assert tune_mod.plan_for(0.5, 15.0) == Plan(3, 5, 5, measure_s=12.5)  # 30 steps
-    assert tune_mod.plan_for(0.5, 14.5) == Plan(1, 5, 5, measure_s=12.5)  # 29
-    assert tune_mod.plan_for(0.5, 5.0) == Plan(1, 1, 5, measure_s=2.5)  # 10
-    assert tune_mod.plan_for(0.5, 4.5) == Plan(1, 4, 2, measure_s=4.0)  # 9
-    assert tune_mod.plan_for(0.5, 0.5) == Plan(1, 1, 2, measure_s=1.0)  # 3 at least
-    assert tune_mod.plan_for(0.0, 1.0).window == 199_999  # a step of 1 us at least
+    assert tuner_mod.plan_for(0.5, 15.0) == Plan(3, 5, 5, measure_s=12.5)  # 30 steps
+    assert tuner_mod.plan_for(0.5, 14.5) == Plan(1, 5, 5, measure_s=12.5)  # 29
+    assert tuner_mod.plan_for(0.5, 5.0) == Plan(1, 1, 5, measure_s=2.5)  # 10
+    assert tuner_mod.plan_for(0.5, 4.5) == Plan(1, 4, 2, measure_s=4.0)  # 9
+    assert tuner_mod.plan_for(0.5, 0.5) == Plan(1, 1, 2, measure_s=1.0)  # 3 at least
+    assert tuner_mod.plan_for(0.0, 1.0).window == 199_999  # a step of 1 us at least
 
 
-def _tuner(cfg=None, budget=100.0, n=64) -> tune_mod.Tuner:
-    return tune_mod.Tuner(subject(cfg or {"train": {"batch_size": 8, "epochs": 2}},
+def _tuner(cfg=None, budget=100.0, n=64) -> tuner_mod.Tuner:
+    return tuner_mod.Tuner(subject(cfg or {"train": {"batch_size": 8, "epochs": 2}},
                                   train=data(n)), budget, Bar())
 
 
@@ -231,7 +231,7 @@ def test_a_new_tuner_has_the_budget_ahead_and_the_runs_length(clock):
     assert (tuner.started, tuner.deadline, tuner.left()) == (1000.0, 1100.0, 100.0)
     assert (tuner.plan, tuner.est_s, tuner.rows, tuner.baseline) == (Plan(1, 1, 2), 0.0, [], None)
     assert (tuner.samples, tuner.epochs) == (64 + 2 * 8, 2)  # 10 steps: 1 epoch and 2 steps
-    assert tune_mod.Tuner.pairs == 4
+    assert tuner_mod.Tuner.pairs == 4
     clock.now += 30.5
     assert tuner.left() == 69.5
 
@@ -326,7 +326,7 @@ def test_a_config_that_cannot_train_or_fit_the_budget_stops_the_tune(clock, tria
         _tuner(budget=22.0).start(planned_rows=3)
 
 
-def _measured_tuner(clock, est_s=4.0, budget=100.0) -> tune_mod.Tuner:
+def _measured_tuner(clock, est_s=4.0, budget=100.0) -> tuner_mod.Tuner:
     tuner = _tuner(budget=budget)
     tuner.baseline = Row("baseline", {}, status="ok", measure=mk(64.0), projected_s=2.0)
     tuner.est_s = est_s
@@ -455,7 +455,7 @@ def test_a_later_winner_replaces_the_first_and_multiplies_its_gain(clock):
     assert {extra for key, extra in calls if key == current} == {0.0}
     # the first winner's verdict is rewritten the same way for a free setting
     tuner2, _ = _group_tuner(clock, {})
-    tuner2._pairs = lambda a, b, extra_s: tune_mod.paired([2.0] * 4)
+    tuner2._pairs = lambda a, b, extra_s: tuner_mod.paired([2.0] * 4)
     one = Row("run.threads=1", {"run.threads": 1})
     two = Row("run.threads=2", {"run.threads": 2})
     tuner2.run_row = _fake_screen({"run.threads=1": 0.4, "run.threads=2": 0.5})
@@ -527,7 +527,7 @@ def test_a_paired_trial_that_fails_ends_the_pairs_without_a_win(clock):
         return answer
 
     tuner.measure = measure
-    assert tuner._pairs({}, {"run.threads": 1}, 0.0) == tune_mod.Paired(
+    assert tuner._pairs({}, {"run.threads": 1}, 0.0) == tuner_mod.Paired(
         [2.0], False, 1.0, (1.0, 1.0), "a paired trial failed: RuntimeError: oom")
     answers = iter([mk(100.0)] * 8)  # as fast as the config: no faster, so no more pairs
     verdict = tuner._pairs({}, {"run.threads": 1}, 0.0)
@@ -540,19 +540,19 @@ def test_the_screens_verdicts_and_a_compile_that_does_not_pay():
         return Row("x", overrides, status="ok", measure=mk(sps), projected_s=run_s)
 
     base = Row("baseline", {}, status="ok", measure=mk(100.0), projected_s=20.0)
-    assert tune_mod._verdict(row({}, 100.0, 18.99), base) == "faster"
-    assert tune_mod._verdict(row({}, 100.0, 19.0), base) == "within noise"  # 5% exactly
-    assert tune_mod._verdict(row({}, 100.0, 21.0), base) == "within noise"  # 21 x 0.95 < 20
-    assert tune_mod._verdict(row({}, 100.0, 21.1), base) == "slower"
+    assert tuner_mod._verdict(row({}, 100.0, 18.99), base) == "faster"
+    assert tuner_mod._verdict(row({}, 100.0, 19.0), base) == "within noise"  # 5% exactly
+    assert tuner_mod._verdict(row({}, 100.0, 21.0), base) == "within noise"  # 21 x 0.95 < 20
+    assert tuner_mod._verdict(row({}, 100.0, 21.1), base) == "slower"
     compiled = row({"train.compile": True}, 150.0, 40.0)
-    assert tune_mod._verdict(compiled, base) == ("faster steps, but the compile does not pay for "
+    assert tuner_mod._verdict(compiled, base) == ("faster steps, but the compile does not pay for "
                                                  "itself in this run")
-    assert tune_mod._verdict(row({"train.compile": True}, 100.0, 40.0), base) == "slower"
-    assert tune_mod._verdict(row({"train.compile": False}, 150.0, 40.0), base) == "slower"
-    assert tune_mod._verdict(row({"run.threads": 1}, 150.0, 40.0), base) == "slower"
-    assert tune_mod._ratios([]) == "no pairs"
-    assert tune_mod._ratios([1.234, 0.5]) == "ratios 1.23, 0.50"
-    assert tune_mod._name(None, "the config") == "the config" and tune_mod._name(base, "") == \
+    assert tuner_mod._verdict(row({"train.compile": True}, 100.0, 40.0), base) == "slower"
+    assert tuner_mod._verdict(row({"train.compile": False}, 150.0, 40.0), base) == "slower"
+    assert tuner_mod._verdict(row({"run.threads": 1}, 150.0, 40.0), base) == "slower"
+    assert tuner_mod._ratios([]) == "no pairs"
+    assert tuner_mod._ratios([1.234, 0.5]) == "ratios 1.23, 0.50"
+    assert tuner_mod._name(None, "the config") == "the config" and tuner_mod._name(base, "") == \
         "baseline"
 
 
