@@ -153,6 +153,8 @@ def _paired_run(data: torch.Tensor, steps: int, warm: int, row: Row) -> tuple[fl
 
 
 class Row(NamedTuple):
+    """One row of the table: its workload and the config overrides of its ``fit()`` run."""
+
     label: str
     model: Callable[[], nn.Module]
     step: Callable

@@ -16,8 +16,9 @@ than ``NOISE`` faster than the config they would replace are then measured in pa
 fresh measurement of that config (after a first winner: of the winner), interleaved (A B, B A,
 A B, B A: a load that drifts during the pairs favours neither side). A setting wins when every
 one of ``PAIRS`` paired ratios says it is faster and their median is more than ``NOISE`` faster
-(``paired``): one lucky or unlucky measurement cannot decide. Nothing else is applied: when
-nothing wins, tuned.yaml is the input.
+(``paired``; these and the ``Tuner`` that runs the rows are in ``tuner.py``): one lucky or
+unlucky measurement cannot decide. Nothing else is applied: when nothing wins, tuned.yaml is
+the input.
 A trial that fails is reported and skipped. Settings that change the training trajectory are
 reported apart and applied only with ``apply_trajectory_changes``.
 """
